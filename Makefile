@@ -1,0 +1,25 @@
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PYTEST_WORKERS ?= 2
+
+.PHONY: test demo gpu-check bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -m "not gpu" tests
+
+demo: $(STAMP)
+	$(BIN)/dsa-indexer demo
+
+gpu-check:
+	scripts/gpu-check
+
+clean:
+	rm -rf $(VENV)

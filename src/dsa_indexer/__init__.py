@@ -1,0 +1,33 @@
+"""dsa-indexer: the lightning indexer of DeepSeek Sparse Attention.
+
+Every op has a pure-PyTorch reference (any device) and, where it pays, a Triton kernel; the contract
+they share is ``docs/contract.md``.
+"""
+
+__version__ = "0.1.0"
+
+from .cache import IndexerKCache
+from .formats import dequantize_fp8, dequantize_mxfp4, quantize_fp8, quantize_mxfp4
+from .ops.candidates import apply_candidate_mask, select_candidate_blocks
+from .ops.logits import mqa_logits, paged_mqa_logits
+from .ops.q_quant import rope_quant_q
+from .ops.seq_pack import pack_seq, unpack_seq
+from .ops.topk import indices_to_slots, topk, topk_decode
+
+__all__ = [
+    "IndexerKCache",
+    "apply_candidate_mask",
+    "dequantize_fp8",
+    "dequantize_mxfp4",
+    "indices_to_slots",
+    "mqa_logits",
+    "pack_seq",
+    "paged_mqa_logits",
+    "quantize_fp8",
+    "quantize_mxfp4",
+    "rope_quant_q",
+    "select_candidate_blocks",
+    "topk",
+    "topk_decode",
+    "unpack_seq",
+]

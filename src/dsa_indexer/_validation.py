@@ -1,0 +1,95 @@
+"""Argument checks shared by every public entry point.
+
+Each check raises ``TypeError`` (wrong type or dtype) or ``ValueError`` (wrong shape, device, range)
+with a message that names the argument, what was expected and what was received. Checks run before
+any output is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _dtype_names(dtypes) -> str:
+    return " or ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tensor(
+    name: str,
+    value,
+    *,
+    dtype: torch.dtype | Sequence[torch.dtype] | None = None,
+    ndim: int | Sequence[int] | None = None,
+    min_ndim: int | None = None,
+    shape: Sequence[int | None] | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Check that ``value`` is a tensor with the given dtype(s), rank(s), shape and device.
+
+    ``shape`` entries that are ``None`` are not checked.
+    """
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if dtype is not None:
+        allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
+        if value.dtype not in allowed:
+            raise TypeError(f"{name} must have dtype {_dtype_names(allowed)}, got {_dtype_names([value.dtype])}")
+    if ndim is not None:
+        allowed_ndim = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if value.dim() not in allowed_ndim:
+            raise ValueError(
+                f"{name} must have {' or '.join(map(str, allowed_ndim))} dimensions, got shape {tuple(value.shape)}"
+            )
+    if min_ndim is not None and value.dim() < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dimensions, got shape {tuple(value.shape)}")
+    if shape is not None:
+        if value.dim() != len(shape) or any(e is not None and e != s for e, s in zip(shape, value.shape)):
+            expected = "[" + ", ".join("*" if e is None else str(e) for e in shape) + "]"
+            raise ValueError(f"{name} must have shape {expected}, got {list(value.shape)}")
+    if device is not None and value.device != torch.device(device):
+        raise ValueError(f"{name} must be on device {device}, got {value.device}")
+    return value
+
+
+def check_floating(name: str, value: torch.Tensor) -> None:
+    if not value.is_floating_point() or value.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(f"{name} must be a float16, bfloat16 or float32 tensor, got {value.dtype}")
+
+
+def check_last_dim_multiple(name: str, value: torch.Tensor, multiple: int, what: str) -> None:
+    if multiple < 1:
+        raise ValueError(f"block size must be >= 1, got {multiple}")
+    if value.shape[-1] % multiple != 0:
+        raise ValueError(f"{name}'s last dimension must be a multiple of {what}, got {value.shape[-1]}")
+
+
+def check_positive_int(name: str, value, *, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_choice(name: str, value, choices: Sequence) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> None:
+    """All non-None tensors live on one device."""
+    named = [(n, t) for n, t in tensors.items() if t is not None]
+    if not named:
+        return
+    first_name, first = named[0]
+    for name, tensor in named[1:]:
+        if tensor.device != first.device:
+            raise ValueError(f"{name} is on {tensor.device} but {first_name} is on {first.device}")
+
+
+def check_index_tensor(name: str, value, *, ndim: int | Sequence[int] | None = None, shape=None) -> torch.Tensor:
+    return check_tensor(name, value, dtype=INDEX_DTYPES, ndim=ndim, shape=shape)

@@ -1,0 +1,60 @@
+"""The one place where an op's implementation is chosen.
+
+``backend="auto"`` picks Triton for CUDA tensors when Triton is importable and the op has a Triton
+kernel, and the PyTorch reference otherwise. The ``DSA_INDEXER_BACKEND`` environment variable
+(``auto`` | ``reference`` | ``triton``) overrides the argument. Nothing here touches CUDA at import.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+
+import torch
+
+BACKENDS = ("auto", "reference", "triton")
+ENV_VAR = "DSA_INDEXER_BACKEND"
+
+
+def triton_available() -> bool:
+    """Triton can be imported (it may still lack a GPU driver: see ``interpreter_enabled``)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreter_enabled() -> bool:
+    """Triton kernels run on the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def requested_backend(backend: str) -> str:
+    override = os.environ.get(ENV_VAR)
+    chosen = override if override else backend
+    if chosen not in BACKENDS:
+        source = f"environment variable {ENV_VAR}" if override else "backend"
+        raise ValueError(f"{source} must be one of {BACKENDS}, got {chosen!r}")
+    return chosen
+
+
+def resolve(backend: str, device: torch.device, has_triton_kernel: bool) -> str:
+    """``"reference"`` or ``"triton"`` for an op whose tensors live on ``device``."""
+    chosen = requested_backend(backend)
+    if chosen == "reference":
+        return "reference"
+    triton_runnable = has_triton_kernel and triton_available() and (device.type == "cuda" or interpreter_enabled())
+    if chosen == "triton":
+        if not triton_runnable:
+            raise ValueError(
+                "backend='triton' needs Triton installed, a kernel for this op, and CUDA tensors "
+                f"(or TRITON_INTERPRET=1); got device {device}, triton installed={triton_available()}, "
+                f"kernel available={has_triton_kernel}"
+            )
+        return "triton"
+    return "triton" if triton_runnable and device.type == "cuda" else "reference"
+
+
+def dispatch(reference: Callable, triton_impl: Callable | None, backend: str, device: torch.device) -> Callable:
+    """The implementation to call for ``backend`` on ``device``."""
+    if resolve(backend, device, triton_impl is not None) == "triton":
+        return triton_impl
+    return reference

@@ -1,0 +1,161 @@
+"""The paged indexer K cache and its byte layout.
+
+One page holds ``block_size`` tokens; its bytes are not interleaved::
+
+    FP8:   [block_size x D  e4m3 values][block_size x 4 B fp32 scale]        (D + 4 bytes per token)
+    MXFP4: [block_size x D/2 packed e2m1][block_size x D/32 ue8m0 scale bytes] (D/2 + D/32 per token)
+
+The buffer is ``uint8 [num_blocks, block_size, bytes_per_token]``; its page stride ``stride(0)`` may
+exceed ``block_size * bytes_per_token`` when pages sit inside a larger allocation. Slot ``s`` is
+token ``s % block_size`` of page ``s // block_size``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._validation import check_choice, check_positive_int, check_tensor
+from .formats import MXFP4_BLOCK
+
+FORMATS = ("fp8", "mxfp4")
+
+
+def value_bytes_per_token(fmt: str, head_dim: int) -> int:
+    return head_dim if fmt == "fp8" else head_dim // 2
+
+
+def scale_bytes_per_token(fmt: str, head_dim: int) -> int:
+    return 4 if fmt == "fp8" else head_dim // MXFP4_BLOCK
+
+
+def bytes_per_token(fmt: str, head_dim: int) -> int:
+    """132 for FP8 with D = 128, 68 for MXFP4."""
+    return value_bytes_per_token(fmt, head_dim) + scale_bytes_per_token(fmt, head_dim)
+
+
+class IndexerKCache:
+    """Paged, quantised K cache of the indexer.
+
+    Args:
+        num_blocks: pages in the cache.
+        block_size: tokens per page (64 by default).
+        head_dim: K dimension D (128 for every DeepSeek configuration).
+        fmt: ``"fp8"`` (e4m3 values, fp32 scale per token) or ``"mxfp4"`` (e2m1, ue8m0 per 32).
+        device: where the buffer lives.
+        buffer: an existing ``uint8 [num_blocks, block_size, bytes_per_token]`` view to use instead
+            of allocating (its page stride may be larger than the packed page).
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        *,
+        block_size: int = 64,
+        head_dim: int = 128,
+        fmt: str = "fp8",
+        device: torch.device | str | None = None,
+        buffer: torch.Tensor | None = None,
+    ):
+        check_positive_int("num_blocks", num_blocks, minimum=0)
+        check_positive_int("block_size", block_size)
+        check_positive_int("head_dim", head_dim)
+        check_choice("fmt", fmt, FORMATS)
+        if fmt == "mxfp4" and head_dim % MXFP4_BLOCK:
+            raise ValueError(f"head_dim must be a multiple of {MXFP4_BLOCK} for fmt='mxfp4', got {head_dim}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.head_dim = head_dim
+        self.fmt = fmt
+        self.bytes_per_token = bytes_per_token(fmt, head_dim)
+        shape = (num_blocks, block_size, self.bytes_per_token)
+        if buffer is None:
+            buffer = torch.zeros(shape, dtype=torch.uint8, device=device)
+        else:
+            check_tensor("buffer", buffer, dtype=torch.uint8, shape=shape)
+            if buffer.stride(2) != 1 or buffer.stride(1) != self.bytes_per_token:
+                raise ValueError(
+                    f"buffer must have token stride {self.bytes_per_token} and byte stride 1, "
+                    f"got strides {buffer.stride()}"
+                )
+            if num_blocks > 1 and buffer.stride(0) < block_size * self.bytes_per_token:
+                raise ValueError(
+                    f"buffer page stride must be >= {block_size * self.bytes_per_token}, got {buffer.stride(0)}"
+                )
+        self.buffer = buffer
+
+    @property
+    def device(self) -> torch.device:
+        return self.buffer.device
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def page_stride(self) -> int:
+        """Bytes between consecutive pages (``buffer.stride(0)``)."""
+        return self.buffer.stride(0) if self.num_blocks > 1 else self.block_size * self.bytes_per_token
+
+    @property
+    def value_bytes(self) -> int:
+        return value_bytes_per_token(self.fmt, self.head_dim)
+
+    @property
+    def scale_bytes(self) -> int:
+        return scale_bytes_per_token(self.fmt, self.head_dim)
+
+    def _region(self, byte_offset: int, width: int) -> torch.Tensor:
+        storage_offset = self.buffer.storage_offset() + byte_offset
+        return torch.as_strided(
+            self.buffer, (self.num_blocks, self.block_size, width), (self.page_stride, width, 1), storage_offset
+        )
+
+    def values_view(self) -> torch.Tensor:
+        """``uint8 [num_blocks, block_size, value_bytes]``: the value bytes of every slot (a view)."""
+        return self._region(0, self.value_bytes)
+
+    def scales_view(self) -> torch.Tensor:
+        """``uint8 [num_blocks, block_size, scale_bytes]``: the scale bytes of every slot (a view)."""
+        return self._region(self.block_size * self.value_bytes, self.scale_bytes)
+
+    def deepgemm_view(self) -> torch.Tensor:
+        """``uint8 [num_blocks, block_size, 1, bytes_per_token]`` view that DeepGEMM-style APIs expect."""
+        return torch.as_strided(
+            self.buffer,
+            (self.num_blocks, self.block_size, 1, self.bytes_per_token),
+            (self.page_stride, self.bytes_per_token, self.bytes_per_token, 1),
+            self.buffer.storage_offset(),
+        )
+
+    def insert(self, k: torch.Tensor, slot_mapping: torch.Tensor, *, backend: str = "auto") -> None:
+        """Quantise ``k [T, D]`` (bf16/fp16/fp32) and write row ``t`` at slot ``slot_mapping[t]``.
+
+        Slots ``< 0`` are padding and skipped.
+        """
+        from .ops.k_cache import insert_k
+
+        insert_k(k, self, slot_mapping, backend=backend)
+
+    def gather(
+        self,
+        block_table: torch.Tensor,
+        cu_seq_lens: torch.Tensor,
+        *,
+        num_tokens: int | None = None,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+        backend: str = "auto",
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather requests' keys contiguously: request ``b`` fills rows ``[cu[b], cu[b+1])``.
+
+        Returns FP8 ``(values float8_e4m3fn [N, D], scales float32 [N])`` or MXFP4
+        ``(values uint8 [N, D/2], scales uint8 [N, D/32])``.
+        """
+        from .ops.k_cache import gather_k
+
+        return gather_k(self, block_table, cu_seq_lens, num_tokens=num_tokens, out=out, backend=backend)
+
+    def __repr__(self) -> str:
+        return (
+            f"IndexerKCache(num_blocks={self.num_blocks}, block_size={self.block_size}, head_dim={self.head_dim}, "
+            f"fmt={self.fmt!r}, device={self.device})"
+        )
