@@ -1,0 +1,1 @@
+"""Placeholder until the family lands (replaced in this change)."""
