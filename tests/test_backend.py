@@ -1,0 +1,68 @@
+"""Backend choice: argument, environment override, and refusal of impossible requests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsa_indexer import backend
+
+
+def reference_impl():
+    return "reference"
+
+
+def triton_impl():
+    return "triton"
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    monkeypatch.delenv(backend.ENV_VAR, raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+def test_auto_on_cpu_is_reference():
+    assert backend.dispatch(reference_impl, triton_impl, "auto", torch.device("cpu"))() == "reference"
+
+
+@pytest.mark.skipif(not backend.triton_available(), reason="triton is not installed")
+def test_auto_on_cuda_is_triton_when_a_kernel_exists():
+    assert backend.dispatch(reference_impl, triton_impl, "auto", torch.device("cuda"))() == "triton"
+    assert backend.dispatch(reference_impl, None, "auto", torch.device("cuda"))() == "reference"
+
+
+def test_environment_overrides_argument(monkeypatch):
+    monkeypatch.setenv(backend.ENV_VAR, "reference")
+    assert backend.dispatch(reference_impl, triton_impl, "triton", torch.device("cuda"))() == "reference"
+
+
+def test_explicit_triton_on_cpu_without_interpreter_raises():
+    with pytest.raises(ValueError, match="backend='triton'"):
+        backend.dispatch(reference_impl, triton_impl, "triton", torch.device("cpu"))
+
+
+@pytest.mark.skipif(not backend.triton_available(), reason="triton is not installed")
+def test_explicit_triton_on_cpu_with_interpreter_is_allowed(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert backend.dispatch(reference_impl, triton_impl, "triton", torch.device("cpu"))() == "triton"
+    assert backend.dispatch(reference_impl, triton_impl, "auto", torch.device("cpu"))() == "reference"
+
+
+@pytest.mark.parametrize("value", ["cuda", "", "Triton"])
+def test_unknown_backend_names_the_source(monkeypatch, value):
+    with pytest.raises(ValueError, match="backend must be one of"):
+        backend.requested_backend(value or "fast")
+    if value:
+        monkeypatch.setenv(backend.ENV_VAR, value)
+        with pytest.raises(ValueError, match=backend.ENV_VAR):
+            backend.requested_backend("auto")
+
+
+def test_import_does_not_initialise_cuda():
+    import subprocess
+    import sys
+
+    code = "import dsa_indexer, torch; print(torch.cuda.is_initialized())"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
