@@ -1,1 +1,242 @@
-"""Placeholder until the family lands (replaced in this change)."""
+"""Indexer logits (DESIGN.md §5): ragged prefill ``mqa_logits`` and paged decode ``paged_mqa_logits``.
+
+The key format is inferred from the dtypes: ``float8_e4m3fn`` values mean FP8 (fp32 scale per key,
+Q scale folded into the weights, ``q_scale`` None), ``uint8`` values mean packed MXFP4 (ue8m0 scale
+bytes per 32 elements for Q and K). Every tensor of a call must agree on it.
+
+Some checks need the values of device tensors (``ks``/``ke`` against the key count, context lengths
+against the output width and block table, the block-table entries that will be read); each op does
+them with one vectorised reduction and a single host synchronisation before anything is written.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import backend as _backend
+from ..._validation import check_index_tensor, check_positive_int, check_same_device, check_tensor
+from ...cache import IndexerKCache
+from ...formats import FP8_DTYPE, MXFP4_BLOCK
+from . import reference
+
+__all__ = ["mqa_logits", "paged_mqa_logits"]
+
+
+def _key_format(q) -> str:
+    """``"fp8"`` or ``"mxfp4"`` from the dtype of ``q``."""
+    check_tensor("q", q, dtype=(FP8_DTYPE, torch.uint8))
+    return "fp8" if q.dtype == FP8_DTYPE else "mxfp4"
+
+
+def _check_q_scale(q_scale, fmt: str, expected_shape: tuple[int, ...]) -> None:
+    if fmt == "fp8":
+        if q_scale is not None:
+            raise TypeError(
+                "q_scale must be None for FP8 q (the Q scale is folded into weights), "
+                f"got {type(q_scale).__name__}"
+            )
+        return
+    check_tensor("q_scale", q_scale, dtype=torch.uint8, shape=expected_shape)
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def _prepare_out(out, rows: int, columns: int, device: torch.device) -> torch.Tensor:
+    """``out`` checked as fp32 ``[rows, columns]`` with unit column stride and a row stride of at
+    least ``columns`` (padding allowed), or a fresh tensor."""
+    if out is None:
+        return torch.empty((rows, columns), dtype=torch.float32, device=device)
+    check_tensor("out", out, dtype=torch.float32, shape=(rows, columns), device=device)
+    if columns > 1 and out.stride(1) != 1:
+        raise ValueError(f"out must have column stride 1, got strides {out.stride()}")
+    if rows > 1 and out.stride(0) < columns:
+        raise ValueError(f"out must have a row stride >= {columns} (its width), got strides {out.stride()}")
+    return out
+
+
+def _check_key_ranges(ks: torch.Tensor, ke: torch.Tensor, num_keys: int) -> None:
+    """``0 <= ks <= ke <= num_keys`` elementwise, with one host synchronisation."""
+    violations = torch.stack([(ks < 0).any(), (ks > ke).any(), (ke > num_keys).any()]).tolist()
+    if violations[0]:
+        row = int(torch.nonzero(ks < 0)[0, 0])
+        raise ValueError(f"ks must be >= 0, got ks[{row}] = {int(ks[row])}")
+    if violations[1]:
+        row = int(torch.nonzero(ks > ke)[0, 0])
+        raise ValueError(f"ks must be <= ke, got ks[{row}] = {int(ks[row])} > ke[{row}] = {int(ke[row])}")
+    if violations[2]:
+        row = int(torch.nonzero(ke > num_keys)[0, 0])
+        raise ValueError(f"ke must be <= the number of keys {num_keys}, got ke[{row}] = {int(ke[row])}")
+
+
+def mqa_logits(
+    q: torch.Tensor,
+    q_scale: torch.Tensor | None,
+    k: torch.Tensor,
+    k_scale: torch.Tensor,
+    weights: torch.Tensor,
+    ks: torch.Tensor,
+    ke: torch.Tensor,
+    *,
+    clean: bool = True,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Ragged prefill logits: query row ``i`` against the gathered keys ``[ks[i], ke[i])``.
+
+    FP8:   ``logits[i, j] = (sum_h weights[i, h] * relu(q[i, h] . k[j])) * k_scale[j]``
+    MXFP4: ``logits[i, j] =  sum_h weights[i, h] * relu(deq(q[i, h]) . deq(k[j]))``
+
+    Args:
+        q: ``[M, H, D]`` float8_e4m3fn, or ``[M, H, D/2]`` uint8 packed e2m1.
+        q_scale: None (FP8: the Q scale is already in ``weights``), or uint8 ``[M, H, D/32]`` ue8m0.
+        k: ``[N, D]`` float8_e4m3fn, or ``[N, D/2]`` uint8 packed e2m1 (the ragged gathered keys).
+        k_scale: float32 ``[N]`` (FP8), or uint8 ``[N, D/32]`` ue8m0 (MXFP4).
+        weights: float32 ``[M, H]`` per-head weights.
+        ks, ke: int32 ``[M]``, ``0 <= ks[i] <= ke[i] <= N``: the key range of row ``i`` (indices into ``k``).
+        clean: when True every entry outside ``[ks[i], ke[i])`` is ``-inf``; when False those entries
+            are unspecified (a backend may leave them unwritten) and must not be read.
+        out: optional float32 ``[M, N]`` destination; its row stride may exceed ``N`` (only the
+            ``[M, N]`` region is written).
+        backend: ``"auto"``, ``"reference"`` or ``"triton"``.
+
+    Returns:
+        float32 ``[M, N]`` logits (``out`` when given).
+    """
+    fmt = _key_format(q)
+    check_tensor("q", q, ndim=3)
+    num_rows, heads, q_width = q.shape
+    if q_width == 0 or (fmt == "mxfp4" and q_width % (MXFP4_BLOCK // 2)):
+        multiple = 1 if fmt == "fp8" else MXFP4_BLOCK // 2
+        raise ValueError(f"q's last dimension must be a positive multiple of {multiple}, got {q_width}")
+    key_dtype = FP8_DTYPE if fmt == "fp8" else torch.uint8
+    check_tensor("k", k, dtype=key_dtype, ndim=2)
+    check_tensor("k", k, shape=(None, q_width))
+    num_keys = k.shape[0]
+    if fmt == "fp8":
+        _check_q_scale(q_scale, fmt, ())
+        check_tensor("k_scale", k_scale, dtype=torch.float32, shape=(num_keys,))
+    else:
+        scales_per_row = q_width * 2 // MXFP4_BLOCK
+        _check_q_scale(q_scale, fmt, (num_rows, heads, scales_per_row))
+        check_tensor("k_scale", k_scale, dtype=torch.uint8, shape=(num_keys, scales_per_row))
+    check_tensor("weights", weights, dtype=torch.float32, shape=(num_rows, heads))
+    check_index_tensor("ks", ks, shape=(num_rows,))
+    check_index_tensor("ke", ke, shape=(num_rows,))
+    _check_bool("clean", clean)
+    check_same_device(q=q, q_scale=q_scale, k=k, k_scale=k_scale, weights=weights, ks=ks, ke=ke)
+    implementation = _backend.dispatch(reference.mqa_logits, None, backend, q.device)
+    _check_key_ranges(ks, ke, num_keys)
+    out = _prepare_out(out, num_rows, num_keys, q.device)
+    return implementation(q, q_scale, k, k_scale, weights, ks, ke, clean, out)
+
+
+def _check_decode_lengths(
+    context_lens: torch.Tensor, block_table: torch.Tensor, next_n: int, max_context_len: int, cache: IndexerKCache
+) -> None:
+    """Lengths are non-negative, fit ``max_context_len`` and the block table, and every page a row
+    reads is a page of the cache; one host synchronisation."""
+    row_lengths = reference.decode_row_lengths(context_lens, next_n)  # [B, next_n]
+    max_blocks = block_table.shape[1]
+    table_capacity = max_blocks * cache.block_size
+    pages_read = -(-row_lengths.amax(dim=1, keepdim=True) // cache.block_size)  # [B, 1], ceil division
+    read = torch.arange(max_blocks, device=block_table.device) < pages_read  # [B, max_blocks]
+    outside_cache = read & ((block_table < 0) | (block_table >= cache.num_blocks))
+    violations = torch.stack(
+        [
+            (context_lens < 0).any(),
+            (row_lengths > max_context_len).any(),
+            (row_lengths > table_capacity).any(),
+            outside_cache.any(),
+        ]
+    ).tolist()
+    if violations[0]:
+        raise ValueError(f"context_lens must be >= 0, got minimum {int(context_lens.min())}")
+    if violations[1]:
+        raise ValueError(
+            f"max_context_len must be >= every row's context length, got {max_context_len} "
+            f"< {int(row_lengths.max())}"
+        )
+    if violations[2]:
+        raise ValueError(
+            f"block_table has {max_blocks} pages per request ({table_capacity} positions with block_size "
+            f"{cache.block_size}), but context_lens reaches {int(row_lengths.max())}"
+        )
+    if violations[3]:
+        request, column = (int(i) for i in torch.nonzero(outside_cache)[0])
+        raise ValueError(
+            f"block_table entries read must be in [0, {cache.num_blocks}) (the cache's pages), "
+            f"got block_table[{request}, {column}] = {int(block_table[request, column])}"
+        )
+
+
+def paged_mqa_logits(
+    q: torch.Tensor,
+    q_scale: torch.Tensor | None,
+    cache: IndexerKCache,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    max_context_len: int,
+    *,
+    clean: bool = True,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Paged decode logits: row ``b * next_n + t`` against request ``b``'s cached keys.
+
+    Row ``(b, t)`` scores request-local positions ``p < len[b, t]``; position ``p`` is token
+    ``p % block_size`` of page ``block_table[b, p // block_size]``. The math is that of
+    ``mqa_logits``.
+
+    Args:
+        q: ``[B, next_n, H, D]`` float8_e4m3fn, or ``[B, next_n, H, D/2]`` uint8 packed e2m1;
+            ``D`` is ``cache.head_dim`` and the format must be ``cache.fmt``.
+        q_scale: None (FP8), or uint8 ``[B, next_n, H, D/32]`` ue8m0 (MXFP4).
+        cache: the paged ``IndexerKCache``.
+        weights: float32 ``[B * next_n, H]``.
+        context_lens: int32 ``[B, next_n]`` (the length of each row), or ``[B]`` (the request length
+            ``L``; row ``t`` then sees ``max(L - next_n + t + 1, 0)`` positions).
+        block_table: int32 ``[B, max_blocks]`` page ids. Entries for pages a request reads must be in
+            ``[0, cache.num_blocks)``; entries past the request's length are never read (may be -1).
+        max_context_len: output width, ``>=`` every row's length.
+        clean: when True every entry at ``p >= len[b, t]`` is ``-inf``; when False those entries are
+            unspecified (a backend may leave them unwritten) and must not be read.
+        out: optional float32 ``[B * next_n, max_context_len]`` destination; its row stride may
+            exceed the width (only that region is written).
+        backend: ``"auto"``, ``"reference"`` or ``"triton"``.
+
+    Returns:
+        float32 ``[B * next_n, max_context_len]`` logits (``out`` when given).
+    """
+    if not isinstance(cache, IndexerKCache):
+        raise TypeError(f"cache must be an IndexerKCache, got {type(cache).__name__}")
+    fmt = _key_format(q)
+    if fmt != cache.fmt:
+        raise ValueError(f"cache must hold keys in q's format {fmt!r} (q has dtype {q.dtype}), got {cache.fmt!r}")
+    check_tensor("q", q, ndim=4)
+    batch, next_n, heads, q_width = q.shape
+    if next_n < 1:
+        raise ValueError(f"q must have next_n (dimension 1) >= 1, got shape {list(q.shape)}")
+    if q_width != cache.value_bytes:
+        raise ValueError(
+            f"q's last dimension must be {cache.value_bytes} for a {fmt} cache with head_dim "
+            f"{cache.head_dim}, got {q_width}"
+        )
+    _check_q_scale(q_scale, fmt, (batch, next_n, heads, cache.scale_bytes))
+    check_tensor("weights", weights, dtype=torch.float32, shape=(batch * next_n, heads))
+    check_index_tensor("context_lens", context_lens, ndim=(1, 2))
+    check_tensor("context_lens", context_lens, shape=(batch,) if context_lens.dim() == 1 else (batch, next_n))
+    check_index_tensor("block_table", block_table, ndim=2)
+    check_tensor("block_table", block_table, shape=(batch, None))
+    check_positive_int("max_context_len", max_context_len, minimum=0)
+    _check_bool("clean", clean)
+    check_same_device(
+        q=q, q_scale=q_scale, cache=cache.buffer, weights=weights, context_lens=context_lens, block_table=block_table
+    )
+    implementation = _backend.dispatch(reference.paged_mqa_logits, None, backend, q.device)
+    _check_decode_lengths(context_lens, block_table, next_n, max_context_len, cache)
+    out = _prepare_out(out, batch * next_n, max_context_len, q.device)
+    return implementation(q, q_scale, cache, weights, context_lens, block_table, max_context_len, clean, out)

@@ -1,1 +1,186 @@
-"""Placeholder until the family lands (replaced in this change)."""
+"""Exact, deterministic per-row top-k (DESIGN.md §6) and the position-to-slot mapping.
+
+Public entry points validate every argument before anything is written, then dispatch to the
+backend implementation. Checks against tensor *values* (bounds within the logits width, positions
+within the block table) cost one vectorised reduction and one host synchronisation each; callers
+that capture CUDA graphs validate once outside the graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import backend as _backend
+from ..._validation import check_positive_int, check_same_device, check_tensor
+from . import reference
+
+__all__ = ["indices_to_slots", "topk", "topk_decode"]
+
+
+def _first_true_row(mask: torch.Tensor) -> int:
+    """Index of the first True entry of a 1-D mask known to hold one (error path only)."""
+    return int(torch.nonzero(mask)[0, 0])
+
+
+def _check_out(out: torch.Tensor | None, num_rows: int, k: int, device: torch.device) -> None:
+    if out is not None:
+        check_tensor("out", out, dtype=torch.int32, shape=(num_rows, k), device=device)
+
+
+def _check_bounds(starts: torch.Tensor | None, ends: torch.Tensor | None, width: int) -> None:
+    """``0 <= starts <= ends <= width`` row by row (one host synchronisation)."""
+    lower = starts if starts is not None else torch.zeros_like(ends)
+    upper = ends if ends is not None else torch.full_like(starts, width)
+    negative = lower < 0
+    too_long = upper > width
+    crossed = lower > upper
+    if not bool((negative | too_long | crossed).any()):
+        return
+    if bool(negative.any()):
+        row = _first_true_row(negative)
+        raise ValueError(f"starts must be >= 0, got starts[{row}] = {int(lower[row])}")
+    if bool(too_long.any()):
+        row = _first_true_row(too_long)
+        raise ValueError(f"ends must be <= the logits width {width}, got ends[{row}] = {int(upper[row])}")
+    row = _first_true_row(crossed)
+    raise ValueError(
+        f"ends must be >= starts (0 when starts is None), got starts[{row}] = {int(lower[row])} > "
+        f"ends[{row}] = {int(upper[row])}"
+    )
+
+
+def topk(
+    logits: torch.Tensor,
+    k: int,
+    *,
+    starts: torch.Tensor | None = None,
+    ends: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Exact top-k of each row of ``logits``; returns int32 ``[R, k]`` (``out`` when given).
+
+    Args:
+        logits: float32 ``[R, C]``, any strides (offset, column-strided and stride-0 expanded views).
+        k: picks per row, ``>= 1`` (may exceed ``C``).
+        starts, ends: int32 ``[R]``, ``0 <= starts <= ends <= C``; row ``r`` considers columns
+            ``[starts[r], ends[r])``. ``None`` means ``0`` and ``C``. Columns outside are never used.
+        out: int32 ``[R, k]`` destination, fully written.
+
+    Row ``r`` selects the first ``min(k, #selectable)`` entries ordered by value descending, then
+    column ascending (NaN and ``-inf`` are not selectable; ``+0.0 == -0.0``) and lists their columns
+    relative to ``starts[r]`` (domain ``[0, ends[r] - starts[r])``), ascending, then ``-1`` up to ``k``.
+    The result is bitwise deterministic.
+    """
+    check_tensor("logits", logits, dtype=torch.float32, ndim=2)
+    check_positive_int("k", k)
+    num_rows, width = logits.shape
+    if starts is not None:
+        check_tensor("starts", starts, dtype=torch.int32, shape=(num_rows,))
+    if ends is not None:
+        check_tensor("ends", ends, dtype=torch.int32, shape=(num_rows,))
+    check_same_device(logits=logits, starts=starts, ends=ends, out=out)
+    _check_out(out, num_rows, k, logits.device)
+    if starts is not None or ends is not None:
+        _check_bounds(starts, ends, width)
+    implementation = _backend.dispatch(reference.topk, None, backend, logits.device)
+    if out is None:
+        out = torch.empty((num_rows, k), dtype=torch.int32, device=logits.device)
+    return implementation(logits, k, starts, ends, out)
+
+
+def topk_decode(
+    logits: torch.Tensor,
+    seq_lens: torch.Tensor,
+    next_n: int,
+    k: int,
+    *,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Top-k of decode rows; returns int32 ``[B * next_n, k]`` of request-local positions.
+
+    Args:
+        logits: float32 ``[B * next_n, C]``, any strides; row ``b * next_n + t`` is token ``t`` of
+            request ``b``.
+        seq_lens: int32 ``[B]`` request lengths ``L_b`` (row ``t`` sees ``max(L_b - next_n + t + 1, 0)``
+            columns) or int32 ``[B, next_n]`` per-row lengths; every length in ``[0, C]``.
+        next_n: query tokens per request, ``>= 1``.
+        k: picks per row, ``>= 1``.
+        out: int32 ``[B * next_n, k]`` destination, fully written.
+
+    Same selection rule as ``topk`` with ``starts = 0`` and ``ends`` the row's visible length.
+    """
+    check_tensor("logits", logits, dtype=torch.float32, ndim=2)
+    check_positive_int("next_n", next_n)
+    check_positive_int("k", k)
+    check_tensor("seq_lens", seq_lens, dtype=torch.int32, ndim=(1, 2))
+    num_requests = seq_lens.shape[0]
+    if seq_lens.dim() == 2:
+        check_tensor("seq_lens", seq_lens, shape=(num_requests, next_n))
+    num_rows, width = logits.shape
+    if num_rows != num_requests * next_n:
+        raise ValueError(
+            f"logits must have B * next_n = {num_requests} * {next_n} = {num_requests * next_n} rows "
+            f"(B from seq_lens), got {num_rows}"
+        )
+    check_same_device(logits=logits, seq_lens=seq_lens, out=out)
+    _check_out(out, num_rows, k, logits.device)
+    flat_lens = seq_lens.reshape(-1)
+    out_of_range = (flat_lens < 0) | (flat_lens > width)
+    if bool(out_of_range.any()):
+        position = _first_true_row(out_of_range)
+        raise ValueError(
+            f"seq_lens must lie in [0, {width}] (the logits width), "
+            f"got {int(flat_lens[position])} at flat position {position}"
+        )
+    implementation = _backend.dispatch(reference.topk_decode, None, backend, logits.device)
+    if out is None:
+        out = torch.empty((num_rows, k), dtype=torch.int32, device=logits.device)
+    return implementation(logits, seq_lens, next_n, k, out)
+
+
+def indices_to_slots(
+    indices: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    row_to_request: torch.Tensor,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Physical cache slots of request-local positions; returns int32 ``[R, k]``.
+
+    Args:
+        indices: int32 ``[R, k]`` request-local positions, or ``-1`` (padding, kept as ``-1``).
+        block_table: int32 ``[B, max_blocks]``; page ``j`` of request ``b`` is ``block_table[b, j]``.
+        block_size: tokens per page, ``>= 1``.
+        row_to_request: int32 ``[R]`` request of each row, in ``[0, B)``.
+
+    Slot of position ``p`` in row ``r``: ``block_table[row_to_request[r], p // block_size] *
+    block_size + p % block_size``. Positions whose page index reaches ``max_blocks`` are rejected;
+    that the table's page ids lie within the cache is the caller's duty (slots are int32).
+    """
+    check_tensor("indices", indices, dtype=torch.int32, ndim=2)
+    check_tensor("block_table", block_table, dtype=torch.int32, ndim=2)
+    check_positive_int("block_size", block_size)
+    num_rows = indices.shape[0]
+    num_requests, max_blocks = block_table.shape
+    check_tensor("row_to_request", row_to_request, dtype=torch.int32, shape=(num_rows,))
+    check_same_device(indices=indices, block_table=block_table, row_to_request=row_to_request)
+    # int64 because max_blocks * block_size may exceed the int32 range.
+    bad_index = (indices < -1) | (indices.to(torch.int64) >= max_blocks * block_size)
+    bad_request = (row_to_request < 0) | (row_to_request >= num_requests)
+    if bool(bad_index.any() | bad_request.any()):
+        if bool(bad_request.any()):
+            row = _first_true_row(bad_request)
+            raise ValueError(
+                f"row_to_request must lie in [0, {num_requests}) (rows of block_table), "
+                f"got row_to_request[{row}] = {int(row_to_request[row])}"
+            )
+        row, column = (int(i) for i in torch.nonzero(bad_index)[0])
+        raise ValueError(
+            f"indices must be -1 or positions in [0, max_blocks * block_size = {max_blocks * block_size}), "
+            f"got indices[{row}, {column}] = {int(indices[row, column])}"
+        )
+    implementation = _backend.dispatch(reference.indices_to_slots, None, backend, indices.device)
+    return implementation(indices, block_table, block_size, row_to_request)

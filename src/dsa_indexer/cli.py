@@ -1,0 +1,137 @@
+"""The ``dsa-indexer`` command: ``demo`` (the main job) and ``info``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """Bad flags end in one line on stderr and exit status 2, never a traceback."""
+
+    def error(self, message: str):
+        self.exit(2, f"dsa-indexer: error: {message}\n")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _OneLineErrorParser(prog="dsa-indexer", description="DeepSeek Sparse Attention lightning indexer")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineErrorParser)
+    demo = commands.add_parser("demo", help="simulated serving run, checked against exact and fp32 oracles")
+    demo.add_argument("--config", choices=("v32", "v41"), default="v32", help="DeepSeek-V3.2 or V4.1 indexer")
+    demo.add_argument("--fmt", choices=("fp8", "mxfp4"), default=None, help="cache format (default: the config's)")
+    demo.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    demo.add_argument("--requests", type=_positive, default=4)
+    demo.add_argument("--prompt-len", type=_positive, default=384, help="longest prompt, in tokens")
+    demo.add_argument("--decode-steps", type=_positive, default=4)
+    demo.add_argument("--next-n", type=_positive, default=2, help="tokens per decode step (1 + speculative)")
+    demo.add_argument("--topk", type=_positive, default=64, help="keys selected per token")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--json", metavar="PATH", help="write the numbers as JSON")
+    commands.add_parser("info", help="versions, devices and available backends")
+    return parser
+
+
+def _run_demo(args, console: Console) -> int:
+    from .demo import DemoOptions, run_demo
+
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            console.print("dsa-indexer: error: --device cuda but no CUDA device is available", style="red")
+            return 2
+    options = DemoOptions(
+        config=args.config, fmt=args.fmt, device=args.device, requests=args.requests, prompt_len=args.prompt_len,
+        decode_steps=args.decode_steps, next_n=args.next_n, topk=args.topk, seed=args.seed,
+    )
+    columns = (TextColumn("[bold]serving"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("steps", total=None)
+        result = run_demo(options, progress=lambda done, total: progress.update(task, completed=done, total=total))
+
+    steps = Table(title=f"dsa-indexer demo — {args.config}, {result.options.fmt or 'default format'}, {args.device}")
+    for name in ("step", "decode tok", "prefill tok", "padded", "rows = oracle", "recall vs fp32"):
+        steps.add_column(name, justify="right")
+    for s in result.steps:
+        steps.add_row(
+            str(s.step), str(s.decode_tokens), str(s.prefill_tokens), "yes" if s.padded else "",
+            f"{s.rows_equal}/{s.rows_checked}", f"{s.recall:.3f}",
+        )
+    console.print(steps)
+    stages = Table(title="time per stage")
+    stages.add_column("stage")
+    stages.add_column("ms", justify="right")
+    for name, seconds in sorted(result.stage_seconds.items(), key=lambda item: -item[1]):
+        stages.add_row(name, f"{seconds * 1e3:.1f}")
+    console.print(stages)
+    console.print(
+        f"agreement with the exact oracle: [bold]{result.agreement:.2%}[/]   "
+        f"recall vs fp32 indexer: [bold]{result.recall_vs_fp32:.3f}[/]   "
+        f"tokens/s: [bold]{result.tokens_per_s:,.0f}[/]"
+    )
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(result.to_json(), handle, indent=2)
+    return 0 if result.agreement == 1.0 else 1
+
+
+def _run_info(console: Console) -> int:
+    import torch
+
+    from . import __version__, backend
+
+    table = Table(title="dsa-indexer info", show_header=False)
+    table.add_row("dsa-indexer", __version__)
+    table.add_row("python", platform.python_version())
+    table.add_row("torch", torch.__version__)
+    if backend.triton_available():
+        import triton
+
+        table.add_row("triton", triton.__version__)
+    else:
+        table.add_row("triton", "not installed (pip install 'dsa-indexer[triton]')")
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            major, minor = torch.cuda.get_device_capability(index)
+            table.add_row(f"cuda:{index}", f"{torch.cuda.get_device_name(index)} (sm_{major}{minor})")
+        triton_reason = "available" if backend.triton_available() else "Triton is not installed"
+    else:
+        table.add_row("cuda", "no CUDA device")
+        triton_reason = "needs a CUDA device (or TRITON_INTERPRET=1 for tests)"
+    table.add_row("backend: reference", "available (PyTorch, any device)")
+    table.add_row("backend: triton", triton_reason)
+    table.add_row("backend override", f"{backend.ENV_VAR}={backend.requested_backend('auto')}")
+    console.print(table)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    console = Console()
+    try:
+        if args.command == "demo":
+            return _run_demo(args, console)
+        return _run_info(console)
+    except (ValueError, TypeError) as error:
+        print(f"dsa-indexer: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,298 @@
+"""The main job: a simulated serving run of the indexer, checked step by step.
+
+A handful of requests arrive with prompts of different lengths. Each step the scheduler builds a mixed
+batch — decodes first (``next_n`` tokens each: one real token plus speculative ones), then prefill
+chunks that continue each request's cached context — plans it with ``build_metadata``, and runs the
+indexer layer through the paged cache. One step has a decode that brings fewer tokens than ``next_n``
+(a rejected draft), which forces the padded decode path.
+
+Every step the indices are compared with an exact dense oracle: for each request, all of its keys are
+gathered, scored densely from the same quantised inputs (reference ``mqa_logits``) and selected with the
+§6 rule. Separately the picks are compared with an unquantised fp32 indexer (recall: how much FP8/MXFP4
+quantisation costs). With the V4.1 configuration a second, consumer layer shares the cache and masks
+its logits with the candidate blocks the first layer publishes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import IndexerKCache
+from .indexer import Indexer, IndexerConfig
+from .layer import SparseAttnIndexer, StageTimer
+from .metadata import build_metadata
+from .ops.candidates import apply_candidate_mask, select_candidate_blocks
+from .ops.logits import mqa_logits
+from .ops.topk import topk
+
+
+@dataclass
+class DemoOptions:
+    config: str = "v32"
+    fmt: str | None = None
+    device: str = "cpu"
+    requests: int = 4
+    prompt_len: int = 384
+    decode_steps: int = 4
+    next_n: int = 2
+    topk: int = 64
+    prefill_chunk: int = 160
+    block_size: int = 16
+    seed: int = 0
+    max_logits_bytes: int = 256 * 1024
+
+
+@dataclass
+class StepRecord:
+    step: int
+    decode_tokens: int
+    prefill_tokens: int
+    rows_checked: int
+    rows_equal: int
+    recall: float
+    padded: bool
+
+
+@dataclass
+class DemoResult:
+    options: DemoOptions
+    steps: list[StepRecord] = field(default_factory=list)
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    indexer_seconds: float = 0.0
+    tokens: int = 0
+
+    @property
+    def agreement(self) -> float:
+        checked = sum(s.rows_checked for s in self.steps)
+        return sum(s.rows_equal for s in self.steps) / checked if checked else 1.0
+
+    @property
+    def recall_vs_fp32(self) -> float:
+        weighted = [(s.recall, s.rows_checked) for s in self.steps if s.rows_checked]
+        total = sum(n for _, n in weighted)
+        return sum(r * n for r, n in weighted) / total if total else 1.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.indexer_seconds if self.indexer_seconds else 0.0
+
+    def to_json(self) -> dict:
+        return {
+            "config": self.options.config,
+            "fmt": self.options.fmt,
+            "device": self.options.device,
+            "agreement": self.agreement,
+            "recall_vs_fp32": self.recall_vs_fp32,
+            "tokens_per_s": self.tokens_per_s,
+            "tokens": self.tokens,
+            "stage_seconds": self.stage_seconds,
+            "steps": [vars(s) for s in self.steps],
+        }
+
+
+class _Request:
+    def __init__(self, prompt_len: int):
+        self.prompt_len = prompt_len
+        self.length = 0
+        self.keys_fp32: list[torch.Tensor] = []
+
+    @property
+    def prefilling(self) -> bool:
+        return self.length < self.prompt_len
+
+
+def _config(options: DemoOptions) -> IndexerConfig:
+    base = IndexerConfig.deepseek_v32 if options.config == "v32" else IndexerConfig.deepseek_v41
+    overrides = {"topk": options.topk}
+    if options.fmt is not None:
+        overrides["fmt"] = options.fmt
+    if options.config == "v41":
+        overrides.update(candidate_topk_blocks=4, candidate_block_size=8)
+    return base(**overrides).small()
+
+
+def _schedule(requests: list[_Request], step: int, options: DemoOptions, short_decode_step: int) -> list[int]:
+    """Tokens each request brings this step: decodes (``next_n``, or 1 on the short step), then prefill chunks."""
+    plan = []
+    for index, request in enumerate(requests):
+        if request.prefilling:
+            plan.append(min(options.prefill_chunk, request.prompt_len - request.length))
+        elif step == short_decode_step and index == 0:
+            plan.append(1)
+        else:
+            plan.append(options.next_n)
+    return plan
+
+
+def run_demo(options: DemoOptions, progress=None) -> DemoResult:
+    """Run the simulated serving loop; ``progress(step, total)`` is called after each step."""
+    device = torch.device(options.device)
+    config = _config(options)
+    fmt = config.fmt
+    generator = torch.Generator().manual_seed(options.seed)
+    source = Indexer(config, seed=options.seed, device=device)
+    consumer = Indexer(config, seed=options.seed + 1, device=device) if config.candidate_topk_blocks else None
+    ratio = config.compress_ratio
+
+    prompt_lens = [max(1, options.prompt_len - 37 * i) for i in range(options.requests)]
+    requests = [_Request(n) for n in prompt_lens]
+    max_len = max(prompt_lens) + options.decode_steps * options.next_n + 1
+    pages_per_request = -(-(max_len // ratio + 1) // options.block_size)
+    cache = IndexerKCache(
+        options.requests * pages_per_request, block_size=options.block_size, head_dim=config.head_dim, fmt=fmt, device=device
+    )
+    page_order = torch.randperm(cache.num_blocks, generator=generator).to(torch.int32)
+    block_table = page_order.view(options.requests, pages_per_request).to(device)
+
+    max_tokens = sum(prompt_lens) + options.requests * options.next_n
+    buffer = torch.full((max_tokens, config.topk), -1, dtype=torch.int32, device=device)
+    workspace_tokens = options.requests * (max_len // ratio + 1)
+    timer = StageTimer()
+    candidate_buffer = None
+    if consumer is not None:
+        candidate_buffer = torch.full((max_tokens, config.candidate_topk_blocks), -1, dtype=torch.int32, device=device)
+    common = dict(workspace_tokens=workspace_tokens, compress_ratio=ratio, timer=timer)
+    layer = SparseAttnIndexer(
+        cache, config.topk, buffer, candidate_blocks=candidate_buffer,
+        candidate_block_size=config.candidate_block_size, candidate_write=consumer is not None, **common,
+    )
+    consumer_buffer = torch.full_like(buffer, -1) if consumer is not None else None
+    consumer_layer = None
+    if consumer is not None:
+        consumer_layer = SparseAttnIndexer(
+            cache, config.topk, consumer_buffer, candidate_blocks=candidate_buffer,
+            candidate_block_size=config.candidate_block_size, skip_k_cache_insert=True, **common,
+        )
+
+    prefill_steps = -(-max(prompt_lens) // options.prefill_chunk)
+    total_steps = prefill_steps + options.decode_steps
+    short_decode_step = prefill_steps + min(1, options.decode_steps - 1)
+    result = DemoResult(options)
+    hidden_size, latent_size = config.hidden_size, config.q_lora_rank
+    for step in range(total_steps):
+        plan = _schedule(requests, step, options, short_decode_step)
+        seq_lens = [r.length + q for r, q in zip(requests, plan)]
+        num_tokens = sum(plan)
+        positions = torch.cat([torch.arange(r.length, r.length + q) for r, q in zip(requests, plan)]).to(device)
+        hidden = torch.randn(num_tokens, hidden_size, generator=generator).to(device, torch.bfloat16)
+        latent = torch.randn(num_tokens, latent_size, generator=generator).to(device, torch.bfloat16)
+
+        metadata = build_metadata(
+            seq_lens, plan, block_table, block_size=options.block_size, num_spec_tokens=options.next_n - 1,
+            compress_ratio=ratio, workspace_tokens=workspace_tokens, max_logits_bytes=options.max_logits_bytes,
+            num_cache_blocks=cache.num_blocks,
+        )
+        q, k_rotated, w = source.project(hidden, latent, positions)
+        start = time.perf_counter()
+        q_quant, q_scale, k_for_cache, weights = source.quantize(q, k_rotated, w, positions)
+        if ratio > 1:
+            k_for_cache = _pooled_keys(k_rotated, requests, plan, ratio)
+        indices = layer(q_quant, q_scale, k_for_cache, weights, metadata)
+        consumer_inputs = None
+        consumer_indices = None
+        if consumer is not None:
+            q_c, k_c, w_c = consumer.project(hidden, latent, positions)
+            consumer_inputs = consumer.quantize(q_c, k_c, w_c, positions)
+            consumer_indices = consumer_layer(consumer_inputs[0], consumer_inputs[1], None, consumer_inputs[3], metadata)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        result.indexer_seconds += time.perf_counter() - start
+        result.tokens += num_tokens
+
+        for request, chunk in zip(requests, k_rotated.float().split(plan)):
+            request.keys_fp32.append(chunk)
+        for request, q in zip(requests, plan):
+            request.length += q
+        record = _check_step(
+            step, source, consumer, cache, block_table, requests, plan, positions, hidden, latent,
+            (q_quant, q_scale, weights), consumer_inputs, indices, consumer_indices, candidate_buffer, config,
+        )
+        record.padded = metadata.decode is not None and metadata.decode.requires_padding
+        record.decode_tokens, record.prefill_tokens = metadata.num_decode_tokens, metadata.num_prefill_tokens
+        result.steps.append(record)
+        if progress is not None:
+            progress(step + 1, total_steps)
+    result.stage_seconds = dict(timer.seconds)
+    return result
+
+
+def _pooled_keys(rotated: torch.Tensor, requests: list[_Request], plan: list[int], ratio: int) -> torch.Tensor:
+    """Keys for the cache when ``compress_ratio > 1``: a token that completes a group carries the mean of
+    the group's rotated keys (a stand-in for the model's compressor); other rows are never inserted."""
+    pooled = torch.zeros_like(rotated)
+    row = 0
+    for request, q in zip(requests, plan):
+        history = torch.cat(request.keys_fp32 + [rotated[row : row + q].float()])
+        for offset in range(q):
+            position = request.length + offset
+            if (position + 1) % ratio == 0:
+                pooled[row + offset] = history[position + 1 - ratio : position + 1].mean(0).to(pooled.dtype)
+        row += q
+    return pooled
+
+
+def _request_keys_fp32(request: _Request, ratio: int) -> torch.Tensor:
+    keys = torch.cat(request.keys_fp32)
+    if ratio == 1:
+        return keys
+    groups = keys.shape[0] // ratio
+    pooled = keys[: groups * ratio].view(groups, ratio, -1).mean(1)
+    return pooled.bfloat16().float()
+
+
+def _check_step(step, source, consumer, cache, block_table, requests, plan, positions, hidden, latent,
+                source_inputs, consumer_inputs, indices, consumer_indices, candidate_buffer, config) -> StepRecord:
+    ratio = config.compress_ratio
+    rows_checked = rows_equal = 0
+    hits = total = 0
+    row = 0
+    q_rot, _, w_fp32 = source.project(hidden, latent, positions)
+    for index, (request, q) in enumerate(zip(requests, plan)):
+        if q == 0:
+            continue
+        rows = slice(row, row + q)
+        row += q
+        num_keys = request.length // ratio
+        visible = ((positions[rows] + 1) // ratio).to(torch.int32)
+        starts = torch.zeros_like(visible)
+        table = block_table[index : index + 1]
+        cu = torch.tensor([0, num_keys], dtype=torch.int32, device=cache.device)
+        values, scales = cache.gather(table, cu, backend="reference")
+        q_quant, q_scale, weights = source_inputs
+        logits = mqa_logits(
+            q_quant[rows], None if q_scale is None else q_scale[rows], values, scales, weights[rows], starts, visible,
+            backend="reference",
+        )
+        expected = topk(logits, config.topk, starts=starts, ends=visible, backend="reference")
+        got = indices[rows]
+        if consumer is not None:
+            expected_blocks = select_candidate_blocks(
+                logits, starts, visible, config.candidate_topk_blocks, config.candidate_block_size, backend="reference"
+            )
+            blocks_equal = torch.equal(candidate_buffer[rows], expected_blocks)
+            cq, cs, _, cw = consumer_inputs
+            consumer_logits = mqa_logits(
+                cq[rows], None if cs is None else cs[rows], values, scales, cw[rows], starts, visible, backend="reference"
+            )
+            apply_candidate_mask(consumer_logits, starts, visible, expected_blocks, config.candidate_block_size,
+                                 backend="reference")
+            consumer_expected = topk(consumer_logits, config.topk, starts=starts, ends=visible, backend="reference")
+            equal_rows = (got == expected).all(1) & (consumer_indices[rows] == consumer_expected).all(1)
+            equal_rows &= torch.tensor(blocks_equal, device=got.device)
+        else:
+            equal_rows = (got == expected).all(1)
+        rows_checked += q
+        rows_equal += int(equal_rows.sum())
+
+        keys_fp32 = _request_keys_fp32(request, ratio).to(cache.device)
+        scores = source.scores_fp32(q_rot[rows].float(), keys_fp32[:num_keys], w_fp32[rows])
+        reference_picks = topk(scores, config.topk, starts=starts, ends=visible, backend="reference")
+        for picked, truth in zip(got, reference_picks):
+            truth_set = set(truth[truth >= 0].tolist())
+            hits += len(truth_set & set(picked[picked >= 0].tolist()))
+            total += len(truth_set)
+    recall = hits / total if total else 1.0
+    return StepRecord(step, 0, 0, rows_checked, rows_equal, recall, False)

@@ -1,0 +1,320 @@
+"""``SparseAttnIndexer``: one indexer forward over a mixed batch, from quantised Q to top-k indices.
+
+The order of work is the production engine's: insert K into the paged cache, clear the caller's index
+buffer, then per prefill chunk gather → logits → [candidates] → top-k, then decode logits →
+[candidates] → top-k → unpad. Planning (lengths on the host) happened before, in ``metadata.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager, nullcontext
+
+import torch
+from torch import nn
+
+from ._validation import check_choice, check_positive_int, check_tensor
+from .cache import IndexerKCache
+from .metadata import IndexerMetadata
+from .ops.candidates import apply_candidate_mask, select_candidate_blocks
+from .ops.k_cache import insert_k
+from .ops.logits import mqa_logits, paged_mqa_logits
+from .ops.seq_pack import pack_seq, unpack_seq
+from .ops.topk import topk, topk_decode
+
+
+class StageTimer:
+    """Wall time per stage, accumulated over calls (synchronises the device at stage edges)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    @contextmanager
+    def stage(self, name: str, device: torch.device):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            self.seconds[name] += time.perf_counter() - start
+            self.calls[name] += 1
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+
+class SparseAttnIndexer(nn.Module):
+    """The indexer layer: writes each token's top-k key positions into ``topk_indices_buffer``.
+
+    Args:
+        cache: the paged K cache of this layer.
+        topk_tokens: k (2048 for DeepSeek-V3.2, 512 for V4.1).
+        topk_indices_buffer: caller-owned ``int32 [max_tokens, >= topk_tokens]``; rows of this step's
+            tokens receive request-local key positions (ascending, ``-1``-padded).
+        workspace_tokens: keys one prefill chunk may gather (sizes the gather workspace).
+        compress_ratio: tokens per indexer key (must match the metadata's).
+        skip_k_cache_insert: K is already in the cache (written by a fused producer).
+        skip_topk_buffer_clear: the buffer's rows were already filled with ``-1``.
+        candidate_blocks: V4.1 two-level selection buffer ``int32 [max_tokens, num_blocks_k]``;
+            with ``candidate_write`` this layer selects blocks into it, otherwise it masks its logits with it.
+        candidate_block_size: positions per candidate block (8 for V4.1).
+        dense_prefill_bypass: leave the buffer untouched when the metadata marks the step dense.
+        timer: a ``StageTimer`` to record per-stage time (None: no timing, no cost).
+        backend: ``"auto" | "reference" | "triton"`` for every op.
+    """
+
+    def __init__(
+        self,
+        cache: IndexerKCache,
+        topk_tokens: int,
+        topk_indices_buffer: torch.Tensor,
+        *,
+        workspace_tokens: int,
+        compress_ratio: int = 1,
+        skip_k_cache_insert: bool = False,
+        skip_topk_buffer_clear: bool = False,
+        candidate_blocks: torch.Tensor | None = None,
+        candidate_block_size: int = 0,
+        candidate_write: bool = False,
+        dense_prefill_bypass: bool = False,
+        timer: StageTimer | None = None,
+        backend: str = "auto",
+    ):
+        super().__init__()
+        if not isinstance(cache, IndexerKCache):
+            raise TypeError(f"cache must be an IndexerKCache, got {type(cache).__name__}")
+        check_positive_int("topk_tokens", topk_tokens)
+        check_tensor("topk_indices_buffer", topk_indices_buffer, dtype=torch.int32, ndim=2, device=cache.device)
+        if topk_indices_buffer.shape[1] < topk_tokens:
+            raise ValueError(
+                f"topk_indices_buffer must have >= topk_tokens ({topk_tokens}) columns, got {topk_indices_buffer.shape[1]}"
+            )
+        check_positive_int("workspace_tokens", workspace_tokens)
+        check_positive_int("compress_ratio", compress_ratio)
+        check_choice("backend", backend, ("auto", "reference", "triton"))
+        if candidate_blocks is not None:
+            check_tensor("candidate_blocks", candidate_blocks, dtype=torch.int32, ndim=2, device=cache.device)
+            check_positive_int("candidate_block_size", candidate_block_size)
+            if candidate_blocks.shape[0] < topk_indices_buffer.shape[0]:
+                raise ValueError(
+                    f"candidate_blocks must have >= {topk_indices_buffer.shape[0]} rows (one per token), "
+                    f"got {candidate_blocks.shape[0]}"
+                )
+        self.cache = cache
+        self.topk_tokens = topk_tokens
+        self.topk_indices_buffer = topk_indices_buffer
+        self.workspace_tokens = workspace_tokens
+        self.compress_ratio = compress_ratio
+        self.skip_k_cache_insert = skip_k_cache_insert
+        self.skip_topk_buffer_clear = skip_topk_buffer_clear
+        self.candidate_blocks = candidate_blocks
+        self.candidate_block_size = candidate_block_size
+        self.candidate_write = candidate_write
+        self.dense_prefill_bypass = dense_prefill_bypass
+        self.timer = timer
+        self.backend = backend
+        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def gather_workspace(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``(values, scales)`` buffers prefill chunks gather keys into (allocated once)."""
+        if self._workspace is None:
+            n, d, device = self.workspace_tokens, self.cache.head_dim, self.cache.device
+            if self.cache.fmt == "fp8":
+                values = torch.empty(n, d, dtype=torch.float8_e4m3fn, device=device)
+                scales = torch.empty(n, dtype=torch.float32, device=device)
+            else:
+                values = torch.empty(n, d // 2, dtype=torch.uint8, device=device)
+                scales = torch.empty(n, d // 32, dtype=torch.uint8, device=device)
+            self._workspace = (values, scales)
+        return self._workspace
+
+    def reserve_workspace(self, *, max_decode_rows: int, max_context_len: int, max_logits_bytes: int) -> int:
+        """Allocate the gather workspace and return the peak bytes one forward needs beyond its inputs.
+
+        Peak = gather workspace + the larger of one prefill chunk's logits (``max_logits_bytes``) and the
+        decode logits ``[max_decode_rows, max_context_len]`` fp32, + candidate scratch when padding.
+        """
+        values, scales = self.gather_workspace()
+        workspace = values.numel() * values.element_size() + scales.numel() * scales.element_size()
+        decode_logits = max_decode_rows * max_context_len * 4
+        candidate_scratch = 0
+        if self.candidate_blocks is not None:
+            candidate_scratch = max_decode_rows * self.candidate_blocks.shape[1] * 4
+        return workspace + max(max_logits_bytes, decode_logits) + candidate_scratch + max_decode_rows * self.topk_tokens * 4
+
+    def _stage(self, name: str):
+        if self.timer is None:
+            return nullcontext()
+        return self.timer.stage(name, self.cache.device)
+
+    def forward(
+        self,
+        q_quant: torch.Tensor,
+        q_scale: torch.Tensor | None,
+        k: torch.Tensor | None,
+        weights: torch.Tensor,
+        metadata: IndexerMetadata,
+    ) -> torch.Tensor:
+        """Index one step.
+
+        Args:
+            q_quant: ``[T, H, D]`` e4m3 (FP8) or ``[T, H, D/2]`` uint8 (MXFP4), rows in batch order.
+            q_scale: None (FP8: folded into ``weights``) or ``uint8 [T, H, D/32]`` (MXFP4).
+            k: ``[T, D]`` keys of this step's tokens (ignored with ``skip_k_cache_insert``).
+            weights: ``float32 [T, H]`` head weights (``weights_out`` of ``rope_quant_q``).
+            metadata: the step's plan from ``build_metadata``/``MetadataBuilder``.
+
+        Returns:
+            ``topk_indices_buffer[:T, :topk_tokens]``.
+        """
+        num_tokens = metadata.num_tokens
+        self._validate(q_quant, q_scale, k, weights, metadata)
+        buffer = self.topk_indices_buffer
+        if not self.skip_k_cache_insert:
+            with self._stage("insert"):
+                insert_k(k[: metadata.slot_mapping.shape[0]], self.cache, metadata.slot_mapping, backend=self.backend)
+        if self.dense_prefill_bypass and metadata.use_dense_prefill:
+            return buffer[:num_tokens, : self.topk_tokens]
+        if not self.skip_topk_buffer_clear:
+            buffer[:num_tokens].fill_(-1)
+        for chunk in metadata.prefill_chunks:
+            self._prefill_chunk(q_quant, q_scale, weights, chunk)
+        if metadata.decode is not None:
+            self._decode(q_quant, q_scale, weights, metadata)
+        return buffer[:num_tokens, : self.topk_tokens]
+
+    def _validate(self, q_quant, q_scale, k, weights, metadata) -> None:
+        if not isinstance(metadata, IndexerMetadata):
+            raise TypeError(f"metadata must be an IndexerMetadata, got {type(metadata).__name__}")
+        if metadata.compress_ratio != self.compress_ratio:
+            raise ValueError(
+                f"metadata was planned with compress_ratio {metadata.compress_ratio}, the layer uses {self.compress_ratio}"
+            )
+        if metadata.dcp_world_size != 1:
+            raise ValueError(
+                "SparseAttnIndexer merges no DCP shards yet: plan metadata with dcp_world_size=1 "
+                f"(got {metadata.dcp_world_size})"
+            )
+        num_tokens = metadata.num_tokens
+        if num_tokens > self.topk_indices_buffer.shape[0]:
+            raise ValueError(
+                f"the step has {num_tokens} tokens but topk_indices_buffer holds {self.topk_indices_buffer.shape[0]} rows"
+            )
+        check_tensor("q_quant", q_quant, ndim=3, device=self.cache.device)
+        check_tensor("weights", weights, dtype=torch.float32, ndim=2, device=self.cache.device)
+        if q_quant.shape[0] < num_tokens or weights.shape[0] < num_tokens:
+            raise ValueError(
+                f"q_quant and weights need >= {num_tokens} rows, got {q_quant.shape[0]} and {weights.shape[0]}"
+            )
+        if (q_scale is None) != (self.cache.fmt == "fp8"):
+            raise ValueError(f"q_scale must be None for an fp8 cache and given for mxfp4; cache fmt is {self.cache.fmt!r}")
+        if not self.skip_k_cache_insert:
+            check_tensor("k", k, ndim=2, device=self.cache.device)
+            if k.shape[0] < metadata.slot_mapping.shape[0]:
+                raise ValueError(f"k needs >= {metadata.slot_mapping.shape[0]} rows, got {k.shape[0]}")
+        largest_chunk = max((c.num_keys for c in metadata.prefill_chunks), default=0)
+        if largest_chunk > self.workspace_tokens:
+            raise ValueError(
+                f"a prefill chunk gathers {largest_chunk} keys, more than workspace_tokens ({self.workspace_tokens}); "
+                "plan the metadata with the same workspace_tokens"
+            )
+
+    def _prefill_chunk(self, q_quant, q_scale, weights, chunk) -> None:
+        rows = slice(chunk.token_start, chunk.token_end)
+        out = self.topk_indices_buffer[rows, : self.topk_tokens]
+        if chunk.num_keys == 0:
+            return
+        values, scales = self.gather_workspace()
+        if not chunk.skip_gather:
+            with self._stage("gather"):
+                self.cache.gather(chunk.block_table, chunk.cu_seq_lens, out=(values, scales), backend=self.backend)
+        with self._stage("prefill_logits"):
+            logits = mqa_logits(
+                q_quant[rows],
+                None if q_scale is None else q_scale[rows],
+                values[: chunk.num_keys],
+                scales[: chunk.num_keys],
+                weights[rows],
+                chunk.ks,
+                chunk.ke,
+                clean=False,
+                backend=self.backend,
+            )
+        if self.candidate_blocks is not None:
+            with self._stage("candidates"):
+                candidates = self.candidate_blocks[rows]
+                if self.candidate_write:
+                    select_candidate_blocks(
+                        logits, chunk.ks, chunk.ke, candidates.shape[1], self.candidate_block_size,
+                        out=candidates, backend=self.backend,
+                    )
+                else:
+                    apply_candidate_mask(
+                        logits, chunk.ks, chunk.ke, candidates, self.candidate_block_size, backend=self.backend
+                    )
+        with self._stage("prefill_topk"):
+            topk(logits, self.topk_tokens, starts=chunk.ks, ends=chunk.ke, out=out, backend=self.backend)
+
+    def _decode(self, q_quant, q_scale, weights, metadata) -> None:
+        decode = metadata.decode
+        num_decode_tokens = metadata.num_decode_tokens
+        batch, next_n = decode.batch_size, decode.next_n
+        rows = batch * next_n
+        q = q_quant[:num_decode_tokens]
+        scale = None if q_scale is None else q_scale[:num_decode_tokens]
+        w = weights[:num_decode_tokens]
+        if decode.requires_padding:
+            pad = dict(max_len=next_n, backend=self.backend)
+            q = pack_seq(q, decode.decode_lens, pad_value=0, **pad)
+            scale = None if scale is None else pack_seq(scale, decode.decode_lens, pad_value=0, **pad)
+            w = pack_seq(w, decode.decode_lens, pad_value=0.0, **pad).reshape(rows, -1)
+        else:
+            q = q.reshape(batch, next_n, *q.shape[1:])
+            scale = None if scale is None else scale.reshape(batch, next_n, *scale.shape[1:])
+        with self._stage("decode_logits"):
+            logits = paged_mqa_logits(
+                q, scale, self.cache, w, decode.context_lens, decode.block_table, max(decode.max_context_len, 1),
+                clean=False, backend=self.backend,
+            )
+        if self.candidate_blocks is not None:
+            with self._stage("candidates"):
+                self._decode_candidates(logits, decode, num_decode_tokens)
+        with self._stage("decode_topk"):
+            indices = topk_decode(logits, decode.context_lens, next_n, self.topk_tokens, backend=self.backend)
+            if decode.requires_padding:
+                indices = unpack_seq(
+                    indices.view(batch, next_n, -1), decode.decode_lens, total=num_decode_tokens, backend=self.backend
+                )
+            self.topk_indices_buffer[:num_decode_tokens, : self.topk_tokens].copy_(indices)
+
+    def _decode_candidates(self, logits, decode, num_decode_tokens) -> None:
+        ends = decode.context_lens.reshape(-1)
+        token_candidates = self.candidate_blocks[:num_decode_tokens]
+        if not decode.requires_padding:
+            if self.candidate_write:
+                select_candidate_blocks(
+                    logits, None, ends, token_candidates.shape[1], self.candidate_block_size,
+                    out=token_candidates, backend=self.backend,
+                )
+            else:
+                apply_candidate_mask(logits, None, ends, token_candidates, self.candidate_block_size, backend=self.backend)
+            return
+        batch, next_n = decode.batch_size, decode.next_n
+        if self.candidate_write:
+            grid = select_candidate_blocks(
+                logits, None, ends, token_candidates.shape[1], self.candidate_block_size, backend=self.backend
+            )
+            token_candidates.copy_(
+                unpack_seq(grid.view(batch, next_n, -1), decode.decode_lens, total=num_decode_tokens, backend=self.backend)
+            )
+        else:
+            grid = pack_seq(token_candidates, decode.decode_lens, pad_value=-1, max_len=next_n, backend=self.backend)
+            apply_candidate_mask(
+                logits, None, ends, grid.reshape(batch * next_n, -1), self.candidate_block_size, backend=self.backend
+            )

@@ -1,0 +1,112 @@
+"""PyTorch reference of the V4.1 two-level candidate blocks (any device, DESIGN §9).
+
+Row ``r`` reads its bounds at ``r // row_repeat``. Block ``b`` of a row covers the row-relative
+positions ``[b * block_size, (b + 1) * block_size)``, i.e. columns ``starts + b * block_size ...``
+clipped to ``ends``. Bounds are clamped to ``[0, C]`` (``ends <= starts`` is an empty row), so no
+column outside the logits is ever touched, whatever the bounds hold.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._order import UNSELECTABLE, composite_key, selectable
+
+_ID_SENTINEL = torch.iinfo(torch.int64).max
+
+
+def row_bounds(
+    starts: torch.Tensor | None, ends: torch.Tensor, num_rows: int, row_repeat: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row ``(first column, length)``, both int64 ``[R]``, clamped inside ``[0, width]``."""
+    bound_index = torch.arange(num_rows, device=ends.device) // row_repeat  # [R]
+    row_ends = ends[bound_index].to(torch.int64).clamp(0, width)
+    if starts is None:
+        row_starts = torch.zeros_like(row_ends)
+    else:
+        row_starts = starts[bound_index].to(torch.int64).clamp(0, width)
+    return row_starts, (row_ends - row_starts).clamp_min(0)
+
+
+def top_ids_ascending(keys: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """The ids of the ``k`` largest selectable ``keys`` of each row, ascending, then ``-1``.
+
+    ``keys [R, M]`` are ``composite_key`` values (``UNSELECTABLE`` never chosen), unique among the
+    selectable entries of a row; ``ids [R, M]`` int64 are what is reported. Returns int64 ``[R, k]``.
+    """
+    num_rows, num_entries = keys.shape
+    chosen = torch.full((num_rows, k), -1, dtype=torch.int64, device=keys.device)
+    taken = min(k, num_entries)
+    if taken == 0:
+        return chosen
+    top_keys, top_positions = keys.topk(taken, dim=1)  # [R, taken]
+    top_ids = ids.gather(1, top_positions)
+    # Unselectable picks sort last as the sentinel, then become -1.
+    top_ids = torch.where(top_keys != UNSELECTABLE, top_ids, _ID_SENTINEL).sort(dim=1).values
+    chosen[:, :taken] = torch.where(top_ids == _ID_SENTINEL, -1, top_ids)
+    return chosen
+
+
+def select_candidate_blocks_reference(
+    logits: torch.Tensor,
+    starts: torch.Tensor | None,
+    ends: torch.Tensor,
+    num_blocks_k: int,
+    block_size: int,
+    row_repeat: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Top ``num_blocks_k`` blocks per row of ``logits [R, C]`` -> int32 ``[R, num_blocks_k]``.
+
+    Block score = max of the selectable logits in the block (``-inf`` if none); the newest block
+    ``(length - 1) // block_size`` is pinned to ``+inf``; blocks are ranked by (score descending,
+    block id ascending) and those scoring ``-inf`` are never chosen. Output: chosen ids ascending,
+    then ``-1``.
+    """
+    num_rows, width = logits.shape
+    if out is None:
+        out = torch.empty((num_rows, num_blocks_k), dtype=torch.int32, device=logits.device)
+    num_blocks = -(-width // block_size)
+    if num_rows == 0 or num_blocks == 0:
+        return out.fill_(-1)
+    row_starts, row_lengths = row_bounds(starts, ends, num_rows, row_repeat, width)
+    position = torch.arange(num_blocks * block_size, device=logits.device)  # [NB * bs], row-relative
+    in_row = position[None, :] < row_lengths[:, None]  # [R, NB * bs]
+    column = (row_starts[:, None] + position[None, :]).clamp(max=width - 1)
+    values = logits.gather(1, column)
+    values = torch.where(in_row & selectable(values), values, float("-inf"))
+    scores = values.view(num_rows, num_blocks, block_size).amax(dim=2)  # [R, NB]
+    block_ids = torch.arange(num_blocks, device=logits.device).expand(num_rows, num_blocks)
+    # A row without context has newest block -1, which matches no block.
+    newest_block = torch.div(row_lengths - 1, block_size, rounding_mode="floor")
+    scores = torch.where(block_ids == newest_block[:, None], float("inf"), scores)
+    chosen = top_ids_ascending(composite_key(scores, block_ids), block_ids, num_blocks_k)
+    return out.copy_(chosen)
+
+
+def apply_candidate_mask_reference(
+    logits: torch.Tensor,
+    starts: torch.Tensor | None,
+    ends: torch.Tensor,
+    candidate_blocks: torch.Tensor,
+    block_size: int,
+    row_repeat: int,
+) -> None:
+    """In place: ``-inf`` in every column of ``logits [R, C]`` outside ``[starts, ends)`` or outside
+    the blocks listed in ``candidate_blocks [R, K]`` (negative ids and ids past the row are ignored).
+    """
+    num_rows, width = logits.shape
+    if num_rows == 0 or width == 0:
+        return
+    row_starts, row_lengths = row_bounds(starts, ends, num_rows, row_repeat, width)
+    num_blocks = -(-width // block_size)
+    ids = candidate_blocks.to(torch.int64)
+    # Ids that name no block of the logits land in the spare flag slot num_blocks, never read.
+    flag_slot = torch.where((ids >= 0) & (ids < num_blocks), ids, num_blocks)
+    listed = torch.zeros((num_rows, num_blocks + 1), dtype=torch.bool, device=logits.device)
+    listed.scatter_(1, flag_slot, True)
+    relative = torch.arange(width, device=logits.device)[None, :] - row_starts[:, None]  # [R, C]
+    in_row = (relative >= 0) & (relative < row_lengths[:, None])
+    block = torch.div(relative.clamp_min(0), block_size, rounding_mode="floor")
+    keep = listed.gather(1, block)
+    logits.masked_fill_(~keep, float("-inf"))
