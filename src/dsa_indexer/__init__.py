@@ -8,10 +8,25 @@ __version__ = "0.1.0"
 
 from .cache import IndexerKCache
 from .formats import dequantize_fp8, dequantize_mxfp4, quantize_fp8, quantize_mxfp4
+from .indexer import Indexer, IndexerConfig
+from .layer import SparseAttnIndexer, StageTimer
+from .metadata import IndexerMetadata, MetadataBuilder, build_metadata
+from .ops.candidates import apply_candidate_mask, select_candidate_blocks
+from .ops.logits import mqa_logits, paged_mqa_logits
+from .ops.q_quant import rope_quant_q
+from .ops.seq_pack import pack_seq, unpack_seq
+from .ops.topk import indices_to_slots, topk, topk_decode
 
 __all__ = [
+    "Indexer",
+    "IndexerConfig",
     "IndexerKCache",
+    "IndexerMetadata",
+    "MetadataBuilder",
+    "SparseAttnIndexer",
+    "StageTimer",
     "apply_candidate_mask",
+    "build_metadata",
     "dequantize_fp8",
     "dequantize_mxfp4",
     "indices_to_slots",

@@ -173,28 +173,34 @@ def run_demo(options: DemoOptions, progress=None) -> DemoResult:
     result = DemoResult(options)
     hidden_size, latent_size = config.hidden_size, config.q_lora_rank
     for step in range(total_steps):
-        plan = _schedule(requests, step, options, short_decode_step)
-        seq_lens = [r.length + q for r, q in zip(requests, plan)]
+        full_plan = _schedule(requests, step, options, short_decode_step)
+        # Engines order a batch decodes first; a short last prefill chunk counts as a decode.
+        order = sorted(range(len(requests)), key=lambda i: not 0 < full_plan[i] <= options.next_n)
+        active = [requests[i] for i in order]
+        plan = [full_plan[i] for i in order]
+        step_table = block_table[torch.tensor(order, device=device)]
+        seq_lens = [r.length + q for r, q in zip(active, plan)]
         num_tokens = sum(plan)
-        positions = torch.cat([torch.arange(r.length, r.length + q) for r, q in zip(requests, plan)]).to(device)
+        positions = torch.cat([torch.arange(r.length, r.length + q) for r, q in zip(active, plan)]).to(device)
         hidden = torch.randn(num_tokens, hidden_size, generator=generator).to(device, torch.bfloat16)
         latent = torch.randn(num_tokens, latent_size, generator=generator).to(device, torch.bfloat16)
+        k_input = torch.randn(num_tokens, config.k_input_size, generator=generator).to(device, torch.bfloat16)
 
         metadata = build_metadata(
-            seq_lens, plan, block_table, block_size=options.block_size, num_spec_tokens=options.next_n - 1,
+            seq_lens, plan, step_table, block_size=options.block_size, num_spec_tokens=options.next_n - 1,
             compress_ratio=ratio, workspace_tokens=workspace_tokens, max_logits_bytes=options.max_logits_bytes,
             num_cache_blocks=cache.num_blocks,
         )
-        q, k_rotated, w = source.project(hidden, latent, positions)
+        q, k_rotated, w = source.project(hidden, latent, positions, k_input=k_input)
         start = time.perf_counter()
         q_quant, q_scale, k_for_cache, weights = source.quantize(q, k_rotated, w, positions)
         if ratio > 1:
-            k_for_cache = _pooled_keys(k_rotated, requests, plan, ratio)
+            k_for_cache = _pooled_keys(k_rotated, active, plan, ratio)
         indices = layer(q_quant, q_scale, k_for_cache, weights, metadata)
         consumer_inputs = None
         consumer_indices = None
         if consumer is not None:
-            q_c, k_c, w_c = consumer.project(hidden, latent, positions)
+            q_c, k_c, w_c = consumer.project(hidden, latent, positions, k_input=k_input)
             consumer_inputs = consumer.quantize(q_c, k_c, w_c, positions)
             consumer_indices = consumer_layer(consumer_inputs[0], consumer_inputs[1], None, consumer_inputs[3], metadata)
         if device.type == "cuda":
@@ -202,12 +208,12 @@ def run_demo(options: DemoOptions, progress=None) -> DemoResult:
         result.indexer_seconds += time.perf_counter() - start
         result.tokens += num_tokens
 
-        for request, chunk in zip(requests, k_rotated.float().split(plan)):
+        for request, chunk in zip(active, k_rotated.float().split(plan)):
             request.keys_fp32.append(chunk)
-        for request, q in zip(requests, plan):
+        for request, q in zip(active, plan):
             request.length += q
         record = _check_step(
-            step, source, consumer, cache, block_table, requests, plan, positions, hidden, latent,
+            step, source, consumer, cache, step_table, active, plan, positions, hidden, latent, k_input,
             (q_quant, q_scale, weights), consumer_inputs, indices, consumer_indices, candidate_buffer, config,
         )
         record.padded = metadata.decode is not None and metadata.decode.requires_padding
@@ -243,13 +249,14 @@ def _request_keys_fp32(request: _Request, ratio: int) -> torch.Tensor:
     return pooled.bfloat16().float()
 
 
-def _check_step(step, source, consumer, cache, block_table, requests, plan, positions, hidden, latent,
+def _check_step(step, source, consumer, cache, block_table, requests, plan, positions, hidden, latent, k_input,
                 source_inputs, consumer_inputs, indices, consumer_indices, candidate_buffer, config) -> StepRecord:
     ratio = config.compress_ratio
     rows_checked = rows_equal = 0
     hits = total = 0
     row = 0
-    q_rot, _, w_fp32 = source.project(hidden, latent, positions)
+    q, _, w_fp32 = source.project(hidden, latent, positions, k_input=k_input)
+    q_rot = source.apply_rope(q, positions)
     for index, (request, q) in enumerate(zip(requests, plan)):
         if q == 0:
             continue

@@ -147,22 +147,23 @@ def pack_local_candidates(
 
     Args:
         logits: ``[R, C]`` float32 local logits (any strides), as given to the local top-k.
-        local_topk: ``[R, k]`` int32/int64 local positions relative to ``starts`` (``-1`` padding),
-            the output of the local top-k.
+        local_topk: ``[R, k]`` int32 local positions relative to ``starts`` (``-1`` padding), the
+            output of the local top-k.
         rank, world_size, interleave: this rank's place in the sharding (see ``global_to_local``).
-        starts: ``[R]`` int32/int64 first column of each row (prefill chunks), or None for 0.
+        starts: ``[R]`` int32 first column of each row (prefill chunks), or None for 0.
         backend: ``"auto" | "reference" | "triton"``.
 
     Returns:
         ``(scores float32 [R, k], global_ids int64 [R, k])`` with
         ``scores[r, j] = logits[r, starts[r] + l]`` and ``global_ids[r, j] = local_to_global(l)`` for
-        ``l = local_topk[r, j]``; ``(-inf, -1)`` where ``l < 0`` or the column is outside ``[0, C)``.
+        ``l = local_topk[r, j]``; ``(-inf, -1)`` where ``l < 0`` or the column is outside ``[0, C)``
+        (such entries are padding, not an error: checking them would cost a host synchronisation).
     """
     check_tensor("logits", logits, dtype=torch.float32, ndim=2)
-    check_index_tensor("local_topk", local_topk, shape=(logits.shape[0], None))
+    check_tensor("local_topk", local_topk, dtype=torch.int32, shape=(logits.shape[0], None))
     _check_layout(world_size, interleave, rank)
     if starts is not None:
-        check_index_tensor("starts", starts, shape=(logits.shape[0],))
+        check_tensor("starts", starts, dtype=torch.int32, shape=(logits.shape[0],))
     check_same_device(logits=logits, local_topk=local_topk, starts=starts)
     impl = _backend.dispatch(_pack_local_candidates_reference, None, backend, logits.device)
     return impl(logits, local_topk, rank, world_size, interleave, starts)

@@ -421,7 +421,7 @@ def build_metadata(
     decode_queries = [q for q in query_list if 0 < q <= threshold]
     builder = MetadataBuilder(
         max_decode_requests=len(decode_queries),
-        max_next_n=max(decode_queries, default=1),
+        max_next_n=max(max(decode_queries, default=1), threshold),
         max_blocks_per_request=max(1, block_table.shape[1]) if isinstance(block_table, torch.Tensor) else 1,
         block_size=block_size,
         device=device if device is not None else getattr(block_table, "device", None),

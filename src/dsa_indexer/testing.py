@@ -166,20 +166,24 @@ def assert_topk_exact(
             bad_rows += 1
             total_errors += verdict.errors
     if bad_rows:
-        raise AssertionError(f"top-k not exact: {total_errors} error(s) in {bad_rows} row(s); first bad {first_message}")
+        raise AssertionError(
+            f"top-k not exact: {total_errors} error(s) in {bad_rows} row(s); first bad {first_message}"
+        )
 
 
-Generator = torch.Generator | int
+GeneratorOrSeed = torch.Generator | int
 Shape = Sequence[int]
 
 
-def _generator(generator: Generator) -> torch.Generator:
+def _generator(generator: GeneratorOrSeed) -> torch.Generator:
     if isinstance(generator, torch.Generator):
         return generator
     return torch.Generator().manual_seed(generator)
 
 
-def one_bin_rows(shape: Shape, generator: Generator, device: torch.device | str = "cpu") -> torch.Tensor:
+def one_bin_rows(
+    shape: Shape, generator: GeneratorOrSeed, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """Values in ``[1, 1 + 2**-13)`` that share the top 22 bits of their fp32 pattern.
 
     Only the 10 low mantissa bits vary, so every entry lands in one coarse radix bin (the overflow
@@ -189,34 +193,44 @@ def one_bin_rows(shape: Shape, generator: Generator, device: torch.device | str 
     return (low_bits | 0x3F800000).view(torch.float32).to(device)
 
 
-def all_equal_rows(shape: Shape, generator: Generator, device: torch.device | str = "cpu") -> torch.Tensor:
+def all_equal_rows(
+    shape: Shape, generator: GeneratorOrSeed, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """Every entry of a row equal to one random per-row value."""
     num_rows, width = shape
     per_row = torch.randn(num_rows, 1, generator=_generator(generator))
     return per_row.expand(num_rows, width).contiguous().to(device)
 
 
-def few_distinct_rows(shape: Shape, generator: Generator, device: torch.device | str = "cpu") -> torch.Tensor:
+def few_distinct_rows(
+    shape: Shape, generator: GeneratorOrSeed, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """Entries drawn from 10 distinct values, so most picks are decided by column ties."""
     rng = _generator(generator)
     palette = torch.randn(10, generator=rng)
     return palette[torch.randint(0, 10, tuple(shape), generator=rng)].to(device)
 
 
-def sorted_rows(shape: Shape, generator: Generator, device: torch.device | str = "cpu") -> torch.Tensor:
+def sorted_rows(
+    shape: Shape, generator: GeneratorOrSeed, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """Random rows sorted ascending (even rows) and descending (odd rows)."""
     ascending = torch.randn(tuple(shape), generator=_generator(generator)).sort(dim=1).values
     odd = torch.arange(shape[0])[:, None] % 2 == 1
     return torch.where(odd, ascending.flip(1), ascending).to(device)
 
 
-def tiny_difference_rows(shape: Shape, generator: Generator, device: torch.device | str = "cpu") -> torch.Tensor:
+def tiny_difference_rows(
+    shape: Shape, generator: GeneratorOrSeed, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """Distinct values ``1 + 1e-6 * j`` for a random permutation of ``j``: neighbours 1e-6 apart."""
     steps = torch.rand(tuple(shape), generator=_generator(generator), dtype=torch.float64).argsort(dim=1)
     return (1.0 + 1e-6 * steps.to(torch.float64)).to(torch.float32).to(device)
 
 
-def signed_zero_rows(shape: Shape, generator: Generator, device: torch.device | str = "cpu") -> torch.Tensor:
+def signed_zero_rows(
+    shape: Shape, generator: GeneratorOrSeed, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """About 45% ``+0.0``, 45% ``-0.0`` and 10% negative values: zeros must tie across signs."""
     rng = _generator(generator)
     draw = torch.rand(tuple(shape), generator=rng)
@@ -225,7 +239,9 @@ def signed_zero_rows(shape: Shape, generator: Generator, device: torch.device | 
     return torch.where(draw < 0.9, zeros, negatives).to(device)
 
 
-def nonfinite_rows(shape: Shape, generator: Generator, device: torch.device | str = "cpu") -> torch.Tensor:
+def nonfinite_rows(
+    shape: Shape, generator: GeneratorOrSeed, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """Normal values mixed with about 10% NaN, 5% ``+inf`` and 10% ``-inf``."""
     rng = _generator(generator)
     draw = torch.rand(tuple(shape), generator=rng)
@@ -236,7 +252,9 @@ def nonfinite_rows(shape: Shape, generator: Generator, device: torch.device | st
     return values.to(device)
 
 
-def relu_sum_rows(shape: Shape, generator: Generator, device: torch.device | str = "cpu") -> torch.Tensor:
+def relu_sum_rows(
+    shape: Shape, generator: GeneratorOrSeed, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """Indexer-like scores ``sum_h w_h * relu(s_h)`` over 4 heads with shifted scores.
 
     About half the entries are exact zeros (every head's ReLU is 0), some of them ``-0.0`` from

@@ -130,19 +130,11 @@ def test_select_blocks_without_selectable_entries_are_never_chosen():
     assert result.tolist() == [[1, 3, -1, -1]]
 
 
-def test_select_empty_and_inverted_bounds_give_only_minus_one():
+def test_select_rows_without_context_give_only_minus_one():
     logits = torch.randn(3, 10)
-    starts = torch.tensor([4, 0, 9], dtype=torch.int32)
-    ends = torch.tensor([4, 0, 2], dtype=torch.int32)
-    result = select_candidate_blocks(logits, starts, ends, 3, 2)
+    bounds = torch.tensor([4, 0, 10], dtype=torch.int32)
+    result = select_candidate_blocks(logits, bounds, bounds, 3, 2)
     assert torch.equal(result, torch.full((3, 3), -1, dtype=torch.int32))
-
-
-def test_select_clamps_ends_past_the_width():
-    logits = torch.randn(2, 9)
-    ends = torch.tensor([9, 9], dtype=torch.int32)
-    clamped = select_candidate_blocks(logits, None, ends + 100, 3, 2)
-    assert torch.equal(clamped, select_candidate_blocks(logits, None, ends, 3, 2))
 
 
 @pytest.mark.parametrize("num_rows,width", [(0, 10), (3, 0), (0, 0)])
@@ -198,7 +190,7 @@ def test_mask_strided_view_leaves_the_rest_of_the_buffer_untouched():
     logits = buffer[:, 5:25]
     starts = torch.tensor([0, 3, 5, 19], dtype=torch.int32)
     ends = torch.tensor([20, 17, 5, 20], dtype=torch.int32)
-    candidate_blocks = torch.tensor([[0, 3], [1, -1], [0, 1], [0, -1]], dtype=torch.int64)
+    candidate_blocks = torch.tensor([[0, 3], [1, -1], [0, 1], [0, -1]], dtype=torch.int32)
     expected = mask_oracle(logits, starts, ends, candidate_blocks, 4)
     apply_candidate_mask(logits, starts, ends, candidate_blocks, 4)
     assert torch.equal(logits, expected)
@@ -247,6 +239,11 @@ SELECT_ERRORS = [
     ({"logits": torch.randn(40)}, ValueError, "logits"),
     ({"starts": torch.zeros(3, dtype=torch.int32)}, ValueError, "starts"),
     ({"starts": torch.zeros(4)}, TypeError, "starts"),
+    ({"starts": torch.zeros(4, dtype=torch.int64)}, TypeError, "starts"),
+    ({"starts": torch.tensor([0, -1, 0, 0], dtype=torch.int32)}, ValueError, "starts"),
+    ({"starts": torch.tensor([0, 0, 0, 11], dtype=torch.int32)}, ValueError, "starts"),
+    ({"ends": torch.tensor([10, 10, 11, 10], dtype=torch.int32)}, ValueError, "ends"),
+    ({"starts": None, "ends": torch.tensor([10, -1, 10, 10], dtype=torch.int32)}, ValueError, "starts"),
     ({"ends": None}, TypeError, "ends"),
     ({"ends": torch.full((3,), 10, dtype=torch.int32)}, ValueError, "ends"),
     ({"ends": torch.full((2, 2), 10, dtype=torch.int32)}, ValueError, "ends"),
@@ -282,6 +279,18 @@ def test_select_accepts_short_bounds_with_row_repeat():
     assert torch.equal(result[:, 0], torch.tensor([2, 2, 2, 2, 1], dtype=torch.int32))
 
 
+def test_bounds_entries_no_row_uses_are_not_checked():
+    # A fixed-size bounds buffer may hold anything past the entries rows read.
+    logits = torch.randn(3, 8)
+    starts = torch.tensor([0, 2, -50], dtype=torch.int32)
+    ends = torch.tensor([8, 5, 999], dtype=torch.int32)
+    result = select_candidate_blocks(logits, starts, ends, 2, 2, row_repeat=2)
+    assert torch.equal(result, select_oracle(logits, starts, ends, 2, 2, row_repeat=2))
+    expected = mask_oracle(logits, starts, ends, result, 2, row_repeat=2)
+    apply_candidate_mask(logits, starts, ends, result, 2, row_repeat=2)
+    assert torch.equal(logits, expected)
+
+
 def _mask_args(**overrides):
     args = {
         "logits": torch.randn(4, 10),
@@ -301,6 +310,10 @@ MASK_ERRORS = [
     ({"logits": torch.randn(4, 10, 1)}, ValueError, "logits"),
     ({"starts": torch.zeros(1, dtype=torch.int32)}, ValueError, "starts"),
     ({"ends": torch.full((2,), 10.0)}, TypeError, "ends"),
+    ({"ends": torch.tensor([10, 11], dtype=torch.int32)}, ValueError, "ends"),
+    ({"starts": torch.tensor([0, 11], dtype=torch.int32)}, ValueError, "starts"),
+    ({"starts": torch.tensor([-3, 0], dtype=torch.int32)}, ValueError, "starts"),
+    ({"candidate_blocks": torch.zeros(4, 2, dtype=torch.int64)}, TypeError, "candidate_blocks"),
     ({"row_repeat": 1}, ValueError, "starts"),
     ({"candidate_blocks": torch.zeros(3, 2, dtype=torch.int32)}, ValueError, "candidate_blocks"),
     ({"candidate_blocks": torch.zeros(4, 2)}, TypeError, "candidate_blocks"),

@@ -73,9 +73,6 @@ def relu_head_sum64(q64: torch.Tensor, k64: torch.Tensor, w64: torch.Tensor) -> 
     return torch.einsum("mhn,mh->mn", torch.einsum("mhd,nd->mhn", q64, k64).clamp_min(0), w64)
 
 
-# ---------------------------------------------------------------------------------------- prefill
-
-
 @dataclass
 class PrefillCase:
     fmt: str
@@ -127,7 +124,8 @@ def prefill_oracle(case: PrefillCase) -> torch.Tensor:
     if case.fmt == "fp8":
         keys, key_scales = case.k.double(), case.k_scale.double()
     else:
-        keys, key_scales = dequantize_mxfp4(case.k, case.k_scale).double(), torch.ones(case.k.shape[0], dtype=torch.float64)
+        keys = dequantize_mxfp4(case.k, case.k_scale).double()
+        key_scales = torch.ones(case.k.shape[0], dtype=torch.float64)
     full = relu_head_sum64(dequantized_q64(case.q, case.q_scale), keys, case.weights.double()) * key_scales
     return masked_rows(full, case.ks.tolist(), case.ke.tolist())
 
@@ -170,8 +168,6 @@ def context_parallel_ranges(num_rows: int, num_keys: int) -> list[tuple[int, int
     ],
 )
 def test_prefill_matches_float64_on_dequantised_inputs(fmt, num_rows, num_keys, heads, dim, layout):
-    if fmt == "mxfp4" and dim % 32:
-        pytest.skip("MXFP4 needs D to be a multiple of 32")
     ranges = {
         "causal": causal_ranges(num_rows, num_keys),
         "varied": varied_ranges(num_rows, num_keys, seed=num_rows),
@@ -271,9 +267,6 @@ def test_chunk_plan_bounds_a_2048_by_32768_call_with_64_heads():
     assert (rows * heads * (keys + dim) + keys * dim) * 4 <= budget
     requests = reference.requests_per_chunk(2, heads, dim, keys, budget)
     assert 1 <= requests and requests * (2 * heads * (keys + dim) + keys * dim) * 4 <= budget
-
-
-# ----------------------------------------------------------------------------------------- decode
 
 
 @dataclass
@@ -461,7 +454,7 @@ def test_decode_head_counts_and_dims(fmt, heads, head_dim):
 
 @pytest.mark.parametrize("fmt, bound", [("fp8", 1e-3), ("mxfp4", 2e-2)])
 def test_decode_quantisation_error_against_unquantised_truth(fmt, bound):
-    case = make_decode(fmt, [70, 33, 129, 64], 2, heads=16, block_size=64, seed=5)
+    case = make_decode(fmt, [70, 33, 129, 64, 100, 90, 1, 128], 2, heads=16, block_size=64, seed=5)
     diff = calc_diff(paged_mqa_logits(*case.args()), case.truth)
     assert 0 < diff < bound
 
@@ -521,7 +514,9 @@ def test_decode_one_dimensional_lengths_equal_their_two_dimensional_expansion():
     case = make_decode("fp8", [0, 2, 5, 33], next_n, block_size=16)
     expanded = torch.tensor(case.row_lengths, dtype=torch.int32)
     one_d = paged_mqa_logits(*case.args())
-    two_d = paged_mqa_logits(case.q, None, case.cache, case.weights, expanded, case.block_table, case.max_context_len)
+    two_d = paged_mqa_logits(
+        case.q, None, case.cache, case.weights, expanded, case.block_table, case.max_context_len
+    )
     assert same_bits(one_d, two_d)
 
 
@@ -543,9 +538,6 @@ def test_decode_reference_chunks_stay_within_budget(fmt, monkeypatch):
     monkeypatch.undo()
     assert len(score_bytes) > 5 and max(score_bytes) <= budget
     assert calc_diff(out, decode_oracle(case)) < 1e-9
-
-
-# ------------------------------------------------------------------------------------- validation
 
 
 def poisoned(shape) -> torch.Tensor:
@@ -570,6 +562,7 @@ def prefill_mutations(case: PrefillCase):
     return [
         ("q dtype", {"q": case.q.to(torch.bfloat16)}, TypeError, "q"),
         ("q rank", {"q": case.q[0]}, ValueError, "q"),
+        ("q width zero", {"q": case.q[..., :0]}, ValueError, "q"),
         ("q_scale given for fp8", {"q_scale": torch.ones(num_rows, 4)}, TypeError, "q_scale"),
         ("k format", {"k": case.k.view(torch.uint8)}, TypeError, "k"),
         ("k width", {"k": case.k[:, :32]}, ValueError, "k"),
@@ -587,13 +580,17 @@ def prefill_mutations(case: PrefillCase):
         ("ke past keys", {"ke": late_ke}, ValueError, "ke"),
         ("clean type", {"clean": 1}, TypeError, "clean"),
         ("backend name", {"backend": "cuda"}, ValueError, "backend"),
-        ("triton on cpu", {"backend": "triton"}, ValueError, "triton"),
+        ("triton on cpu", {"backend": "triton"}, ValueError, "backend"),
     ]
 
 
-@pytest.mark.parametrize("label", [m[0] for m in prefill_mutations(make_prefill("fp8", 4, 9, 4, 64, causal_ranges(4, 9)))])
+def small_prefill_case() -> PrefillCase:
+    return make_prefill("fp8", 4, 9, 4, 64, causal_ranges(4, 9))
+
+
+@pytest.mark.parametrize("label", [m[0] for m in prefill_mutations(small_prefill_case())])
 def test_prefill_rejects_bad_argument_without_writing(label):
-    case = make_prefill("fp8", 4, 9, 4, 64, causal_ranges(4, 9))
+    case = small_prefill_case()
     _, changes, error, name = next(m for m in prefill_mutations(case) if m[0] == label)
     kwargs = dict(zip(("q", "q_scale", "k", "k_scale", "weights", "ks", "ke"), case.args()))
     kwargs.update(changes)
@@ -653,6 +650,8 @@ def decode_mutations(case: DecodeCase):
     read_page_past_cache = case.block_table.clone()
     read_page_past_cache[2, 1] = case.cache.num_blocks
     mxfp4_cache = IndexerKCache(2, block_size=case.cache.block_size, fmt="mxfp4")
+    wide_lens = torch.zeros(batch, next_n + 1, dtype=torch.int32)
+    short_width = int(case.context_lens.max()) - 1
     return [
         ("cache type", {"cache": case.cache.buffer}, TypeError, "cache"),
         ("cache format", {"cache": mxfp4_cache}, ValueError, "cache"),
@@ -665,7 +664,7 @@ def decode_mutations(case: DecodeCase):
         ("weights dtype", {"weights": case.weights.half()}, TypeError, "weights"),
         ("context_lens dtype", {"context_lens": case.context_lens.float()}, TypeError, "context_lens"),
         ("context_lens shape", {"context_lens": case.context_lens[:-1]}, ValueError, "context_lens"),
-        ("context_lens 2-D shape", {"context_lens": torch.zeros(batch, next_n + 1, dtype=torch.int32)}, ValueError, "context_lens"),
+        ("context_lens 2-D shape", {"context_lens": wide_lens}, ValueError, "context_lens"),
         ("context_lens rank", {"context_lens": case.context_lens[:, None, None]}, ValueError, "context_lens"),
         ("context_lens negative", {"context_lens": case.context_lens - 100}, ValueError, "context_lens"),
         ("block_table dtype", {"block_table": case.block_table.float()}, TypeError, "block_table"),
@@ -676,7 +675,7 @@ def decode_mutations(case: DecodeCase):
         ("block_table device", {"block_table": case.block_table.to("meta")}, ValueError, "block_table"),
         ("max_context_len type", {"max_context_len": float(case.max_context_len)}, TypeError, "max_context_len"),
         ("max_context_len negative", {"max_context_len": -1}, ValueError, "max_context_len"),
-        ("max_context_len short", {"max_context_len": int(case.context_lens.max()) - 1}, ValueError, "max_context_len"),
+        ("max_context_len short", {"max_context_len": short_width}, ValueError, "max_context_len"),
         ("clean type", {"clean": None}, TypeError, "clean"),
         ("backend name", {"backend": "fast"}, ValueError, "backend"),
     ]
@@ -697,15 +696,32 @@ def test_decode_rejects_bad_argument_without_writing(label):
     assert_rejected(lambda: paged_mqa_logits(**kwargs, out=out), out, error, name)
 
 
-def test_decode_rejects_bad_out_and_mxfp4_scales_without_writing():
+@pytest.mark.parametrize(
+    "label, make_out, error",
+    [
+        ("dtype", lambda width: torch.full((6, width), POISON, dtype=torch.float16), TypeError),
+        ("shape", lambda width: poisoned((6, width + 1)), ValueError),
+        ("overlapping rows", lambda w: torch.as_strided(poisoned((400,)), (6, w), (w - 1, 1)), ValueError),
+    ],
+)
+def test_decode_rejects_bad_out_without_writing(label, make_out, error):
     case = small_decode_case()
-    out = torch.as_strided(poisoned((400,)), (6, case.max_context_len), (case.max_context_len - 1, 1))
-    assert_rejected(lambda: paged_mqa_logits(*case.args(), out=out), out, ValueError, "out")
-    out = poisoned((6, case.max_context_len + 1))
-    assert_rejected(lambda: paged_mqa_logits(*case.args(), out=out), out, ValueError, "out")
+    out = make_out(case.max_context_len)
+    assert_rejected(lambda: paged_mqa_logits(*case.args(), out=out), out, error, "out")
 
+
+@pytest.mark.parametrize("label, error", [("missing", TypeError), ("shape", ValueError), ("dtype", TypeError)])
+def test_decode_rejects_bad_mxfp4_q_scale_without_writing(label, error):
+    case = make_decode("mxfp4", [5, 20, 40], 2, block_size=16, extra_width=0)
+    q_scale = {"missing": None, "shape": case.q_scale[..., :1], "dtype": case.q_scale.view(torch.int8)}[label]
+    out = poisoned((6, case.max_context_len))
+    args = (case.q, q_scale, *case.args()[2:])
+    assert_rejected(lambda: paged_mqa_logits(*args, out=out), out, error, "q_scale")
+
+
+def test_decode_rejects_mxfp4_q_against_fp8_cache():
+    fp8 = small_decode_case()
     fp4 = make_decode("mxfp4", [5, 20, 40], 2, block_size=16, extra_width=0)
-    out = poisoned((6, fp4.max_context_len))
-    for q_scale, error in ((None, TypeError), (fp4.q_scale[..., :1], ValueError), (fp4.q_scale.view(torch.int8), TypeError)):
-        args = (fp4.q, q_scale, *fp4.args()[2:])
-        assert_rejected(lambda: paged_mqa_logits(*args, out=out), out, error, "q_scale")
+    out = poisoned((6, fp8.max_context_len))
+    args = (fp4.q, fp4.q_scale, *fp8.args()[2:])
+    assert_rejected(lambda: paged_mqa_logits(*args, out=out), out, ValueError, "cache")

@@ -330,7 +330,8 @@ def test_indices_to_slots_keeps_padding_and_handles_empty_tables():
 
 def test_indices_to_slots_maps_the_last_position_of_the_last_page():
     block_table = int32([[5, 9]])
-    assert indices_to_slots(int32([[127, 64, 63]]), block_table, 64, int32([0])).tolist() == [[9 * 64 + 63, 9 * 64, 5 * 64 + 63]]
+    slots = indices_to_slots(int32([[127, 64, 63]]), block_table, 64, int32([0]))
+    assert slots.tolist() == [[9 * 64 + 63, 9 * 64, 5 * 64 + 63]]
 
 
 LOGITS = torch.zeros(3, 8)

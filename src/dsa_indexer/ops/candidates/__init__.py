@@ -2,9 +2,9 @@
 consumer layers mask their logits to those blocks before their own top-k.
 
 Bounds: row ``r`` uses ``starts[r // row_repeat]`` and ``ends[r // row_repeat]`` (``row_repeat``
-lets the ``next_n`` rows of a decode request share one entry). ``0 <= starts``, ``ends <= C`` are
-the caller's duty: checking device values would need a host read. Out-of-range bounds are clamped
-to ``[0, C]`` and ``ends <= starts`` is an empty row, so nothing outside the logits is touched.
+lets the ``next_n`` rows of a decode request share one entry), with ``0 <= starts <= ends <= C``.
+Checking those values costs one vectorised reduction and one host synchronisation; callers that
+capture CUDA graphs validate once outside the graph.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from __future__ import annotations
 import torch
 
 from ... import backend as _backend
-from ..._validation import check_index_tensor, check_positive_int, check_same_device, check_tensor
+from ..._validation import check_positive_int, check_same_device, check_tensor
 from .reference import apply_candidate_mask_reference, select_candidate_blocks_reference
 
 __all__ = ["apply_candidate_mask", "select_candidate_blocks"]
 
 
 def _check_bound(name: str, bounds, num_rows: int, row_repeat: int) -> None:
-    check_index_tensor(name, bounds, ndim=1)
+    check_tensor(name, bounds, dtype=torch.int32, ndim=1)
     needed = -(-num_rows // row_repeat)
     if bounds.shape[0] < needed:
         raise ValueError(
@@ -28,10 +28,35 @@ def _check_bound(name: str, bounds, num_rows: int, row_repeat: int) -> None:
         )
 
 
+def _first_true(mask: torch.Tensor) -> int:
+    """Index of the first True entry of a 1-D mask known to hold one (error path only)."""
+    return int(torch.nonzero(mask)[0, 0])
+
+
 def _check_bounds(starts, ends, num_rows: int, row_repeat: int) -> None:
     if starts is not None:
         _check_bound("starts", starts, num_rows, row_repeat)
     _check_bound("ends", ends, num_rows, row_repeat)
+
+
+def _check_bound_values(starts, ends, num_rows: int, row_repeat: int, width: int) -> None:
+    """``0 <= starts <= ends <= width`` on the entries that rows use (one host synchronisation)."""
+    used = -(-num_rows // row_repeat)
+    upper = ends[:used]
+    lower = torch.zeros_like(upper) if starts is None else starts[:used]
+    negative, crossed, too_long = lower < 0, lower > upper, upper > width
+    if not any(torch.stack((negative.any(), crossed.any(), too_long.any())).tolist()):
+        return
+    if bool(negative.any()):
+        entry = _first_true(negative)
+        raise ValueError(f"starts must be >= 0, got starts[{entry}] = {int(lower[entry])}")
+    if bool(too_long.any()):
+        entry = _first_true(too_long)
+        raise ValueError(f"ends must be <= the logits width {width}, got ends[{entry}] = {int(upper[entry])}")
+    entry = _first_true(crossed)
+    raise ValueError(
+        f"starts must be <= ends, got starts[{entry}] = {int(lower[entry])} > ends[{entry}] = {int(upper[entry])}"
+    )
 
 
 def select_candidate_blocks(
@@ -50,8 +75,10 @@ def select_candidate_blocks(
     Args:
         logits: ``[R, C]`` float32, any strides. Columns outside ``[starts, ends)`` are never used
             (they may hold garbage or NaN).
-        starts: ``[R']`` int32/int64 first column of each row's context, or None for 0.
-        ends: ``[R']`` int32/int64 end column (exclusive); ``R' >= ceil(R / row_repeat)``.
+        starts: ``[R']`` int32 first column of each row's context, or None for 0.
+        ends: ``[R']`` int32 end column (exclusive); ``R' >= ceil(R / row_repeat)`` and
+            ``0 <= starts <= ends <= C`` on the entries rows use (checked; ``starts == ends`` is a
+            row without context).
         num_blocks_k: blocks to keep per row (>= 1).
         block_size: positions per block (>= 1); block ``b`` is ``[starts + b * bs, starts + (b+1) * bs)``
             clipped to ``ends``.
@@ -74,6 +101,7 @@ def select_candidate_blocks(
     if out is not None:
         check_tensor("out", out, dtype=torch.int32, shape=(logits.shape[0], num_blocks_k))
     check_same_device(logits=logits, starts=starts, ends=ends, out=out)
+    _check_bound_values(starts, ends, logits.shape[0], row_repeat, logits.shape[1])
     impl = _backend.dispatch(select_candidate_blocks_reference, None, backend, logits.device)
     return impl(logits, starts, ends, num_blocks_k, block_size, row_repeat, out)
 
@@ -93,7 +121,7 @@ def apply_candidate_mask(
     Args:
         logits: ``[R, C]`` float32, any strides; modified in place.
         starts, ends, block_size, row_repeat: as for ``select_candidate_blocks``.
-        candidate_blocks: ``[R, K]`` int32/int64 block ids (any order). ``-1`` (any negative id) is
+        candidate_blocks: ``[R, K]`` int32 block ids (any order). ``-1`` (any negative id) is
             padding; an id at or past the row's block count ``ceil((ends - starts) / bs)`` names no
             column of the row and is ignored.
         backend: ``"auto" | "reference" | "triton"``.
@@ -105,7 +133,8 @@ def apply_candidate_mask(
     check_positive_int("block_size", block_size)
     check_positive_int("row_repeat", row_repeat)
     _check_bounds(starts, ends, logits.shape[0], row_repeat)
-    check_index_tensor("candidate_blocks", candidate_blocks, shape=(logits.shape[0], None))
+    check_tensor("candidate_blocks", candidate_blocks, dtype=torch.int32, shape=(logits.shape[0], None))
     check_same_device(logits=logits, starts=starts, ends=ends, candidate_blocks=candidate_blocks)
+    _check_bound_values(starts, ends, logits.shape[0], row_repeat, logits.shape[1])
     impl = _backend.dispatch(apply_candidate_mask_reference, None, backend, logits.device)
     impl(logits, starts, ends, candidate_blocks, block_size, row_repeat)

@@ -1,9 +1,9 @@
 """PyTorch reference of the V4.1 two-level candidate blocks (any device, DESIGN §9).
 
-Row ``r`` reads its bounds at ``r // row_repeat``. Block ``b`` of a row covers the row-relative
-positions ``[b * block_size, (b + 1) * block_size)``, i.e. columns ``starts + b * block_size ...``
-clipped to ``ends``. Bounds are clamped to ``[0, C]`` (``ends <= starts`` is an empty row), so no
-column outside the logits is ever touched, whatever the bounds hold.
+Row ``r`` reads its bounds at ``r // row_repeat``, with ``0 <= starts <= ends <= C`` (the public
+wrappers check it). Block ``b`` of a row covers the row-relative positions
+``[b * block_size, (b + 1) * block_size)``, i.e. columns ``starts + b * block_size ...`` clipped to
+``ends``.
 """
 
 from __future__ import annotations
@@ -16,16 +16,13 @@ _ID_SENTINEL = torch.iinfo(torch.int64).max
 
 
 def row_bounds(
-    starts: torch.Tensor | None, ends: torch.Tensor, num_rows: int, row_repeat: int, width: int
+    starts: torch.Tensor | None, ends: torch.Tensor, num_rows: int, row_repeat: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row ``(first column, length)``, both int64 ``[R]``, clamped inside ``[0, width]``."""
+    """Per-row ``(first column, length)``, both int64 ``[R]``."""
     bound_index = torch.arange(num_rows, device=ends.device) // row_repeat  # [R]
-    row_ends = ends[bound_index].to(torch.int64).clamp(0, width)
-    if starts is None:
-        row_starts = torch.zeros_like(row_ends)
-    else:
-        row_starts = starts[bound_index].to(torch.int64).clamp(0, width)
-    return row_starts, (row_ends - row_starts).clamp_min(0)
+    row_ends = ends[bound_index].to(torch.int64)
+    row_starts = torch.zeros_like(row_ends) if starts is None else starts[bound_index].to(torch.int64)
+    return row_starts, row_ends - row_starts
 
 
 def top_ids_ascending(keys: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
@@ -69,7 +66,7 @@ def select_candidate_blocks_reference(
     num_blocks = -(-width // block_size)
     if num_rows == 0 or num_blocks == 0:
         return out.fill_(-1)
-    row_starts, row_lengths = row_bounds(starts, ends, num_rows, row_repeat, width)
+    row_starts, row_lengths = row_bounds(starts, ends, num_rows, row_repeat)
     position = torch.arange(num_blocks * block_size, device=logits.device)  # [NB * bs], row-relative
     in_row = position[None, :] < row_lengths[:, None]  # [R, NB * bs]
     column = (row_starts[:, None] + position[None, :]).clamp(max=width - 1)
@@ -98,7 +95,7 @@ def apply_candidate_mask_reference(
     num_rows, width = logits.shape
     if num_rows == 0 or width == 0:
         return
-    row_starts, row_lengths = row_bounds(starts, ends, num_rows, row_repeat, width)
+    row_starts, row_lengths = row_bounds(starts, ends, num_rows, row_repeat)
     num_blocks = -(-width // block_size)
     ids = candidate_blocks.to(torch.int64)
     # Ids that name no block of the logits land in the spare flag slot num_blocks, never read.
@@ -108,5 +105,5 @@ def apply_candidate_mask_reference(
     relative = torch.arange(width, device=logits.device)[None, :] - row_starts[:, None]  # [R, C]
     in_row = (relative >= 0) & (relative < row_lengths[:, None])
     block = torch.div(relative.clamp_min(0), block_size, rounding_mode="floor")
-    keep = listed.gather(1, block)
+    keep = in_row & listed.gather(1, block)
     logits.masked_fill_(~keep, float("-inf"))

@@ -108,9 +108,12 @@ def mqa_logits(
     fmt = _key_format(q)
     check_tensor("q", q, ndim=3)
     num_rows, heads, q_width = q.shape
-    if q_width == 0 or (fmt == "mxfp4" and q_width % (MXFP4_BLOCK // 2)):
-        multiple = 1 if fmt == "fp8" else MXFP4_BLOCK // 2
-        raise ValueError(f"q's last dimension must be a positive multiple of {multiple}, got {q_width}")
+    if q_width == 0:
+        raise ValueError(f"q's last dimension (D, or D/2 for MXFP4) must be > 0, got shape {list(q.shape)}")
+    if fmt == "mxfp4" and q_width % (MXFP4_BLOCK // 2):
+        raise ValueError(
+            f"q's last dimension (D/2) must be a multiple of {MXFP4_BLOCK // 2} for MXFP4, got {q_width}"
+        )
     key_dtype = FP8_DTYPE if fmt == "fp8" else torch.uint8
     check_tensor("k", k, dtype=key_dtype, ndim=2)
     check_tensor("k", k, shape=(None, q_width))
@@ -234,7 +237,12 @@ def paged_mqa_logits(
     check_positive_int("max_context_len", max_context_len, minimum=0)
     _check_bool("clean", clean)
     check_same_device(
-        q=q, q_scale=q_scale, cache=cache.buffer, weights=weights, context_lens=context_lens, block_table=block_table
+        q=q,
+        q_scale=q_scale,
+        cache=cache.buffer,
+        weights=weights,
+        context_lens=context_lens,
+        block_table=block_table,
     )
     implementation = _backend.dispatch(reference.paged_mqa_logits, None, backend, q.device)
     _check_decode_lengths(context_lens, block_table, next_n, max_context_len, cache)

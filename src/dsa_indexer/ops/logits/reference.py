@@ -178,13 +178,12 @@ def paged_mqa_logits(
             scale_bytes = scales_pages[pages, token_offsets]  # [b, n, scale_bytes]
             if cache.fmt == "fp8":
                 # Four little-endian bytes per token hold the fp32 scale.
-                keys, key_scales = _decode_keys(value_bytes.view(FP8_DTYPE), scale_bytes.view(torch.float32)[..., 0])
-            else:
-                keys, key_scales = _decode_keys(value_bytes, scale_bytes)
-            queries = _decode_queries(q[requests], None if q_scale is None else q_scale[requests])  # [b, next_n, H, D]
-            logits = _weighted_relu_head_sum(
-                queries, keys, weights_by_request[requests], key_scales
-            )  # [b, next_n, n]
+                value_bytes, scale_bytes = value_bytes.view(FP8_DTYPE), scale_bytes.view(torch.float32)[..., 0]
+            keys, key_scales = _decode_keys(value_bytes, scale_bytes)  # [b, n, D], [b, n] | None
+            request_scales = None if q_scale is None else q_scale[requests]
+            queries = _decode_queries(q[requests], request_scales)  # [b, next_n, H, D]
+            request_weights = weights_by_request[requests]  # [b, next_n, H]
+            logits = _weighted_relu_head_sum(queries, keys, request_weights, key_scales)  # [b, next_n, n]
             valid = positions < row_lengths[requests, :, None]
             out_by_request[requests, :, key_start:key_end] = torch.where(valid, logits, float("-inf"))
     return out

@@ -44,11 +44,13 @@ def _check_pad_value(pad_value, dtype: torch.dtype) -> None:
         as_float = float(pad_value)
     except OverflowError:
         as_float = math.inf
-    # float8_e4m3fn saturates instead of storing inf: the round trip exposes every inexact value.
+    # A CPU round trip (no device sync); float8_e4m3fn saturates inf to 448, so it shows up as inexact.
     stored = torch.tensor(as_float, dtype=torch.float64).to(dtype).to(torch.float64).item()
     exact = (math.isnan(stored) and math.isnan(as_float)) or (stored == as_float and as_float == pad_value)
     if not exact:
-        raise ValueError(f"pad_value must be exactly representable in {dtype}, got {pad_value!r} (stored as {stored!r})")
+        raise ValueError(
+            f"pad_value must be exactly representable in {dtype}, got {pad_value!r} (stored as {stored!r})"
+        )
 
 
 def _host_length_stats(lengths: torch.Tensor) -> tuple[int, int, int]:

@@ -1,7 +1,8 @@
 """PyTorch reference of ``pack_seq`` / ``unpack_seq`` (any device).
 
-Both ops copy payload bytes: they work on a same-width integer view of the data, so float8, NaN
-payloads and ``-0.0`` survive bit for bit. Lengths are read on the device only; nothing here syncs.
+Both ops move the payload as same-width integers, so the copy is byte-exact by construction for
+every dtype (float8, NaN payloads, ``-0.0``) and needs no float kernel for exotic dtypes. Lengths are
+read on the device only; nothing here syncs.
 """
 
 from __future__ import annotations

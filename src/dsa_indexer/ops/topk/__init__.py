@@ -44,7 +44,7 @@ def _check_bounds(starts: torch.Tensor | None, ends: torch.Tensor | None, width:
         raise ValueError(f"ends must be <= the logits width {width}, got ends[{row}] = {int(upper[row])}")
     row = _first_true_row(crossed)
     raise ValueError(
-        f"ends must be >= starts (0 when starts is None), got starts[{row}] = {int(lower[row])} > "
+        f"starts must be <= ends (defaults: starts 0, ends {width}), got starts[{row}] = {int(lower[row])} > "
         f"ends[{row}] = {int(upper[row])}"
     )
 

@@ -42,19 +42,16 @@ def topk(
     for first in range(0, num_rows, rows_per_chunk):
         last = min(first + rows_per_chunk, num_rows)
         keys = composite_key(logits[first:last], columns)  # [n, C] int64
+        row_starts = 0
         if starts is not None:
-            row_starts = starts[first:last, None]
+            row_starts = starts[first:last, None]  # [n, 1]
             keys.masked_fill_(columns < row_starts, UNSELECTABLE)
         if ends is not None:
             keys.masked_fill_(columns >= ends[first:last, None], UNSELECTABLE)
         top_keys, top_columns = torch.topk(keys, picks_per_row, dim=1, sorted=False)  # [n, picks]
         # Unselectable picks become `width`, which sorts after every real column and marks padding.
         chosen = torch.where(top_keys != UNSELECTABLE, top_columns, width).sort(dim=1).values
-        if starts is not None:
-            relative = chosen - row_starts
-        else:
-            relative = chosen
-        out[first:last, :picks_per_row] = torch.where(chosen < width, relative, -1)
+        out[first:last, :picks_per_row] = torch.where(chosen < width, chosen - row_starts, -1)
     return out
 
 
