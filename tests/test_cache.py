@@ -45,7 +45,7 @@ def strided_buffer(num_blocks: int, block_size: int, per_token: int, page_stride
     return storage, buffer
 
 
-@pytest.mark.parametrize("page_padding, offset", [(0, 0), (52, 0), (7, 13)])
+@pytest.mark.parametrize("page_padding, offset", [(0, 0), (52, 0), (8, 12)])
 @pytest.mark.parametrize("block_size", [64, 16, 1])
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 def test_views_address_the_layout_bytes_of_every_slot(fmt, block_size, page_padding, offset):
@@ -180,3 +180,16 @@ def test_constructor_leaves_a_rejected_buffer_untouched():
     with pytest.raises(ValueError, match="buffer page stride"):
         IndexerKCache(2, block_size=16, buffer=overlapping_pages_buffer(storage))
     assert storage.eq(POISON).all()
+
+
+@pytest.mark.parametrize("page_padding, offset, match", [(6, 0, "multiple of 4"), (0, 2, "4-byte aligned")])
+def test_constructor_rejects_unaligned_pages(page_padding, offset, match):
+    page_stride = 16 * 132 + page_padding
+    _, buffer = strided_buffer(3, 16, 132, page_stride, offset)
+    with pytest.raises(ValueError, match=match):
+        IndexerKCache(3, block_size=16, buffer=buffer)
+
+
+def test_constructor_rejects_a_buffer_on_another_device():
+    with pytest.raises(ValueError, match="device"):
+        IndexerKCache(2, block_size=4, buffer=torch.zeros(2, 4, 132, dtype=torch.uint8), device="meta")

@@ -72,6 +72,8 @@ class IndexerKCache:
             buffer = torch.zeros(shape, dtype=torch.uint8, device=device)
         else:
             check_tensor("buffer", buffer, dtype=torch.uint8, shape=shape)
+            if device is not None and buffer.device != torch.device(device):
+                raise ValueError(f"buffer is on {buffer.device} but device={device} was requested")
             if buffer.stride(2) != 1 or buffer.stride(1) != self.bytes_per_token:
                 raise ValueError(
                     f"buffer must have token stride {self.bytes_per_token} and byte stride 1, "
@@ -81,6 +83,11 @@ class IndexerKCache:
                 raise ValueError(
                     f"buffer page stride must be >= {block_size * self.bytes_per_token}, got {buffer.stride(0)}"
                 )
+            # Kernels read the scale region as 4-byte words (fp32 FP8 scales, int32 MXFP4 scale groups).
+            if num_blocks > 1 and buffer.stride(0) % 4:
+                raise ValueError(f"buffer page stride must be a multiple of 4 bytes, got {buffer.stride(0)}")
+            if buffer.storage_offset() % 4:
+                raise ValueError(f"buffer must start 4-byte aligned, got storage offset {buffer.storage_offset()}")
         self.buffer = buffer
 
     @property

@@ -24,7 +24,7 @@ import torch
 from . import backend as _backend
 from ._validation import check_index_tensor, check_positive_int, check_same_device, check_tensor
 from .ops._order import composite_key
-from .ops.candidates.reference import top_ids_ascending
+from .ops._order import top_ids_ascending
 
 __all__ = [
     "global_to_local",

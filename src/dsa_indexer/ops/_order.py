@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 UNSELECTABLE = torch.iinfo(torch.int64).min
+_ID_SENTINEL = torch.iinfo(torch.int64).max
 
 
 def selectable(values: torch.Tensor) -> torch.Tensor:
@@ -37,3 +38,22 @@ def composite_key(values: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     """
     key = (float_order_key(values).to(torch.int64) << 32) | (0xFFFFFFFF - columns.to(torch.int64))
     return torch.where(selectable(values), key, torch.full_like(key, UNSELECTABLE))
+
+
+def top_ids_ascending(keys: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """The ids of the ``k`` largest selectable ``keys`` of each row, ascending, then ``-1``.
+
+    ``keys [R, M]`` are ``composite_key`` values (``UNSELECTABLE`` never chosen), unique among the
+    selectable entries of a row; ``ids [R, M]`` int64 are what is reported. Returns int64 ``[R, k]``.
+    """
+    num_rows, num_entries = keys.shape
+    chosen = torch.full((num_rows, k), -1, dtype=torch.int64, device=keys.device)
+    taken = min(k, num_entries)
+    if taken == 0:
+        return chosen
+    top_keys, top_positions = keys.topk(taken, dim=1)  # [R, taken]
+    top_ids = ids.gather(1, top_positions)
+    # Unselectable picks sort last as the sentinel, then become -1.
+    top_ids = torch.where(top_keys != UNSELECTABLE, top_ids, _ID_SENTINEL).sort(dim=1).values
+    chosen[:, :taken] = torch.where(top_ids == _ID_SENTINEL, -1, top_ids)
+    return chosen

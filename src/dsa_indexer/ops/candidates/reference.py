@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .._order import UNSELECTABLE, composite_key, selectable
-
-_ID_SENTINEL = torch.iinfo(torch.int64).max
+from .._order import UNSELECTABLE, composite_key, selectable, top_ids_ascending
 
 
 def row_bounds(
@@ -23,25 +21,6 @@ def row_bounds(
     row_ends = ends[bound_index].to(torch.int64)
     row_starts = torch.zeros_like(row_ends) if starts is None else starts[bound_index].to(torch.int64)
     return row_starts, row_ends - row_starts
-
-
-def top_ids_ascending(keys: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
-    """The ids of the ``k`` largest selectable ``keys`` of each row, ascending, then ``-1``.
-
-    ``keys [R, M]`` are ``composite_key`` values (``UNSELECTABLE`` never chosen), unique among the
-    selectable entries of a row; ``ids [R, M]`` int64 are what is reported. Returns int64 ``[R, k]``.
-    """
-    num_rows, num_entries = keys.shape
-    chosen = torch.full((num_rows, k), -1, dtype=torch.int64, device=keys.device)
-    taken = min(k, num_entries)
-    if taken == 0:
-        return chosen
-    top_keys, top_positions = keys.topk(taken, dim=1)  # [R, taken]
-    top_ids = ids.gather(1, top_positions)
-    # Unselectable picks sort last as the sentinel, then become -1.
-    top_ids = torch.where(top_keys != UNSELECTABLE, top_ids, _ID_SENTINEL).sort(dim=1).values
-    chosen[:, :taken] = torch.where(top_ids == _ID_SENTINEL, -1, top_ids)
-    return chosen
 
 
 def select_candidate_blocks_reference(

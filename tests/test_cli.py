@@ -1,0 +1,42 @@
+"""The ``dsa-indexer`` command: demo agreement, JSON output, bad flags, info."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dsa_indexer.cli import main
+
+
+@pytest.mark.parametrize("config, fmt", [("v32", "fp8"), ("v41", "mxfp4"), ("v32", "mxfp4")])
+def test_demo_agrees_with_the_oracle_and_writes_json(tmp_path, config, fmt):
+    path = tmp_path / "demo.json"
+    args = ["demo", "--config", config, "--fmt", fmt, "--requests", "3", "--prompt-len", "200",
+            "--decode-steps", "3", "--json", str(path)]
+    assert main(args) == 0
+    numbers = json.loads(path.read_text())
+    assert numbers["agreement"] == 1.0
+    assert 0.8 < numbers["recall_vs_fp32"] <= 1.0
+    assert numbers["tokens_per_s"] > 0
+    assert any(step["padded"] for step in numbers["steps"])
+    assert any(step["decode_tokens"] and step["prefill_tokens"] for step in numbers["steps"])
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["demo", "--bogus"], ["demo", "--requests", "0"], ["demo", "--config", "v4"], ["demo", "--next-n", "x"], []],
+)
+def test_bad_flags_give_one_line_and_nonzero_exit(flags):
+    result = subprocess.run([sys.executable, "-m", "dsa_indexer", *flags], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("dsa-indexer: error:")
+    assert "Traceback" not in result.stderr
+
+
+def test_info_lists_versions_and_backends(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "torch" in out and "backend: reference" in out

@@ -1,0 +1,277 @@
+"""SparseAttnIndexer end to end over multi-step mixed batches, against a dense per-request oracle.
+
+The oracle never touches the paged cache: it keeps each request's raw keys, quantises them with
+``formats``, scores every row densely with the reference ``mqa_logits`` over the request's whole visible
+context and applies the §6 top-k (and the §9 candidate rules). The layer goes through everything the
+oracle skips: slot mapping, paged insert, chunk planning, gather, ragged/paged logits, padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from dsa_indexer import (
+    IndexerKCache,
+    SparseAttnIndexer,
+    StageTimer,
+    apply_candidate_mask,
+    build_metadata,
+    mqa_logits,
+    quantize_fp8,
+    quantize_mxfp4,
+    rope_quant_q,
+    select_candidate_blocks,
+    topk,
+)
+
+HEADS, DIM, BLOCK, TOPK, POISON = 4, 128, 16, 24, -7
+
+# Each step lists (request, new tokens). Request 3 is idle (0 tokens) in the first step; request 2's
+# context stays shorter than TOPK for a while; step 2 has a 1-token decode beside 2-token ones.
+MIXED_STEPS = [
+    [(0, 40), (1, 30), (2, 5), (3, 0)],
+    [(1, 2), (2, 2), (0, 60), (3, 20)],
+    [(1, 1), (2, 2), (0, 2), (3, 10)],
+    [(0, 2), (1, 2), (2, 2), (3, 2)],
+]
+SINGLE_TOKEN_DECODE_STEPS = [
+    [(0, 33), (1, 17)],
+    [(0, 1), (1, 1), (2, 50)],
+    [(0, 1), (1, 1), (2, 1)],
+]
+
+
+@dataclass
+class Run:
+    buffers: list[torch.Tensor]
+    expected: list[torch.Tensor]
+    candidates: list[torch.Tensor]
+    expected_candidates: list[torch.Tensor]
+
+
+def quantize_keys(keys: torch.Tensor, fmt: str):
+    if fmt == "fp8":
+        values, scales = quantize_fp8(keys, block_size=DIM)
+        return values, scales.squeeze(-1)
+    return quantize_mxfp4(keys)
+
+
+def run_steps(
+    steps,
+    *,
+    fmt="fp8",
+    ratio=1,
+    num_spec_tokens=1,
+    candidate_mode=None,
+    max_logits_bytes=1 << 20,
+    workspace_tokens=4096,
+    decode_layout="native",
+    seed=0,
+) -> Run:
+    gen = torch.Generator().manual_seed(seed)
+    num_requests = 1 + max(r for step in steps for r, _ in step)
+    pages = 12
+    cache = IndexerKCache(num_requests * pages, block_size=BLOCK, head_dim=DIM, fmt=fmt)
+    cache.buffer.fill_(0xA5)
+    block_table = torch.randperm(num_requests * pages, generator=gen).to(torch.int32).view(num_requests, pages)
+    max_tokens = 128
+    buffer = torch.empty(max_tokens, TOPK, dtype=torch.int32)
+    num_candidate_blocks = 3
+    candidate_buffer = None
+    if candidate_mode is not None:
+        candidate_buffer = torch.full((max_tokens, num_candidate_blocks), -1, dtype=torch.int32)
+    layer = SparseAttnIndexer(
+        cache, TOPK, buffer, workspace_tokens=workspace_tokens, compress_ratio=ratio,
+        candidate_blocks=candidate_buffer, candidate_block_size=4, candidate_write=candidate_mode == "write",
+        timer=StageTimer(),
+    )
+    cos_sin = torch.randn(512, 64, generator=gen)
+    lengths = [0] * num_requests
+    history = [[] for _ in range(num_requests)]
+    run = Run([], [], [], [])
+    for step in steps:
+        requests = [r for r, _ in step]
+        plan = [q for _, q in step]
+        seq_lens = [lengths[r] + q for r, q in step]
+        metadata = build_metadata(
+            seq_lens, plan, block_table[requests], block_size=BLOCK, num_spec_tokens=num_spec_tokens,
+            compress_ratio=ratio, workspace_tokens=workspace_tokens, max_logits_bytes=max_logits_bytes,
+            decode_layout=decode_layout, num_cache_blocks=cache.num_blocks,
+        )
+        num_tokens = sum(plan)
+        positions = torch.cat([torch.arange(lengths[r], lengths[r] + q) for r, q in step])
+        q = torch.randn(num_tokens, HEADS, DIM, generator=gen).bfloat16()
+        k = torch.randn(num_tokens, DIM, generator=gen).bfloat16()
+        w = torch.randn(num_tokens, HEADS, generator=gen)
+        q_quant, q_scale, weights = rope_quant_q(q, positions, cos_sin, w, DIM**-0.5, HEADS**-0.5, fmt=fmt)
+        if candidate_mode == "mask":
+            candidate_buffer[:num_tokens] = torch.randint(-1, 12, (num_tokens, num_candidate_blocks), generator=gen)
+        given_candidates = None if candidate_buffer is None else candidate_buffer[:num_tokens].clone()
+        buffer.fill_(POISON)
+        layer(q_quant, q_scale, k, weights, metadata)
+
+        row = 0
+        expected = torch.full((num_tokens, TOPK), -1, dtype=torch.int32)
+        expected_candidates = torch.full((num_tokens, num_candidate_blocks), -1, dtype=torch.int32)
+        for r, count in step:
+            for offset in range(count):
+                position = lengths[r] + offset
+                if (position + 1) % ratio == 0:
+                    history[r].append(k[row + offset])
+            visible = ((positions[row : row + count] + 1) // ratio).to(torch.int32)
+            rows = slice(row, row + count)
+            row += count
+            if count == 0 or not history[r]:
+                continue
+            values, scales = quantize_keys(torch.stack(history[r]).float(), fmt)
+            starts = torch.zeros_like(visible)
+            logits = mqa_logits(
+                q_quant[rows], None if q_scale is None else q_scale[rows], values, scales, weights[rows],
+                starts, visible, backend="reference",
+            )
+            if candidate_mode == "write":
+                expected_candidates[rows] = select_candidate_blocks(logits, starts, visible, num_candidate_blocks, 4)
+            elif candidate_mode == "mask":
+                apply_candidate_mask(logits, starts, visible, given_candidates[rows], 4)
+            expected[rows] = topk(logits, TOPK, starts=starts, ends=visible, backend="reference")
+        for r, count in step:
+            lengths[r] += count
+        run.buffers.append(buffer.clone())
+        run.expected.append(expected)
+        if candidate_buffer is not None:
+            run.candidates.append(candidate_buffer[:num_tokens].clone())
+            run.expected_candidates.append(expected_candidates)
+    return run
+
+
+def assert_matches_oracle(run: Run, steps) -> None:
+    for index, (buffer, expected) in enumerate(zip(run.buffers, run.expected)):
+        num_tokens = sum(q for _, q in steps[index])
+        assert torch.equal(buffer[:num_tokens], expected), f"step {index}: indices differ from the dense oracle"
+        assert (buffer[num_tokens:] == POISON).all(), f"step {index}: rows beyond the batch were written"
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_mixed_steps_equal_dense_oracle(fmt, ratio):
+    run = run_steps(MIXED_STEPS, fmt=fmt, ratio=ratio)
+    assert_matches_oracle(run, MIXED_STEPS)
+
+
+def test_single_token_decodes_equal_dense_oracle():
+    run = run_steps(SINGLE_TOKEN_DECODE_STEPS, num_spec_tokens=0)
+    assert_matches_oracle(run, SINGLE_TOKEN_DECODE_STEPS)
+
+
+def test_flattened_decode_layout_equals_dense_oracle():
+    run = run_steps(MIXED_STEPS, decode_layout="flattened")
+    assert_matches_oracle(run, MIXED_STEPS)
+
+
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_candidate_source_publishes_oracle_blocks_and_indices(ratio):
+    run = run_steps(MIXED_STEPS, ratio=ratio, candidate_mode="write")
+    assert_matches_oracle(run, MIXED_STEPS)
+    for got, expected in zip(run.candidates, run.expected_candidates):
+        assert torch.equal(got, expected)
+
+
+def test_candidate_consumer_masks_with_given_blocks():
+    run = run_steps(MIXED_STEPS, candidate_mode="mask")
+    assert_matches_oracle(run, MIXED_STEPS)
+
+
+def test_chunking_is_invisible():
+    roomy = run_steps(MIXED_STEPS, fmt="mxfp4", ratio=2)
+    tight = run_steps(MIXED_STEPS, fmt="mxfp4", ratio=2, max_logits_bytes=4 * 3 * 64, workspace_tokens=64)
+    for a, b in zip(roomy.buffers, tight.buffers):
+        assert torch.equal(a, b)
+    assert_matches_oracle(tight, MIXED_STEPS)
+
+
+def make_layer(fmt="fp8", *, workspace_tokens=256, **kwargs):
+    cache = IndexerKCache(8, block_size=BLOCK, head_dim=DIM, fmt=fmt)
+    buffer = torch.full((128, TOPK), POISON, dtype=torch.int32)
+    return SparseAttnIndexer(cache, TOPK, buffer, workspace_tokens=workspace_tokens, **kwargs), cache, buffer
+
+
+def fp8_inputs(num_tokens):
+    q = torch.randn(num_tokens, HEADS, DIM).to(torch.float8_e4m3fn)
+    return q, None, torch.randn(num_tokens, DIM), torch.rand(num_tokens, HEADS)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(compress_ratio=2), "compress_ratio"),
+        (dict(dcp_world_size=2), "dcp_world_size"),
+        (dict(workspace_tokens=10_000, seq_lens=[120], layer_workspace=64), "workspace_tokens"),
+        (dict(q_rows=3), "q_quant and weights"),
+        (dict(k_rows=3), "k needs"),
+        (dict(q_scale=True), "q_scale"),
+    ],
+)
+def test_bad_calls_raise_before_anything_is_written(change, match):
+    layer, cache, buffer = make_layer(workspace_tokens=change.get("layer_workspace", 256))
+    seq_lens = change.get("seq_lens", [20])
+    meta = build_metadata(
+        seq_lens, seq_lens, torch.arange(8, dtype=torch.int32).view(1, 8), block_size=BLOCK,
+        compress_ratio=change.get("compress_ratio", 1), workspace_tokens=change.get("workspace_tokens"),
+        dcp_world_size=change.get("dcp_world_size", 1),
+    )
+    q, q_scale, k, w = fp8_inputs(seq_lens[0])
+    if "q_rows" in change:
+        q, w = q[: change["q_rows"]], w[: change["q_rows"]]
+    if "k_rows" in change:
+        k = k[: change["k_rows"]]
+    if change.get("q_scale"):
+        q_scale = torch.zeros(seq_lens[0], HEADS, DIM // 32, dtype=torch.uint8)
+    cache_before, buffer_before = cache.buffer.clone(), buffer.clone()
+    with pytest.raises((ValueError, TypeError), match=match):
+        layer(q, q_scale, k, w, meta)
+    assert torch.equal(cache.buffer, cache_before) and torch.equal(buffer, buffer_before)
+
+
+def test_dense_prefill_bypass_inserts_keys_and_leaves_the_buffer():
+    layer, cache, buffer = make_layer(dense_prefill_bypass=True)
+    meta = build_metadata([20], [20], torch.arange(8, dtype=torch.int32).view(1, 8), block_size=BLOCK,
+                          dense_prefill_max_len=32)
+    assert meta.use_dense_prefill
+    q, q_scale, k, w = fp8_inputs(20)
+    layer(q, q_scale, k, w, meta)
+    assert (buffer == POISON).all()
+    assert cache.buffer.any()
+
+
+def test_skip_insert_leaves_the_cache_alone():
+    layer, cache, buffer = make_layer(skip_k_cache_insert=True)
+    meta = build_metadata([5], [5], torch.arange(8, dtype=torch.int32).view(1, 8), block_size=BLOCK)
+    q, q_scale, _, w = fp8_inputs(5)
+    layer(q, q_scale, None, w, meta)
+    assert not cache.buffer.any()
+    assert buffer[4, :6].tolist() == [0, 1, 2, 3, 4, -1]
+
+
+@pytest.mark.parametrize("skip_clear", [False, True])
+def test_buffer_clear_covers_rows_that_see_no_keys(skip_clear):
+    layer, _, buffer = make_layer(compress_ratio=4, skip_topk_buffer_clear=skip_clear)
+    meta = build_metadata([3], [3], torch.arange(8, dtype=torch.int32).view(1, 8), block_size=BLOCK, compress_ratio=4)
+    assert meta.num_prefill_tokens == 3 and meta.prefill_chunks[0].num_keys == 0
+    q, q_scale, k, w = fp8_inputs(3)
+    layer(q, q_scale, k, w, meta)
+    assert (buffer[:3] == (POISON if skip_clear else -1)).all()
+    assert (buffer[3:] == POISON).all()
+
+
+def test_timer_records_stages_and_reserve_reports_peak_bytes():
+    timer = StageTimer()
+    layer, _, _ = make_layer(timer=timer)
+    meta = build_metadata([30, 40], [1, 40], torch.arange(8, dtype=torch.int32).view(2, 4), block_size=BLOCK)
+    q, q_scale, k, w = fp8_inputs(41)
+    layer(q, q_scale, k, w, meta)
+    assert {"insert", "gather", "prefill_logits", "prefill_topk", "decode_logits", "decode_topk"} <= set(timer.seconds)
+    peak = layer.reserve_workspace(max_decode_rows=8, max_context_len=1000, max_logits_bytes=1 << 20)
+    assert peak >= 256 * (DIM + 4) + (1 << 20)
