@@ -1,0 +1,111 @@
+"""Timing, ceilings and result records shared by the benchmark suites (DESIGN.md §12).
+
+Times are medians of ``triton.testing.do_bench`` (which clears the L2 before every call, so decode-sized
+kernels are measured cold) or of CUDA-graph replays for launches too short for event timing. Ceilings
+are measured in the same process: a device-to-device copy (read + write bandwidth), a read-only pass
+(a reduction), and an FP8 matrix product through ``torch._scaled_mm``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def median_us(fn, *, graph: bool = False, warmup_ms: int = 25, rep_ms: int = 200) -> float:
+    """Median time of ``fn()`` in microseconds."""
+    if graph:
+        ms = triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
+    else:
+        ms = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    return ms * 1e3
+
+
+def measure_ceilings() -> dict[str, float]:
+    """Copy and read bandwidth (TB/s) and FP8 matmul rate (TFLOP/s) of this GPU, now."""
+    n = 1 << 30
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_us = median_us(lambda: dst.copy_(src))
+    words = src.view(torch.int32)
+    read_us = median_us(lambda: words.max())
+    size = 8192
+    a = torch.randn(size, size, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(size, size, device="cuda").to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    mm_us = median_us(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+    del src, dst, a, b
+    torch.cuda.empty_cache()
+    return {
+        "copy_tbs": 2 * n / copy_us / 1e6,
+        "read_tbs": n / read_us / 1e6,
+        "fp8_tflops": 2 * size**3 / mm_us / 1e6,
+    }
+
+
+def environment() -> dict[str, str]:
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def record(op: str, shape: dict, us: float, floor_us: float, *, tflops: float | None = None,
+           tbs: float | None = None, baselines: dict[str, float] | None = None, **extra) -> dict:
+    """One result row in the committed JSON format."""
+    row = {
+        "op": op,
+        "shape": shape,
+        "us": round(us, 2),
+        "floor_us": round(floor_us, 2),
+        "pct_of_floor": round(100 * floor_us / us, 1) if us else None,
+        "tflops": None if tflops is None else round(tflops, 1),
+        "tbs": None if tbs is None else round(tbs, 3),
+        "baselines": {name: round(value, 2) for name, value in (baselines or {}).items()},
+    }
+    row.update(environment())
+    row.update(extra)
+    return row
+
+
+def write_results(name: str, rows: list[dict], ceilings: dict[str, float]) -> Path:
+    """Write ``results/<name>.json`` and a Markdown table beside it; return the JSON path."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"ceilings": ceilings, "environment": environment(), "records": rows}, indent=1))
+    lines = [
+        f"# {name}", "",
+        f"{environment()['gpu']}, torch {torch.__version__}, triton {triton.__version__}, {environment()['date']}. "
+        f"Ceilings measured in the same run: copy {ceilings['copy_tbs']:.2f} TB/s, read {ceilings['read_tbs']:.2f} TB/s, "
+        f"FP8 matmul {ceilings['fp8_tflops']:.0f} TFLOP/s.", "",
+        "| op | shape | µs | floor µs | % of floor | TFLOP/s | TB/s | baselines (µs) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in rows:
+        shape = ", ".join(f"{k}={v}" for k, v in r["shape"].items())
+        base = ", ".join(f"{k} {v}" for k, v in r["baselines"].items())
+        lines.append(
+            f"| {r['op']} | {shape} | {r['us']} | {r['floor_us']} | {r['pct_of_floor']} | "
+            f"{r['tflops'] or ''} | {r['tbs'] or ''} | {base} |"
+        )
+    path.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return path
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'op':<22} {'shape':<44} {'us':>10} {'floor':>9} {'%floor':>7}  baselines")
+    for r in rows:
+        shape = ",".join(f"{k}={v}" for k, v in r["shape"].items())
+        base = " ".join(f"{k}={v}" for k, v in r["baselines"].items())
+        print(f"{r['op']:<22} {shape:<44} {r['us']:>10.1f} {r['floor_us']:>9.1f} {r['pct_of_floor']:>7}  {base}")
