@@ -193,3 +193,15 @@ def test_constructor_rejects_unaligned_pages(page_padding, offset, match):
 def test_constructor_rejects_a_buffer_on_another_device():
     with pytest.raises(ValueError, match="device"):
         IndexerKCache(2, block_size=4, buffer=torch.zeros(2, 4, 132, dtype=torch.uint8), device="meta")
+
+
+def test_slot_helpers_and_capacity_accounting():
+    cache = IndexerKCache(5, block_size=4, fmt="mxfp4")
+    assert cache.nbytes == 5 * 4 * 68 and cache.num_slots == 20
+    assert IndexerKCache.blocks_for(9, block_size=4) == 3
+    row = torch.tensor([3, 0, 4], dtype=torch.int32)
+    positions = torch.tensor([0, 3, 4, 9, -1])
+    assert cache.slots_for(row, positions).tolist() == [12, 15, 0, 17, -1]
+    storage = torch.zeros(3 * 300 + 8, dtype=torch.uint8)
+    padded = storage.as_strided((3, 2, 132), (300, 132, 1), 8)
+    assert IndexerKCache(3, block_size=2, buffer=padded).nbytes == 2 * 300 + 2 * 132

@@ -99,6 +99,26 @@ class IndexerKCache:
         return self.num_blocks * self.block_size
 
     @property
+    def nbytes(self) -> int:
+        """Bytes the cache's pages span in their allocation (padding between pages included)."""
+        if self.num_blocks == 0:
+            return 0
+        return (self.num_blocks - 1) * self.page_stride + self.block_size * self.bytes_per_token
+
+    @staticmethod
+    def blocks_for(num_tokens: int, *, block_size: int = 64) -> int:
+        """Pages needed to hold ``num_tokens`` keys."""
+        return -(-num_tokens // block_size)
+
+    def slots_for(self, block_table_row: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Physical slots of request-local key ``positions [N]`` given the request's pages
+        ``block_table_row [max_blocks]``: ``page * block_size + position % block_size``, ``-1`` kept."""
+        positions = positions.to(torch.int64)
+        pages = block_table_row.to(torch.int64)[positions.clamp(min=0) // self.block_size]
+        slots = pages * self.block_size + positions.clamp(min=0) % self.block_size
+        return torch.where(positions < 0, torch.full_like(slots, -1), slots)
+
+    @property
     def page_stride(self) -> int:
         """Bytes between consecutive pages (``buffer.stride(0)``)."""
         return self.buffer.stride(0) if self.num_blocks > 1 else self.block_size * self.bytes_per_token
