@@ -207,7 +207,7 @@ def fp8_inputs(num_tokens):
     "change, match",
     [
         (dict(compress_ratio=2), "compress_ratio"),
-        (dict(dcp_world_size=2), "dcp_world_size"),
+        (dict(dcp_world_size=2), "planned for DCP rank 0 of 2"),
         (dict(workspace_tokens=10_000, seq_lens=[120], layer_workspace=64), "workspace_tokens"),
         (dict(q_rows=3), "q_quant and weights"),
         (dict(k_rows=3), "k needs"),

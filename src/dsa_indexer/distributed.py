@@ -14,7 +14,11 @@ rank, so it is in its rank's local top-k: the merge equals a top-k over the whol
 top-k must break ties toward the lower local index (the §6 order does); since the global id grows
 with the local id on one rank, the tie choices then agree too. Ids travel as integers, never floats.
 
-Everything here works without a process group; nothing imports ``torch.distributed``.
+The collective parts — ``merge_topk_global``, ``select_candidate_blocks_dcp`` and the prefill context
+parallel ``gather_prefill_k`` — run on any ``torch.distributed`` process group (gloo on CPU, NCCL on
+GPUs) using only ``all_gather`` of equal-size tensors and ``all_reduce``. Each first exchanges a small
+shape descriptor, so a mismatch between ranks raises the same ``ValueError`` on every rank instead of
+hanging. ``torch.distributed`` is imported only when a collective runs.
 """
 
 from __future__ import annotations
@@ -27,10 +31,14 @@ from .ops._order import composite_key
 from .ops._order import top_ids_ascending
 
 __all__ = [
+    "candidate_block_scores",
+    "gather_prefill_k",
     "global_to_local",
     "local_lengths",
     "local_to_global",
+    "merge_topk_global",
     "pack_local_candidates",
+    "select_candidate_blocks_dcp",
     "select_global_topk",
 ]
 
@@ -209,3 +217,233 @@ def select_global_topk(
     check_same_device(scores=scores, global_ids=global_ids, out=out)
     impl = _backend.dispatch(_select_global_topk_reference, None, backend, scores.device)
     return impl(scores, global_ids, k, out)
+
+
+def _group_layout(group) -> tuple[int, int]:
+    """``(rank, world_size)`` of ``group`` (None: the default group); a clear error without one."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("group: torch.distributed is not initialised (call init_process_group first)")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _agree_on(group, what: str, descriptor: list[int], local_error: Exception | None = None) -> None:
+    """Collective argument check: every rank contributes an error flag and a fixed-length int descriptor.
+
+    If any rank's own checks failed, or the descriptors differ, every rank raises the same kind of
+    ``ValueError`` — no rank is left waiting in a later collective.
+    """
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    mine = torch.tensor([int(local_error is not None), *descriptor], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    rows = [t.tolist() for t in gathered]
+    failed = [r for r, row in enumerate(rows) if row[0]]
+    if failed:
+        detail = f": {local_error}" if local_error is not None else ""
+        raise ValueError(f"{what}: rank(s) {failed} rejected their arguments{detail}") from local_error
+    if len({tuple(row[1:]) for row in rows}) != 1:
+        raise ValueError(f"{what} differ across ranks: {[row[1:] for row in rows]}")
+
+
+def _local_check(check) -> Exception | None:
+    """Run this rank's argument checks, keeping the error for the collective check."""
+    try:
+        check()
+    except (ValueError, TypeError) as error:
+        return error
+    return None
+
+
+def _all_gather_cat(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def merge_topk_global(
+    logits: torch.Tensor,
+    topk_indices: torch.Tensor,
+    k: int,
+    *,
+    group=None,
+    interleave: int = 1,
+    starts: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> None:
+    """Turn every rank's local top-k into the exact global top-k, in place (a collective).
+
+    Args:
+        logits: ``[R, C_local]`` float32 this rank's logits, as given to its local top-k.
+        topk_indices: ``[R, k]`` int32 this rank's local top-k (positions relative to ``starts``,
+            ascending, ``-1``-padded); overwritten with global request-local positions.
+        k: positions per row; ``k <= W * topk_indices.shape[1]``.
+        group: the DCP process group (None: the default group). Every rank calls with the same ``R``
+            and ``k``; a world of one is a no-op.
+        interleave: consecutive positions per rank in the sharding.
+        starts: ``[R]`` int32 first column of each row (prefill chunks), None for 0.
+
+    The result is bitwise equal to the top-k of the whole (unsharded) row.
+    """
+    rank, world_size = _group_layout(group)
+
+    def check() -> None:
+        check_tensor("logits", logits, dtype=torch.float32, ndim=2)
+        check_tensor("topk_indices", topk_indices, dtype=torch.int32, shape=(logits.shape[0], None))
+        check_positive_int("k", k)
+        check_positive_int("interleave", interleave)
+        if starts is not None:
+            check_tensor("starts", starts, dtype=torch.int32, shape=(logits.shape[0],))
+        if k > world_size * topk_indices.shape[1]:
+            raise ValueError(f"k = {k} exceeds the {world_size} x {topk_indices.shape[1]} candidates the ranks contribute")
+        if k != topk_indices.shape[1]:
+            raise ValueError(f"topk_indices must have k = {k} columns to receive the merged ids, got {topk_indices.shape[1]}")
+
+    error = _local_check(check)
+    if world_size == 1:
+        if error is not None:
+            raise error
+        return
+    descriptor = [-1, -1, -1] if error else [logits.shape[0], topk_indices.shape[1], interleave]
+    _agree_on(group, "merge_topk_global arguments [rows, k, interleave]", descriptor, error)
+    scores, global_ids = pack_local_candidates(logits, topk_indices, rank, world_size, interleave, starts, backend=backend)
+    all_scores = _all_gather_cat(scores, group, dim=1)
+    all_ids = _all_gather_cat(global_ids, group, dim=1)
+    select_global_topk(all_scores, all_ids, k, out=topk_indices, backend=backend)
+
+
+def candidate_block_scores(
+    logits: torch.Tensor,
+    starts: torch.Tensor | None,
+    ends: torch.Tensor,
+    block_size: int,
+    num_blocks: int,
+    *,
+    row_repeat: int = 1,
+) -> torch.Tensor:
+    """float32 ``[R, num_blocks]``: the max selectable logit of each block of each row, ``-inf`` if none.
+
+    Block ``b`` of row ``r`` covers columns ``starts + b * block_size ...`` clipped to ``ends`` (bounds at
+    ``r // row_repeat``). No block is pinned; blocks past the row score ``-inf``.
+    """
+    from .ops._order import selectable
+    from .ops.candidates.reference import row_bounds
+
+    num_rows, width = logits.shape
+    scores = torch.full((num_rows, num_blocks), float("-inf"), dtype=torch.float32, device=logits.device)
+    if num_rows == 0 or num_blocks == 0 or width == 0:
+        return scores
+    row_starts, row_lengths = row_bounds(starts, ends, num_rows, row_repeat)
+    position = torch.arange(num_blocks * block_size, device=logits.device)
+    in_row = position[None, :] < row_lengths[:, None]
+    column = (row_starts[:, None] + position[None, :]).clamp(max=width - 1)
+    values = logits.gather(1, column)
+    values = torch.where(in_row & selectable(values), values, float("-inf"))
+    return values.view(num_rows, num_blocks, block_size).amax(dim=2)
+
+
+def select_candidate_blocks_dcp(
+    logits: torch.Tensor,
+    starts: torch.Tensor | None,
+    ends: torch.Tensor,
+    num_blocks_k: int,
+    global_block_size: int,
+    *,
+    global_ends: torch.Tensor,
+    max_global_blocks: int,
+    group=None,
+    row_repeat: int = 1,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """V4.1 candidate blocks of a DCP-sharded row (a collective; interleave 1 only).
+
+    With interleave 1 and ``global_block_size`` divisible by ``W``, local block ``b`` (of
+    ``global_block_size // W`` local positions) is exactly this rank's share of global block ``b``, so
+    the global block score is the MAX over ranks of the local ones. The newest block is pinned from
+    the global row length ``global_ends [R'] int32`` (``(global_end - 1) // global_block_size``; rows
+    with no context pin nothing). Every rank calls with the same rows and ``max_global_blocks``, also
+    with an empty shard. Returns int32 ``[R, num_blocks_k]`` global block ids, ascending, ``-1``-padded.
+    """
+    import torch.distributed as dist
+
+    from .ops._order import composite_key, top_ids_ascending
+
+    _, world_size = _group_layout(group)
+
+    def check() -> None:
+        check_tensor("logits", logits, dtype=torch.float32, ndim=2)
+        check_positive_int("num_blocks_k", num_blocks_k)
+        check_positive_int("global_block_size", global_block_size)
+        check_positive_int("max_global_blocks", max_global_blocks, minimum=0)
+        check_index_tensor("global_ends", global_ends, ndim=1)
+        if global_block_size % world_size:
+            raise ValueError(
+                f"global_block_size ({global_block_size}) must be a multiple of the DCP world size ({world_size})"
+            )
+
+    error = _local_check(check)
+    descriptor = [-1, -1, -1] if error else [logits.shape[0], max_global_blocks, num_blocks_k]
+    if world_size > 1:
+        _agree_on(group, "select_candidate_blocks_dcp arguments [rows, max_global_blocks, num_blocks_k]",
+                  descriptor, error)
+    elif error is not None:
+        raise error
+    num_rows = logits.shape[0]
+    scores = candidate_block_scores(
+        logits, starts, ends, global_block_size // world_size, max_global_blocks, row_repeat=row_repeat
+    )
+    if world_size > 1:
+        dist.all_reduce(scores, op=dist.ReduceOp.MAX, group=group)
+    block_ids = torch.arange(max_global_blocks, device=logits.device).expand(num_rows, max_global_blocks)
+    bound_index = torch.arange(num_rows, device=logits.device) // row_repeat
+    newest = torch.div(global_ends.to(torch.int64)[bound_index] - 1, global_block_size, rounding_mode="floor")
+    scores = torch.where(block_ids == newest[:, None], float("inf"), scores)
+    chosen = top_ids_ascending(composite_key(scores, block_ids), block_ids, num_blocks_k)
+    if out is None:
+        out = torch.empty((num_rows, num_blocks_k), dtype=torch.int32, device=logits.device)
+    return out.copy_(chosen)
+
+
+def gather_prefill_k(
+    k: torch.Tensor, slot_mapping: torch.Tensor, num_decode_tokens: int, *, group=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill context parallelism: every rank receives the whole prompt's keys (a collective).
+
+    Args:
+        k: ``[T, D]`` this rank's keys: its ``num_decode_tokens`` decode tokens first, then its share of
+            the prefill tokens (padded so that every rank holds the same number of rows).
+        slot_mapping: ``[T]`` int64 slots of those rows (``-1`` for padding).
+        num_decode_tokens: decode rows, which stay local.
+        group: the PCP process group (None: the default group).
+
+    Returns:
+        ``(k_all, slots_all)``: the decode rows, then every rank's prefill rows in rank order, ready for
+        ``insert_k`` into this rank's replicated cache.
+    """
+    _, world_size = _group_layout(group)
+
+    def check() -> None:
+        check_tensor("k", k, ndim=2)
+        check_tensor("slot_mapping", slot_mapping, dtype=(torch.int32, torch.int64), shape=(k.shape[0],))
+        check_positive_int("num_decode_tokens", num_decode_tokens, minimum=0)
+        if num_decode_tokens > k.shape[0]:
+            raise ValueError(f"num_decode_tokens ({num_decode_tokens}) exceeds the {k.shape[0]} rows of k")
+
+    error = _local_check(check)
+    if world_size == 1:
+        if error is not None:
+            raise error
+        return k, slot_mapping
+    descriptor = [-1, -1] if error else [k.shape[0] - num_decode_tokens, k.shape[1]]
+    _agree_on(group, "gather_prefill_k prefill shapes [rows, head_dim] (pad every rank to the same count)",
+              descriptor, error)
+    k_all = torch.cat([k[:num_decode_tokens], _all_gather_cat(k[num_decode_tokens:], group, dim=0)])
+    slots_all = torch.cat(
+        [slot_mapping[:num_decode_tokens], _all_gather_cat(slot_mapping[num_decode_tokens:], group, dim=0)]
+    )
+    return k_all, slots_all

@@ -16,6 +16,7 @@ from torch import nn
 
 from ._validation import check_choice, check_positive_int, check_tensor
 from .cache import IndexerKCache
+from .distributed import gather_prefill_k, merge_topk_global, select_candidate_blocks_dcp
 from .metadata import IndexerMetadata
 from .ops.candidates import apply_candidate_mask, select_candidate_blocks
 from .ops.k_cache import insert_k
@@ -65,6 +66,11 @@ class SparseAttnIndexer(nn.Module):
             with ``candidate_write`` this layer selects blocks into it, otherwise it masks its logits with it.
         candidate_block_size: positions per candidate block (8 for V4.1).
         dense_prefill_bypass: leave the buffer untouched when the metadata marks the step dense.
+        dcp_group: decode-context-parallel process group: this rank's cache holds its shard of every
+            request (interleave ``dcp_interleave``); indices are merged to global positions. Metadata
+            must be planned with the same rank, world size and interleave.
+        pcp_group: prefill-context-parallel process group: the prefill keys of every rank are gathered
+            before the insert, so each rank's (replicated) cache receives the whole prompt.
         timer: a ``StageTimer`` to record per-stage time (None: no timing, no cost).
         backend: ``"auto" | "reference" | "triton"`` for every op.
     """
@@ -83,6 +89,9 @@ class SparseAttnIndexer(nn.Module):
         candidate_block_size: int = 0,
         candidate_write: bool = False,
         dense_prefill_bypass: bool = False,
+        dcp_group=None,
+        dcp_interleave: int = 1,
+        pcp_group=None,
         timer: StageTimer | None = None,
         backend: str = "auto",
     ):
@@ -117,6 +126,10 @@ class SparseAttnIndexer(nn.Module):
         self.candidate_block_size = candidate_block_size
         self.candidate_write = candidate_write
         self.dense_prefill_bypass = dense_prefill_bypass
+        check_positive_int("dcp_interleave", dcp_interleave)
+        self.dcp_group = dcp_group
+        self.dcp_interleave = dcp_interleave
+        self.pcp_group = pcp_group
         self.timer = timer
         self.backend = backend
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -178,7 +191,10 @@ class SparseAttnIndexer(nn.Module):
         buffer = self.topk_indices_buffer
         if not self.skip_k_cache_insert:
             with self._stage("insert"):
-                insert_k(k[: metadata.slot_mapping.shape[0]], self.cache, metadata.slot_mapping, backend=self.backend)
+                keys, slots = k[: metadata.slot_mapping.shape[0]], metadata.slot_mapping
+                if self.pcp_group is not None:
+                    keys, slots = gather_prefill_k(keys, slots, metadata.num_decode_tokens, group=self.pcp_group)
+                insert_k(keys, self.cache, slots, backend=self.backend)
         if self.dense_prefill_bypass and metadata.use_dense_prefill:
             return buffer[:num_tokens, : self.topk_tokens]
         if not self.skip_topk_buffer_clear:
@@ -196,11 +212,22 @@ class SparseAttnIndexer(nn.Module):
             raise ValueError(
                 f"metadata was planned with compress_ratio {metadata.compress_ratio}, the layer uses {self.compress_ratio}"
             )
-        if metadata.dcp_world_size != 1:
+        world, rank = 1, 0
+        if self.dcp_group is not None:
+            import torch.distributed as dist
+
+            world, rank = dist.get_world_size(self.dcp_group), dist.get_rank(self.dcp_group)
+        if (metadata.dcp_world_size, metadata.dcp_rank, metadata.dcp_interleave) != (world, rank, self.dcp_interleave):
             raise ValueError(
-                "SparseAttnIndexer merges no DCP shards yet: plan metadata with dcp_world_size=1 "
-                f"(got {metadata.dcp_world_size})"
+                f"metadata was planned for DCP rank {metadata.dcp_rank} of {metadata.dcp_world_size} with interleave "
+                f"{metadata.dcp_interleave}; the layer is rank {rank} of {world} with interleave {self.dcp_interleave}"
             )
+        if self.candidate_blocks is not None and world > 1:
+            if self.dcp_interleave != 1 or self.candidate_block_size % world:
+                raise ValueError(
+                    "candidate blocks under DCP need dcp_interleave 1 and candidate_block_size divisible by the "
+                    f"world size; got interleave {self.dcp_interleave}, block {self.candidate_block_size}, world {world}"
+                )
         num_tokens = metadata.num_tokens
         if num_tokens > self.topk_indices_buffer.shape[0]:
             raise ValueError(
@@ -228,10 +255,11 @@ class SparseAttnIndexer(nn.Module):
     def _prefill_chunk(self, q_quant, q_scale, weights, chunk) -> None:
         rows = slice(chunk.token_start, chunk.token_end)
         out = self.topk_indices_buffer[rows, : self.topk_tokens]
-        if chunk.num_keys == 0:
+        sharded = self.dcp_group is not None
+        if chunk.num_keys == 0 and not sharded:
             return
         values, scales = self.gather_workspace()
-        if not chunk.skip_gather:
+        if not chunk.skip_gather and chunk.num_keys:
             with self._stage("gather"):
                 self.cache.gather(chunk.block_table, chunk.cu_seq_lens, out=(values, scales), backend=self.backend)
         with self._stage("prefill_logits"):
@@ -249,17 +277,38 @@ class SparseAttnIndexer(nn.Module):
         if self.candidate_blocks is not None:
             with self._stage("candidates"):
                 candidates = self.candidate_blocks[rows]
-                if self.candidate_write:
+                if self.candidate_write and sharded:
+                    select_candidate_blocks_dcp(
+                        logits, chunk.ks, chunk.ke, candidates.shape[1], self.candidate_block_size,
+                        global_ends=chunk.global_visible,
+                        max_global_blocks=-(-chunk.max_global_visible // self.candidate_block_size),
+                        group=self.dcp_group, out=candidates,
+                    )
+                elif self.candidate_write:
                     select_candidate_blocks(
                         logits, chunk.ks, chunk.ke, candidates.shape[1], self.candidate_block_size,
                         out=candidates, backend=self.backend,
                     )
                 else:
                     apply_candidate_mask(
-                        logits, chunk.ks, chunk.ke, candidates, self.candidate_block_size, backend=self.backend
+                        logits, chunk.ks, chunk.ke, candidates, self._local_candidate_block_size(), backend=self.backend
                     )
         with self._stage("prefill_topk"):
             topk(logits, self.topk_tokens, starts=chunk.ks, ends=chunk.ke, out=out, backend=self.backend)
+        if sharded:
+            with self._stage("dcp_merge"):
+                merge_topk_global(
+                    logits, out, self.topk_tokens, group=self.dcp_group, interleave=self.dcp_interleave,
+                    starts=chunk.ks, backend=self.backend,
+                )
+
+    def _local_candidate_block_size(self) -> int:
+        """Positions of a candidate block held by this rank (the whole block without DCP)."""
+        if self.dcp_group is None:
+            return self.candidate_block_size
+        import torch.distributed as dist
+
+        return self.candidate_block_size // dist.get_world_size(self.dcp_group)
 
     def _decode(self, q_quant, q_scale, weights, metadata) -> None:
         decode = metadata.decode
@@ -287,34 +336,47 @@ class SparseAttnIndexer(nn.Module):
                 self._decode_candidates(logits, decode, num_decode_tokens)
         with self._stage("decode_topk"):
             indices = topk_decode(logits, decode.context_lens, next_n, self.topk_tokens, backend=self.backend)
+        if self.dcp_group is not None:
+            with self._stage("dcp_merge"):
+                merge_topk_global(
+                    logits, indices, self.topk_tokens, group=self.dcp_group, interleave=self.dcp_interleave,
+                    backend=self.backend,
+                )
+        with self._stage("decode_unpad"):
             if decode.requires_padding:
                 indices = unpack_seq(
                     indices.view(batch, next_n, -1), decode.decode_lens, total=num_decode_tokens, backend=self.backend
                 )
             self.topk_indices_buffer[:num_decode_tokens, : self.topk_tokens].copy_(indices)
 
+    def _select_decode_blocks(self, logits, decode, ends, num_blocks_k, out=None) -> torch.Tensor:
+        if self.dcp_group is None:
+            return select_candidate_blocks(
+                logits, None, ends, num_blocks_k, self.candidate_block_size, out=out, backend=self.backend
+            )
+        return select_candidate_blocks_dcp(
+            logits, None, ends, num_blocks_k, self.candidate_block_size,
+            global_ends=decode.global_context_lens.reshape(-1),
+            max_global_blocks=-(-decode.max_global_context_len // self.candidate_block_size),
+            group=self.dcp_group, out=out,
+        )
+
     def _decode_candidates(self, logits, decode, num_decode_tokens) -> None:
         ends = decode.context_lens.reshape(-1)
         token_candidates = self.candidate_blocks[:num_decode_tokens]
+        local_block = self._local_candidate_block_size()
         if not decode.requires_padding:
             if self.candidate_write:
-                select_candidate_blocks(
-                    logits, None, ends, token_candidates.shape[1], self.candidate_block_size,
-                    out=token_candidates, backend=self.backend,
-                )
+                self._select_decode_blocks(logits, decode, ends, token_candidates.shape[1], out=token_candidates)
             else:
-                apply_candidate_mask(logits, None, ends, token_candidates, self.candidate_block_size, backend=self.backend)
+                apply_candidate_mask(logits, None, ends, token_candidates, local_block, backend=self.backend)
             return
         batch, next_n = decode.batch_size, decode.next_n
         if self.candidate_write:
-            grid = select_candidate_blocks(
-                logits, None, ends, token_candidates.shape[1], self.candidate_block_size, backend=self.backend
-            )
+            grid = self._select_decode_blocks(logits, decode, ends, token_candidates.shape[1])
             token_candidates.copy_(
                 unpack_seq(grid.view(batch, next_n, -1), decode.decode_lens, total=num_decode_tokens, backend=self.backend)
             )
         else:
             grid = pack_seq(token_candidates, decode.decode_lens, pad_value=-1, max_len=next_n, backend=self.backend)
-            apply_candidate_mask(
-                logits, None, ends, grid.reshape(batch * next_n, -1), self.candidate_block_size, backend=self.backend
-            )
+            apply_candidate_mask(logits, None, ends, grid.reshape(batch * next_n, -1), local_block, backend=self.backend)

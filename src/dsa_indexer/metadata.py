@@ -317,7 +317,9 @@ class MetadataBuilder:
         current: list[int] = []
         current_rows = current_keys = 0
         for r in prefills:
-            rows, keys = query_lens[r], local_keys[r]
+            # Budgets count the global keys so that every DCP rank plans the same chunks (the merge and
+            # the candidate reduction are collectives over each chunk); without DCP they are equal.
+            rows, keys = query_lens[r], seq_lens[r] // ratio
             if workspace is not None and keys > workspace:
                 raise ValueError(f"request {r} has {keys} keys, more than workspace_tokens ({workspace})")
             fits = (workspace is None or current_keys + keys <= workspace) and (

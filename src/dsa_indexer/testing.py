@@ -10,7 +10,11 @@ int seed. Values are drawn on the CPU and then moved, so a seed gives the same l
 
 from __future__ import annotations
 
+import datetime
 import math
+import os
+import tempfile
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -27,6 +31,7 @@ __all__ = [
     "nonfinite_rows",
     "one_bin_rows",
     "relu_sum_rows",
+    "run_distributed",
     "signed_zero_rows",
     "sorted_rows",
     "tiny_difference_rows",
@@ -295,3 +300,46 @@ ADVERSARIAL_GENERATORS: dict[str, Callable[..., torch.Tensor]] = {
     "nonfinite": nonfinite_rows,
     "relu_sum": relu_sum_rows,
 }
+
+
+def _distributed_worker(rank, fn, world_size, store_path, backend, args, results_dir):
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        backend, init_method=f"file://{store_path}", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, os.path.join(results_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, *args, backend: str = "gloo", timeout_s: float = 300.0) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes joined in a process group.
+
+    The group is initialised from a file store in a fresh temporary folder (no ports), on ``gloo``
+    (CPU) or ``nccl`` (one GPU per rank). ``fn`` must be importable by the children (a module-level
+    function). Returns the ranks' return values, in rank order; a failing rank raises here, and a run
+    that exceeds ``timeout_s`` is terminated and raises ``TimeoutError``.
+    """
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        context = mp.start_processes(
+            _distributed_worker,
+            args=(fn, world_size, os.path.join(folder, "store"), backend, args, folder),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout_s
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.terminate()
+                raise TimeoutError(f"distributed run of {getattr(fn, '__name__', fn)} exceeded {timeout_s} s")
+        return [torch.load(os.path.join(folder, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
