@@ -40,3 +40,13 @@ def test_info_lists_versions_and_backends(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert "torch" in out and "backend: reference" in out
+
+
+@pytest.mark.distributed
+def test_demo_with_dcp_matches_the_single_process_run(tmp_path):
+    path = tmp_path / "dcp.json"
+    args = ["demo", "--config", "v41", "--dcp", "2", "--requests", "2", "--prompt-len", "150", "--decode-steps", "2",
+            "--json", str(path)]
+    assert main(args) == 0
+    numbers = json.loads(path.read_text())
+    assert numbers["dcp"] == 2 and numbers["dcp_agreement"] == 1.0

@@ -42,13 +42,15 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--next-n", type=_positive, default=2, help="tokens per decode step (1 + speculative)")
     demo.add_argument("--topk", type=_positive, default=64, help="keys selected per token")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--dcp", type=_positive, default=1, metavar="N",
+                      help="also run with decode context parallelism over N processes and compare")
     demo.add_argument("--json", metavar="PATH", help="write the numbers as JSON")
     commands.add_parser("info", help="versions, devices and available backends")
     return parser
 
 
 def _run_demo(args, console: Console) -> int:
-    from .demo import DemoOptions, run_demo
+    from .demo import DemoOptions, run_demo, run_demo_dcp
 
     if args.device == "cuda":
         import torch
@@ -56,14 +58,18 @@ def _run_demo(args, console: Console) -> int:
         if not torch.cuda.is_available():
             console.print("dsa-indexer: error: --device cuda but no CUDA device is available", style="red")
             return 2
+        if args.dcp > torch.cuda.device_count():
+            console.print(f"dsa-indexer: error: --dcp {args.dcp} needs {args.dcp} GPUs", style="red")
+            return 2
     options = DemoOptions(
         config=args.config, fmt=args.fmt, device=args.device, requests=args.requests, prompt_len=args.prompt_len,
-        decode_steps=args.decode_steps, next_n=args.next_n, topk=args.topk, seed=args.seed,
+        decode_steps=args.decode_steps, next_n=args.next_n, topk=args.topk, seed=args.seed, dcp=args.dcp,
     )
     columns = (TextColumn("[bold]serving"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("steps", total=None)
-        result = run_demo(options, progress=lambda done, total: progress.update(task, completed=done, total=total))
+        update = lambda done, total: progress.update(task, completed=done, total=total)  # noqa: E731
+        result = run_demo_dcp(options, update) if args.dcp > 1 else run_demo(options, update)
 
     steps = Table(title=f"dsa-indexer demo — {args.config}, {result.options.fmt or 'default format'}, {args.device}")
     for name in ("step", "decode tok", "prefill tok", "padded", "rows = oracle", "recall vs fp32"):
@@ -85,10 +91,16 @@ def _run_demo(args, console: Console) -> int:
         f"recall vs fp32 indexer: [bold]{result.recall_vs_fp32:.3f}[/]   "
         f"tokens/s: [bold]{result.tokens_per_s:,.0f}[/]"
     )
+    dcp_ok = True
+    if result.dcp_rows:
+        dcp_ok = result.dcp_rows_equal == result.dcp_rows
+        console.print(
+            f"DCP over {args.dcp} ranks: {result.dcp_rows_equal}/{result.dcp_rows} merged rows equal the single-process run"
+        )
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result.to_json(), handle, indent=2)
-    return 0 if result.agreement == 1.0 else 1
+    return 0 if result.agreement == 1.0 and dcp_ok else 1
 
 
 def _run_info(console: Console) -> int:

@@ -43,6 +43,7 @@ class DemoOptions:
     block_size: int = 16
     seed: int = 0
     max_logits_bytes: int = 256 * 1024
+    dcp: int = 1
 
 
 @dataclass
@@ -63,6 +64,9 @@ class DemoResult:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     indexer_seconds: float = 0.0
     tokens: int = 0
+    step_indices: list[torch.Tensor] = field(default_factory=list)
+    dcp_rows_equal: int | None = None
+    dcp_rows: int | None = None
 
     @property
     def agreement(self) -> float:
@@ -88,6 +92,8 @@ class DemoResult:
             "recall_vs_fp32": self.recall_vs_fp32,
             "tokens_per_s": self.tokens_per_s,
             "tokens": self.tokens,
+            "dcp": self.options.dcp,
+            "dcp_agreement": None if not self.dcp_rows else self.dcp_rows_equal / self.dcp_rows,
             "stage_seconds": self.stage_seconds,
             "steps": [vars(s) for s in self.steps],
         }
@@ -127,9 +133,15 @@ def _schedule(requests: list[_Request], step: int, options: DemoOptions, short_d
     return plan
 
 
-def run_demo(options: DemoOptions, progress=None) -> DemoResult:
-    """Run the simulated serving loop; ``progress(step, total)`` is called after each step."""
+def run_demo(options: DemoOptions, progress=None, *, dcp_rank: int = 0, dcp_group=None) -> DemoResult:
+    """Run the simulated serving loop; ``progress(step, total)`` is called after each step.
+
+    With ``dcp_group`` (world ``options.dcp``) this process holds rank ``dcp_rank``'s shard of every
+    request's keys and the indices are merged across ranks; the dense oracle and the fp32 recall need
+    the whole cache, so they are skipped there (``run_demo_dcp`` compares with a single-process run).
+    """
     device = torch.device(options.device)
+    world = options.dcp if dcp_group is not None else 1
     config = _config(options)
     fmt = config.fmt
     generator = torch.Generator().manual_seed(options.seed)
@@ -154,7 +166,7 @@ def run_demo(options: DemoOptions, progress=None) -> DemoResult:
     candidate_buffer = None
     if consumer is not None:
         candidate_buffer = torch.full((max_tokens, config.candidate_topk_blocks), -1, dtype=torch.int32, device=device)
-    common = dict(workspace_tokens=workspace_tokens, compress_ratio=ratio, timer=timer)
+    common = dict(workspace_tokens=workspace_tokens, compress_ratio=ratio, timer=timer, dcp_group=dcp_group)
     layer = SparseAttnIndexer(
         cache, config.topk, buffer, candidate_blocks=candidate_buffer,
         candidate_block_size=config.candidate_block_size, candidate_write=consumer is not None, **common,
@@ -189,7 +201,7 @@ def run_demo(options: DemoOptions, progress=None) -> DemoResult:
         metadata = build_metadata(
             seq_lens, plan, step_table, block_size=options.block_size, num_spec_tokens=options.next_n - 1,
             compress_ratio=ratio, workspace_tokens=workspace_tokens, max_logits_bytes=options.max_logits_bytes,
-            num_cache_blocks=cache.num_blocks,
+            num_cache_blocks=cache.num_blocks, dcp_rank=dcp_rank, dcp_world_size=world,
         )
         q, k_rotated, w = source.project(hidden, latent, positions, k_input=k_input)
         start = time.perf_counter()
@@ -212,10 +224,14 @@ def run_demo(options: DemoOptions, progress=None) -> DemoResult:
             request.keys_fp32.append(chunk)
         for request, q in zip(active, plan):
             request.length += q
-        record = _check_step(
-            step, source, consumer, cache, step_table, active, plan, positions, hidden, latent, k_input,
-            (q_quant, q_scale, weights), consumer_inputs, indices, consumer_indices, candidate_buffer, config,
-        )
+        result.step_indices.append(_in_request_order(indices, order, plan))
+        if world == 1:
+            record = _check_step(
+                step, source, consumer, cache, step_table, active, plan, positions, hidden, latent, k_input,
+                (q_quant, q_scale, weights), consumer_inputs, indices, consumer_indices, candidate_buffer, config,
+            )
+        else:
+            record = StepRecord(step, 0, 0, 0, 0, float("nan"), False)
         record.padded = metadata.decode is not None and metadata.decode.requires_padding
         record.decode_tokens, record.prefill_tokens = metadata.num_decode_tokens, metadata.num_prefill_tokens
         result.steps.append(record)
@@ -223,6 +239,37 @@ def run_demo(options: DemoOptions, progress=None) -> DemoResult:
             progress(step + 1, total_steps)
     result.stage_seconds = dict(timer.seconds)
     return result
+
+
+def _in_request_order(indices: torch.Tensor, order: list[int], plan: list[int]) -> torch.Tensor:
+    """The step's index rows regrouped by request id (the batch order changes from step to step)."""
+    rows = indices.split(plan)
+    by_request = sorted(zip(order, rows), key=lambda pair: pair[0])
+    return torch.cat([r for _, r in by_request]).cpu()
+
+
+def _dcp_worker(rank: int, world: int, options: DemoOptions) -> list[torch.Tensor]:
+    import torch.distributed as dist
+
+    if options.device == "cuda":
+        torch.cuda.set_device(rank)
+    return run_demo(options, dcp_rank=rank, dcp_group=dist.group.WORLD).step_indices
+
+
+def run_demo_dcp(options: DemoOptions, progress=None) -> DemoResult:
+    """The demo on ``options.dcp`` processes (gloo on CPU, NCCL with one GPU each on CUDA), checked
+    against the single-process run: every merged index row must equal it bit for bit."""
+    from .testing import run_distributed
+
+    single = run_demo(options, progress)
+    per_rank = run_distributed(_dcp_worker, options.dcp, options, backend="nccl" if options.device == "cuda" else "gloo")
+    equal = rows = 0
+    for rank_steps in per_rank:
+        for got, want in zip(rank_steps, single.step_indices):
+            equal += int((got == want).all(1).sum())
+            rows += want.shape[0]
+    single.dcp_rows_equal, single.dcp_rows = equal, rows
+    return single
 
 
 def _pooled_keys(rotated: torch.Tensor, requests: list[_Request], plan: list[int], ratio: int) -> torch.Tensor:
