@@ -1,0 +1,251 @@
+"""Triton kernels of ``pack_seq`` / ``unpack_seq`` (twins of ``reference.py``).
+
+Both ops are byte copies. The payload's trailing dims are flattened into one row of ``width``
+elements, and the rows are moved as same-width integers, widened to 2-, 4- or 8-byte words when the
+row bytes, every stride and the storage offsets allow it (an fp8 row of 8192 bytes moves as 1024
+int64 words, so each thread issues 16-byte accesses). A pad value is replicated into a word the same
+way, so the bytes written are exactly those of the reference.
+
+Work decomposition. The padded grid ``[B, L]`` is flattened to ``B * L`` rows ``o = b * L + t``.
+A program owns ``tiles_per_program`` consecutive tiles of ``BLOCK_R`` grid rows (and one chunk of
+``BLOCK_W`` words of each row, the second grid axis). Sequence ``b`` starts at row
+``start[b] = sum(lengths[:b])`` of the ragged side. A program sums ``lengths[:b0]`` for the first
+sequence ``b0`` of its first tile once, then keeps that running prefix while it walks its tiles: a
+tile spans at most ``BLOCK_R`` sequences (``L >= 1``), so the starts of its sequences are the prefix
+plus an exclusive cumulative sum over ``BLOCK_R`` lengths, and moving to the next tile adds the
+lengths of the sequences left behind. The lengths are read on the device only: no host
+synchronisation, CUDA-graph capturable.
+
+- pack: grid row ``(b, t)`` takes ragged row ``start[b] + t`` when ``t < lengths[b]`` and that row
+  lies in ``[0, N)``, else the pad word (the reference's rule, so invalid lengths never read outside
+  ``x``). Every grid row is written.
+- unpack: grid row ``(b, t)`` with ``t < lengths[b]`` goes to ragged row ``start[b] + t`` when that
+  row lies in ``[0, total)``; nothing else is read or written.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import as_bits
+
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_TILE_BYTES = 32768
+_PREFIX_BLOCK = 1024
+_MAX_PROGRAMS = 1024
+
+
+@triton.jit
+def _tile_sequence_starts(lengths_ptr, num_seqs, first_seq, seq, prefix, BLOCK_R: tl.constexpr):
+    """(start, length) of the sequences ``seq`` [BLOCK_R] (each in ``[first_seq, first_seq + BLOCK_R)``
+    or past ``num_seqs``), given ``prefix = sum(lengths[:first_seq])``; also the sum of the lengths of
+    sequences ``[first_seq, first_seq + BLOCK_R)``."""
+    local = first_seq + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    local_len = tl.load(lengths_ptr + local, mask=local < num_seqs, other=0).to(tl.int64)  # [BLOCK_R]
+    exclusive = tl.cumsum(local_len, axis=0) - local_len  # [BLOCK_R]
+    slot = tl.minimum(seq - first_seq, BLOCK_R - 1).to(tl.int32)  # [BLOCK_R]
+    start = prefix + tl.gather(exclusive, slot, axis=0)  # [BLOCK_R]
+    length = tl.gather(local_len, slot, axis=0)  # [BLOCK_R]
+    return start, length
+
+
+@triton.jit
+def _length_prefix(lengths_ptr, end, PREFIX_BLOCK: tl.constexpr):
+    """``sum(lengths[:end])`` as int64."""
+    total = tl.zeros([PREFIX_BLOCK], dtype=tl.int64)
+    for first in range(0, end, PREFIX_BLOCK):
+        idx = first + tl.arange(0, PREFIX_BLOCK)  # [PREFIX_BLOCK]
+        total += tl.load(lengths_ptr + idx, mask=idx < end, other=0).to(tl.int64)
+    return tl.sum(total, axis=0)
+
+
+@triton.jit
+def _advance_prefix(lengths_ptr, num_seqs, prefix, first_seq, next_first_seq, BLOCK_R: tl.constexpr):
+    """``prefix + sum(lengths[first_seq:next_first_seq])`` (at most BLOCK_R sequences apart)."""
+    local = first_seq + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    keep = (local < next_first_seq) & (local < num_seqs)
+    return prefix + tl.sum(tl.load(lengths_ptr + local, mask=keep, other=0).to(tl.int64), axis=0)
+
+
+@triton.jit(do_not_specialize=["pad_word", "num_src_rows", "num_seqs", "max_len", "tiles_per_program"])
+def _pack_kernel(
+    src_ptr, lengths_ptr, dst_ptr, pad_word,
+    num_src_rows, num_seqs, max_len, width, tiles_per_program,
+    src_stride_row, src_stride_col,
+    dst_stride_seq, dst_stride_pos, dst_stride_col,
+    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, PREFIX_BLOCK: tl.constexpr,
+):
+    grid_rows = num_seqs.to(tl.int64) * max_len
+    cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)  # [BLOCK_W]
+    col_ok = cols < width
+    pad = pad_word.to(dst_ptr.dtype.element_ty)
+    first_tile = tl.program_id(0).to(tl.int64) * tiles_per_program
+    first_seq = (first_tile * BLOCK_R) // max_len
+    prefix = _length_prefix(lengths_ptr, first_seq, PREFIX_BLOCK)
+    for tile in range(first_tile, first_tile + tiles_per_program):
+        rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R] grid rows b * L + t
+        in_grid = rows < grid_rows
+        seq = rows // max_len
+        pos = rows - seq * max_len
+        start, length = _tile_sequence_starts(lengths_ptr, num_seqs, first_seq, seq, prefix, BLOCK_R)
+        src_row = start + pos  # [BLOCK_R]
+        valid = in_grid & (pos < length) & (src_row >= 0) & (src_row < num_src_rows)
+        src = src_ptr + src_row[:, None] * src_stride_row + cols[None, :] * src_stride_col  # [BLOCK_R, BLOCK_W]
+        words = tl.load(src, mask=valid[:, None] & col_ok[None, :], other=pad)  # [BLOCK_R, BLOCK_W]
+        dst = dst_ptr + (seq * dst_stride_seq + pos * dst_stride_pos)[:, None] + cols[None, :] * dst_stride_col
+        tl.store(dst, words, mask=in_grid[:, None] & col_ok[None, :])
+        next_first_seq = ((tile + 1) * BLOCK_R) // max_len
+        prefix = _advance_prefix(lengths_ptr, num_seqs, prefix, first_seq, next_first_seq, BLOCK_R)
+        first_seq = next_first_seq
+
+
+@triton.jit(do_not_specialize=["num_seqs", "max_len", "total", "tiles_per_program"])
+def _unpack_kernel(
+    src_ptr, lengths_ptr, dst_ptr,
+    num_seqs, max_len, total, width, tiles_per_program,
+    src_stride_seq, src_stride_pos, src_stride_col,
+    dst_stride_row, dst_stride_col,
+    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, PREFIX_BLOCK: tl.constexpr,
+):
+    grid_rows = num_seqs.to(tl.int64) * max_len
+    cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)  # [BLOCK_W]
+    col_ok = cols < width
+    first_tile = tl.program_id(0).to(tl.int64) * tiles_per_program
+    first_seq = (first_tile * BLOCK_R) // max_len
+    prefix = _length_prefix(lengths_ptr, first_seq, PREFIX_BLOCK)
+    for tile in range(first_tile, first_tile + tiles_per_program):
+        rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R] grid rows b * L + t
+        in_grid = rows < grid_rows
+        seq = rows // max_len
+        pos = rows - seq * max_len
+        start, length = _tile_sequence_starts(lengths_ptr, num_seqs, first_seq, seq, prefix, BLOCK_R)
+        dst_row = start + pos  # [BLOCK_R]
+        valid = in_grid & (pos < length) & (dst_row >= 0) & (dst_row < total)
+        mask = valid[:, None] & col_ok[None, :]
+        src = src_ptr + (seq * src_stride_seq + pos * src_stride_pos)[:, None] + cols[None, :] * src_stride_col
+        words = tl.load(src, mask=mask)  # [BLOCK_R, BLOCK_W]
+        tl.store(dst_ptr + dst_row[:, None] * dst_stride_row + cols[None, :] * dst_stride_col, words, mask=mask)
+        next_first_seq = ((tile + 1) * BLOCK_R) // max_len
+        prefix = _advance_prefix(lengths_ptr, num_seqs, prefix, first_seq, next_first_seq, BLOCK_R)
+        first_seq = next_first_seq
+
+
+def _row_view(tensor: torch.Tensor, lead: int) -> torch.Tensor | None:
+    """``tensor`` viewed as ``[*shape[:lead], width]`` without a copy, or None when its strides forbid it."""
+    width = math.prod(tensor.shape[lead:])
+    try:
+        return tensor.view(*tensor.shape[:lead], width)
+    except RuntimeError:
+        return None
+
+
+def _word_bytes(views: list[torch.Tensor]) -> int:
+    """The widest word (bytes) that divides every row, stride and offset of the integer ``views``."""
+    itemsize = views[0].element_size()
+    row_bytes = views[0].shape[-1] * itemsize
+    for word in (8, 4, 2):
+        if word <= itemsize or row_bytes % word:
+            continue
+        if all(
+            v.stride(-1) == 1
+            and (v.storage_offset() * itemsize) % word == 0
+            and all((s * itemsize) % word == 0 for s in v.stride()[:-1])
+            for v in views
+        ):
+            return word
+    return itemsize
+
+
+def _as_words(views: list[torch.Tensor]) -> list[torch.Tensor]:
+    word = _word_bytes(views)
+    if word == views[0].element_size():
+        return views
+    return [v.view(_WORDS[word]) for v in views]
+
+
+def _pad_word(pad_value: int | float, dtype: torch.dtype, word_dtype: torch.dtype) -> int:
+    """The bit pattern of ``pad_value`` stored as ``dtype``, repeated to fill one word (a signed int)."""
+    repeats = word_dtype.itemsize // dtype.itemsize
+    return int(torch.full((repeats,), pad_value, dtype=dtype).view(word_dtype).item())
+
+
+def _launch_shape(grid_rows: int, width: int, word_bytes: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_R, BLOCK_W, tiles per program, programs along rows, programs along the width)."""
+    block_w = min(triton.next_power_of_2(width), max(1, _TILE_BYTES // word_bytes))
+    block_r = min(triton.next_power_of_2(grid_rows), max(1, _TILE_BYTES // (block_w * word_bytes)))
+    width_programs = triton.cdiv(width, block_w)
+    tiles = triton.cdiv(grid_rows, block_r)
+    tiles_per_program = triton.cdiv(tiles, max(1, _MAX_PROGRAMS // width_programs))
+    return block_r, block_w, tiles_per_program, triton.cdiv(tiles, tiles_per_program), width_programs
+
+
+def pack_seq_triton(
+    x: torch.Tensor,
+    lengths: torch.Tensor,
+    pad_value: int | float,
+    max_len: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton twin of ``pack_seq_reference``: ``x [N, ...]`` -> ``[B, max_len, ...]``."""
+    num_seqs, trailing = lengths.shape[0], x.shape[1:]
+    if out is None:
+        out = torch.empty((num_seqs, max_len, *trailing), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    dst = _row_view(as_bits(out), 2)
+    target = dst if dst is not None else as_bits(torch.empty_like(out, memory_format=torch.contiguous_format)).view(
+        num_seqs, max_len, -1)
+    src = _row_view(as_bits(x), 1) if x.shape[0] else None
+    if src is None:
+        src = as_bits(x).reshape(x.shape[0], -1) if x.shape[0] else target[0]
+    src, target = _as_words([src, target])
+    width = target.shape[-1]
+    block_r, block_w, tiles_per_program, row_programs, width_programs = _launch_shape(
+        num_seqs * max_len, width, target.element_size())
+    _pack_kernel[(row_programs, width_programs)](
+        src, lengths, target, _pad_word(pad_value, x.dtype, target.dtype),
+        x.shape[0], num_seqs, max_len, width, tiles_per_program,
+        src.stride(0), src.stride(1),
+        target.stride(0), target.stride(1), target.stride(2),
+        BLOCK_R=block_r, BLOCK_W=block_w, PREFIX_BLOCK=_PREFIX_BLOCK, num_warps=8,
+    )
+    if dst is None:
+        as_bits(out).copy_(target.view(as_bits(out).dtype).view(out.shape))
+    return out
+
+
+def unpack_seq_triton(
+    packed: torch.Tensor,
+    lengths: torch.Tensor,
+    total: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton twin of ``unpack_seq_reference``: ``packed [B, L, ...]`` -> ``[total, ...]``."""
+    num_seqs, max_len = packed.shape[0], packed.shape[1]
+    if out is None:
+        out = torch.empty((total, *packed.shape[2:]), dtype=packed.dtype, device=packed.device)
+    if out.numel() == 0 or packed.numel() == 0:
+        return out
+    dst = _row_view(as_bits(out), 1)
+    target = dst if dst is not None else as_bits(out).contiguous().view(total, -1)
+    src = _row_view(as_bits(packed), 2)
+    if src is None:
+        src = as_bits(packed).reshape(num_seqs, max_len, -1)
+    src, target = _as_words([src, target])
+    width = target.shape[-1]
+    block_r, block_w, tiles_per_program, row_programs, width_programs = _launch_shape(
+        num_seqs * max_len, width, target.element_size())
+    _unpack_kernel[(row_programs, width_programs)](
+        src, lengths, target,
+        num_seqs, max_len, total, width, tiles_per_program,
+        src.stride(0), src.stride(1), src.stride(2),
+        target.stride(0), target.stride(1),
+        BLOCK_R=block_r, BLOCK_W=block_w, PREFIX_BLOCK=_PREFIX_BLOCK, num_warps=8,
+    )
+    if dst is None:
+        as_bits(out).copy_(target.view(as_bits(out).dtype).view(out.shape))
+    return out
