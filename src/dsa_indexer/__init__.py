@@ -6,6 +6,7 @@ they share is ``docs/contract.md``.
 
 __version__ = "0.1.0"
 
+from . import library as _library
 from .cache import IndexerKCache
 from .formats import dequantize_fp8, dequantize_mxfp4, quantize_fp8, quantize_mxfp4
 from .indexer import Indexer, IndexerConfig
@@ -16,6 +17,22 @@ from .ops.logits import mqa_logits, paged_mqa_logits
 from .ops.q_quant import rope_quant_q
 from .ops.seq_pack import pack_seq, unpack_seq
 from .ops.topk import indices_to_slots, topk, topk_decode
+
+# The public ops go through their torch.library custom ops only while torch.compile traces them.
+quantize_fp8 = _library.dispatching(quantize_fp8)
+dequantize_fp8 = _library.dispatching(dequantize_fp8)
+quantize_mxfp4 = _library.dispatching(quantize_mxfp4)
+dequantize_mxfp4 = _library.dispatching(dequantize_mxfp4)
+rope_quant_q = _library.dispatching(rope_quant_q)
+mqa_logits = _library.dispatching(mqa_logits)
+paged_mqa_logits = _library.dispatching(paged_mqa_logits)
+topk = _library.dispatching(topk)
+topk_decode = _library.dispatching(topk_decode)
+indices_to_slots = _library.dispatching(indices_to_slots)
+pack_seq = _library.dispatching(pack_seq)
+unpack_seq = _library.dispatching(unpack_seq)
+select_candidate_blocks = _library.dispatching(select_candidate_blocks)
+apply_candidate_mask = _library.dispatching(apply_candidate_mask)
 
 __all__ = [
     "Indexer",

@@ -159,6 +159,10 @@ class IndexerKCache:
 
         Slots ``< 0`` are padding and skipped.
         """
+        if torch.compiler.is_compiling():
+            from .library import insert_k_compiled
+
+            return insert_k_compiled(k, self, slot_mapping, backend=backend)
         from .ops.k_cache import insert_k
 
         insert_k(k, self, slot_mapping, backend=backend)
@@ -177,6 +181,10 @@ class IndexerKCache:
         Returns FP8 ``(values float8_e4m3fn [N, D], scales float32 [N])`` or MXFP4
         ``(values uint8 [N, D/2], scales uint8 [N, D/32])``.
         """
+        if torch.compiler.is_compiling() and out is None:
+            from .library import gather_k_compiled
+
+            return gather_k_compiled(self, block_table, cu_seq_lens, num_tokens=num_tokens, backend=backend)
         from .ops.k_cache import gather_k
 
         return gather_k(self, block_table, cu_seq_lens, num_tokens=num_tokens, out=out, backend=backend)

@@ -18,6 +18,18 @@ from .reference import apply_candidate_mask_reference, select_candidate_blocks_r
 __all__ = ["apply_candidate_mask", "select_candidate_blocks"]
 
 
+def _select_candidate_blocks_triton(*args, **kwargs):
+    from .triton import select_candidate_blocks_triton
+
+    return select_candidate_blocks_triton(*args, **kwargs)
+
+
+def _apply_candidate_mask_triton(*args, **kwargs):
+    from .triton import apply_candidate_mask_triton
+
+    return apply_candidate_mask_triton(*args, **kwargs)
+
+
 def _check_bound(name: str, bounds, num_rows: int, row_repeat: int) -> None:
     check_tensor(name, bounds, dtype=torch.int32, ndim=1)
     needed = -(-num_rows // row_repeat)
@@ -102,7 +114,12 @@ def select_candidate_blocks(
         check_tensor("out", out, dtype=torch.int32, shape=(logits.shape[0], num_blocks_k))
     check_same_device(logits=logits, starts=starts, ends=ends, out=out)
     _check_bound_values(starts, ends, logits.shape[0], row_repeat, logits.shape[1])
-    impl = _backend.dispatch(select_candidate_blocks_reference, None, backend, logits.device)
+    impl = _backend.dispatch(
+        select_candidate_blocks_reference,
+        _select_candidate_blocks_triton if _backend.triton_available() else None,
+        backend,
+        logits.device,
+    )
     return impl(logits, starts, ends, num_blocks_k, block_size, row_repeat, out)
 
 
@@ -136,5 +153,10 @@ def apply_candidate_mask(
     check_tensor("candidate_blocks", candidate_blocks, dtype=torch.int32, shape=(logits.shape[0], None))
     check_same_device(logits=logits, starts=starts, ends=ends, candidate_blocks=candidate_blocks)
     _check_bound_values(starts, ends, logits.shape[0], row_repeat, logits.shape[1])
-    impl = _backend.dispatch(apply_candidate_mask_reference, None, backend, logits.device)
+    impl = _backend.dispatch(
+        apply_candidate_mask_reference,
+        _apply_candidate_mask_triton if _backend.triton_available() else None,
+        backend,
+        logits.device,
+    )
     impl(logits, starts, ends, candidate_blocks, block_size, row_repeat)

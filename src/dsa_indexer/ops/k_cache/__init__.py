@@ -18,6 +18,18 @@ K_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 __all__ = ["gather_k", "insert_k"]
 
 
+def _insert_k_triton(*args, **kwargs):
+    from .triton import insert_k_triton
+
+    return insert_k_triton(*args, **kwargs)
+
+
+def _gather_k_triton(*args, **kwargs):
+    from .triton import gather_k_triton
+
+    return gather_k_triton(*args, **kwargs)
+
+
 def _check_cache(cache) -> None:
     if not isinstance(cache, IndexerKCache):
         raise TypeError(f"cache must be an IndexerKCache, got {type(cache).__name__}")
@@ -64,7 +76,9 @@ def insert_k(
         highest = int(slot_mapping.max())
         if highest >= cache.num_slots:
             raise ValueError(f"slot_mapping entries must be < cache.num_slots = {cache.num_slots}, got {highest}")
-    implementation = _backend.dispatch(insert_k_reference, None, backend, cache.device)
+    implementation = _backend.dispatch(
+        insert_k_reference, _insert_k_triton if _backend.triton_available() else None, backend, cache.device
+    )
     implementation(k, cache, slot_mapping, scale_fmt=scale_fmt, amax_floor=float(amax_floor))
 
 
@@ -166,6 +180,8 @@ def gather_k(
     if out is None:
         values_out = torch.zeros((num_rows, values_width), dtype=values_dtype, device=cache.device)
         scales_out = torch.zeros((num_rows, *scales_tail), dtype=scales_dtype, device=cache.device)
-    implementation = _backend.dispatch(gather_k_reference, None, backend, cache.device)
+    implementation = _backend.dispatch(
+        gather_k_reference, _gather_k_triton if _backend.triton_available() else None, backend, cache.device
+    )
     implementation(cache, block_table, cu_seq_lens, values_out, scales_out)
     return values_out, scales_out

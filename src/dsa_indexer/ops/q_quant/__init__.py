@@ -20,6 +20,12 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 __all__ = ["rope_quant_q"]
 
 
+def _rope_quant_q_triton(*args, **kwargs):
+    from .triton import rope_quant_q_triton
+
+    return rope_quant_q_triton(*args, **kwargs)
+
+
 def _check_finite_scalar(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
@@ -91,7 +97,9 @@ def rope_quant_q(
         low, high = int(positions.min()), int(positions.max())
         if low < 0 or high >= max_pos:
             raise ValueError(f"positions must lie in [0, {max_pos}) (cos_sin rows), got values in [{low}, {high}]")
-    implementation = _backend.dispatch(rope_quant_q_reference, None, backend, q.device)
+    implementation = _backend.dispatch(
+        rope_quant_q_reference, _rope_quant_q_triton if _backend.triton_available() else None, backend, q.device
+    )
     return implementation(
         q,
         positions,

@@ -23,6 +23,18 @@ from .reference import pack_seq_reference, unpack_seq_reference
 __all__ = ["pack_seq", "unpack_seq"]
 
 
+def _pack_seq_triton(*args, **kwargs):
+    from .triton import pack_seq_triton
+
+    return pack_seq_triton(*args, **kwargs)
+
+
+def _unpack_seq_triton(*args, **kwargs):
+    from .triton import unpack_seq_triton
+
+    return unpack_seq_triton(*args, **kwargs)
+
+
 def _check_payload(name: str, tensor: torch.Tensor, *, min_ndim: int) -> None:
     check_tensor(name, tensor, min_ndim=min_ndim)
     if tensor.dtype.is_complex or tensor.dtype == torch.bool:
@@ -102,7 +114,9 @@ def pack_seq(
             raise ValueError(f"lengths must be >= 0, got a length of {shortest}")
         if total > x.shape[0]:
             raise ValueError(f"lengths must sum to at most x.shape[0] = {x.shape[0]}, got a sum of {total}")
-    impl = _backend.dispatch(pack_seq_reference, None, backend, x.device)
+    impl = _backend.dispatch(
+        pack_seq_reference, _pack_seq_triton if _backend.triton_available() else None, backend, x.device
+    )
     return impl(x, lengths, pad_value, max_len, out)
 
 
@@ -143,5 +157,7 @@ def unpack_seq(
             raise ValueError(f"lengths must be >= 0, got a length of {shortest}")
         if longest > packed.shape[1]:
             raise ValueError(f"lengths must be <= packed.shape[1] = {packed.shape[1]}, got a length of {longest}")
-    impl = _backend.dispatch(unpack_seq_reference, None, backend, packed.device)
+    impl = _backend.dispatch(
+        unpack_seq_reference, _unpack_seq_triton if _backend.triton_available() else None, backend, packed.device
+    )
     return impl(packed, lengths, total, out)

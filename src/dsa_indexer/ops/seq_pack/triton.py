@@ -57,9 +57,11 @@ def _tile_sequence_starts(lengths_ptr, num_seqs, first_seq, seq, prefix, BLOCK_R
 def _length_prefix(lengths_ptr, end, PREFIX_BLOCK: tl.constexpr):
     """``sum(lengths[:end])`` as int64."""
     total = tl.zeros([PREFIX_BLOCK], dtype=tl.int64)
-    for first in range(0, end, PREFIX_BLOCK):
+    first = end * 0
+    while first < end:
         idx = first + tl.arange(0, PREFIX_BLOCK)  # [PREFIX_BLOCK]
         total += tl.load(lengths_ptr + idx, mask=idx < end, other=0).to(tl.int64)
+        first += PREFIX_BLOCK
     return tl.sum(total, axis=0)
 
 
@@ -86,7 +88,8 @@ def _pack_kernel(
     first_tile = tl.program_id(0).to(tl.int64) * tiles_per_program
     first_seq = (first_tile * BLOCK_R) // max_len
     prefix = _length_prefix(lengths_ptr, first_seq, PREFIX_BLOCK)
-    for tile in range(first_tile, first_tile + tiles_per_program):
+    tile = first_tile
+    while tile < first_tile + tiles_per_program:
         rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R] grid rows b * L + t
         in_grid = rows < grid_rows
         seq = rows // max_len
@@ -101,6 +104,7 @@ def _pack_kernel(
         next_first_seq = ((tile + 1) * BLOCK_R) // max_len
         prefix = _advance_prefix(lengths_ptr, num_seqs, prefix, first_seq, next_first_seq, BLOCK_R)
         first_seq = next_first_seq
+        tile += 1
 
 
 @triton.jit(do_not_specialize=["num_seqs", "max_len", "total", "tiles_per_program"])
@@ -117,7 +121,8 @@ def _unpack_kernel(
     first_tile = tl.program_id(0).to(tl.int64) * tiles_per_program
     first_seq = (first_tile * BLOCK_R) // max_len
     prefix = _length_prefix(lengths_ptr, first_seq, PREFIX_BLOCK)
-    for tile in range(first_tile, first_tile + tiles_per_program):
+    tile = first_tile
+    while tile < first_tile + tiles_per_program:
         rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R] grid rows b * L + t
         in_grid = rows < grid_rows
         seq = rows // max_len
@@ -132,6 +137,7 @@ def _unpack_kernel(
         next_first_seq = ((tile + 1) * BLOCK_R) // max_len
         prefix = _advance_prefix(lengths_ptr, num_seqs, prefix, first_seq, next_first_seq, BLOCK_R)
         first_seq = next_first_seq
+        tile += 1
 
 
 def _row_view(tensor: torch.Tensor, lead: int) -> torch.Tensor | None:

@@ -1,0 +1,265 @@
+"""Triton kernels of the V4.1 candidate blocks (twins of ``reference.py``).
+
+``select_candidate_blocks`` runs two kernels.
+
+1. ``_block_keys_kernel``, grid ``(R, block tiles)``: each program reduces ``BLOCK_NB`` blocks of
+   one row to their maximum over the selectable logits (NaN and ``-inf`` become ``-inf``; columns
+   outside ``[starts, ends)`` are never read) and stores one 32-bit *block key* per block in a
+   scratch ``[R, ceil(C / block_size)]`` int32 buffer. The key is the unsigned order key of the
+   maximum: for fp32 bits ``x`` (``-0.0`` first turned into ``+0.0``), ``key = x ^ 0xFFFFFFFF`` when the sign
+   bit is set, else ``x | 0x80000000``; then ``key(a) < key(b)`` (unsigned) iff ``a < b``. It is
+   ``ops/_order.float_order_key`` plus ``2**31``, so it ranks exactly like the reference. A block
+   without selectable entries gets key 0, below every selectable key (the smallest, ``-FLT_MAX``,
+   has key ``0x00800000``). The newest block of the row gets the key of ``+inf``.
+2. ``_select_kernel``, one program per row: an exact radix select over the row's block keys. Pass
+   ``p`` histograms ``RADIX_BITS`` bits of the keys that agree with the threshold prefix found so
+   far, then keeps the bin where the remaining count falls; after the last pass the prefix ``T`` is
+   the key of the k-th best block and ``ties`` the number of blocks with key ``T`` to take. Blocks
+   with equal keys rank by block id ascending, so the chosen set is every key above ``T`` plus the
+   first ``ties`` keys equal to ``T`` in id order: exactly the reference's (score desc, id asc)
+   order. A pass that finds its bin taken whole (``count == remaining``) ends the search early
+   with a shorter prefix; the final compaction then compares the keys' top bits only. The
+   compaction walks the keys in id order, so the ids come out ascending; the rest of the row is -1.
+
+``apply_candidate_mask`` runs ``_candidate_flags_kernel`` (one byte per block and row, set for every
+listed id in ``[0, row blocks)``, in a zeroed scratch) and ``_mask_kernel``, which stores ``-inf`` on
+every column of a row outside ``[starts, ends)`` or in an unlisted block. It never reads the logits:
+kept entries are untouched, and the masked ones are written without being read.
+
+Loops whose trip count is a run-time value are ``while`` loops: Triton's CPU interpreter (with
+numpy 2) cannot turn a run-time bound into a Python ``range``. No host synchronisation anywhere:
+the ops are CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_KEYS_TILE = 8192
+_SELECT_CHUNK = 2048
+_MASK_TILE = 8192
+_RADIX_BITS = 8
+
+
+@triton.jit
+def _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS: tl.constexpr):
+    """(first column, length) of ``row`` as int64 scalars."""
+    bound = row // row_repeat
+    end = tl.load(ends_ptr + bound).to(tl.int64)
+    if HAS_STARTS:
+        start = tl.load(starts_ptr + bound).to(tl.int64)
+    else:
+        start = end * 0
+    return start, end - start
+
+
+@triton.jit(do_not_specialize=["row_repeat"])
+def _block_keys_kernel(
+    logits_ptr, starts_ptr, ends_ptr, keys_ptr,
+    row_repeat, stride_row, stride_col, keys_stride,
+    HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_J: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    start, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS)
+    num_blocks = (length + BLOCK_SIZE - 1) // BLOCK_SIZE
+    blocks = tl.program_id(1).to(tl.int64) * BLOCK_NB + tl.arange(0, BLOCK_NB)  # [BLOCK_NB]
+    best = tl.full([BLOCK_NB], float("-inf"), tl.float32)
+    row_ptr = logits_ptr + row * stride_row
+    for first in tl.static_range(0, BLOCK_SIZE, BLOCK_J):
+        inner = first + tl.arange(0, BLOCK_J)  # [BLOCK_J]
+        pos = blocks[:, None] * BLOCK_SIZE + inner[None, :]  # [BLOCK_NB, BLOCK_J] row-relative
+        ok = (inner[None, :] < BLOCK_SIZE) & (pos < length)
+        values = tl.load(row_ptr + (start + pos) * stride_col, mask=ok, other=float("-inf"))
+        values = tl.where(values != values, float("-inf"), values)
+        best = tl.maximum(best, tl.max(values, axis=1))
+    bits = best.to(tl.uint32, bitcast=True)  # [BLOCK_NB]
+    bits = tl.where(bits == 0x80000000, 0, bits)
+    key = tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+    key = tl.where(best == float("-inf"), 0, key)
+    key = tl.where(blocks == num_blocks - 1, 0xFF800000, key)
+    tl.store(keys_ptr + row * keys_stride + blocks, key.to(tl.int32, bitcast=True), mask=blocks < num_blocks)
+
+
+@triton.jit(do_not_specialize=["row_repeat", "num_blocks_k"])
+def _select_kernel(
+    keys_ptr, starts_ptr, ends_ptr, out_ptr,
+    row_repeat, num_blocks_k, keys_stride, out_stride_row, out_stride_col,
+    HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, RADIX_BITS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    _, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS)
+    num_blocks = (length + BLOCK_SIZE - 1) // BLOCK_SIZE
+    row_keys = keys_ptr + row * keys_stride
+    BINS: tl.constexpr = 1 << RADIX_BITS
+    bins = tl.arange(0, BINS)  # [BINS]
+    lanes = tl.arange(0, CHUNK)  # [CHUNK]
+    prefix = (num_blocks * 0).to(tl.uint32)
+    shift = (num_blocks * 0 + 32).to(tl.uint32)
+    remaining = num_blocks * 0
+    taken = num_blocks * 0
+    searching = num_blocks > 0
+    for p in tl.static_range(32 // RADIX_BITS):
+        pass_shift = 32 - RADIX_BITS * (p + 1)
+        hist = tl.zeros([BINS], dtype=tl.int32)
+        first = num_blocks * 0
+        while searching & (first < num_blocks):
+            idx = first + lanes  # [CHUNK]
+            keys = tl.load(row_keys + idx, mask=idx < num_blocks, other=0).to(tl.uint32, bitcast=True)
+            match = keys != 0
+            if p > 0:
+                match = match & ((keys >> (pass_shift + RADIX_BITS)) == prefix)
+            digit = ((keys >> pass_shift) & (BINS - 1)).to(tl.int32)
+            hist += tl.histogram(digit, BINS, mask=match)
+            first += CHUNK
+        if p == 0:
+            taken = tl.minimum(tl.sum(hist, axis=0).to(tl.int64), num_blocks_k)
+            remaining = taken
+        at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # [BINS] count with digit >= bin
+        chosen = tl.max(tl.where(at_least >= remaining, bins, 0), axis=0)
+        above = tl.sum(tl.where(bins > chosen, hist, 0), axis=0)
+        in_bin = tl.sum(tl.where(bins == chosen, hist, 0), axis=0)
+        prefix = tl.where(searching, (prefix << RADIX_BITS) | chosen.to(tl.uint32), prefix)
+        shift = tl.where(searching, pass_shift, shift)
+        remaining = tl.where(searching, remaining - above, remaining)
+        searching = searching & (in_bin != remaining)
+    out_row = out_ptr + row * out_stride_row
+    written = num_blocks * 0
+    ties_seen = num_blocks * 0
+    first = num_blocks * 0
+    while (first < num_blocks) & (written < taken):
+        idx = first + lanes  # [CHUNK]
+        keys = tl.load(row_keys + idx, mask=idx < num_blocks, other=0).to(tl.uint32, bitcast=True)
+        high = keys >> shift
+        tie = (keys != 0) & (high == prefix)
+        tie_rank = ties_seen + tl.cumsum(tie.to(tl.int32), axis=0) - tie.to(tl.int32)
+        pick = (keys != 0) & ((high > prefix) | (tie & (tie_rank < remaining)))
+        slot = written + tl.cumsum(pick.to(tl.int32), axis=0) - pick.to(tl.int32)
+        tl.store(out_row + slot * out_stride_col, idx.to(tl.int32), mask=pick)
+        written += tl.sum(pick.to(tl.int32), axis=0)
+        ties_seen += tl.sum(tie.to(tl.int32), axis=0)
+        first += CHUNK
+    first = taken
+    while first < num_blocks_k:
+        slot = first + lanes  # [CHUNK]
+        tl.store(out_row + slot * out_stride_col, tl.full([CHUNK], -1, tl.int32), mask=slot < num_blocks_k)
+        first += CHUNK
+
+
+@triton.jit(do_not_specialize=["row_repeat", "num_candidates"])
+def _candidate_flags_kernel(
+    candidates_ptr, starts_ptr, ends_ptr, flags_ptr,
+    row_repeat, num_candidates, cand_stride_row, cand_stride_col, flags_stride,
+    HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    _, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS)
+    num_blocks = (length + BLOCK_SIZE - 1) // BLOCK_SIZE
+    slot = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    ids = tl.load(candidates_ptr + row * cand_stride_row + slot * cand_stride_col, mask=slot < num_candidates,
+                  other=-1).to(tl.int64)
+    listed = (ids >= 0) & (ids < num_blocks)
+    tl.store(flags_ptr + row * flags_stride + ids, tl.full([BLOCK_K], 1, tl.int8), mask=listed)
+
+
+@triton.jit(do_not_specialize=["row_repeat", "width"])
+def _mask_kernel(
+    logits_ptr, starts_ptr, ends_ptr, flags_ptr,
+    row_repeat, width, stride_row, stride_col, flags_stride,
+    HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_J: tl.constexpr,
+):
+    """Blocks are numbered relative to the row start, from ``-ceil(start / BLOCK_SIZE)`` up, so the
+    tiles also cover the columns before ``start`` and after ``end``."""
+    row = tl.program_id(0).to(tl.int64)
+    start, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS)
+    lowest = -((start + BLOCK_SIZE - 1) // BLOCK_SIZE)
+    blocks = lowest + tl.program_id(1).to(tl.int64) * BLOCK_NB + tl.arange(0, BLOCK_NB)  # [BLOCK_NB]
+    num_blocks = (length + BLOCK_SIZE - 1) // BLOCK_SIZE
+    in_row = (blocks >= 0) & (blocks < num_blocks)
+    listed = tl.load(flags_ptr + row * flags_stride + blocks, mask=in_row, other=0) != 0  # [BLOCK_NB]
+    row_ptr = logits_ptr + row * stride_row
+    for first in tl.static_range(0, BLOCK_SIZE, BLOCK_J):
+        inner = first + tl.arange(0, BLOCK_J)  # [BLOCK_J]
+        pos = blocks[:, None] * BLOCK_SIZE + inner[None, :]  # [BLOCK_NB, BLOCK_J] row-relative
+        column = start + pos
+        on_row = (inner[None, :] < BLOCK_SIZE) & (column >= 0) & (column < width)
+        keep = listed[:, None] & (pos >= 0) & (pos < length)
+        tl.store(row_ptr + column * stride_col, tl.full([BLOCK_NB, BLOCK_J], float("-inf"), tl.float32),
+                 mask=on_row & ~keep)
+
+
+def _tiles(block_size: int, tile: int) -> tuple[int, int]:
+    """(BLOCK_NB, BLOCK_J): blocks per tile and positions per block step, ``BLOCK_NB * BLOCK_J <= tile``."""
+    block_j = min(triton.next_power_of_2(block_size), tile)
+    return max(1, tile // block_j), block_j
+
+
+def _bounds_args(starts: torch.Tensor | None, ends: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    return (ends, False) if starts is None else (starts, True)
+
+
+def select_candidate_blocks_triton(
+    logits: torch.Tensor,
+    starts: torch.Tensor | None,
+    ends: torch.Tensor,
+    num_blocks_k: int,
+    block_size: int,
+    row_repeat: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton twin of ``select_candidate_blocks_reference``."""
+    num_rows, width = logits.shape
+    if out is None:
+        out = torch.empty((num_rows, num_blocks_k), dtype=torch.int32, device=logits.device)
+    max_blocks = triton.cdiv(width, block_size)
+    if num_rows == 0:
+        return out
+    starts_arg, has_starts = _bounds_args(starts, ends)
+    keys = torch.empty((num_rows, max(max_blocks, 1)), dtype=torch.int32, device=logits.device)
+    if max_blocks:
+        block_nb, block_j = _tiles(block_size, _KEYS_TILE)
+        block_nb = min(block_nb, triton.next_power_of_2(max_blocks))
+        _block_keys_kernel[(num_rows, triton.cdiv(max_blocks, block_nb))](
+            logits, starts_arg, ends, keys,
+            row_repeat, logits.stride(0), logits.stride(1), keys.stride(0),
+            HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_NB=block_nb, BLOCK_J=block_j, num_warps=8,
+        )
+    _select_kernel[(num_rows,)](
+        keys, starts_arg, ends, out,
+        row_repeat, num_blocks_k, keys.stride(0), out.stride(0), out.stride(1),
+        HAS_STARTS=has_starts, BLOCK_SIZE=block_size, CHUNK=_SELECT_CHUNK, RADIX_BITS=_RADIX_BITS, num_warps=8,
+    )
+    return out
+
+
+def apply_candidate_mask_triton(
+    logits: torch.Tensor,
+    starts: torch.Tensor | None,
+    ends: torch.Tensor,
+    candidate_blocks: torch.Tensor,
+    block_size: int,
+    row_repeat: int,
+) -> None:
+    """Triton twin of ``apply_candidate_mask_reference`` (in place)."""
+    num_rows, width = logits.shape
+    if num_rows == 0 or width == 0:
+        return
+    starts_arg, has_starts = _bounds_args(starts, ends)
+    max_blocks = triton.cdiv(width, block_size)
+    flags = torch.zeros((num_rows, max_blocks), dtype=torch.int8, device=logits.device)
+    num_candidates = candidate_blocks.shape[1]
+    if num_candidates:
+        block_k = min(1024, triton.next_power_of_2(num_candidates))
+        _candidate_flags_kernel[(num_rows, triton.cdiv(num_candidates, block_k))](
+            candidate_blocks, starts_arg, ends, flags,
+            row_repeat, num_candidates, candidate_blocks.stride(0), candidate_blocks.stride(1), flags.stride(0),
+            HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_K=block_k, num_warps=4,
+        )
+    block_nb, block_j = _tiles(block_size, _MASK_TILE)
+    block_nb = min(block_nb, triton.next_power_of_2(max_blocks + 1))
+    _mask_kernel[(num_rows, triton.cdiv(max_blocks + 1, block_nb))](
+        logits, starts_arg, ends, flags,
+        row_repeat, width, logits.stride(0), logits.stride(1), flags.stride(0),
+        HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_NB=block_nb, BLOCK_J=block_j, num_warps=8,
+    )

@@ -1,0 +1,177 @@
+"""Triton kernels of the paged K cache: quantise-and-insert rows, gather requests' keys contiguously.
+
+Both honour the cache's byte layout (``dsa_indexer.cache``): page ``p`` starts ``p * page_stride`` bytes
+after the buffer's first byte; inside it come ``block_size`` value rows, then ``block_size`` scale rows.
+Quantisation uses the exact helpers of ``ops.q_quant.triton`` (bit-exact with ``dsa_indexer.formats``).
+
+``gather_k`` runs one program per ``BLOCK_ROWS`` destination rows, over the destination's whole row
+capacity; a program whose first row is at or past ``cu_seq_lens[-1]`` does nothing, so the grid needs
+no host read. Each row finds its request by a binary search of ``cu_seq_lens``: the request of row
+``r`` is the largest ``b`` with ``cu[b] <= r``, which skips empty requests, and ``bit_length(B)`` halvings
+of ``[0, B)`` reach it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...cache import IndexerKCache
+from ...formats import FP8_MAX
+from ..q_quant.triton import ceil_log2, e4m3_bytes, finite_abs, mxfp4_pack, pow2
+
+_FP8_MAX = tl.constexpr(FP8_MAX)
+
+__all__ = ["gather_k_triton", "insert_k_triton"]
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _insert_k_kernel(
+    k_ptr, slots_ptr, cache_ptr,
+    num_tokens, stride_kt, stride_kd,
+    page_stride, block_size, amax_floor,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MXFP4: tl.constexpr, UE8M0: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """One program: rows ``[program_id(0) * BLOCK_T, +BLOCK_T)`` of ``k``; rows with a negative slot write nothing."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    slot = tl.load(slots_ptr + rows, mask=rows < num_tokens, other=-1).to(tl.int64)
+    write = slot >= 0
+    page = cache_ptr + (slot // block_size) * page_stride  # [BLOCK_T] first byte of the row's page
+    token = slot % block_size
+    dim = tl.arange(0, BLOCK_D)
+    dim_ok = dim < HEAD_DIM
+    x = tl.load(k_ptr + rows[:, None] * stride_kt + dim[None, :] * stride_kd, mask=write[:, None] & dim_ok[None, :],
+                other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_D]
+    if MXFP4:
+        packed, scales = mxfp4_pack(x, BLOCK_T, BLOCK_D)  # [BLOCK_T, BLOCK_D/2], [BLOCK_T, BLOCK_D/32]
+        pair = tl.arange(0, BLOCK_D // 2)
+        tl.store(page[:, None] + token[:, None] * (HEAD_DIM // 2) + pair[None, :], packed,
+                 mask=write[:, None] & (pair < HEAD_DIM // 2)[None, :])
+        block = tl.arange(0, BLOCK_D // 32)
+        scale_rows = page + block_size * (HEAD_DIM // 2) + token * (HEAD_DIM // 32)  # [BLOCK_T]
+        tl.store(scale_rows[:, None] + block[None, :], scales, mask=write[:, None] & (block < HEAD_DIM // 32)[None, :])
+    else:
+        amax = tl.maximum(tl.max(finite_abs(x), axis=1), amax_floor)  # [BLOCK_T]
+        quotient = tl.div_rn(amax, _FP8_MAX)
+        if UE8M0:
+            exponent = tl.minimum(tl.maximum(ceil_log2(quotient), -126), 127)
+            scale = pow2(exponent)
+            scaled = x * pow2(-exponent)[:, None]
+        else:
+            scale = quotient
+            scaled = tl.div_rn(x, scale[:, None])
+        tl.store(page[:, None] + token[:, None] * HEAD_DIM + dim[None, :], e4m3_bytes(scaled),
+                 mask=write[:, None] & dim_ok[None, :])
+        byte = tl.arange(0, 4)
+        scale_bytes = (scale.to(tl.int32, bitcast=True)[:, None] >> (byte * 8)[None, :]) & 0xFF  # [BLOCK_T, 4]
+        scale_rows = page + block_size * HEAD_DIM + token * 4  # [BLOCK_T]
+        tl.store(scale_rows[:, None] + byte[None, :], scale_bytes.to(tl.uint8), mask=write[:, None])
+
+
+@triton.jit(do_not_specialize=["num_requests", "search_steps"])
+def _gather_k_kernel(
+    cache_ptr, block_table_ptr, cu_ptr, values_ptr, scales_ptr,
+    num_requests, search_steps,
+    stride_bt_request, stride_bt_block, page_stride, block_size,
+    stride_values_row, stride_values_byte, stride_scales_row, stride_scales_byte,
+    VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+):
+    """One program: destination rows ``[program_id(0) * BLOCK_ROWS, +BLOCK_ROWS)``, those below ``cu[-1]``."""
+    first_row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS
+    total = tl.load(cu_ptr + num_requests).to(tl.int64)
+    if first_row < total:
+        rows = first_row + tl.arange(0, BLOCK_ROWS)  # [BLOCK_ROWS]
+        row_ok = rows < total
+        low = tl.zeros([BLOCK_ROWS], dtype=tl.int32)
+        high = tl.zeros([BLOCK_ROWS], dtype=tl.int32) + num_requests
+        step = 0
+        while step < search_steps:  # a while loop: the interpreter cannot range() over a runtime int
+            middle = (low + high) // 2
+            right = tl.load(cu_ptr + middle).to(tl.int64) <= rows
+            low = tl.where(right, middle, low)
+            high = tl.where(right, high, middle)
+            step += 1
+        position = rows - tl.load(cu_ptr + low).to(tl.int64)  # [BLOCK_ROWS] request-local position
+        page_id = tl.load(block_table_ptr + low.to(tl.int64) * stride_bt_request
+                          + (position // block_size) * stride_bt_block, mask=row_ok, other=0)
+        page = cache_ptr + page_id.to(tl.int64) * page_stride  # [BLOCK_ROWS]
+        token = position % block_size
+        values_out = values_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
+        scales_out = scales_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
+
+        byte = tl.arange(0, BLOCK_V)
+        byte_mask = row_ok[:, None] & (byte < VALUE_BYTES)[None, :]
+        values = tl.load(page[:, None] + token[:, None] * VALUE_BYTES + byte[None, :], mask=byte_mask)
+        tl.store(values_out + rows[:, None] * stride_values_row + byte[None, :] * stride_values_byte, values,
+                 mask=byte_mask)  # [BLOCK_ROWS, BLOCK_V]
+
+        byte = tl.arange(0, BLOCK_S)
+        byte_mask = row_ok[:, None] & (byte < SCALE_BYTES)[None, :]
+        scale_rows = page + block_size * VALUE_BYTES + token * SCALE_BYTES  # [BLOCK_ROWS]
+        scales = tl.load(scale_rows[:, None] + byte[None, :], mask=byte_mask)
+        tl.store(scales_out + rows[:, None] * stride_scales_row + byte[None, :] * stride_scales_byte, scales,
+                 mask=byte_mask)  # [BLOCK_ROWS, BLOCK_S]
+
+
+def insert_k_triton(
+    k: torch.Tensor,
+    cache: IndexerKCache,
+    slot_mapping: torch.Tensor,
+    *,
+    scale_fmt: str,
+    amax_floor: float,
+    block_tokens: int = 32,
+    num_warps: int = 4,
+) -> None:
+    """Triton twin of ``insert_k_reference``; ``block_tokens`` (a power of two) and ``num_warps`` tune the launch.
+
+    Rows sharing a slot are written in no promised order. No host synchronisation.
+    """
+    num_tokens = k.shape[0]
+    if num_tokens == 0:
+        return
+    _insert_k_kernel[(triton.cdiv(num_tokens, block_tokens),)](
+        k, slot_mapping, cache.buffer,
+        num_tokens, k.stride(0), k.stride(1),
+        cache.page_stride, cache.block_size, amax_floor,
+        HEAD_DIM=cache.head_dim, BLOCK_D=triton.next_power_of_2(cache.head_dim), MXFP4=cache.fmt == "mxfp4",
+        UE8M0=scale_fmt == "ue8m0", BLOCK_T=block_tokens,
+        num_warps=num_warps, enable_fp_fusion=False,
+    )
+
+
+def gather_k_triton(
+    cache: IndexerKCache,
+    block_table: torch.Tensor,
+    cu_seq_lens: torch.Tensor,
+    values_out: torch.Tensor,
+    scales_out: torch.Tensor,
+    *,
+    block_rows: int = 64,
+    num_warps: int = 4,
+) -> None:
+    """Triton twin of ``gather_k_reference``; ``block_rows`` (a power of two) and ``num_warps`` tune the launch.
+
+    Any destination strides. No host synchronisation: the grid covers ``values_out``'s rows.
+    """
+    num_rows = values_out.shape[0]
+    num_requests = block_table.shape[0]
+    if num_rows == 0 or num_requests == 0 or cache.num_blocks == 0:
+        return
+    if cache.fmt == "fp8":
+        stride_scales_row, stride_scales_byte = scales_out.stride(0) * scales_out.element_size(), 1
+    else:
+        stride_scales_row, stride_scales_byte = scales_out.stride(0), scales_out.stride(1)
+    _gather_k_kernel[(triton.cdiv(num_rows, block_rows),)](
+        cache.buffer, block_table, cu_seq_lens, values_out, scales_out,
+        num_requests, num_requests.bit_length(),
+        block_table.stride(0), block_table.stride(1), cache.page_stride, cache.block_size,
+        values_out.stride(0), values_out.stride(1), stride_scales_row, stride_scales_byte,
+        VALUE_BYTES=cache.value_bytes, SCALE_BYTES=cache.scale_bytes,
+        BLOCK_V=triton.next_power_of_2(cache.value_bytes), BLOCK_S=triton.next_power_of_2(cache.scale_bytes),
+        BLOCK_ROWS=block_rows,
+        num_warps=num_warps,
+    )

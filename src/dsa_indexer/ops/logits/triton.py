@@ -1,0 +1,491 @@
+"""Triton kernels of the logits family: ragged prefill ``mqa_logits`` and paged decode ``paged_mqa_logits``.
+
+Both compute, for a query row ``i`` and a key ``j`` (DESIGN.md §5)::
+
+    logits[i, j] = (sum_h w[i, h] * relu(q[i, h, :] . k[j, :])) * key_mul[j]
+
+with the dot products on tensor cores (e4m3 x e4m3, fp32 accumulation) and the head sum in fp32.
+
+Epilogue. ``relu(s) * w == (s + |s|) * (w / 2)`` exactly: ``s + |s|`` is ``2 * relu(s)`` (no rounding, a
+power-of-two scaling), and halving ``w`` is exact for normal ``w``, so the product is the same fp32
+number. The right-hand side is one add (with an absolute-value operand) and one fused multiply-add into
+the accumulator per (row, key, head), both full-rate on the FP32 pipe, where ``max`` runs at half rate.
+The head sum is accumulated in a different order than the reference's ``sum``; the results agree to
+fp32 rounding (DESIGN.md §11, calc_diff tier), and one kernel always returns the same bits.
+
+MXFP4. An e2m1 code ``s e1 e0 m`` placed at bits 15 / 11..10 / 9 of an fp16 word (``(code & 8) << 12 |
+(code & 7) << 9``) reads as the e2m1 value times ``2**-14``: the two exponent bits land in the low
+bits of the fp16 exponent (bias 15 instead of e2m1's bias 1) and the e2m1 subnormal 0.5 (``e = 0,
+m = 1``) becomes the fp16 subnormal ``2**-15`` with the same ratio to the normals. A 32-element block
+with exponent ``e_b`` in a vector whose largest block exponent is ``e_max`` is then multiplied by the
+fp16 power of two ``2**(14 + e_b - e_max)``: the product is the dequantised value divided by
+``2**e_max``, exact in fp16, and exact in e4m3 whenever ``e_max - e_b <= 8`` (e4m3 reaches the e2m1
+grid scaled down by 2**8: its smallest subnormal is 2**-9 = 0.5 * 2**-8). Larger spreads round to the
+e4m3 grid (relative error below 2**-10 of the largest block's scale, far inside the §11 tier) and
+spreads above 29 drop the block (its contribution is below 2**-29 of the vector's). The per-vector
+``2**e_max`` is folded back outside the dot: for queries into the weights (``w * 2**eq_max``), for keys
+into ``key_mul``; both are positive, so they commute with the relu. The query rows are converted once by
+``_mxfp4_rows_kernel``; prefill converts the gathered keys the same way and runs the FP8 kernel; decode
+converts each key tile in registers as it streams the cache.
+
+Upcast path. GPUs without FP8 tensor cores (compute capability < 8.9), or any GPU when the environment
+variable ``DSA_INDEXER_FORCE_UPCAST=1`` is set, read the e4m3 bytes as integers and rebuild fp16 values:
+the seven magnitude bits shifted left by 7 read as fp16 ``value * 2**-8`` (exponent bias 15 instead of
+7, subnormals included), times 256 is exact; ``0x7F`` is NaN. fp16 holds every e4m3 value, so the
+fp16 dot with fp32 accumulation sees the same products.
+
+Prefill schedule. One program per (``BLOCK_Q`` rows, ``BLOCK_K`` keys) tile. The key tile is loaded once
+and reused by every head; the head loop streams ``[BLOCK_Q, D]`` query slices through a software
+pipeline. A tile outside every row's ``[ks, ke)`` range does no arithmetic: it writes ``-inf`` when
+``clean`` and nothing otherwise (most of a causal triangle).
+
+Decode schedule. Programs cover (request, group of up to ``ROWS`` draft rows, key split); a split is
+``split_keys`` consecutive positions (a multiple of ``BLOCK_K``). Each program loads its rows' queries
+once, then streams ``BLOCK_K`` positions at a time: the block-table entries, the key bytes and scales,
+one dot per row against the same key tile (so K is read once for all ``next_n <= 4`` rows), and writes
+the logits. It reads positions below its rows' longest length only; a split past that writes ``-inf``
+(``clean``) or nothing. The split size comes from host integers (``max_context_len``, the batch size),
+so nothing is read back from the device.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import backend as _backend
+from ...cache import IndexerKCache
+from ...formats import FP8_DTYPE, MXFP4_BLOCK
+
+__all__ = ["mqa_logits_triton", "paged_mqa_logits_triton", "FORCE_UPCAST_ENV"]
+
+FORCE_UPCAST_ENV = "DSA_INDEXER_FORCE_UPCAST"
+_MAX_ROWS_PER_PROGRAM = 4
+_MXFP4_BYTES_PER_BLOCK = MXFP4_BLOCK // 2
+
+
+@triton.jit
+def _e4m3_bits_to_fp16(x):
+    """uint8 e4m3 bit patterns -> fp16 values (exact; ``0x7F``/``0xFF`` -> NaN)."""
+    bits = x.to(tl.int16)
+    magnitude = ((bits & 0x7F) << 7).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    value = tl.where((bits & 0x80) != 0, -magnitude, magnitude)
+    return tl.where((bits & 0x7F) == 0x7F, float("nan"), value).to(tl.float16)
+
+
+@triton.jit
+def _dot_operand(x):
+    """A tile as the tensor cores take it: e4m3 and fp16 as they are, raw e4m3 bytes rebuilt as fp16."""
+    if x.dtype == tl.uint8:
+        return _e4m3_bits_to_fp16(x)
+    return x
+
+
+@triton.jit
+def _mxfp4_to_fp16(packed, scale_bytes, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Packed e2m1 ``[ROWS, BLOCK_D/32, 16]`` uint8 and ue8m0 bytes ``[ROWS, BLOCK_D/32]`` ->
+    (fp16 ``[ROWS, BLOCK_D]`` values divided by ``2**e_max``, fp32 ``[ROWS]`` ``2**e_max``)."""
+    exponents = scale_bytes.to(tl.int32) - 127  # [ROWS, BLOCK_D/32]
+    top = tl.max(exponents, axis=1)  # [ROWS]
+    scale_field = tl.maximum(29 - (top[:, None] - exponents), 0)  # [ROWS, BLOCK_D/32]
+    block_scale = (scale_field << 10).to(tl.int16).to(tl.float16, bitcast=True)[:, :, None]  # [ROWS, BLOCK_D/32, 1]
+    bits = packed.to(tl.int32)  # [ROWS, BLOCK_D/32, 16]
+    even = (((bits << 12) & 0x8000) | ((bits << 9) & 0x0E00)).to(tl.int16).to(tl.float16, bitcast=True)
+    odd = (((bits << 8) & 0x8000) | ((bits << 5) & 0x0E00)).to(tl.int16).to(tl.float16, bitcast=True)
+    values = tl.reshape(tl.join(even * block_scale, odd * block_scale), (ROWS, BLOCK_D))  # [ROWS, BLOCK_D]
+    row_mul = ((top + 127) << 23).to(tl.float32, bitcast=True)  # [ROWS]
+    return values, row_mul
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _mxfp4_rows_kernel(
+    packed_ptr, stride_packed, scales_ptr, stride_scales, out_ptr, stride_out, mul_ptr,
+    num_rows,
+    DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """Rows ``[program_id(0) * BLOCK_R, +BLOCK_R)`` of packed MXFP4 -> ``out`` (e4m3 or fp16) and ``mul``."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    row_ok = rows < num_rows
+    block = tl.arange(0, BLOCK_D // 32)
+    byte = tl.arange(0, 16)
+    block_ok = block < DIM // 32
+    packed = tl.load(packed_ptr + rows[:, None, None] * stride_packed + block[None, :, None] * 16 + byte[None, None, :],
+                     mask=row_ok[:, None, None] & block_ok[None, :, None], other=0)  # [BLOCK_R, BLOCK_D/32, 16]
+    scale_bytes = tl.load(scales_ptr + rows[:, None] * stride_scales + block[None, :],
+                          mask=row_ok[:, None] & block_ok[None, :], other=0)  # [BLOCK_R, BLOCK_D/32]
+    values, row_mul = _mxfp4_to_fp16(packed, scale_bytes, BLOCK_R, BLOCK_D)
+    dim = tl.arange(0, BLOCK_D)
+    tl.store(out_ptr + rows[:, None] * stride_out + dim[None, :], values, mask=row_ok[:, None] & (dim < DIM)[None, :])
+    tl.store(mul_ptr + rows, row_mul, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["num_rows", "num_keys", "num_key_tiles"])
+def _mqa_logits_kernel(
+    q_ptr, stride_qm, stride_qh,
+    k_ptr, stride_kn,
+    key_mul_ptr,
+    w_ptr, stride_wm, stride_wh,
+    ks_ptr, ke_ptr,
+    out_ptr, stride_om,
+    num_rows, num_keys, num_key_tiles,
+    HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, CLEAN: tl.constexpr,
+):
+    """One (``BLOCK_Q`` rows, ``BLOCK_K`` keys) tile of the ragged prefill logits."""
+    pid = tl.program_id(0)
+    row_tile = pid // num_key_tiles
+    key_tile = pid % num_key_tiles
+    rows = row_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)  # [BLOCK_Q]
+    cols = key_tile * BLOCK_K + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    dim = tl.arange(0, BLOCK_D)
+    row_ok = rows < num_rows
+    col_ok = cols < num_keys
+    dim_ok = dim < DIM
+    starts = tl.load(ks_ptr + rows, mask=row_ok, other=2147483647)  # [BLOCK_Q]
+    ends = tl.load(ke_ptr + rows, mask=row_ok, other=0)  # [BLOCK_Q]
+    first_key = key_tile * BLOCK_K
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]  # [BLOCK_Q, BLOCK_K]
+    inside = row_ok[:, None] & col_ok[None, :]
+    if (first_key < tl.max(ends, axis=0)) & (first_key + BLOCK_K > tl.min(starts, axis=0)):
+        keys = tl.load(k_ptr + cols.to(tl.int64)[:, None] * stride_kn + dim[None, :],
+                       mask=col_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_D]
+        keys = _dot_operand(keys)
+        q_rows = q_ptr + rows.to(tl.int64)[:, None] * stride_qm + dim[None, :]  # [BLOCK_Q, BLOCK_D], head 0
+        w_rows = w_ptr + rows.to(tl.int64) * stride_wm  # [BLOCK_Q]
+        acc = tl.zeros((BLOCK_Q, BLOCK_K), dtype=tl.float32)
+        for head in tl.range(0, HEADS, num_stages=NUM_STAGES):
+            q = tl.load(q_rows + head * stride_qh, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_Q, BLOCK_D]
+            half_w = tl.load(w_rows + head * stride_wh, mask=row_ok, other=0.0) * 0.5  # [BLOCK_Q]
+            scores = tl.dot(_dot_operand(q), tl.trans(keys))  # [BLOCK_Q, BLOCK_K]
+            acc += (scores + tl.abs(scores)) * half_w[:, None]
+        key_mul = tl.load(key_mul_ptr + cols, mask=col_ok, other=0.0)  # [BLOCK_K]
+        logits = acc * key_mul[None, :]
+        valid = (cols[None, :] >= starts[:, None]) & (cols[None, :] < ends[:, None])  # [BLOCK_Q, BLOCK_K]
+        if CLEAN:
+            tl.store(out_ptrs, tl.where(valid, logits, float("-inf")), mask=inside)
+        else:
+            tl.store(out_ptrs, logits, mask=valid & inside)
+    else:
+        if CLEAN:
+            tl.store(out_ptrs, tl.full((BLOCK_Q, BLOCK_K), float("-inf"), tl.float32), mask=inside)
+
+
+@triton.jit
+def _decode_row(q_ptr, stride_qt, stride_qh, w_ptr, stride_wr, stride_wh, lens_ptr, stride_lt,
+                request, t, next_n, one_d, HEADS: tl.constexpr, BLOCK_H: tl.constexpr, DIM: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """Query ``[BLOCK_H, BLOCK_D]``, half weights ``[BLOCK_H]``, output row and length of draft row ``t``
+    (``q_ptr``/``lens_ptr`` already point at the request; a row ``t >= next_n`` is empty)."""
+    head = tl.arange(0, BLOCK_H)
+    dim = tl.arange(0, BLOCK_D)
+    present = t < next_n
+    head_ok = (head < HEADS) & present
+    q = tl.load(q_ptr + t * stride_qt + head[:, None] * stride_qh + dim[None, :],
+                mask=head_ok[:, None] & (dim < DIM)[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+    row = request.to(tl.int64) * next_n + t
+    half_w = tl.load(w_ptr + row * stride_wr + head * stride_wh, mask=head_ok, other=0.0) * 0.5  # [BLOCK_H]
+    stored = tl.load(lens_ptr + t * stride_lt, mask=present, other=0)
+    length = tl.where(present, tl.maximum(stored + one_d * (t + 1 - next_n), 0), 0)
+    return _dot_operand(q), half_w, row, length
+
+
+@triton.jit
+def _head_sum(keys, q, half_w):
+    """``sum_h w[h] * relu(keys . q[h])`` for keys ``[BLOCK_K, BLOCK_D]``, q ``[BLOCK_H, BLOCK_D]`` -> ``[BLOCK_K]``."""
+    scores = tl.dot(keys, tl.trans(q))  # [BLOCK_K, BLOCK_H]
+    return tl.sum((scores + tl.abs(scores)) * half_w[None, :], axis=1)
+
+
+@triton.jit
+def _store_decode_row(out_ptr, stride_or, row, positions, logits, length, live, CLEAN: tl.constexpr):
+    ptrs = out_ptr + row * stride_or + positions  # [BLOCK_K]
+    if CLEAN:
+        tl.store(ptrs, tl.where(positions < length, logits, float("-inf")), mask=live)
+    else:
+        tl.store(ptrs, logits, mask=live & (positions < length))
+
+
+@triton.jit(do_not_specialize=["next_n", "one_d", "max_context_len", "split_keys", "num_splits", "num_groups"])
+def _paged_mqa_logits_kernel(
+    q_ptr, stride_qb, stride_qt, stride_qh,
+    w_ptr, stride_wr, stride_wh,
+    values_ptr, cache_ptr, page_stride, block_size,
+    lens_ptr, stride_lb, stride_lt,
+    table_ptr, stride_tb,
+    out_ptr, stride_or,
+    next_n, one_d, max_context_len, split_keys, num_splits, num_groups,
+    HEADS: tl.constexpr, BLOCK_H: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    CLEAN: tl.constexpr, MXFP4: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Draft rows ``[t0, t0 + ROWS)`` of one request over one split of ``split_keys`` positions."""
+    pid = tl.program_id(0)
+    split = pid % num_splits
+    group = pid // num_splits
+    request = group // num_groups
+    t0 = (group % num_groups) * ROWS
+    q_req = q_ptr + request.to(tl.int64) * stride_qb
+    lens_req = lens_ptr + request.to(tl.int64) * stride_lb
+    q_0, w_0, row_0, len_0 = _decode_row(q_req, stride_qt, stride_qh, w_ptr, stride_wr, stride_wh, lens_req,
+                                         stride_lt, request, t0, next_n, one_d, HEADS, BLOCK_H, DIM, BLOCK_D)
+    extent = len_0
+    if ROWS > 1:
+        q_1, w_1, row_1, len_1 = _decode_row(q_req, stride_qt, stride_qh, w_ptr, stride_wr, stride_wh, lens_req,
+                                             stride_lt, request, t0 + 1, next_n, one_d, HEADS, BLOCK_H, DIM, BLOCK_D)
+        extent = tl.maximum(extent, len_1)
+    if ROWS > 2:
+        q_2, w_2, row_2, len_2 = _decode_row(q_req, stride_qt, stride_qh, w_ptr, stride_wr, stride_wh, lens_req,
+                                             stride_lt, request, t0 + 2, next_n, one_d, HEADS, BLOCK_H, DIM, BLOCK_D)
+        extent = tl.maximum(extent, len_2)
+    if ROWS > 3:
+        q_3, w_3, row_3, len_3 = _decode_row(q_req, stride_qt, stride_qh, w_ptr, stride_wr, stride_wh, lens_req,
+                                             stride_lt, request, t0 + 3, next_n, one_d, HEADS, BLOCK_H, DIM, BLOCK_D)
+        extent = tl.maximum(extent, len_3)
+
+    split_start = split * split_keys
+    split_end = tl.minimum(split_start + split_keys, max_context_len)
+    read_end = tl.minimum(split_end, extent)
+    table_row = table_ptr + request.to(tl.int64) * stride_tb
+    dim = tl.arange(0, BLOCK_D)
+    for first in tl.range(split_start, read_end, BLOCK_K, num_stages=NUM_STAGES):
+        positions = first + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+        live = positions < read_end
+        page = tl.load(table_row + positions // block_size, mask=live, other=0)  # [BLOCK_K]
+        slot = positions % block_size  # [BLOCK_K]
+        page_start = page.to(tl.int64) * page_stride  # [BLOCK_K] byte offset of the page
+        if MXFP4:
+            block = tl.arange(0, BLOCK_D // 32)
+            byte = tl.arange(0, 16)
+            block_ok = block < DIM // 32
+            row_bytes = page_start + slot * (DIM // 2)  # [BLOCK_K]
+            packed = tl.load(cache_ptr + row_bytes[:, None, None] + block[None, :, None] * 16 + byte[None, None, :],
+                             mask=live[:, None, None] & block_ok[None, :, None], other=0)  # [BLOCK_K, BLOCK_D/32, 16]
+            scale_row = page_start + block_size * (DIM // 2) + slot * (DIM // 32)  # [BLOCK_K]
+            scale_bytes = tl.load(cache_ptr + scale_row[:, None] + block[None, :],
+                                  mask=live[:, None] & block_ok[None, :], other=0)  # [BLOCK_K, BLOCK_D/32]
+            keys, key_mul = _mxfp4_to_fp16(packed, scale_bytes, BLOCK_K, BLOCK_D)
+            if not UPCAST:
+                keys = keys.to(tl.float8e4nv)
+        else:
+            keys = tl.load(values_ptr + page_start[:, None] + slot[:, None] * DIM + dim[None, :],
+                           mask=live[:, None] & (dim < DIM)[None, :], other=0.0)  # [BLOCK_K, BLOCK_D]
+            keys = _dot_operand(keys)
+            scale_ptrs = (cache_ptr + page_start + block_size * DIM + slot * 4).to(tl.pointer_type(tl.float32))
+            key_mul = tl.load(scale_ptrs, mask=live, other=0.0)  # [BLOCK_K]
+        _store_decode_row(out_ptr, stride_or, row_0, positions, _head_sum(keys, q_0, w_0) * key_mul, len_0, live,
+                          CLEAN)
+        if ROWS > 1:
+            _store_decode_row(out_ptr, stride_or, row_1, positions, _head_sum(keys, q_1, w_1) * key_mul, len_1, live,
+                              CLEAN)
+        if ROWS > 2:
+            _store_decode_row(out_ptr, stride_or, row_2, positions, _head_sum(keys, q_2, w_2) * key_mul, len_2, live,
+                              CLEAN)
+        if ROWS > 3:
+            _store_decode_row(out_ptr, stride_or, row_3, positions, _head_sum(keys, q_3, w_3) * key_mul, len_3, live,
+                              CLEAN)
+    if CLEAN:
+        masked = tl.full((BLOCK_K,), float("-inf"), tl.float32)
+        for first in range(tl.maximum(split_start, read_end), split_end, BLOCK_K):
+            positions = first + tl.arange(0, BLOCK_K)
+            live = positions < split_end
+            tl.store(out_ptr + row_0 * stride_or + positions, masked, mask=live & (t0 < next_n))
+            if ROWS > 1:
+                tl.store(out_ptr + row_1 * stride_or + positions, masked, mask=live & (t0 + 1 < next_n))
+            if ROWS > 2:
+                tl.store(out_ptr + row_2 * stride_or + positions, masked, mask=live & (t0 + 2 < next_n))
+            if ROWS > 3:
+                tl.store(out_ptr + row_3 * stride_or + positions, masked, mask=live & (t0 + 3 < next_n))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Host side: configuration and launches (no device reads).
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def use_upcast(device: torch.device) -> bool:
+    """fp16 dots instead of e4m3 ones: forced by ``DSA_INDEXER_FORCE_UPCAST=1``, automatic on CUDA
+    devices of compute capability below 8.9 (no FP8 tensor cores)."""
+    if os.environ.get(FORCE_UPCAST_ENV, "0") == "1":
+        return True
+    return device.type == "cuda" and _capability(_device_index(device)) < (8, 9)
+
+
+def _next_pow2(n: int, minimum: int) -> int:
+    return max(minimum, triton.next_power_of_2(n))
+
+
+def _interpreting() -> bool:
+    return _backend.interpreter_enabled()
+
+
+# (BLOCK_Q, BLOCK_K, num_warps, num_stages) of the prefill kernel on GPUs, and on the interpreter.
+PREFILL_CONFIG = (64, 128, 4, 3)
+_PREFILL_INTERPRETER_CONFIG = (16, 32, 4, 1)
+# (BLOCK_K, num_warps, num_stages, programs per SM aimed at, tiles per split min/max) of the decode kernel.
+DECODE_CONFIG = (64, 4, 3, 8, 4, 32)
+_DECODE_INTERPRETER_CONFIG = (16, 4, 1, 2, 1, 2)
+
+
+def _mxfp4_rows(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed e2m1 ``[..., D/2]`` with ue8m0 ``[..., D/32]`` -> (``dtype`` ``[..., D]`` values / 2**e_max,
+    fp32 ``[...]`` 2**e_max)."""
+    lead = packed.shape[:-1]
+    dim = packed.shape[-1] * 2
+    packed_rows = packed.reshape(-1, packed.shape[-1])
+    scale_rows = scales.reshape(-1, scales.shape[-1])
+    num_rows = packed_rows.shape[0]
+    values = torch.empty((num_rows, dim), dtype=dtype, device=packed.device)
+    row_mul = torch.empty((num_rows,), dtype=torch.float32, device=packed.device)
+    if num_rows:
+        block_r = 16 if _interpreting() else 64
+        _mxfp4_rows_kernel[(triton.cdiv(num_rows, block_r),)](
+            packed_rows, packed_rows.stride(0), scale_rows, scale_rows.stride(0), values, values.stride(0), row_mul,
+            num_rows, DIM=dim, BLOCK_D=_next_pow2(dim, 32), BLOCK_R=block_r, num_warps=4,
+        )
+    return values.view(*lead, dim), row_mul.view(lead)
+
+
+def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
+    return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
+
+
+def mqa_logits_triton(
+    q: torch.Tensor,
+    q_scale: torch.Tensor | None,
+    k: torch.Tensor,
+    k_scale: torch.Tensor,
+    weights: torch.Tensor,
+    ks: torch.Tensor,
+    ke: torch.Tensor,
+    clean: bool,
+    out: torch.Tensor,
+    *,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """Triton twin of ``reference.mqa_logits`` (same arguments, validated by the public wrapper).
+
+    ``config`` overrides ``(BLOCK_Q, BLOCK_K, num_warps, num_stages)`` (benchmarks).
+    """
+    num_rows, heads = weights.shape
+    num_keys = k.shape[0]
+    if num_rows == 0 or num_keys == 0:
+        return out
+    upcast = use_upcast(q.device)
+    if q.dtype == FP8_DTYPE:
+        q_values, k_values, key_mul, w = _unit_last_stride(q), _unit_last_stride(k), k_scale, weights
+        if upcast:
+            q_values, k_values = q_values.view(torch.uint8), k_values.view(torch.uint8)
+    else:
+        dtype = torch.float16 if upcast else FP8_DTYPE
+        q_values, q_mul = _mxfp4_rows(q, q_scale, dtype)
+        k_values, key_mul = _mxfp4_rows(k, k_scale, dtype)
+        w = weights * q_mul
+    dim = q_values.shape[-1]
+    block_q, block_k, num_warps, num_stages = config or (
+        _PREFILL_INTERPRETER_CONFIG if _interpreting() else PREFILL_CONFIG
+    )
+    num_key_tiles = triton.cdiv(num_keys, block_k)
+    grid = (triton.cdiv(num_rows, block_q) * num_key_tiles,)
+    _mqa_logits_kernel[grid](
+        q_values, q_values.stride(0), q_values.stride(1),
+        k_values, k_values.stride(0),
+        key_mul,
+        w, w.stride(0), w.stride(1),
+        ks, ke,
+        out, out.stride(0),
+        num_rows, num_keys, num_key_tiles,
+        HEADS=heads, DIM=dim, BLOCK_D=_next_pow2(dim, 32),
+        BLOCK_Q=block_q, BLOCK_K=block_k, NUM_STAGES=num_stages, CLEAN=clean,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def _split_tiles(work_groups: int, key_tiles: int, device: torch.device, per_sm: int, lo: int, hi: int) -> int:
+    """Key tiles per split: about ``per_sm`` programs per SM over the whole call, within ``[lo, hi]``."""
+    sms = 4 if _interpreting() else _num_sms(_device_index(device))
+    tiles = triton.cdiv(work_groups * key_tiles, sms * per_sm)
+    return max(1, min(key_tiles, max(lo, min(hi, tiles))))
+
+
+def paged_mqa_logits_triton(
+    q: torch.Tensor,
+    q_scale: torch.Tensor | None,
+    cache: IndexerKCache,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    max_context_len: int,
+    clean: bool,
+    out: torch.Tensor,
+    *,
+    config: tuple[int, int, int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """Triton twin of ``reference.paged_mqa_logits`` (same arguments, validated by the public wrapper).
+
+    ``config`` overrides ``(BLOCK_K, num_warps, num_stages, programs per SM, min and max key tiles per
+    split)`` (benchmarks).
+    """
+    batch, next_n = q.shape[:2]
+    heads = weights.shape[1]
+    if batch == 0 or max_context_len == 0:
+        return out
+    if cache.num_blocks == 0 or block_table.shape[1] == 0:
+        # The wrapper has checked that no row can then see a position.
+        if clean:
+            out.fill_(float("-inf"))
+        return out
+    upcast = use_upcast(q.device)
+    mxfp4 = cache.fmt == "mxfp4"
+    dim = cache.head_dim
+    buffer = cache.buffer
+    if mxfp4:
+        q_values, q_mul = _mxfp4_rows(q, q_scale, torch.float16 if upcast else FP8_DTYPE)
+        w = weights * q_mul.view(batch * next_n, heads)
+        values = buffer
+    else:
+        q_values, w = _unit_last_stride(q), weights
+        values = buffer if upcast else buffer.view(FP8_DTYPE)
+        if upcast:
+            q_values = q_values.view(torch.uint8)
+    block_k, num_warps, num_stages, per_sm, lo, hi = config or (
+        _DECODE_INTERPRETER_CONFIG if _interpreting() else DECODE_CONFIG
+    )
+    rows = min(next_n, _MAX_ROWS_PER_PROGRAM)
+    num_groups = triton.cdiv(next_n, rows)
+    key_tiles = triton.cdiv(max_context_len, block_k)
+    tiles = _split_tiles(batch * num_groups, key_tiles, q.device, per_sm, lo, hi)
+    num_splits = triton.cdiv(key_tiles, tiles)
+    one_d = context_lens.dim() == 1
+    grid = (batch * num_groups * num_splits,)
+    _paged_mqa_logits_kernel[grid](
+        q_values, q_values.stride(0), q_values.stride(1), q_values.stride(2),
+        w, w.stride(0), w.stride(1),
+        values, buffer, cache.page_stride, cache.block_size,
+        context_lens, context_lens.stride(0), 0 if one_d else context_lens.stride(1),
+        block_table, block_table.stride(0),
+        out, out.stride(0),
+        next_n, int(one_d), max_context_len, tiles * block_k, num_splits, num_groups,
+        HEADS=heads, BLOCK_H=_next_pow2(heads, 16), DIM=dim, BLOCK_D=_next_pow2(dim, 32),
+        ROWS=rows, BLOCK_K=block_k, NUM_STAGES=num_stages,
+        CLEAN=clean, MXFP4=mxfp4, UPCAST=upcast,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
