@@ -66,6 +66,9 @@ class SparseAttnIndexer(nn.Module):
             with ``candidate_write`` this layer selects blocks into it, otherwise it masks its logits with it.
         candidate_block_size: positions per candidate block (8 for V4.1).
         dense_prefill_bypass: leave the buffer untouched when the metadata marks the step dense.
+        decode_logits_width: a fixed width for the decode logits (e.g. the model's longest compressed
+            context). With it, the decode path's shapes do not depend on the step's lengths, so a CUDA
+            graph captured once replays for any lengths up to it. None: the step's longest row.
         dcp_group: decode-context-parallel process group: this rank's cache holds its shard of every
             request (interleave ``dcp_interleave``); indices are merged to global positions. Metadata
             must be planned with the same rank, world size and interleave.
@@ -89,6 +92,7 @@ class SparseAttnIndexer(nn.Module):
         candidate_block_size: int = 0,
         candidate_write: bool = False,
         dense_prefill_bypass: bool = False,
+        decode_logits_width: int | None = None,
         dcp_group=None,
         dcp_interleave: int = 1,
         pcp_group=None,
@@ -126,6 +130,9 @@ class SparseAttnIndexer(nn.Module):
         self.candidate_block_size = candidate_block_size
         self.candidate_write = candidate_write
         self.dense_prefill_bypass = dense_prefill_bypass
+        if decode_logits_width is not None:
+            check_positive_int("decode_logits_width", decode_logits_width)
+        self.decode_logits_width = decode_logits_width
         check_positive_int("dcp_interleave", dcp_interleave)
         self.dcp_group = dcp_group
         self.dcp_interleave = dcp_interleave
@@ -245,6 +252,11 @@ class SparseAttnIndexer(nn.Module):
             check_tensor("k", k, ndim=2, device=self.cache.device)
             if k.shape[0] < metadata.slot_mapping.shape[0]:
                 raise ValueError(f"k needs >= {metadata.slot_mapping.shape[0]} rows, got {k.shape[0]}")
+        decode = metadata.decode
+        if decode is not None and self.decode_logits_width is not None and decode.max_context_len > self.decode_logits_width:
+            raise ValueError(
+                f"a decode row sees {decode.max_context_len} keys, more than decode_logits_width ({self.decode_logits_width})"
+            )
         largest_chunk = max((c.num_keys for c in metadata.prefill_chunks), default=0)
         if largest_chunk > self.workspace_tokens:
             raise ValueError(
@@ -328,7 +340,7 @@ class SparseAttnIndexer(nn.Module):
             scale = None if scale is None else scale.reshape(batch, next_n, *scale.shape[1:])
         with self._stage("decode_logits"):
             logits = paged_mqa_logits(
-                q, scale, self.cache, w, decode.context_lens, decode.block_table, max(decode.max_context_len, 1),
+                q, scale, self.cache, w, decode.context_lens, decode.block_table, self._decode_width(decode),
                 clean=False, backend=self.backend,
             )
         if self.candidate_blocks is not None:
@@ -348,6 +360,9 @@ class SparseAttnIndexer(nn.Module):
                     indices.view(batch, next_n, -1), decode.decode_lens, total=num_decode_tokens, backend=self.backend
                 )
             self.topk_indices_buffer[:num_decode_tokens, : self.topk_tokens].copy_(indices)
+
+    def _decode_width(self, decode) -> int:
+        return max(decode.max_context_len, 1) if self.decode_logits_width is None else self.decode_logits_width
 
     def _select_decode_blocks(self, logits, decode, ends, num_blocks_k, out=None) -> torch.Tensor:
         if self.dcp_group is None:

@@ -176,6 +176,7 @@ class MetadataBuilder:
         self._decode_lens = torch.zeros(rows, dtype=torch.int32, device=self.device)
         self._row_to_request = torch.zeros(rows * cols, dtype=torch.int32, device=self.device)
         self._block_table = torch.zeros(rows, max_blocks_per_request, dtype=torch.int32, device=self.device)
+        self._slots = torch.full((max_decode_requests * max_next_n,), -1, dtype=torch.int64, device=self.device)
 
     def build(self, seq_lens: Sequence[int], query_lens: Sequence[int], block_table: torch.Tensor) -> IndexerMetadata:
         """Plan one step. ``block_table [num_requests, >= blocks needed] int32`` (any device)."""
@@ -203,7 +204,7 @@ class MetadataBuilder:
         host_table = block_table.cpu()
         local_keys = [self._local(s // self.compress_ratio) for s in seq_lens]
         self._check_block_table(host_table, local_keys)
-        slot_mapping = self._slot_mapping(seq_lens, query_lens, host_table)
+        slot_mapping = self._persistent_slots(self._slot_mapping(seq_lens, query_lens, host_table))
         num_decode_tokens = sum(query_lens[r] for r in decodes)
         decode_index = torch.tensor(decodes, dtype=torch.int64, device=block_table.device)
         decode = self._decode_rows(
@@ -249,7 +250,17 @@ class MetadataBuilder:
                     f"{used.tolist()}"
                 )
 
-    def _slot_mapping(self, seq_lens, query_lens, host_table) -> torch.Tensor:
+    def _persistent_slots(self, slots: list[int]) -> torch.Tensor:
+        """Slots of a step that fits the decode capacity live in the builder's buffer (graph replays
+        read the same address); larger (prefill) steps get a fresh tensor."""
+        values = torch.tensor(slots, dtype=torch.int64)
+        if len(slots) > self._slots.shape[0]:
+            return values.to(self.device)
+        target = self._slots[: len(slots)]
+        target.copy_(values)
+        return target
+
+    def _slot_mapping(self, seq_lens, query_lens, host_table) -> list[int]:
         slots: list[int] = []
         ratio = self.compress_ratio
         for r, (seq_len, query_len) in enumerate(zip(seq_lens, query_lens)):
@@ -263,7 +274,7 @@ class MetadataBuilder:
                     continue
                 page = int(host_table[r, local // self.block_size])
                 slots.append(page * self.block_size + local % self.block_size)
-        return torch.tensor(slots, dtype=torch.int64).to(self.device)
+        return slots
 
     def _decode_rows(self, seq_lens, query_lens, block_table) -> DecodeRows | None:
         if not seq_lens:

@@ -29,14 +29,14 @@ __all__ = ["gather_k_triton", "insert_k_triton"]
 @triton.jit(do_not_specialize=["num_tokens"])
 def _insert_k_kernel(
     k_ptr, slots_ptr, cache_ptr,
-    num_tokens, stride_kt, stride_kd,
+    num_tokens, stride_kt, stride_kd, stride_slots,
     page_stride, block_size, amax_floor,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MXFP4: tl.constexpr, UE8M0: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
     """One program: rows ``[program_id(0) * BLOCK_T, +BLOCK_T)`` of ``k``; rows with a negative slot write nothing."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
-    slot = tl.load(slots_ptr + rows, mask=rows < num_tokens, other=-1).to(tl.int64)
+    slot = tl.load(slots_ptr + rows * stride_slots, mask=rows < num_tokens, other=-1).to(tl.int64)
     write = slot >= 0
     page = cache_ptr + (slot // block_size) * page_stride  # [BLOCK_T] first byte of the row's page
     token = slot % block_size
@@ -73,7 +73,7 @@ def _insert_k_kernel(
 @triton.jit(do_not_specialize=["num_requests", "search_steps"])
 def _gather_k_kernel(
     cache_ptr, block_table_ptr, cu_ptr, values_ptr, scales_ptr,
-    num_requests, search_steps,
+    num_requests, search_steps, stride_cu,
     stride_bt_request, stride_bt_block, page_stride, block_size,
     stride_values_row, stride_values_byte, stride_scales_row, stride_scales_byte,
     VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -81,7 +81,7 @@ def _gather_k_kernel(
 ):
     """One program: destination rows ``[program_id(0) * BLOCK_ROWS, +BLOCK_ROWS)``, those below ``cu[-1]``."""
     first_row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS
-    total = tl.load(cu_ptr + num_requests).to(tl.int64)
+    total = tl.load(cu_ptr + num_requests * stride_cu).to(tl.int64)
     if first_row < total:
         rows = first_row + tl.arange(0, BLOCK_ROWS)  # [BLOCK_ROWS]
         row_ok = rows < total
@@ -90,11 +90,11 @@ def _gather_k_kernel(
         step = 0
         while step < search_steps:  # a while loop: the interpreter cannot range() over a runtime int
             middle = (low + high) // 2
-            right = tl.load(cu_ptr + middle).to(tl.int64) <= rows
+            right = tl.load(cu_ptr + middle * stride_cu).to(tl.int64) <= rows
             low = tl.where(right, middle, low)
             high = tl.where(right, high, middle)
             step += 1
-        position = rows - tl.load(cu_ptr + low).to(tl.int64)  # [BLOCK_ROWS] request-local position
+        position = rows - tl.load(cu_ptr + low * stride_cu).to(tl.int64)  # [BLOCK_ROWS] request-local position
         page_id = tl.load(block_table_ptr + low.to(tl.int64) * stride_bt_request
                           + (position // block_size) * stride_bt_block, mask=row_ok, other=0)
         page = cache_ptr + page_id.to(tl.int64) * page_stride  # [BLOCK_ROWS]
@@ -135,7 +135,7 @@ def insert_k_triton(
         return
     _insert_k_kernel[(triton.cdiv(num_tokens, block_tokens),)](
         k, slot_mapping, cache.buffer,
-        num_tokens, k.stride(0), k.stride(1),
+        num_tokens, k.stride(0), k.stride(1), slot_mapping.stride(0),
         cache.page_stride, cache.block_size, amax_floor,
         HEAD_DIM=cache.head_dim, BLOCK_D=triton.next_power_of_2(cache.head_dim), MXFP4=cache.fmt == "mxfp4",
         UE8M0=scale_fmt == "ue8m0", BLOCK_T=block_tokens,
@@ -167,7 +167,7 @@ def gather_k_triton(
         stride_scales_row, stride_scales_byte = scales_out.stride(0), scales_out.stride(1)
     _gather_k_kernel[(triton.cdiv(num_rows, block_rows),)](
         cache.buffer, block_table, cu_seq_lens, values_out, scales_out,
-        num_requests, num_requests.bit_length(),
+        num_requests, num_requests.bit_length(), cu_seq_lens.stride(0),
         block_table.stride(0), block_table.stride(1), cache.page_stride, cache.block_size,
         values_out.stride(0), values_out.stride(1), stride_scales_row, stride_scales_byte,
         VALUE_BYTES=cache.value_bytes, SCALE_BYTES=cache.scale_bytes,

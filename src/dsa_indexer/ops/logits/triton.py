@@ -209,7 +209,7 @@ def _store_decode_row(out_ptr, stride_or, row, positions, logits, length, live, 
         tl.store(ptrs, logits, mask=live & (positions < length))
 
 
-@triton.jit(do_not_specialize=["next_n", "one_d", "max_context_len", "split_keys", "num_splits", "num_groups"])
+@triton.jit(do_not_specialize=["next_n", "one_d", "max_context_len", "num_splits", "num_groups"])
 def _paged_mqa_logits_kernel(
     q_ptr, stride_qb, stride_qt, stride_qh,
     w_ptr, stride_wr, stride_wh,
@@ -217,12 +217,12 @@ def _paged_mqa_logits_kernel(
     lens_ptr, stride_lb, stride_lt,
     table_ptr, stride_tb,
     out_ptr, stride_or,
-    next_n, one_d, max_context_len, split_keys, num_splits, num_groups,
+    next_n, one_d, max_context_len, num_splits, num_groups,
     HEADS: tl.constexpr, BLOCK_H: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr, NUM_STAGES: tl.constexpr,
     CLEAN: tl.constexpr, MXFP4: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Draft rows ``[t0, t0 + ROWS)`` of one request over one split of ``split_keys`` positions."""
+    """Draft rows ``[t0, t0 + ROWS)`` of one request over one split of ``TILES * BLOCK_K`` positions."""
     pid = tl.program_id(0)
     split = pid % num_splits
     group = pid // num_splits
@@ -246,50 +246,52 @@ def _paged_mqa_logits_kernel(
                                              stride_lt, request, t0 + 3, next_n, one_d, HEADS, BLOCK_H, DIM, BLOCK_D)
         extent = tl.maximum(extent, len_3)
 
-    split_start = split * split_keys
-    split_end = tl.minimum(split_start + split_keys, max_context_len)
+    split_start = split * (TILES * BLOCK_K)
+    split_end = tl.minimum(split_start + TILES * BLOCK_K, max_context_len)
     read_end = tl.minimum(split_end, extent)
     table_row = table_ptr + request.to(tl.int64) * stride_tb
     dim = tl.arange(0, BLOCK_D)
-    for first in tl.range(split_start, read_end, BLOCK_K, num_stages=NUM_STAGES):
-        positions = first + tl.arange(0, BLOCK_K)  # [BLOCK_K]
-        live = positions < read_end
-        page = tl.load(table_row + positions // block_size, mask=live, other=0)  # [BLOCK_K]
-        slot = positions % block_size  # [BLOCK_K]
-        page_start = page.to(tl.int64) * page_stride  # [BLOCK_K] byte offset of the page
-        if MXFP4:
-            block = tl.arange(0, BLOCK_D // 32)
-            byte = tl.arange(0, 16)
-            block_ok = block < DIM // 32
-            row_bytes = page_start + slot * (DIM // 2)  # [BLOCK_K]
-            packed = tl.load(cache_ptr + row_bytes[:, None, None] + block[None, :, None] * 16 + byte[None, None, :],
-                             mask=live[:, None, None] & block_ok[None, :, None], other=0)  # [BLOCK_K, BLOCK_D/32, 16]
-            scale_row = page_start + block_size * (DIM // 2) + slot * (DIM // 32)  # [BLOCK_K]
-            scale_bytes = tl.load(cache_ptr + scale_row[:, None] + block[None, :],
-                                  mask=live[:, None] & block_ok[None, :], other=0)  # [BLOCK_K, BLOCK_D/32]
-            keys, key_mul = _mxfp4_to_fp16(packed, scale_bytes, BLOCK_K, BLOCK_D)
-            if not UPCAST:
-                keys = keys.to(tl.float8e4nv)
-        else:
-            keys = tl.load(values_ptr + page_start[:, None] + slot[:, None] * DIM + dim[None, :],
-                           mask=live[:, None] & (dim < DIM)[None, :], other=0.0)  # [BLOCK_K, BLOCK_D]
-            keys = _dot_operand(keys)
-            scale_ptrs = (cache_ptr + page_start + block_size * DIM + slot * 4).to(tl.pointer_type(tl.float32))
-            key_mul = tl.load(scale_ptrs, mask=live, other=0.0)  # [BLOCK_K]
-        _store_decode_row(out_ptr, stride_or, row_0, positions, _head_sum(keys, q_0, w_0) * key_mul, len_0, live,
-                          CLEAN)
-        if ROWS > 1:
-            _store_decode_row(out_ptr, stride_or, row_1, positions, _head_sum(keys, q_1, w_1) * key_mul, len_1, live,
-                              CLEAN)
-        if ROWS > 2:
-            _store_decode_row(out_ptr, stride_or, row_2, positions, _head_sum(keys, q_2, w_2) * key_mul, len_2, live,
-                              CLEAN)
-        if ROWS > 3:
-            _store_decode_row(out_ptr, stride_or, row_3, positions, _head_sum(keys, q_3, w_3) * key_mul, len_3, live,
-                              CLEAN)
+    if split_start < read_end:
+        for tile in tl.range(0, TILES, num_stages=NUM_STAGES):
+            positions = split_start + tile * BLOCK_K + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+            live = positions < read_end
+            page = tl.load(table_row + positions // block_size, mask=live, other=0)  # [BLOCK_K]
+            slot = positions % block_size  # [BLOCK_K]
+            page_start = page.to(tl.int64) * page_stride  # [BLOCK_K] byte offset of the page
+            if MXFP4:
+                block = tl.arange(0, BLOCK_D // 32)
+                byte = tl.arange(0, 16)
+                block_ok = block < DIM // 32
+                row_bytes = page_start + slot * (DIM // 2)  # [BLOCK_K]
+                packed = tl.load(cache_ptr + row_bytes[:, None, None] + block[None, :, None] * 16 + byte[None, None, :],
+                                 mask=live[:, None, None] & block_ok[None, :, None], other=0)  # [BLOCK_K, BLOCK_D/32, 16]
+                scale_row = page_start + block_size * (DIM // 2) + slot * (DIM // 32)  # [BLOCK_K]
+                scale_bytes = tl.load(cache_ptr + scale_row[:, None] + block[None, :],
+                                      mask=live[:, None] & block_ok[None, :], other=0)  # [BLOCK_K, BLOCK_D/32]
+                keys, key_mul = _mxfp4_to_fp16(packed, scale_bytes, BLOCK_K, BLOCK_D)
+                if not UPCAST:
+                    keys = keys.to(tl.float8e4nv)
+            else:
+                keys = tl.load(values_ptr + page_start[:, None] + slot[:, None] * DIM + dim[None, :],
+                               mask=live[:, None] & (dim < DIM)[None, :], other=0.0)  # [BLOCK_K, BLOCK_D]
+                keys = _dot_operand(keys)
+                scale_ptrs = (cache_ptr + page_start + block_size * DIM + slot * 4).to(tl.pointer_type(tl.float32))
+                key_mul = tl.load(scale_ptrs, mask=live, other=0.0)  # [BLOCK_K]
+            _store_decode_row(out_ptr, stride_or, row_0, positions, _head_sum(keys, q_0, w_0) * key_mul, len_0,
+                              live, CLEAN)
+            if ROWS > 1:
+                _store_decode_row(out_ptr, stride_or, row_1, positions, _head_sum(keys, q_1, w_1) * key_mul, len_1,
+                                  live, CLEAN)
+            if ROWS > 2:
+                _store_decode_row(out_ptr, stride_or, row_2, positions, _head_sum(keys, q_2, w_2) * key_mul, len_2,
+                                  live, CLEAN)
+            if ROWS > 3:
+                _store_decode_row(out_ptr, stride_or, row_3, positions, _head_sum(keys, q_3, w_3) * key_mul, len_3,
+                                  live, CLEAN)
     if CLEAN:
         masked = tl.full((BLOCK_K,), float("-inf"), tl.float32)
-        for first in range(tl.maximum(split_start, read_end), split_end, BLOCK_K):
+        first = tl.maximum(split_start, read_end)
+        while first < split_end:  # a while loop: the interpreter cannot range() over a runtime int
             positions = first + tl.arange(0, BLOCK_K)
             live = positions < split_end
             tl.store(out_ptr + row_0 * stride_or + positions, masked, mask=live & (t0 < next_n))
@@ -299,6 +301,7 @@ def _paged_mqa_logits_kernel(
                 tl.store(out_ptr + row_2 * stride_or + positions, masked, mask=live & (t0 + 2 < next_n))
             if ROWS > 3:
                 tl.store(out_ptr + row_3 * stride_or + positions, masked, mask=live & (t0 + 3 < next_n))
+            first += BLOCK_K
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -419,10 +422,11 @@ def mqa_logits_triton(
 
 
 def _split_tiles(work_groups: int, key_tiles: int, device: torch.device, per_sm: int, lo: int, hi: int) -> int:
-    """Key tiles per split: about ``per_sm`` programs per SM over the whole call, within ``[lo, hi]``."""
+    """Key tiles per split, a power of two: about ``per_sm`` programs per SM over the whole call, within
+    ``[lo, hi]`` and no more than one request needs."""
     sms = 4 if _interpreting() else _num_sms(_device_index(device))
-    tiles = triton.cdiv(work_groups * key_tiles, sms * per_sm)
-    return max(1, min(key_tiles, max(lo, min(hi, tiles))))
+    tiles = min(hi, triton.next_power_of_2(key_tiles), max(lo, triton.cdiv(work_groups * key_tiles, sms * per_sm)))
+    return triton.next_power_of_2(tiles)
 
 
 def paged_mqa_logits_triton(
@@ -482,9 +486,9 @@ def paged_mqa_logits_triton(
         context_lens, context_lens.stride(0), 0 if one_d else context_lens.stride(1),
         block_table, block_table.stride(0),
         out, out.stride(0),
-        next_n, int(one_d), max_context_len, tiles * block_k, num_splits, num_groups,
+        next_n, int(one_d), max_context_len, num_splits, num_groups,
         HEADS=heads, BLOCK_H=_next_pow2(heads, 16), DIM=dim, BLOCK_D=_next_pow2(dim, 32),
-        ROWS=rows, BLOCK_K=block_k, NUM_STAGES=num_stages,
+        ROWS=rows, BLOCK_K=block_k, TILES=tiles, NUM_STAGES=num_stages,
         CLEAN=clean, MXFP4=mxfp4, UPCAST=upcast,
         num_warps=num_warps, num_stages=num_stages,
     )

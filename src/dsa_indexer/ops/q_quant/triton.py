@@ -12,11 +12,13 @@ bf16 rounding (``round_to_bf16``)
 
 e4m3 rounding (``round_to_e4m3``)
     For ``|v| <= 448`` let ``e = max(exponent(v), -6)``: e4m3 values near ``v`` are the multiples of
-    ``2**(e - 3)`` (``-6`` covers the subnormals). ``M = 1.5 * 2**(e + 20)`` has an fp32 ulp of
-    ``2**(e - 3)`` and ``|v| < 2**(e + 1)`` keeps ``v + M`` in M's binade, so the fp32 sum rounds ``v``
+    ``2**(e - 3)`` (``-6`` covers the subnormals). ``M = 1.5 * 2**(e + 20)`` (``2**exponent(v)``, taken
+    from the exponent bits, times ``1.5 * 2**20``, and at least ``1.5 * 2**14``) has an fp32 ulp of
+    ``2**(e - 3)``, and ``|v| < 2**(e + 1)`` keeps ``v + M`` in M's binade, so the fp32 sum rounds ``v``
     to that grid (to nearest, ties to even: ``M / 2**(e-3) = 3 * 2**22`` is even) and ``- M`` is exact.
     The sign bit of ``v`` is put back so that zeros keep their sign. The result is an e4m3 value, which
-    the cast then converts exactly on every backend.
+    the cast then converts exactly on every backend; NaN (which the interpreter converts to 256) is
+    encoded explicitly as ``0x7F``.
 
 ue8m0 exponents (``ceil_log2``)
     ``ceil(log2(x))`` of a positive fp32 from its bits: the unbiased exponent, plus one unless the
@@ -42,6 +44,7 @@ _MXFP4_MAX = tl.constexpr(MXFP4_MAX)
 _MXFP4_AMAX_FLOOR = tl.constexpr(MXFP4_AMAX_FLOOR)
 _MXFP4_BLOCK = tl.constexpr(MXFP4_BLOCK)
 _Q_AMAX_FLOOR = tl.constexpr(Q_AMAX_FLOOR)
+_SIGN_BIT = tl.constexpr(-(2**31))
 
 __all__ = ["rope_quant_q_triton"]
 
@@ -81,10 +84,10 @@ def pow2(exponent):
 def round_to_e4m3(v):
     """fp32 ``v`` (``|v| <= 448``) rounded to the nearest e4m3 value, ties to even, as fp32 (NaN stays NaN)."""
     bits = v.to(tl.int32, bitcast=True)
-    grid_exponent = tl.maximum((bits >> 23) & 0xFF, 121)
-    magic = (((grid_exponent + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    power = (bits & 0x7F800000).to(tl.float32, bitcast=True)  # 2**exponent(v), 0 for zeros and subnormals
+    magic = tl.maximum(power * 1572864.0, 24576.0)  # 1.5 * 2**(e + 20) with e = max(exponent(v), -6)
     rounded = ((v + magic) - magic).to(tl.int32, bitcast=True)
-    return (rounded | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
+    return (rounded | (bits & _SIGN_BIT)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -151,7 +154,7 @@ def _store_mxfp4(values_ptr, scales_ptr, head_rows, heads_ok, x, START: tl.const
 def _rope_quant_q_kernel(
     q_ptr, positions_ptr, cos_sin_ptr, weights_ptr, values_ptr, scales_ptr, weights_out_ptr,
     num_heads,
-    stride_qt, stride_qh, stride_qd,
+    stride_qt, stride_qh, stride_qd, stride_positions,
     stride_cs_pos, stride_cs_dim,
     stride_wt, stride_wh,
     softmax_scale, head_scale,
@@ -171,7 +174,7 @@ def _rope_quant_q_kernel(
     heads_ok = heads < num_heads
     head_rows = token * num_heads + heads  # [BLOCK_H] row of the [T * H] outputs
     q_heads = q_ptr + token * stride_qt + heads.to(tl.int64)[:, None] * stride_qh  # [BLOCK_H, 1]
-    position = tl.load(positions_ptr + token).to(tl.int64)
+    position = tl.load(positions_ptr + token * stride_positions).to(tl.int64)
 
     half: tl.constexpr = ROPE_DIM // 2
     dim = ROT_START + tl.arange(0, ROT_BLOCK)  # [ROT_BLOCK]
@@ -271,7 +274,7 @@ def rope_quant_q_triton(
     _rope_quant_q_kernel[grid](
         q, positions, cos_sin, weights, values.view(torch.uint8), values if scales is None else scales, weights_out,
         num_heads,
-        q.stride(0), q.stride(1), q.stride(2),
+        q.stride(0), q.stride(1), q.stride(2), positions.stride(0),
         cos_sin.stride(0), cos_sin.stride(1),
         weights.stride(0), weights.stride(1),
         softmax_scale, head_scale,
