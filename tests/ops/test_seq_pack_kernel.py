@@ -157,13 +157,14 @@ def test_empty_inputs(kernel_device):
     assert unpack_seq(torch.zeros(0, 4, 3, device=kernel_device), empty_batch, backend="triton").shape == (0, 3)
 
 
-@pytest.mark.parametrize("width", [1, 5, 40])
-def test_many_sequences_and_many_tiles_per_program(kernel_device, monkeypatch, width):
-    # Small tiles and few programs: each program walks several tiles and sums a long length prefix.
+@pytest.mark.parametrize("num_seqs,width,programs", [(1500, 1, 60), (40, 5, 3), (40, 40, 3)])
+def test_many_sequences_and_many_tiles_per_program(kernel_device, monkeypatch, num_seqs, width, programs):
+    # Small tiles and few programs: each program walks several tiles; with 1500 sequences the later
+    # programs start past the first 1024 lengths of their prefix sum.
     monkeypatch.setattr(seq_triton, "_TILE_BYTES", 64)
-    monkeypatch.setattr(seq_triton, "_MAX_PROGRAMS", 3)
+    monkeypatch.setattr(seq_triton, "_MAX_PROGRAMS", programs)
     generator = torch.Generator().manual_seed(width)
-    lengths = torch.randint(0, 3, (1500,), generator=generator).to(kernel_device)
+    lengths = torch.randint(0, 3, (num_seqs,), generator=generator).to(kernel_device)
     total = int(lengths.sum())
     x = random_payload((total + 1, width), torch.int16, kernel_device, seed=width)
     packed = both_pack(x, lengths, -1, max_len=3)

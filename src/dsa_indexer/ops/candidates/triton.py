@@ -6,25 +6,31 @@
    one row to their maximum over the selectable logits (NaN and ``-inf`` become ``-inf``; columns
    outside ``[starts, ends)`` are never read) and stores one 32-bit *block key* per block in a
    scratch ``[R, ceil(C / block_size)]`` int32 buffer. The key is the unsigned order key of the
-   maximum: for fp32 bits ``x`` (``-0.0`` first turned into ``+0.0``), ``key = x ^ 0xFFFFFFFF`` when the sign
-   bit is set, else ``x | 0x80000000``; then ``key(a) < key(b)`` (unsigned) iff ``a < b``. It is
-   ``ops/_order.float_order_key`` plus ``2**31``, so it ranks exactly like the reference. A block
-   without selectable entries gets key 0, below every selectable key (the smallest, ``-FLT_MAX``,
-   has key ``0x00800000``). The newest block of the row gets the key of ``+inf``.
-2. ``_select_kernel``, one program per row: an exact radix select over the row's block keys. Pass
-   ``p`` histograms ``RADIX_BITS`` bits of the keys that agree with the threshold prefix found so
-   far, then keeps the bin where the remaining count falls; after the last pass the prefix ``T`` is
-   the key of the k-th best block and ``ties`` the number of blocks with key ``T`` to take. Blocks
-   with equal keys rank by block id ascending, so the chosen set is every key above ``T`` plus the
-   first ``ties`` keys equal to ``T`` in id order: exactly the reference's (score desc, id asc)
-   order. A pass that finds its bin taken whole (``count == remaining``) ends the search early
-   with a shorter prefix; the final compaction then compares the keys' top bits only. The
-   compaction walks the keys in id order, so the ids come out ascending; the rest of the row is -1.
+   maximum: for fp32 bits ``x`` (``-0.0`` first turned into ``+0.0``), ``key = x ^ 0xFFFFFFFF``
+   when the sign bit is set, else ``x | 0x80000000``; then ``key(a) < key(b)`` (unsigned) iff
+   ``a < b``. It is ``ops/_order.float_order_key`` plus ``2**31``, so it ranks exactly like the
+   reference. A block without selectable entries gets key 0, below every selectable key (the
+   smallest, ``-FLT_MAX``, has key ``0x00800000``). The newest block of the row gets the key of
+   ``+inf``.
+2. ``_select_kernel``, one program per row: an exact radix select over the row's block keys. A
+   histogram of the keys' top ``RADIX_BITS`` bits gives the bin where the k-th best key falls; the
+   keys of that bin are compacted into a second scratch row, and the next passes histogram the next
+   ``RADIX_BITS`` bits of those candidates only (the ones that agree with the prefix found so far).
+   After the last pass the prefix ``T`` is the key of the k-th best block and ``ties`` the number of
+   blocks with key ``T`` to take. Blocks with equal keys rank by block id ascending, so the chosen
+   set is every key above ``T`` plus the first ``ties`` keys equal to ``T`` in id order: exactly the
+   reference's (score desc, id asc) order. A pass that finds its bin taken whole
+   (``count == remaining``) ends the search early with a shorter prefix; the final compaction then
+   compares the keys' top bits only. The compaction walks the keys in id order, so the ids come out
+   ascending; the rest of the row is -1. ``tl.histogram`` is a ballot histogram (about 65 warp
+   instructions per 32 keys for 8 bits), so this kernel is issue-bound: the candidate compaction
+   keeps the later passes to the keys of one bin.
 
 ``apply_candidate_mask`` runs ``_candidate_flags_kernel`` (one byte per block and row, set for every
-listed id in ``[0, row blocks)``, in a zeroed scratch) and ``_mask_kernel``, which stores ``-inf`` on
-every column of a row outside ``[starts, ends)`` or in an unlisted block. It never reads the logits:
-kept entries are untouched, and the masked ones are written without being read.
+listed id in ``[0, row blocks)``, in a zeroed scratch) and ``_mask_kernel``, whose programs (about
+``_TARGET_PROGRAMS`` in all, a few per row) walk the row's tiles and store ``-inf`` on every column
+outside ``[starts, ends)`` or in an unlisted block. It never reads the logits: kept entries are
+untouched, and the masked ones are written without being read.
 
 Loops whose trip count is a run-time value are ``while`` loops: Triton's CPU interpreter (with
 numpy 2) cannot turn a run-time bound into a Python ``range``. No host synchronisation anywhere:
@@ -38,9 +44,11 @@ import triton
 import triton.language as tl
 
 _KEYS_TILE = 8192
-_SELECT_CHUNK = 2048
-_MASK_TILE = 8192
+_SELECT_CHUNK = 4096
+_MASK_TILE = 4096
 _RADIX_BITS = 8
+_TARGET_PROGRAMS = 1024
+_SELECT_MAX_REGISTERS = 128  # two selection programs of 8 warps per SM (uncapped, ptxas takes 165: one)
 
 
 @triton.jit
@@ -53,6 +61,17 @@ def _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS: tl.constexpr)
     else:
         start = end * 0
     return start, end - start
+
+
+@triton.jit
+def _pick_bin(hist, bins, remaining):
+    """The bin holding the ``remaining``-th largest counted key of ``hist`` [BINS], the count above
+    it and the count in it."""
+    at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # [BINS] keys with digit >= bin
+    chosen = tl.max(tl.where(at_least >= remaining, bins, 0), axis=0)
+    above = tl.sum(tl.where(bins > chosen, hist, 0), axis=0)
+    in_bin = tl.sum(tl.where(bins == chosen, hist, 0), axis=0)
+    return chosen, above, in_bin
 
 
 @triton.jit(do_not_specialize=["row_repeat"])
@@ -84,7 +103,7 @@ def _block_keys_kernel(
 
 @triton.jit(do_not_specialize=["row_repeat", "num_blocks_k"])
 def _select_kernel(
-    keys_ptr, starts_ptr, ends_ptr, out_ptr,
+    keys_ptr, cand_ptr, starts_ptr, ends_ptr, out_ptr,
     row_repeat, num_blocks_k, keys_stride, out_stride_row, out_stride_col,
     HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, RADIX_BITS: tl.constexpr,
 ):
@@ -92,34 +111,47 @@ def _select_kernel(
     _, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS)
     num_blocks = (length + BLOCK_SIZE - 1) // BLOCK_SIZE
     row_keys = keys_ptr + row * keys_stride
+    row_cand = cand_ptr + row * keys_stride
     BINS: tl.constexpr = 1 << RADIX_BITS
+    TOP_SHIFT: tl.constexpr = 32 - RADIX_BITS
     bins = tl.arange(0, BINS)  # [BINS]
     lanes = tl.arange(0, CHUNK)  # [CHUNK]
-    prefix = (num_blocks * 0).to(tl.uint32)
-    shift = (num_blocks * 0 + 32).to(tl.uint32)
-    remaining = num_blocks * 0
-    taken = num_blocks * 0
-    searching = num_blocks > 0
-    for p in tl.static_range(32 // RADIX_BITS):
+    hist = tl.zeros([BINS], dtype=tl.int32)
+    first = num_blocks * 0
+    while first < num_blocks:
+        idx = first + lanes  # [CHUNK]
+        keys = tl.load(row_keys + idx, mask=idx < num_blocks, other=0).to(tl.uint32, bitcast=True)
+        hist += tl.histogram((keys >> TOP_SHIFT).to(tl.int32), BINS, mask=keys != 0)
+        first += CHUNK
+    taken = tl.minimum(tl.sum(hist, axis=0).to(tl.int64), num_blocks_k)
+    chosen, above, in_bin = _pick_bin(hist, bins, taken)
+    prefix = chosen.to(tl.uint32)
+    shift = (num_blocks * 0 + TOP_SHIFT).to(tl.uint32)
+    remaining = taken - above
+    searching = (taken > 0) & (in_bin != remaining)
+    num_cand = num_blocks * 0
+    first = num_blocks * 0
+    while searching & (first < num_blocks):
+        idx = first + lanes  # [CHUNK]
+        keys = tl.load(row_keys + idx, mask=idx < num_blocks, other=0).to(tl.uint32, bitcast=True)
+        match = (keys != 0) & ((keys >> TOP_SHIFT) == prefix)
+        slot = num_cand + tl.cumsum(match.to(tl.int32), axis=0) - match.to(tl.int32)
+        tl.store(row_cand + slot, keys.to(tl.int32, bitcast=True), mask=match)
+        num_cand += tl.sum(match.to(tl.int32), axis=0)
+        first += CHUNK
+    tl.debug_barrier()
+    for p in tl.static_range(1, 32 // RADIX_BITS):
         pass_shift = 32 - RADIX_BITS * (p + 1)
         hist = tl.zeros([BINS], dtype=tl.int32)
         first = num_blocks * 0
-        while searching & (first < num_blocks):
+        while searching & (first < num_cand):
             idx = first + lanes  # [CHUNK]
-            keys = tl.load(row_keys + idx, mask=idx < num_blocks, other=0).to(tl.uint32, bitcast=True)
-            match = keys != 0
-            if p > 0:
-                match = match & ((keys >> (pass_shift + RADIX_BITS)) == prefix)
+            keys = tl.load(row_cand + idx, mask=idx < num_cand, other=0).to(tl.uint32, bitcast=True)
+            match = (idx < num_cand) & ((keys >> (pass_shift + RADIX_BITS)) == prefix)
             digit = ((keys >> pass_shift) & (BINS - 1)).to(tl.int32)
             hist += tl.histogram(digit, BINS, mask=match)
             first += CHUNK
-        if p == 0:
-            taken = tl.minimum(tl.sum(hist, axis=0).to(tl.int64), num_blocks_k)
-            remaining = taken
-        at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # [BINS] count with digit >= bin
-        chosen = tl.max(tl.where(at_least >= remaining, bins, 0), axis=0)
-        above = tl.sum(tl.where(bins > chosen, hist, 0), axis=0)
-        in_bin = tl.sum(tl.where(bins == chosen, hist, 0), axis=0)
+        chosen, above, in_bin = _pick_bin(hist, bins, remaining)
         prefix = tl.where(searching, (prefix << RADIX_BITS) | chosen.to(tl.uint32), prefix)
         shift = tl.where(searching, pass_shift, shift)
         remaining = tl.where(searching, remaining - above, remaining)
@@ -163,30 +195,33 @@ def _candidate_flags_kernel(
     tl.store(flags_ptr + row * flags_stride + ids, tl.full([BLOCK_K], 1, tl.int8), mask=listed)
 
 
-@triton.jit(do_not_specialize=["row_repeat", "width"])
+@triton.jit(do_not_specialize=["row_repeat", "width", "programs_per_row", "span_blocks"])
 def _mask_kernel(
     logits_ptr, starts_ptr, ends_ptr, flags_ptr,
-    row_repeat, width, stride_row, stride_col, flags_stride,
+    row_repeat, width, programs_per_row, span_blocks, stride_row, stride_col, flags_stride,
     HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_J: tl.constexpr,
 ):
-    """Blocks are numbered relative to the row start, from ``-ceil(start / BLOCK_SIZE)`` up, so the
-    tiles also cover the columns before ``start`` and after ``end``."""
+    """Blocks are numbered relative to the row start, from ``-ceil(start / BLOCK_SIZE)`` up to
+    ``span_blocks`` of them, so the tiles also cover the columns before ``start`` and after ``end``."""
     row = tl.program_id(0).to(tl.int64)
     start, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS)
     lowest = -((start + BLOCK_SIZE - 1) // BLOCK_SIZE)
-    blocks = lowest + tl.program_id(1).to(tl.int64) * BLOCK_NB + tl.arange(0, BLOCK_NB)  # [BLOCK_NB]
     num_blocks = (length + BLOCK_SIZE - 1) // BLOCK_SIZE
-    in_row = (blocks >= 0) & (blocks < num_blocks)
-    listed = tl.load(flags_ptr + row * flags_stride + blocks, mask=in_row, other=0) != 0  # [BLOCK_NB]
     row_ptr = logits_ptr + row * stride_row
-    for first in tl.static_range(0, BLOCK_SIZE, BLOCK_J):
-        inner = first + tl.arange(0, BLOCK_J)  # [BLOCK_J]
-        pos = blocks[:, None] * BLOCK_SIZE + inner[None, :]  # [BLOCK_NB, BLOCK_J] row-relative
-        column = start + pos
-        on_row = (inner[None, :] < BLOCK_SIZE) & (column >= 0) & (column < width)
-        keep = listed[:, None] & (pos >= 0) & (pos < length)
-        tl.store(row_ptr + column * stride_col, tl.full([BLOCK_NB, BLOCK_J], float("-inf"), tl.float32),
-                 mask=on_row & ~keep)
+    tile = tl.program_id(1).to(tl.int64)
+    while tile * BLOCK_NB < span_blocks:
+        blocks = lowest + tile * BLOCK_NB + tl.arange(0, BLOCK_NB)  # [BLOCK_NB]
+        in_row = (blocks >= 0) & (blocks < num_blocks)
+        listed = tl.load(flags_ptr + row * flags_stride + blocks, mask=in_row, other=0) != 0  # [BLOCK_NB]
+        for first in tl.static_range(0, BLOCK_SIZE, BLOCK_J):
+            inner = first + tl.arange(0, BLOCK_J)  # [BLOCK_J]
+            pos = blocks[:, None] * BLOCK_SIZE + inner[None, :]  # [BLOCK_NB, BLOCK_J] row-relative
+            column = start + pos
+            on_row = (inner[None, :] < BLOCK_SIZE) & (column >= 0) & (column < width)
+            keep = listed[:, None] & (pos >= 0) & (pos < length)
+            tl.store(row_ptr + column * stride_col, tl.full([BLOCK_NB, BLOCK_J], float("-inf"), tl.float32),
+                     mask=on_row & ~keep)
+        tile += programs_per_row
 
 
 def _tiles(block_size: int, tile: int) -> tuple[int, int]:
@@ -199,6 +234,44 @@ def _bounds_args(starts: torch.Tensor | None, ends: torch.Tensor) -> tuple[torch
     return (ends, False) if starts is None else (starts, True)
 
 
+def _programs_per_row(num_rows: int, tiles: int) -> int:
+    """Programs sharing one row's tiles, so that about ``_TARGET_PROGRAMS`` programs run in all."""
+    return max(1, min(triton.cdiv(_TARGET_PROGRAMS, max(num_rows, 1)), tiles))
+
+
+def block_keys(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.Tensor, block_size: int,
+               row_repeat: int) -> torch.Tensor:
+    """First stage: int32 block keys ``[R, max(ceil(C / block_size), 1)]``."""
+    num_rows, width = logits.shape
+    max_blocks = triton.cdiv(width, block_size)
+    keys = torch.empty((num_rows, max(max_blocks, 1)), dtype=torch.int32, device=logits.device)
+    if num_rows and max_blocks:
+        starts_arg, has_starts = _bounds_args(starts, ends)
+        block_nb, block_j = _tiles(block_size, _KEYS_TILE)
+        block_nb = min(block_nb, triton.next_power_of_2(max_blocks))
+        _block_keys_kernel[(num_rows, triton.cdiv(max_blocks, block_nb))](
+            logits, starts_arg, ends, keys,
+            row_repeat, logits.stride(0), logits.stride(1), keys.stride(0),
+            HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_NB=block_nb, BLOCK_J=block_j, num_warps=8,
+        )
+    return keys
+
+
+def select_from_keys(keys: torch.Tensor, starts: torch.Tensor | None, ends: torch.Tensor, num_blocks_k: int,
+                     block_size: int, row_repeat: int, out: torch.Tensor) -> torch.Tensor:
+    """Second stage: the ``num_blocks_k`` best block ids of each row of ``keys`` into ``out``."""
+    if out.shape[0]:
+        starts_arg, has_starts = _bounds_args(starts, ends)
+        candidates = torch.empty_like(keys)
+        _select_kernel[(out.shape[0],)](
+            keys, candidates, starts_arg, ends, out,
+            row_repeat, num_blocks_k, keys.stride(0), out.stride(0), out.stride(1),
+            HAS_STARTS=has_starts, BLOCK_SIZE=block_size, CHUNK=_SELECT_CHUNK, RADIX_BITS=_RADIX_BITS,
+            num_warps=8, maxnreg=_SELECT_MAX_REGISTERS,
+        )
+    return out
+
+
 def select_candidate_blocks_triton(
     logits: torch.Tensor,
     starts: torch.Tensor | None,
@@ -209,28 +282,10 @@ def select_candidate_blocks_triton(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``select_candidate_blocks_reference``."""
-    num_rows, width = logits.shape
     if out is None:
-        out = torch.empty((num_rows, num_blocks_k), dtype=torch.int32, device=logits.device)
-    max_blocks = triton.cdiv(width, block_size)
-    if num_rows == 0:
-        return out
-    starts_arg, has_starts = _bounds_args(starts, ends)
-    keys = torch.empty((num_rows, max(max_blocks, 1)), dtype=torch.int32, device=logits.device)
-    if max_blocks:
-        block_nb, block_j = _tiles(block_size, _KEYS_TILE)
-        block_nb = min(block_nb, triton.next_power_of_2(max_blocks))
-        _block_keys_kernel[(num_rows, triton.cdiv(max_blocks, block_nb))](
-            logits, starts_arg, ends, keys,
-            row_repeat, logits.stride(0), logits.stride(1), keys.stride(0),
-            HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_NB=block_nb, BLOCK_J=block_j, num_warps=8,
-        )
-    _select_kernel[(num_rows,)](
-        keys, starts_arg, ends, out,
-        row_repeat, num_blocks_k, keys.stride(0), out.stride(0), out.stride(1),
-        HAS_STARTS=has_starts, BLOCK_SIZE=block_size, CHUNK=_SELECT_CHUNK, RADIX_BITS=_RADIX_BITS, num_warps=8,
-    )
-    return out
+        out = torch.empty((logits.shape[0], num_blocks_k), dtype=torch.int32, device=logits.device)
+    keys = block_keys(logits, starts, ends, block_size, row_repeat)
+    return select_from_keys(keys, starts, ends, num_blocks_k, block_size, row_repeat, out)
 
 
 def apply_candidate_mask_triton(
@@ -258,8 +313,9 @@ def apply_candidate_mask_triton(
         )
     block_nb, block_j = _tiles(block_size, _MASK_TILE)
     block_nb = min(block_nb, triton.next_power_of_2(max_blocks + 1))
-    _mask_kernel[(num_rows, triton.cdiv(max_blocks + 1, block_nb))](
+    programs = _programs_per_row(num_rows, triton.cdiv(max_blocks + 1, block_nb))
+    _mask_kernel[(num_rows, programs)](
         logits, starts_arg, ends, flags,
-        row_repeat, width, logits.stride(0), logits.stride(1), flags.stride(0),
+        row_repeat, width, programs, max_blocks + 1, logits.stride(0), logits.stride(1), flags.stride(0),
         HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_NB=block_nb, BLOCK_J=block_j, num_warps=8,
     )

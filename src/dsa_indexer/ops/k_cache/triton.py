@@ -19,7 +19,8 @@ import triton.language as tl
 
 from ...cache import IndexerKCache
 from ...formats import FP8_MAX
-from ..q_quant.triton import ceil_log2, e4m3_bytes, finite_abs, mxfp4_pack, pow2
+from ...backend import interpreter_enabled
+from ..q_quant.triton import e4m3_bytes, finite_amax, fp8_scale_exponent, mxfp4_pack, pow2
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 
@@ -30,43 +31,42 @@ __all__ = ["gather_k_triton", "insert_k_triton"]
 def _insert_k_kernel(
     k_ptr, slots_ptr, cache_ptr,
     num_tokens, stride_kt, stride_kd, stride_slots,
-    page_stride, block_size, amax_floor,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MXFP4: tl.constexpr, UE8M0: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    page_stride, amax_floor,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MXFP4: tl.constexpr, UE8M0: tl.constexpr,
+    BLOCK_T: tl.constexpr, INTERPRETER: tl.constexpr,
 ):
     """One program: rows ``[program_id(0) * BLOCK_T, +BLOCK_T)`` of ``k``; rows with a negative slot write nothing."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
     slot = tl.load(slots_ptr + rows * stride_slots, mask=rows < num_tokens, other=-1).to(tl.int64)
     write = slot >= 0
-    page = cache_ptr + (slot // block_size) * page_stride  # [BLOCK_T] first byte of the row's page
-    token = slot % block_size
+    page = cache_ptr + (slot // BLOCK_SIZE) * page_stride  # [BLOCK_T] first byte of the row's page
+    token = slot % BLOCK_SIZE
     dim = tl.arange(0, BLOCK_D)
     dim_ok = dim < HEAD_DIM
     x = tl.load(k_ptr + rows[:, None] * stride_kt + dim[None, :] * stride_kd, mask=write[:, None] & dim_ok[None, :],
                 other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_D]
     if MXFP4:
-        packed, scales = mxfp4_pack(x, BLOCK_T, BLOCK_D)  # [BLOCK_T, BLOCK_D/2], [BLOCK_T, BLOCK_D/32]
+        packed, scales = mxfp4_pack(x, BLOCK_T, BLOCK_D, INTERPRETER)  # [BLOCK_T, BLOCK_D/2], [BLOCK_T, BLOCK_D/32]
         pair = tl.arange(0, BLOCK_D // 2)
         tl.store(page[:, None] + token[:, None] * (HEAD_DIM // 2) + pair[None, :], packed,
                  mask=write[:, None] & (pair < HEAD_DIM // 2)[None, :])
         block = tl.arange(0, BLOCK_D // 32)
-        scale_rows = page + block_size * (HEAD_DIM // 2) + token * (HEAD_DIM // 32)  # [BLOCK_T]
+        scale_rows = page + BLOCK_SIZE * (HEAD_DIM // 2) + token * (HEAD_DIM // 32)  # [BLOCK_T]
         tl.store(scale_rows[:, None] + block[None, :], scales, mask=write[:, None] & (block < HEAD_DIM // 32)[None, :])
     else:
-        amax = tl.maximum(tl.max(finite_abs(x), axis=1), amax_floor)  # [BLOCK_T]
-        quotient = tl.div_rn(amax, _FP8_MAX)
+        amax = tl.maximum(finite_amax(x, 1), tl.cast(amax_floor, tl.float32))  # [BLOCK_T]
         if UE8M0:
-            exponent = tl.minimum(tl.maximum(ceil_log2(quotient), -126), 127)
+            exponent = fp8_scale_exponent(amax)
             scale = pow2(exponent)
             scaled = x * pow2(-exponent)[:, None]
         else:
-            scale = quotient
+            scale = tl.div_rn(amax, _FP8_MAX)
             scaled = tl.div_rn(x, scale[:, None])
-        tl.store(page[:, None] + token[:, None] * HEAD_DIM + dim[None, :], e4m3_bytes(scaled),
+        tl.store(page[:, None] + token[:, None] * HEAD_DIM + dim[None, :], e4m3_bytes(scaled, INTERPRETER),
                  mask=write[:, None] & dim_ok[None, :])
         byte = tl.arange(0, 4)
         scale_bytes = (scale.to(tl.int32, bitcast=True)[:, None] >> (byte * 8)[None, :]) & 0xFF  # [BLOCK_T, 4]
-        scale_rows = page + block_size * HEAD_DIM + token * 4  # [BLOCK_T]
+        scale_rows = page + BLOCK_SIZE * HEAD_DIM + token * 4  # [BLOCK_T]
         tl.store(scale_rows[:, None] + byte[None, :], scale_bytes.to(tl.uint8), mask=write[:, None])
 
 
@@ -74,9 +74,9 @@ def _insert_k_kernel(
 def _gather_k_kernel(
     cache_ptr, block_table_ptr, cu_ptr, values_ptr, scales_ptr,
     num_requests, search_steps, stride_cu,
-    stride_bt_request, stride_bt_block, page_stride, block_size,
+    stride_bt_request, stride_bt_block, page_stride,
     stride_values_row, stride_values_byte, stride_scales_row, stride_scales_byte,
-    VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
 ):
     """One program: destination rows ``[program_id(0) * BLOCK_ROWS, +BLOCK_ROWS)``, those below ``cu[-1]``."""
@@ -96,9 +96,9 @@ def _gather_k_kernel(
             step += 1
         position = rows - tl.load(cu_ptr + low * stride_cu).to(tl.int64)  # [BLOCK_ROWS] request-local position
         page_id = tl.load(block_table_ptr + low.to(tl.int64) * stride_bt_request
-                          + (position // block_size) * stride_bt_block, mask=row_ok, other=0)
+                          + (position // BLOCK_SIZE) * stride_bt_block, mask=row_ok, other=0)
         page = cache_ptr + page_id.to(tl.int64) * page_stride  # [BLOCK_ROWS]
-        token = position % block_size
+        token = position % BLOCK_SIZE
         values_out = values_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
         scales_out = scales_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
 
@@ -110,7 +110,7 @@ def _gather_k_kernel(
 
         byte = tl.arange(0, BLOCK_S)
         byte_mask = row_ok[:, None] & (byte < SCALE_BYTES)[None, :]
-        scale_rows = page + block_size * VALUE_BYTES + token * SCALE_BYTES  # [BLOCK_ROWS]
+        scale_rows = page + BLOCK_SIZE * VALUE_BYTES + token * SCALE_BYTES  # [BLOCK_ROWS]
         scales = tl.load(scale_rows[:, None] + byte[None, :], mask=byte_mask)
         tl.store(scales_out + rows[:, None] * stride_scales_row + byte[None, :] * stride_scales_byte, scales,
                  mask=byte_mask)  # [BLOCK_ROWS, BLOCK_S]
@@ -136,9 +136,9 @@ def insert_k_triton(
     _insert_k_kernel[(triton.cdiv(num_tokens, block_tokens),)](
         k, slot_mapping, cache.buffer,
         num_tokens, k.stride(0), k.stride(1), slot_mapping.stride(0),
-        cache.page_stride, cache.block_size, amax_floor,
-        HEAD_DIM=cache.head_dim, BLOCK_D=triton.next_power_of_2(cache.head_dim), MXFP4=cache.fmt == "mxfp4",
-        UE8M0=scale_fmt == "ue8m0", BLOCK_T=block_tokens,
+        cache.page_stride, amax_floor,
+        BLOCK_SIZE=cache.block_size, HEAD_DIM=cache.head_dim, BLOCK_D=triton.next_power_of_2(cache.head_dim), MXFP4=cache.fmt == "mxfp4",
+        UE8M0=scale_fmt == "ue8m0", BLOCK_T=block_tokens, INTERPRETER=interpreter_enabled(),
         num_warps=num_warps, enable_fp_fusion=False,
     )
 
@@ -168,9 +168,9 @@ def gather_k_triton(
     _gather_k_kernel[(triton.cdiv(num_rows, block_rows),)](
         cache.buffer, block_table, cu_seq_lens, values_out, scales_out,
         num_requests, num_requests.bit_length(), cu_seq_lens.stride(0),
-        block_table.stride(0), block_table.stride(1), cache.page_stride, cache.block_size,
+        block_table.stride(0), block_table.stride(1), cache.page_stride,
         values_out.stride(0), values_out.stride(1), stride_scales_row, stride_scales_byte,
-        VALUE_BYTES=cache.value_bytes, SCALE_BYTES=cache.scale_bytes,
+        BLOCK_SIZE=cache.block_size, VALUE_BYTES=cache.value_bytes, SCALE_BYTES=cache.scale_bytes,
         BLOCK_V=triton.next_power_of_2(cache.value_bytes), BLOCK_S=triton.next_power_of_2(cache.scale_bytes),
         BLOCK_ROWS=block_rows,
         num_warps=num_warps,

@@ -22,6 +22,18 @@ from . import reference
 __all__ = ["mqa_logits", "paged_mqa_logits"]
 
 
+def _mqa_logits_triton(*args, **kwargs):
+    from .triton import mqa_logits_triton
+
+    return mqa_logits_triton(*args, **kwargs)
+
+
+def _paged_mqa_logits_triton(*args, **kwargs):
+    from .triton import paged_mqa_logits_triton
+
+    return paged_mqa_logits_triton(*args, **kwargs)
+
+
 def _key_format(q) -> str:
     """``"fp8"`` or ``"mxfp4"`` from the dtype of ``q``."""
     check_tensor("q", q, dtype=(FP8_DTYPE, torch.uint8))
@@ -130,7 +142,9 @@ def mqa_logits(
     check_index_tensor("ke", ke, shape=(num_rows,))
     _check_bool("clean", clean)
     check_same_device(q=q, q_scale=q_scale, k=k, k_scale=k_scale, weights=weights, ks=ks, ke=ke)
-    implementation = _backend.dispatch(reference.mqa_logits, None, backend, q.device)
+    implementation = _backend.dispatch(
+        reference.mqa_logits, _mqa_logits_triton if _backend.triton_available() else None, backend, q.device
+    )
     _check_key_ranges(ks, ke, num_keys)
     out = _prepare_out(out, num_rows, num_keys, q.device)
     return implementation(q, q_scale, k, k_scale, weights, ks, ke, clean, out)
@@ -244,7 +258,12 @@ def paged_mqa_logits(
         context_lens=context_lens,
         block_table=block_table,
     )
-    implementation = _backend.dispatch(reference.paged_mqa_logits, None, backend, q.device)
+    implementation = _backend.dispatch(
+        reference.paged_mqa_logits,
+        _paged_mqa_logits_triton if _backend.triton_available() else None,
+        backend,
+        q.device,
+    )
     _check_decode_lengths(context_lens, block_table, next_n, max_context_len, cache)
     out = _prepare_out(out, batch * next_n, max_context_len, q.device)
     return implementation(q, q_scale, cache, weights, context_lens, block_table, max_context_len, clean, out)

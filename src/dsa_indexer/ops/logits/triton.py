@@ -40,12 +40,14 @@ pipeline. A tile outside every row's ``[ks, ke)`` range does no arithmetic: it w
 ``clean`` and nothing otherwise (most of a causal triangle).
 
 Decode schedule. Programs cover (request, group of up to ``ROWS`` draft rows, key split); a split is
-``split_keys`` consecutive positions (a multiple of ``BLOCK_K``). Each program loads its rows' queries
-once, then streams ``BLOCK_K`` positions at a time: the block-table entries, the key bytes and scales,
-one dot per row against the same key tile (so K is read once for all ``next_n <= 4`` rows), and writes
-the logits. It reads positions below its rows' longest length only; a split past that writes ``-inf``
-(``clean``) or nothing. The split size comes from host integers (``max_context_len``, the batch size),
-so nothing is read back from the device.
+``TILES * BLOCK_K`` consecutive positions, ``TILES`` a compile-time power of two picked from host integers
+(``max_context_len``, the batch size, the SM count) so that the grid holds several programs per SM and
+nothing is read back from the device. Each program loads its rows' queries once, then streams
+``BLOCK_K`` positions at a time through a software pipeline: the block-table entries, the key bytes and
+scales, one dot per row against the same key tile (so K is read once for all ``next_n <= 4`` rows; a
+larger ``next_n`` runs in groups of four rows, each reading K once), and the logits. It reads positions below its rows' longest length only (a tile past it is fully masked and
+touches no memory); a split past that length writes ``-inf`` (``clean``) or nothing. The page size is a
+compile-time constant, so position -> (page, slot) is a shift and a mask for the usual powers of two.
 """
 
 from __future__ import annotations
@@ -65,6 +67,10 @@ __all__ = ["mqa_logits_triton", "paged_mqa_logits_triton", "FORCE_UPCAST_ENV"]
 
 FORCE_UPCAST_ENV = "DSA_INDEXER_FORCE_UPCAST"
 _MAX_ROWS_PER_PROGRAM = 4
+# Decode score tile ``[BLOCK_K, ROWS * BLOCK_H]``: BLOCK_K shrinks (not below 64, one warpgroup's wgmma
+# rows) to keep it within this many fp32 elements; stacking two rows of 64 heads at 128 keys took 220
+# registers a thread and measured slower than 64 keys (B=32, L=128K, next_n=2 on the H200).
+_MAX_SCORE_TILE = 128 * 64
 _MXFP4_BYTES_PER_BLOCK = MXFP4_BLOCK // 2
 
 
@@ -81,14 +87,17 @@ def _e4m3_bits_to_fp16(x):
 def _dot_operand(x):
     """A tile as the tensor cores take it: e4m3 and fp16 as they are, raw e4m3 bytes rebuilt as fp16."""
     if x.dtype == tl.uint8:
-        return _e4m3_bits_to_fp16(x)
-    return x
+        operand = _e4m3_bits_to_fp16(x)
+    else:
+        operand = x
+    return operand
 
 
 @triton.jit
-def _mxfp4_to_fp16(packed, scale_bytes, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Packed e2m1 ``[ROWS, BLOCK_D/32, 16]`` uint8 and ue8m0 bytes ``[ROWS, BLOCK_D/32]`` ->
-    (fp16 ``[ROWS, BLOCK_D]`` values divided by ``2**e_max``, fp32 ``[ROWS]`` ``2**e_max``)."""
+def _mxfp4_halves(packed, scale_bytes, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Packed e2m1 ``[ROWS, BLOCK_D/32, 16]`` uint8 and ue8m0 bytes ``[ROWS, BLOCK_D/32]`` -> (even
+    elements, odd elements: fp16 ``[ROWS, BLOCK_D/2]`` each, divided by ``2**e_max``; fp32 ``[ROWS]``
+    ``2**e_max``). Element ``2i`` is the low nibble of byte ``i``."""
     exponents = scale_bytes.to(tl.int32) - 127  # [ROWS, BLOCK_D/32]
     top = tl.max(exponents, axis=1)  # [ROWS]
     scale_field = tl.maximum(29 - (top[:, None] - exponents), 0)  # [ROWS, BLOCK_D/32]
@@ -96,9 +105,9 @@ def _mxfp4_to_fp16(packed, scale_bytes, ROWS: tl.constexpr, BLOCK_D: tl.constexp
     bits = packed.to(tl.int32)  # [ROWS, BLOCK_D/32, 16]
     even = (((bits << 12) & 0x8000) | ((bits << 9) & 0x0E00)).to(tl.int16).to(tl.float16, bitcast=True)
     odd = (((bits << 8) & 0x8000) | ((bits << 5) & 0x0E00)).to(tl.int16).to(tl.float16, bitcast=True)
-    values = tl.reshape(tl.join(even * block_scale, odd * block_scale), (ROWS, BLOCK_D))  # [ROWS, BLOCK_D]
     row_mul = ((top + 127) << 23).to(tl.float32, bitcast=True)  # [ROWS]
-    return values, row_mul
+    return (tl.reshape(even * block_scale, (ROWS, BLOCK_D // 2)), tl.reshape(odd * block_scale, (ROWS, BLOCK_D // 2)),
+            row_mul)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -107,7 +116,8 @@ def _mxfp4_rows_kernel(
     num_rows,
     DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    """Rows ``[program_id(0) * BLOCK_R, +BLOCK_R)`` of packed MXFP4 -> ``out`` (e4m3 or fp16) and ``mul``."""
+    """Rows ``[program_id(0) * BLOCK_R, +BLOCK_R)`` of packed MXFP4 -> ``out`` (e4m3 or fp16; even elements
+    in columns ``[0, D/2)``, odd ones in ``[D/2, D)``) and ``mul``."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     row_ok = rows < num_rows
     block = tl.arange(0, BLOCK_D // 32)
@@ -117,9 +127,12 @@ def _mxfp4_rows_kernel(
                      mask=row_ok[:, None, None] & block_ok[None, :, None], other=0)  # [BLOCK_R, BLOCK_D/32, 16]
     scale_bytes = tl.load(scales_ptr + rows[:, None] * stride_scales + block[None, :],
                           mask=row_ok[:, None] & block_ok[None, :], other=0)  # [BLOCK_R, BLOCK_D/32]
-    values, row_mul = _mxfp4_to_fp16(packed, scale_bytes, BLOCK_R, BLOCK_D)
-    dim = tl.arange(0, BLOCK_D)
-    tl.store(out_ptr + rows[:, None] * stride_out + dim[None, :], values, mask=row_ok[:, None] & (dim < DIM)[None, :])
+    even, odd, row_mul = _mxfp4_halves(packed, scale_bytes, BLOCK_R, BLOCK_D)
+    half = tl.arange(0, BLOCK_D // 2)
+    out_rows = out_ptr + rows[:, None] * stride_out + half[None, :]  # [BLOCK_R, BLOCK_D/2]
+    half_ok = row_ok[:, None] & (half < DIM // 2)[None, :]
+    tl.store(out_rows, even, mask=half_ok)
+    tl.store(out_rows + DIM // 2, odd, mask=half_ok)
     tl.store(mul_ptr + rows, row_mul, mask=row_ok)
 
 
@@ -148,8 +161,6 @@ def _mqa_logits_kernel(
     starts = tl.load(ks_ptr + rows, mask=row_ok, other=2147483647)  # [BLOCK_Q]
     ends = tl.load(ke_ptr + rows, mask=row_ok, other=0)  # [BLOCK_Q]
     first_key = key_tile * BLOCK_K
-    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]  # [BLOCK_Q, BLOCK_K]
-    inside = row_ok[:, None] & col_ok[None, :]
     if (first_key < tl.max(ends, axis=0)) & (first_key + BLOCK_K > tl.min(starts, axis=0)):
         keys = tl.load(k_ptr + cols.to(tl.int64)[:, None] * stride_kn + dim[None, :],
                        mask=col_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_D]
@@ -165,98 +176,80 @@ def _mqa_logits_kernel(
         key_mul = tl.load(key_mul_ptr + cols, mask=col_ok, other=0.0)  # [BLOCK_K]
         logits = acc * key_mul[None, :]
         valid = (cols[None, :] >= starts[:, None]) & (cols[None, :] < ends[:, None])  # [BLOCK_Q, BLOCK_K]
+        out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]  # [BLOCK_Q, BLOCK_K]
+        inside = row_ok[:, None] & col_ok[None, :]
         if CLEAN:
             tl.store(out_ptrs, tl.where(valid, logits, float("-inf")), mask=inside)
         else:
             tl.store(out_ptrs, logits, mask=valid & inside)
     else:
         if CLEAN:
-            tl.store(out_ptrs, tl.full((BLOCK_Q, BLOCK_K), float("-inf"), tl.float32), mask=inside)
-
-
-@triton.jit
-def _decode_row(q_ptr, stride_qt, stride_qh, w_ptr, stride_wr, stride_wh, lens_ptr, stride_lt,
-                request, t, next_n, one_d, HEADS: tl.constexpr, BLOCK_H: tl.constexpr, DIM: tl.constexpr,
-                BLOCK_D: tl.constexpr):
-    """Query ``[BLOCK_H, BLOCK_D]``, half weights ``[BLOCK_H]``, output row and length of draft row ``t``
-    (``q_ptr``/``lens_ptr`` already point at the request; a row ``t >= next_n`` is empty)."""
-    head = tl.arange(0, BLOCK_H)
-    dim = tl.arange(0, BLOCK_D)
-    present = t < next_n
-    head_ok = (head < HEADS) & present
-    q = tl.load(q_ptr + t * stride_qt + head[:, None] * stride_qh + dim[None, :],
-                mask=head_ok[:, None] & (dim < DIM)[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
-    row = request.to(tl.int64) * next_n + t
-    half_w = tl.load(w_ptr + row * stride_wr + head * stride_wh, mask=head_ok, other=0.0) * 0.5  # [BLOCK_H]
-    stored = tl.load(lens_ptr + t * stride_lt, mask=present, other=0)
-    length = tl.where(present, tl.maximum(stored + one_d * (t + 1 - next_n), 0), 0)
-    return _dot_operand(q), half_w, row, length
-
-
-@triton.jit
-def _head_sum(keys, q, half_w):
-    """``sum_h w[h] * relu(keys . q[h])`` for keys ``[BLOCK_K, BLOCK_D]``, q ``[BLOCK_H, BLOCK_D]`` -> ``[BLOCK_K]``."""
-    scores = tl.dot(keys, tl.trans(q))  # [BLOCK_K, BLOCK_H]
-    return tl.sum((scores + tl.abs(scores)) * half_w[None, :], axis=1)
-
-
-@triton.jit
-def _store_decode_row(out_ptr, stride_or, row, positions, logits, length, live, CLEAN: tl.constexpr):
-    ptrs = out_ptr + row * stride_or + positions  # [BLOCK_K]
-    if CLEAN:
-        tl.store(ptrs, tl.where(positions < length, logits, float("-inf")), mask=live)
-    else:
-        tl.store(ptrs, logits, mask=live & (positions < length))
+            out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]  # [BLOCK_Q, BLOCK_K]
+            tl.store(out_ptrs, tl.full((BLOCK_Q, BLOCK_K), float("-inf"), tl.float32),
+                     mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["next_n", "one_d", "max_context_len", "num_splits", "num_groups"])
 def _paged_mqa_logits_kernel(
     q_ptr, stride_qb, stride_qt, stride_qh,
     w_ptr, stride_wr, stride_wh,
-    values_ptr, cache_ptr, page_stride, block_size,
+    values_ptr, cache_ptr, page_stride,
     lens_ptr, stride_lb, stride_lt,
     table_ptr, stride_tb,
     out_ptr, stride_or,
     next_n, one_d, max_context_len, num_splits, num_groups,
     HEADS: tl.constexpr, BLOCK_H: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr, NUM_STAGES: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
     CLEAN: tl.constexpr, MXFP4: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Draft rows ``[t0, t0 + ROWS)`` of one request over one split of ``TILES * BLOCK_K`` positions."""
+    """Draft rows ``[t0, t0 + ROWS)`` of one request over one split of ``TILES * BLOCK_K`` positions.
+
+    The rows' queries are stacked into one ``[ROWS * BLOCK_H, D]`` operand: one dot per key tile gives
+    every (key, row, head) score, and the head sum is a reduction over the last axis of its
+    ``[BLOCK_K, ROWS, BLOCK_H]`` view. MXFP4 queries come de-interleaved (``_mxfp4_rows_kernel``) and the
+    key tile is expanded the same way, so the dot is two half-depth dots accumulating.
+    """
     pid = tl.program_id(0)
     split = pid % num_splits
     group = pid // num_splits
     request = group // num_groups
     t0 = (group % num_groups) * ROWS
-    q_req = q_ptr + request.to(tl.int64) * stride_qb
-    lens_req = lens_ptr + request.to(tl.int64) * stride_lb
-    q_0, w_0, row_0, len_0 = _decode_row(q_req, stride_qt, stride_qh, w_ptr, stride_wr, stride_wh, lens_req,
-                                         stride_lt, request, t0, next_n, one_d, HEADS, BLOCK_H, DIM, BLOCK_D)
-    extent = len_0
-    if ROWS > 1:
-        q_1, w_1, row_1, len_1 = _decode_row(q_req, stride_qt, stride_qh, w_ptr, stride_wr, stride_wh, lens_req,
-                                             stride_lt, request, t0 + 1, next_n, one_d, HEADS, BLOCK_H, DIM, BLOCK_D)
-        extent = tl.maximum(extent, len_1)
-    if ROWS > 2:
-        q_2, w_2, row_2, len_2 = _decode_row(q_req, stride_qt, stride_qh, w_ptr, stride_wr, stride_wh, lens_req,
-                                             stride_lt, request, t0 + 2, next_n, one_d, HEADS, BLOCK_H, DIM, BLOCK_D)
-        extent = tl.maximum(extent, len_2)
-    if ROWS > 3:
-        q_3, w_3, row_3, len_3 = _decode_row(q_req, stride_qt, stride_qh, w_ptr, stride_wr, stride_wh, lens_req,
-                                             stride_lt, request, t0 + 3, next_n, one_d, HEADS, BLOCK_H, DIM, BLOCK_D)
-        extent = tl.maximum(extent, len_3)
+    stacked = tl.arange(0, ROWS * BLOCK_H)
+    stacked_t = t0 + stacked // BLOCK_H  # [ROWS * BLOCK_H] draft row of each stacked query
+    head = stacked % BLOCK_H
+    query_ok = (stacked_t < next_n) & (head < HEADS)
+    query_rows = q_ptr + request.to(tl.int64) * stride_qb + stacked_t * stride_qt + head * stride_qh  # [ROWS * BLOCK_H]
+    half_w = tl.load(w_ptr + (request.to(tl.int64) * next_n + stacked_t) * stride_wr + head * stride_wh,
+                     mask=query_ok, other=0.0) * 0.5  # [ROWS * BLOCK_H]
+    t = t0 + tl.arange(0, ROWS)  # [ROWS]
+    present = t < next_n
+    stored = tl.load(lens_ptr + request.to(tl.int64) * stride_lb + t * stride_lt, mask=present, other=0)
+    lengths = tl.where(present, tl.maximum(stored + one_d * (t + 1 - next_n), 0), 0)  # [ROWS]
+    extent = tl.max(lengths, axis=0)
+    out_rows = out_ptr + (request.to(tl.int64) * next_n + t) * stride_or  # [ROWS]
+    if MXFP4:
+        half = tl.arange(0, BLOCK_D // 2)
+        half_ok = query_ok[:, None] & (half < DIM // 2)[None, :]
+        q_even = _dot_operand(tl.load(query_rows[:, None] + half[None, :], mask=half_ok, other=0.0))
+        q_odd = _dot_operand(tl.load(query_rows[:, None] + DIM // 2 + half[None, :], mask=half_ok, other=0.0))
+    else:
+        dim = tl.arange(0, BLOCK_D)
+        queries = tl.load(query_rows[:, None] + dim[None, :], mask=query_ok[:, None] & (dim < DIM)[None, :],
+                          other=0.0)  # [ROWS * BLOCK_H, BLOCK_D]
+        queries = _dot_operand(queries)
 
     split_start = split * (TILES * BLOCK_K)
     split_end = tl.minimum(split_start + TILES * BLOCK_K, max_context_len)
     read_end = tl.minimum(split_end, extent)
     table_row = table_ptr + request.to(tl.int64) * stride_tb
-    dim = tl.arange(0, BLOCK_D)
     if split_start < read_end:
         for tile in tl.range(0, TILES, num_stages=NUM_STAGES):
             positions = split_start + tile * BLOCK_K + tl.arange(0, BLOCK_K)  # [BLOCK_K]
             live = positions < read_end
-            page = tl.load(table_row + positions // block_size, mask=live, other=0)  # [BLOCK_K]
-            slot = positions % block_size  # [BLOCK_K]
+            unsigned = positions.to(tl.uint32)  # non-negative: page and slot without sign fix-ups
+            page = tl.load(table_row + unsigned // BLOCK_SIZE, mask=live, other=0)  # [BLOCK_K]
+            slot = (unsigned % BLOCK_SIZE).to(tl.int32)  # [BLOCK_K]
             page_start = page.to(tl.int64) * page_stride  # [BLOCK_K] byte offset of the page
             if MXFP4:
                 block = tl.arange(0, BLOCK_D // 32)
@@ -265,42 +258,36 @@ def _paged_mqa_logits_kernel(
                 row_bytes = page_start + slot * (DIM // 2)  # [BLOCK_K]
                 packed = tl.load(cache_ptr + row_bytes[:, None, None] + block[None, :, None] * 16 + byte[None, None, :],
                                  mask=live[:, None, None] & block_ok[None, :, None], other=0)  # [BLOCK_K, BLOCK_D/32, 16]
-                scale_row = page_start + block_size * (DIM // 2) + slot * (DIM // 32)  # [BLOCK_K]
+                scale_row = page_start + BLOCK_SIZE * (DIM // 2) + slot * (DIM // 32)  # [BLOCK_K]
                 scale_bytes = tl.load(cache_ptr + scale_row[:, None] + block[None, :],
                                       mask=live[:, None] & block_ok[None, :], other=0)  # [BLOCK_K, BLOCK_D/32]
-                keys, key_mul = _mxfp4_to_fp16(packed, scale_bytes, BLOCK_K, BLOCK_D)
+                k_even, k_odd, key_mul = _mxfp4_halves(packed, scale_bytes, BLOCK_K, BLOCK_D)
                 if not UPCAST:
-                    keys = keys.to(tl.float8e4nv)
+                    k_even = k_even.to(tl.float8e4nv)
+                    k_odd = k_odd.to(tl.float8e4nv)
+                scores = tl.dot(k_even, tl.trans(q_even))
+                scores = tl.dot(k_odd, tl.trans(q_odd), scores)  # [BLOCK_K, ROWS * BLOCK_H]
             else:
                 keys = tl.load(values_ptr + page_start[:, None] + slot[:, None] * DIM + dim[None, :],
                                mask=live[:, None] & (dim < DIM)[None, :], other=0.0)  # [BLOCK_K, BLOCK_D]
-                keys = _dot_operand(keys)
-                scale_ptrs = (cache_ptr + page_start + block_size * DIM + slot * 4).to(tl.pointer_type(tl.float32))
+                scores = tl.dot(_dot_operand(keys), tl.trans(queries))  # [BLOCK_K, ROWS * BLOCK_H]
+                scale_ptrs = (cache_ptr + page_start + BLOCK_SIZE * DIM + slot * 4).to(tl.pointer_type(tl.float32))
                 key_mul = tl.load(scale_ptrs, mask=live, other=0.0)  # [BLOCK_K]
-            _store_decode_row(out_ptr, stride_or, row_0, positions, _head_sum(keys, q_0, w_0) * key_mul, len_0,
-                              live, CLEAN)
-            if ROWS > 1:
-                _store_decode_row(out_ptr, stride_or, row_1, positions, _head_sum(keys, q_1, w_1) * key_mul, len_1,
-                                  live, CLEAN)
-            if ROWS > 2:
-                _store_decode_row(out_ptr, stride_or, row_2, positions, _head_sum(keys, q_2, w_2) * key_mul, len_2,
-                                  live, CLEAN)
-            if ROWS > 3:
-                _store_decode_row(out_ptr, stride_or, row_3, positions, _head_sum(keys, q_3, w_3) * key_mul, len_3,
-                                  live, CLEAN)
+            weighted = tl.reshape((scores + tl.abs(scores)) * half_w[None, :], (BLOCK_K, ROWS, BLOCK_H))
+            logits = tl.sum(weighted, axis=2) * key_mul[:, None]  # [BLOCK_K, ROWS]
+            ptrs = out_rows[None, :] + positions[:, None]  # [BLOCK_K, ROWS]
+            inside = positions[:, None] < lengths[None, :]
+            if CLEAN:
+                tl.store(ptrs, tl.where(inside, logits, float("-inf")), mask=live[:, None] & present[None, :])
+            else:
+                tl.store(ptrs, logits, mask=live[:, None] & inside)
     if CLEAN:
-        masked = tl.full((BLOCK_K,), float("-inf"), tl.float32)
+        masked = tl.full((BLOCK_K, ROWS), float("-inf"), tl.float32)
         first = tl.maximum(split_start, read_end)
         while first < split_end:  # a while loop: the interpreter cannot range() over a runtime int
             positions = first + tl.arange(0, BLOCK_K)
-            live = positions < split_end
-            tl.store(out_ptr + row_0 * stride_or + positions, masked, mask=live & (t0 < next_n))
-            if ROWS > 1:
-                tl.store(out_ptr + row_1 * stride_or + positions, masked, mask=live & (t0 + 1 < next_n))
-            if ROWS > 2:
-                tl.store(out_ptr + row_2 * stride_or + positions, masked, mask=live & (t0 + 2 < next_n))
-            if ROWS > 3:
-                tl.store(out_ptr + row_3 * stride_or + positions, masked, mask=live & (t0 + 3 < next_n))
+            tl.store(out_rows[None, :] + positions[:, None], masked,
+                     mask=(positions < split_end)[:, None] & present[None, :])
             first += BLOCK_K
 
 
@@ -338,12 +325,16 @@ def _interpreting() -> bool:
     return _backend.interpreter_enabled()
 
 
-# (BLOCK_Q, BLOCK_K, num_warps, num_stages) of the prefill kernel on GPUs, and on the interpreter.
-PREFILL_CONFIG = (64, 128, 4, 3)
-_PREFILL_INTERPRETER_CONFIG = (16, 32, 4, 1)
-# (BLOCK_K, num_warps, num_stages, programs per SM aimed at, tiles per split min/max) of the decode kernel.
-DECODE_CONFIG = (64, 4, 3, 8, 4, 32)
-_DECODE_INTERPRETER_CONFIG = (16, 4, 1, 2, 1, 2)
+# (BLOCK_Q, BLOCK_K, num_warps, num_stages, register cap per thread) of the prefill kernel on GPUs, and
+# on the interpreter. The cap lets three programs share an SM (their epilogues overlap each other's
+# tensor-core work); ptxas then keeps only values that are dead during the head loop in local memory.
+PREFILL_CONFIG = (64, 128, 4, 3, 168)
+_PREFILL_INTERPRETER_CONFIG = (16, 32, 4, 1, None)
+# (BLOCK_K, num_warps, num_stages, programs per SM aimed at, key tiles per split min/max, register cap)
+# of the decode kernel on GPUs by key format, and on the interpreter. MXFP4 tiles are 64 keys: at 128 the
+# expanded keys reach the tensor cores through a shared-memory relayout (~270 extra instructions a tile).
+DECODE_CONFIG = {"fp8": (128, 4, 3, 8, 2, 16, None), "mxfp4": (64, 4, 3, 8, 4, 32, None)}
+_DECODE_INTERPRETER_CONFIG = (16, 4, 1, 2, 1, 2, None)
 
 
 def _mxfp4_rows(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -380,11 +371,11 @@ def mqa_logits_triton(
     clean: bool,
     out: torch.Tensor,
     *,
-    config: tuple[int, int, int, int] | None = None,
+    config: tuple[int, int, int, int, int | None] | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``reference.mqa_logits`` (same arguments, validated by the public wrapper).
 
-    ``config`` overrides ``(BLOCK_Q, BLOCK_K, num_warps, num_stages)`` (benchmarks).
+    ``config`` overrides ``PREFILL_CONFIG`` (benchmarks).
     """
     num_rows, heads = weights.shape
     num_keys = k.shape[0]
@@ -401,7 +392,7 @@ def mqa_logits_triton(
         k_values, key_mul = _mxfp4_rows(k, k_scale, dtype)
         w = weights * q_mul
     dim = q_values.shape[-1]
-    block_q, block_k, num_warps, num_stages = config or (
+    block_q, block_k, num_warps, num_stages, maxnreg = config or (
         _PREFILL_INTERPRETER_CONFIG if _interpreting() else PREFILL_CONFIG
     )
     num_key_tiles = triton.cdiv(num_keys, block_k)
@@ -416,7 +407,7 @@ def mqa_logits_triton(
         num_rows, num_keys, num_key_tiles,
         HEADS=heads, DIM=dim, BLOCK_D=_next_pow2(dim, 32),
         BLOCK_Q=block_q, BLOCK_K=block_k, NUM_STAGES=num_stages, CLEAN=clean,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg,
     )
     return out
 
@@ -444,8 +435,7 @@ def paged_mqa_logits_triton(
 ) -> torch.Tensor:
     """Triton twin of ``reference.paged_mqa_logits`` (same arguments, validated by the public wrapper).
 
-    ``config`` overrides ``(BLOCK_K, num_warps, num_stages, programs per SM, min and max key tiles per
-    split)`` (benchmarks).
+    ``config`` overrides ``DECODE_CONFIG`` (benchmarks).
     """
     batch, next_n = q.shape[:2]
     heads = weights.shape[1]
@@ -469,11 +459,13 @@ def paged_mqa_logits_triton(
         values = buffer if upcast else buffer.view(FP8_DTYPE)
         if upcast:
             q_values = q_values.view(torch.uint8)
-    block_k, num_warps, num_stages, per_sm, lo, hi = config or (
-        _DECODE_INTERPRETER_CONFIG if _interpreting() else DECODE_CONFIG
+    block_k, num_warps, num_stages, per_sm, lo, hi, maxnreg = config or (
+        _DECODE_INTERPRETER_CONFIG if _interpreting() else DECODE_CONFIG[cache.fmt]
     )
-    rows = min(next_n, _MAX_ROWS_PER_PROGRAM)
+    rows = triton.next_power_of_2(min(next_n, _MAX_ROWS_PER_PROGRAM))
     num_groups = triton.cdiv(next_n, rows)
+    block_h = _next_pow2(heads, 16)
+    block_k = min(block_k, max(64, _MAX_SCORE_TILE // (rows * block_h)))
     key_tiles = triton.cdiv(max_context_len, block_k)
     tiles = _split_tiles(batch * num_groups, key_tiles, q.device, per_sm, lo, hi)
     num_splits = triton.cdiv(key_tiles, tiles)
@@ -482,14 +474,14 @@ def paged_mqa_logits_triton(
     _paged_mqa_logits_kernel[grid](
         q_values, q_values.stride(0), q_values.stride(1), q_values.stride(2),
         w, w.stride(0), w.stride(1),
-        values, buffer, cache.page_stride, cache.block_size,
+        values, buffer, cache.page_stride,
         context_lens, context_lens.stride(0), 0 if one_d else context_lens.stride(1),
         block_table, block_table.stride(0),
         out, out.stride(0),
         next_n, int(one_d), max_context_len, num_splits, num_groups,
-        HEADS=heads, BLOCK_H=_next_pow2(heads, 16), DIM=dim, BLOCK_D=_next_pow2(dim, 32),
-        ROWS=rows, BLOCK_K=block_k, TILES=tiles, NUM_STAGES=num_stages,
+        HEADS=heads, BLOCK_H=block_h, DIM=dim, BLOCK_D=_next_pow2(dim, 32),
+        BLOCK_SIZE=cache.block_size, ROWS=rows, BLOCK_K=block_k, TILES=tiles, NUM_STAGES=num_stages,
         CLEAN=clean, MXFP4=mxfp4, UPCAST=upcast,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg,
     )
     return out

@@ -35,7 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ...backend import interpreter_enabled
 from ...formats import FP8_MAX, MXFP4_BLOCK, MXFP4_MAX, Q_AMAX_FLOOR
+from .reference import rope_quant_q_reference
 
 MXFP4_AMAX_FLOOR = MXFP4_MAX * 2.0**-126
 
@@ -50,11 +52,15 @@ __all__ = ["rope_quant_q_triton"]
 
 
 @triton.jit
-def round_to_bf16(x):
+def round_to_bf16(x, INTERPRETER: tl.constexpr):
     """fp32 ``x`` rounded to the nearest bf16 (ties to even), returned as fp32."""
-    bits = x.to(tl.int32, bitcast=True)
-    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-    return tl.where(x == x, rounded.to(tl.float32, bitcast=True), x)
+    if INTERPRETER:
+        bits = x.to(tl.int32, bitcast=True)
+        rounded = (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16).to(tl.float32, bitcast=True)
+        rounded = tl.where(x == x, rounded, x)
+    else:
+        rounded = x.to(tl.bfloat16).to(tl.float32)
+    return rounded
 
 
 @triton.jit
@@ -65,13 +71,19 @@ def finite_abs(x):
 
 
 @triton.jit
-def ceil_log2(x):
-    """Exact ``ceil(log2(x))`` of fp32 ``x >= 0`` as int32 (see the module docstring for 0 and subnormals)."""
-    bits = x.to(tl.int32, bitcast=True)
+def finite_amax(x, axis: tl.constexpr):
+    """Largest finite ``|x|`` along ``axis``, 0 where there is none."""
+    return tl.max(finite_abs(x), axis=axis)
+
+
+@triton.jit
+def fp8_scale_exponent(amax):
+    """``clamp(ceil(log2(fp32(amax / 448))), -126, 127)`` (int32) of fp32 ``amax > 0``, from its bits."""
+    bits = amax.to(tl.int32, bitcast=True)
     biased = bits >> 23
-    has_mantissa = (bits & 0x7FFFFF) != 0
-    normal = biased - 127 + has_mantissa.to(tl.int32)
-    return tl.where(biased == 0, tl.where(has_mantissa, -126, 0), normal)
+    exponent = biased - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    exponent = tl.where(biased == 0, tl.where(bits <= 224, 0, -126), exponent)
+    return tl.minimum(tl.maximum(exponent, -126), 127)
 
 
 @triton.jit
@@ -91,41 +103,45 @@ def round_to_e4m3(v):
 
 
 @triton.jit
-def e4m3_bytes(scaled):
+def e4m3_bytes(scaled, INTERPRETER: tl.constexpr):
     """e4m3fn bytes (uint8) of already-scaled fp32 values: clamp to ±448, nearest-even; NaN -> 0x7F."""
-    clamped = tl.minimum(tl.maximum(scaled, -_FP8_MAX), _FP8_MAX)
-    code = round_to_e4m3(clamped).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    return tl.where(scaled == scaled, code, tl.full(code.shape, 0x7F, tl.uint8))
+    if INTERPRETER:
+        clamped = tl.minimum(tl.maximum(scaled, -_FP8_MAX), _FP8_MAX)
+        code = round_to_e4m3(clamped).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        code = tl.where(scaled == scaled, code, tl.full(code.shape, 0x7F, tl.uint8))
+    else:
+        code = scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return code
 
 
 @triton.jit
 def e2m1_codes(scaled):
     """4-bit e2m1 codes (int32, sign in bit 3) of already-scaled fp32 values; ties to even, NaN -> +0."""
-    magnitude = tl.abs(scaled)
-    code = (
-        (magnitude > 0.25).to(tl.int32)
-        + (magnitude >= 0.75).to(tl.int32)
-        + (magnitude > 1.25).to(tl.int32)
-        + (magnitude >= 1.75).to(tl.int32)
-        + (magnitude > 2.5).to(tl.int32)
-        + (magnitude >= 3.5).to(tl.int32)
-        + (magnitude > 5.0).to(tl.int32)
-    )
-    negative = (scaled < 0) & (code != 0)
-    return code | (negative.to(tl.int32) << 3)
+    magnitude = tl.minimum(tl.abs(scaled), _MXFP4_MAX)
+    power = (magnitude.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    unit = tl.maximum(power, 1.0)  # 2**k, k = max(exponent, 0) in {0, 1, 2}: the grid is unit / 2
+    magic = unit * 6291456.0  # 1.5 * 2**22 * unit, whose fp32 ulp is unit / 2
+    steps = (magnitude + magic).to(tl.int32, bitcast=True) - magic.to(tl.int32, bitcast=True)
+    code = steps + (unit.to(tl.int32, bitcast=True) >> 22) - 254  # steps + 2 * k
+    code = code | tl.where(scaled < -0.25, 8, 0)
+    return tl.where(scaled == scaled, code, 0)
 
 
 @triton.jit
 def mxfp4_exponents(block_amax):
-    """Unbiased ue8m0 exponents (int32) of 32-element blocks from their finite amax."""
-    return ceil_log2(tl.div_rn(tl.maximum(block_amax, _MXFP4_AMAX_FLOOR), _MXFP4_MAX))
+    """Unbiased ue8m0 exponents ``ceil(log2(fp32(max(amax, 6 * 2**-126) / 6)))`` (int32) of 32-element blocks."""
+    bits = tl.maximum(block_amax, _MXFP4_AMAX_FLOOR).to(tl.int32, bitcast=True)
+    return (bits >> 23) - 129 + ((bits & 0x7FFFFF) > 0x400000).to(tl.int32)
 
 
 @triton.jit
-def mxfp4_pack(x, ROWS: tl.constexpr, WIDTH: tl.constexpr):
-    """MXFP4 of ``x [ROWS, WIDTH]`` (WIDTH a multiple of 32) -> (packed uint8 [ROWS, WIDTH/2], scales uint8 [ROWS, WIDTH/32])."""
+def mxfp4_pack(x, ROWS: tl.constexpr, WIDTH: tl.constexpr, INTERPRETER: tl.constexpr):
+    """MXFP4 of ``x [ROWS, WIDTH]`` (WIDTH a multiple of 32).
+
+    Returns ``(packed uint8 [ROWS, WIDTH/2], scales uint8 [ROWS, WIDTH/32])``.
+    """
     blocks = tl.reshape(x, [ROWS, WIDTH // _MXFP4_BLOCK, _MXFP4_BLOCK])
-    exponent = mxfp4_exponents(tl.max(finite_abs(blocks), axis=2))  # [ROWS, WIDTH/32]
+    exponent = mxfp4_exponents(finite_amax(blocks, 2))  # [ROWS, WIDTH/32]
     codes = e2m1_codes(blocks * pow2(-exponent)[:, :, None])  # [ROWS, WIDTH/32, 32]
     low, high = tl.split(tl.reshape(codes, [ROWS, WIDTH // 2, 2]))
     return (low | (high << 4)).to(tl.uint8), (exponent + 127).to(tl.uint8)
@@ -133,9 +149,9 @@ def mxfp4_pack(x, ROWS: tl.constexpr, WIDTH: tl.constexpr):
 
 @triton.jit
 def _store_mxfp4(values_ptr, scales_ptr, head_rows, heads_ok, x, START: tl.constexpr, WIDTH: tl.constexpr,
-                 BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr):
+                 BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, INTERPRETER: tl.constexpr):
     """Quantise dims ``[START, START + WIDTH)`` of each head (``x [BLOCK_H, BLOCK]``) and store them."""
-    packed, scales = mxfp4_pack(x, BLOCK_H, BLOCK)
+    packed, scales = mxfp4_pack(x, BLOCK_H, BLOCK, INTERPRETER)
     pair = tl.arange(0, BLOCK // 2)
     tl.store(
         values_ptr + head_rows[:, None] * (HEAD_DIM // 2) + (pair + START // 2)[None, :],
@@ -159,16 +175,17 @@ def _rope_quant_q_kernel(
     stride_wt, stride_wh,
     softmax_scale, head_scale,
     HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_START: tl.constexpr, INTERLEAVED: tl.constexpr,
-    ROT_START: tl.constexpr, ROT_WIDTH: tl.constexpr, ROT_BLOCK: tl.constexpr,
-    PASS_START: tl.constexpr, PASS_WIDTH: tl.constexpr, PASS_BLOCK: tl.constexpr,
-    MXFP4: tl.constexpr, BLOCK_H: tl.constexpr,
+    HALF_BLOCK: tl.constexpr, PASS_START: tl.constexpr, PASS_BLOCK: tl.constexpr,
+    MXFP4: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRETER: tl.constexpr,
 ):
     """One program: token ``program_id(0)``, heads ``[program_id(1) * BLOCK_H, +BLOCK_H)``.
 
-    The head is split into two windows of dims: the rotated window ``[ROT_START, +ROT_WIDTH)`` holds the
-    rope dims (for MXFP4 widened to whole 32-blocks) and the pass window ``[PASS_START, +PASS_WIDTH)``
-    the rest.
+    RoPE works on pairs ``(x0[j], x1[j])``, ``j < ROPE_DIM / 2``: dims ``ROPE_START + j`` and
+    ``ROPE_START + ROPE_DIM / 2 + j`` (NeoX) or ``ROPE_START + 2j`` and ``+ 1`` (interleaved, loaded as
+    ``[.., j, 2]`` and split). The other ``HEAD_DIM - ROPE_DIM`` dims start at ``PASS_START``.
     """
+    half: tl.constexpr = ROPE_DIM // 2
+    pass_width: tl.constexpr = HEAD_DIM - ROPE_DIM
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     heads_ok = heads < num_heads
@@ -176,65 +193,68 @@ def _rope_quant_q_kernel(
     q_heads = q_ptr + token * stride_qt + heads.to(tl.int64)[:, None] * stride_qh  # [BLOCK_H, 1]
     position = tl.load(positions_ptr + token * stride_positions).to(tl.int64)
 
-    half: tl.constexpr = ROPE_DIM // 2
-    dim = ROT_START + tl.arange(0, ROT_BLOCK)  # [ROT_BLOCK]
-    in_window = dim < ROT_START + ROT_WIDTH
-    offset = dim - ROPE_START
-    in_rope = (offset >= 0) & (offset < ROPE_DIM)
-    if INTERLEAVED:
-        first = offset % 2 == 0
-        pair = offset // 2
-        partner = tl.where(first, dim + 1, dim - 1)
-    else:
-        first = offset < half
-        pair = tl.where(first, offset, offset - half)
-        partner = tl.where(first, dim + half, dim - half)
+    pair = tl.arange(0, HALF_BLOCK)  # [HALF_BLOCK]
+    pair_ok = pair < half
     table = cos_sin_ptr + position * stride_cs_pos
-    cos = tl.load(table + pair * stride_cs_dim, mask=in_rope, other=0.0).to(tl.float32)  # [ROT_BLOCK]
-    sin = tl.load(table + (half + pair) * stride_cs_dim, mask=in_rope, other=0.0).to(tl.float32)
-    signed_sin = tl.where(first, -sin, sin)
-    x = tl.load(q_heads + dim[None, :] * stride_qd, mask=heads_ok[:, None] & in_window[None, :], other=0.0)
-    x = x.to(tl.float32)  # [BLOCK_H, ROT_BLOCK]
-    x_partner = tl.load(q_heads + partner[None, :] * stride_qd, mask=heads_ok[:, None] & in_rope[None, :], other=0.0)
-    rotated = round_to_bf16(x * cos[None, :] + x_partner.to(tl.float32) * signed_sin[None, :])
-    rotated = tl.where(in_rope[None, :], rotated, x)  # [BLOCK_H, ROT_BLOCK]
+    cos = tl.load(table + pair * stride_cs_dim, mask=pair_ok, other=0.0).to(tl.float32)[None, :]  # [1, HALF_BLOCK]
+    sin = tl.load(table + (half + pair) * stride_cs_dim, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
+    pairs_ok = heads_ok[:, None] & pair_ok[None, :]  # [BLOCK_H, HALF_BLOCK]
+    if INTERLEAVED:
+        pair_dims = ROPE_START + 2 * pair[:, None] + tl.arange(0, 2)[None, :]  # [HALF_BLOCK, 2]
+        x = tl.load(q_heads[:, :, None] + pair_dims[None, :, :] * stride_qd, mask=pairs_ok[:, :, None], other=0.0)
+        x0, x1 = tl.split(x.to(tl.float32))  # [BLOCK_H, HALF_BLOCK] each
+    else:
+        x0 = tl.load(q_heads + (ROPE_START + pair)[None, :] * stride_qd, mask=pairs_ok, other=0.0).to(tl.float32)
+        x1 = tl.load(q_heads + (ROPE_START + half + pair)[None, :] * stride_qd, mask=pairs_ok, other=0.0)
+        x1 = x1.to(tl.float32)
+    r0 = round_to_bf16(x0 * cos - x1 * sin, INTERPRETER)  # [BLOCK_H, HALF_BLOCK]
+    r1 = round_to_bf16(x1 * cos + x0 * sin, INTERPRETER)
 
-    if PASS_WIDTH > 0:
+    if pass_width > 0:
         pass_dim = PASS_START + tl.arange(0, PASS_BLOCK)  # [PASS_BLOCK]
-        pass_ok = pass_dim < PASS_START + PASS_WIDTH
-        kept = tl.load(q_heads + pass_dim[None, :] * stride_qd, mask=heads_ok[:, None] & pass_ok[None, :], other=0.0)
-        kept = kept.to(tl.float32)  # [BLOCK_H, PASS_BLOCK]
+        pass_ok = heads_ok[:, None] & (pass_dim < PASS_START + pass_width)[None, :]
+        kept = tl.load(q_heads + pass_dim[None, :] * stride_qd, mask=pass_ok, other=0.0).to(tl.float32)
 
     weights = tl.load(weights_ptr + token * stride_wt + heads * stride_wh, mask=heads_ok, other=0.0).to(tl.float32)
+    softmax = tl.cast(softmax_scale, tl.float32)  # the interpreter passes tiny Python floats as fp64
+    head = tl.cast(head_scale, tl.float32)
     if MXFP4:
-        _store_mxfp4(values_ptr, scales_ptr, head_rows, heads_ok, rotated, ROT_START, ROT_WIDTH, ROT_BLOCK,
-                     BLOCK_H, HEAD_DIM)
-        if PASS_WIDTH > 0:
-            _store_mxfp4(values_ptr, scales_ptr, head_rows, heads_ok, kept, PASS_START, PASS_WIDTH, PASS_BLOCK,
-                         BLOCK_H, HEAD_DIM)
-        weights_out = (weights * softmax_scale) * head_scale
+        if INTERLEAVED:
+            rotated = tl.reshape(tl.join(r0, r1), [BLOCK_H, 2 * HALF_BLOCK])  # natural dim order
+            _store_mxfp4(values_ptr, scales_ptr, head_rows, heads_ok, rotated, ROPE_START, ROPE_DIM,
+                         2 * HALF_BLOCK, BLOCK_H, HEAD_DIM, INTERPRETER)
+        else:
+            _store_mxfp4(values_ptr, scales_ptr, head_rows, heads_ok, r0, ROPE_START, half, HALF_BLOCK,
+                         BLOCK_H, HEAD_DIM, INTERPRETER)
+            _store_mxfp4(values_ptr, scales_ptr, head_rows, heads_ok, r1, ROPE_START + half, half, HALF_BLOCK,
+                         BLOCK_H, HEAD_DIM, INTERPRETER)
+        if pass_width > 0:
+            _store_mxfp4(values_ptr, scales_ptr, head_rows, heads_ok, kept, PASS_START, pass_width, PASS_BLOCK,
+                         BLOCK_H, HEAD_DIM, INTERPRETER)
+        weights_out = (weights * softmax) * head
     else:
-        amax = tl.max(finite_abs(rotated), axis=1)  # [BLOCK_H]
-        if PASS_WIDTH > 0:
-            amax = tl.maximum(amax, tl.max(finite_abs(kept), axis=1))
-        quotient = tl.div_rn(tl.maximum(amax, _Q_AMAX_FLOOR), _FP8_MAX)
-        exponent = tl.minimum(tl.maximum(ceil_log2(quotient), -126), 127)  # [BLOCK_H]
-        inverse = pow2(-exponent)[:, None]
+        amax = tl.maximum(finite_amax(r0, 1), finite_amax(r1, 1))  # [BLOCK_H]
+        if pass_width > 0:
+            amax = tl.maximum(amax, finite_amax(kept, 1))
+        exponent = fp8_scale_exponent(tl.maximum(amax, _Q_AMAX_FLOOR))  # [BLOCK_H]
+        inverse = pow2(-exponent)[:, None]  # [BLOCK_H, 1]
         rows = values_ptr + head_rows[:, None] * HEAD_DIM  # [BLOCK_H, 1]
-        tl.store(rows + dim[None, :], e4m3_bytes(rotated * inverse), mask=heads_ok[:, None] & in_window[None, :])
-        if PASS_WIDTH > 0:
-            tl.store(rows + pass_dim[None, :], e4m3_bytes(kept * inverse), mask=heads_ok[:, None] & pass_ok[None, :])
-        weights_out = ((weights * pow2(exponent)) * softmax_scale) * head_scale
+        if INTERLEAVED:
+            codes = e4m3_bytes(tl.join(r0, r1) * inverse[:, :, None], INTERPRETER)  # [BLOCK_H, HALF_BLOCK, 2]
+            tl.store(rows[:, :, None] + pair_dims[None, :, :], codes, mask=pairs_ok[:, :, None])
+        else:
+            tl.store(rows + (ROPE_START + pair)[None, :], e4m3_bytes(r0 * inverse, INTERPRETER), mask=pairs_ok)
+            tl.store(rows + (ROPE_START + half + pair)[None, :], e4m3_bytes(r1 * inverse, INTERPRETER),
+                     mask=pairs_ok)
+        if pass_width > 0:
+            tl.store(rows + pass_dim[None, :], e4m3_bytes(kept * inverse, INTERPRETER), mask=pass_ok)
+        weights_out = ((weights * pow2(exponent)) * softmax) * head
     tl.store(weights_out_ptr + head_rows, weights_out, mask=heads_ok)
 
 
-def _windows(head_dim: int, rope_dim: int, rope_position: str, align: int) -> tuple[int, int, int, int]:
-    """``(rot_start, rot_width, pass_start, pass_width)``: the rope dims widened to ``align``, and the rest."""
-    if rope_position == "first":
-        rot_width = min(head_dim, -(-rope_dim // align) * align)
-        return 0, rot_width, rot_width, head_dim - rot_width
-    rot_start = (head_dim - rope_dim) // align * align
-    return rot_start, head_dim - rot_start, 0, rot_start
+def mxfp4_kernel_supports(rope_dim: int, rope_style: str) -> bool:
+    """The kernel quantises MXFP4 heads whose rope dims (and their NeoX halves) are whole 32-blocks."""
+    return rope_dim % (2 * MXFP4_BLOCK if rope_style == "neox" else MXFP4_BLOCK) == 0
 
 
 def rope_quant_q_triton(
@@ -248,16 +268,22 @@ def rope_quant_q_triton(
     rope_style: str,
     rope_position: str,
     fmt: str,
-    block_heads: int = 16,
+    block_heads: int | None = None,
     num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Triton twin of ``rope_quant_q_reference`` (same arguments and results, bit for bit).
 
-    ``block_heads`` (a power of two) and ``num_warps`` are launch tuning knobs. No host synchronisation.
+    MXFP4 with a rope dim that ``mxfp4_kernel_supports`` refuses (not a multiple of 64 for NeoX, of 32
+    for interleaved; no DeepSeek model has one) runs the reference instead, with the same results.
+    ``block_heads`` (a power of two; default all heads, at most 64) and ``num_warps`` tune the launch.
+    No host synchronisation.
     """
     num_tokens, num_heads, head_dim = q.shape
     rope_dim = cos_sin.shape[1]
     mxfp4 = fmt == "mxfp4"
+    if mxfp4 and not mxfp4_kernel_supports(rope_dim, rope_style):
+        return rope_quant_q_reference(q, positions, cos_sin, weights, softmax_scale, head_scale,
+                                      rope_style=rope_style, rope_position=rope_position, fmt=fmt)
     weights_out = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=q.device)
     if mxfp4:
         values = torch.empty((num_tokens, num_heads, head_dim // 2), dtype=torch.uint8, device=q.device)
@@ -267,9 +293,9 @@ def rope_quant_q_triton(
         scales = None
     if num_tokens == 0 or num_heads == 0:
         return values, scales, weights_out
-    rope_start = 0 if rope_position == "first" else head_dim - rope_dim
-    rot_start, rot_width, pass_start, pass_width = _windows(head_dim, rope_dim, rope_position,
-                                                            MXFP4_BLOCK if mxfp4 else 1)
+    if block_heads is None:
+        block_heads = min(64, triton.next_power_of_2(num_heads))
+    first = rope_position == "first"
     grid = (num_tokens, triton.cdiv(num_heads, block_heads))
     _rope_quant_q_kernel[grid](
         q, positions, cos_sin, weights, values.view(torch.uint8), values if scales is None else scales, weights_out,
@@ -278,10 +304,10 @@ def rope_quant_q_triton(
         cos_sin.stride(0), cos_sin.stride(1),
         weights.stride(0), weights.stride(1),
         softmax_scale, head_scale,
-        HEAD_DIM=head_dim, ROPE_DIM=rope_dim, ROPE_START=rope_start, INTERLEAVED=rope_style == "interleaved",
-        ROT_START=rot_start, ROT_WIDTH=rot_width, ROT_BLOCK=triton.next_power_of_2(rot_width),
-        PASS_START=pass_start, PASS_WIDTH=pass_width, PASS_BLOCK=triton.next_power_of_2(max(pass_width, 1)),
-        MXFP4=mxfp4, BLOCK_H=block_heads,
+        HEAD_DIM=head_dim, ROPE_DIM=rope_dim, ROPE_START=0 if first else head_dim - rope_dim,
+        INTERLEAVED=rope_style == "interleaved", HALF_BLOCK=triton.next_power_of_2(rope_dim // 2),
+        PASS_START=rope_dim if first else 0, PASS_BLOCK=triton.next_power_of_2(max(head_dim - rope_dim, 1)),
+        MXFP4=mxfp4, BLOCK_H=block_heads, INTERPRETER=interpreter_enabled(),
         num_warps=num_warps, enable_fp_fusion=False,
     )
     return values, scales, weights_out

@@ -21,6 +21,10 @@ synchronisation, CUDA-graph capturable.
   ``x``). Every grid row is written.
 - unpack: grid row ``(b, t)`` with ``t < lengths[b]`` goes to ragged row ``start[b] + t`` when that
   row lies in ``[0, total)``; nothing else is read or written.
+
+Payloads whose trailing dims cannot be viewed as one row (or an ``out`` that cannot) go through a
+contiguous copy. Loops whose trip count is a run-time value are ``while`` loops: Triton's CPU
+interpreter (with numpy 2) cannot turn a run-time bound into a Python ``range``.
 """
 
 from __future__ import annotations
@@ -37,13 +41,13 @@ _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _TILE_BYTES = 32768
 _PREFIX_BLOCK = 1024
 _MAX_PROGRAMS = 1024
+_MAX_TILE_ROWS = 1024
 
 
 @triton.jit
 def _tile_sequence_starts(lengths_ptr, num_seqs, first_seq, seq, prefix, BLOCK_R: tl.constexpr):
     """(start, length) of the sequences ``seq`` [BLOCK_R] (each in ``[first_seq, first_seq + BLOCK_R)``
-    or past ``num_seqs``), given ``prefix = sum(lengths[:first_seq])``; also the sum of the lengths of
-    sequences ``[first_seq, first_seq + BLOCK_R)``."""
+    or past ``num_seqs``), given ``prefix = sum(lengths[:first_seq])``."""
     local = first_seq + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     local_len = tl.load(lengths_ptr + local, mask=local < num_seqs, other=0).to(tl.int64)  # [BLOCK_R]
     exclusive = tl.cumsum(local_len, axis=0) - local_len  # [BLOCK_R]
@@ -182,7 +186,7 @@ def _pad_word(pad_value: int | float, dtype: torch.dtype, word_dtype: torch.dtyp
 def _launch_shape(grid_rows: int, width: int, word_bytes: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_R, BLOCK_W, tiles per program, programs along rows, programs along the width)."""
     block_w = min(triton.next_power_of_2(width), max(1, _TILE_BYTES // word_bytes))
-    block_r = min(triton.next_power_of_2(grid_rows), max(1, _TILE_BYTES // (block_w * word_bytes)))
+    block_r = min(triton.next_power_of_2(grid_rows), max(1, _TILE_BYTES // (block_w * word_bytes)), _MAX_TILE_ROWS)
     width_programs = triton.cdiv(width, block_w)
     tiles = triton.cdiv(grid_rows, block_r)
     tiles_per_program = triton.cdiv(tiles, max(1, _MAX_PROGRAMS // width_programs))

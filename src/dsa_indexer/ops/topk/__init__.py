@@ -17,6 +17,29 @@ from . import reference
 __all__ = ["indices_to_slots", "topk", "topk_decode"]
 
 
+def _topk_triton(*args, **kwargs):
+    from .triton import topk_triton
+
+    return topk_triton(*args, **kwargs)
+
+
+def _topk_decode_triton(*args, **kwargs):
+    from .triton import topk_decode_triton
+
+    return topk_decode_triton(*args, **kwargs)
+
+
+def _indices_to_slots_triton(*args, **kwargs):
+    from .triton import indices_to_slots_triton
+
+    return indices_to_slots_triton(*args, **kwargs)
+
+
+def _triton_or_none(kernel):
+    """``kernel`` when Triton is importable (without importing it), else ``None``."""
+    return kernel if _backend.triton_available() else None
+
+
 def _first_true_row(mask: torch.Tensor) -> int:
     """Index of the first True entry of a 1-D mask known to hold one (error path only)."""
     return int(torch.nonzero(mask)[0, 0])
@@ -83,7 +106,7 @@ def topk(
     _check_out(out, num_rows, k, logits.device)
     if starts is not None or ends is not None:
         _check_bounds(starts, ends, width)
-    implementation = _backend.dispatch(reference.topk, None, backend, logits.device)
+    implementation = _backend.dispatch(reference.topk, _triton_or_none(_topk_triton), backend, logits.device)
     if out is None:
         out = torch.empty((num_rows, k), dtype=torch.int32, device=logits.device)
     return implementation(logits, k, starts, ends, out)
@@ -134,7 +157,9 @@ def topk_decode(
             f"seq_lens must lie in [0, {width}] (the logits width), "
             f"got {int(flat_lens[position])} at flat position {position}"
         )
-    implementation = _backend.dispatch(reference.topk_decode, None, backend, logits.device)
+    implementation = _backend.dispatch(
+        reference.topk_decode, _triton_or_none(_topk_decode_triton), backend, logits.device
+    )
     if out is None:
         out = torch.empty((num_rows, k), dtype=torch.int32, device=logits.device)
     return implementation(logits, seq_lens, next_n, k, out)
@@ -182,5 +207,7 @@ def indices_to_slots(
             f"indices must be -1 or positions in [0, max_blocks * block_size = {max_blocks * block_size}), "
             f"got indices[{row}, {column}] = {int(indices[row, column])}"
         )
-    implementation = _backend.dispatch(reference.indices_to_slots, None, backend, indices.device)
+    implementation = _backend.dispatch(
+        reference.indices_to_slots, _triton_or_none(_indices_to_slots_triton), backend, indices.device
+    )
     return implementation(indices, block_table, block_size, row_to_request)

@@ -9,10 +9,12 @@ interpreter and the GPU agree bit for bit.
 
 Selection rule. With ``T`` the ``k``-th largest selectable key of a row and ``G = #(key > T)``, the
 contract's selection is every entry with ``key > T`` plus the first ``k - G`` entries (lowest columns)
-with ``key == T``. When the row has at most ``k`` selectable entries, ``T = NONE`` and ``k - G`` is
-taken as 0: every selectable entry, nothing else. Emitting is an ordered compaction: the output
-position of a taken entry is the number of taken entries at lower columns (an inclusive prefix sum,
-minus one), so columns come out ascending, and positions ``[taken, k)`` are padded with ``-1``.
+with ``key == T``. When the row has at most ``k`` selectable entries, ``T = NONE`` and no tie is
+taken: every selectable entry, nothing else. Emitting is an ordered compaction. One inclusive prefix
+sum of ``[key > T] + [key == T] * 2**16`` gives, at each column, ``g`` entries above ``T`` and ``e``
+ties so far; a taken entry goes to position ``base + g + min(e, ties) - 1``, so columns come out
+ascending, and positions ``[taken, k)`` are padded with ``-1`` (a segment holds at most 16384
+columns, so the low field never carries and the high one never reaches the sign bit).
 
 Finding ``T`` (``_kth_largest``). ``T = max{t : #(key >= t) >= k}``, found bit by bit over the
 unsigned image ``u = key ^ 0x80000000``: starting from a lower bound ``t``, set bit ``b`` when the
@@ -20,37 +22,40 @@ count of keys ``>= t | 2**b`` is still ``>= k``. Because ``t``'s bits ``<= b`` a
 moment, setting bit ``b`` of ``u`` is toggling bit ``b`` of the signed key, so the search runs on
 int32 directly. The search starts at the common high bits of ``lo`` (smallest selectable key) and
 ``hi`` (largest key): ``T`` lies in ``[lo, hi]`` and shares them, so only ``bit_length(lo ^ hi)``
-rounds are needed (10 for rows whose values share 22 high bits). Each round is one block reduction.
+bits are searched (10 for rows whose values share 22 high bits). A round decides two bits at once
+from the counts at the three thresholds ``t + {1, 2, 3} * 2**b`` (two block reductions, the first
+carrying two counts in 16-bit fields), halving the number of serial rounds.
 
-Short rows (``width <= row_block_max``): one program per row holds the whole window in registers,
-finds ``T`` and emits: one launch, no scratch.
+Rows of width ``<= row_block_max``: a program holds ``rows_per_program`` whole windows in registers,
+finds each row's ``T`` (the rows share each round's reduction) and emits: one launch, no scratch.
 
-Long rows (split path, three passes over the logits and small int32 scratch):
+Wider rows (split path, four launches, two full passes over the logits plus a partial one):
 
 1. *Group maxima.* Programs own ``CHUNK`` columns of one row and store the maximum key of each group
-   of ``GROUP`` consecutive columns. The last program of a row to finish (an atomic arrival counter)
-   computes ``T_low``, the ``k``-th largest group maximum (``NONE`` when fewer than ``k`` groups hold a
-   selectable entry). ``T >= T_low``: the ``k`` groups whose maxima are ``>= T_low`` give ``k``
-   distinct entries ``>= T_low``. At most ``k - 1`` groups have a maximum ``> T_low``, so at most
-   ``(k - 1) * GROUP`` entries are ``> T_low``: the candidate buffer below never overflows (when
-   ``T_low = NONE`` the candidates are the selectable entries, at most ``(k - 1) * GROUP`` as well).
-   ``GROUP`` is the smallest power of two that keeps a row's groups within one register tile
-   (``group_tile``), so for random data the candidates number about ``1.15 k``.
-2. *Candidates.* Each program appends its keys ``> T_low`` to the row's buffer (an atomic cursor; the
-   order does not matter). The row's last program finds ``T``: if fewer than ``k`` candidates exist,
-   ``T = T_low`` and ``k - #candidates`` ties are taken, else ``T`` is the ``k``-th largest candidate
-   (every key ``>= T`` is a candidate) and ``k - #(candidates > T)`` ties are taken.
-3. *Emit.* Each program counts its keys ``> T`` and ``== T``, publishes both in a per-row flag array
-   and sums the flags of the lower chunks of its row (decoupled look-back: a program waits only for
-   programs of lower ids, which the hardware dispatches first, as CUB's single-pass scan assumes;
-   under the interpreter programs run in id order). Ties go to the lowest columns through the prefix
-   count of ties, and each program writes its taken columns at its prefix offset; the row's last chunk
-   pads with ``-1``.
+   of ``GROUP`` consecutive columns (and clear their chunk's flag for step 4).
+2. *Lower bound* (one program per row). ``T_low`` = the ``k``-th largest group maximum (``NONE``
+   when fewer than ``k`` groups hold a selectable entry). ``T >= T_low``: the ``k`` groups whose maxima
+   are ``>= T_low`` give ``k`` distinct entries ``>= T_low``. At most ``k - 1`` groups have a maximum
+   ``> T_low``, so at most ``(k - 1) * GROUP`` entries are ``> T_low`` (when ``T_low = NONE`` the
+   candidates are the selectable entries of fewer than ``k`` groups: the same bound). ``GROUP`` is the
+   smallest power of two that keeps a row's groups within one register tile (``group_tile``); for
+   random data the candidates number about ``1.15 k``.
+3. *Candidates.* Programs read only the groups whose maximum is ``> T_low`` (the others cannot hold a
+   candidate), append their keys ``> T_low`` to the row's buffer (an atomic cursor; order does not
+   matter; the bound above means it never overflows) and the last program of the row to arrive (an
+   atomic counter) finds ``T``: if fewer than ``k`` candidates exist, ``T = T_low`` and
+   ``k - #candidates`` ties are taken, else ``T`` is the ``k``-th largest candidate (every key ``>= T``
+   is a candidate) and ``k - #(candidates > T)`` ties are taken.
+4. *Emit.* Each program counts its keys ``> T`` and ``== T``, publishes both in its chunk's flag and
+   sums the flags of the lower chunks of its row (decoupled look-back: a program waits only for
+   programs of lower ids, which the hardware dispatches first, as CUB's single-pass scan assumes; under
+   the interpreter programs run in id order). Ties go to the lowest columns through the prefix count of
+   ties; each program writes its taken columns at its prefix offset; the row's last chunk pads ``-1``.
 
-Pass 2 walks the rows in reverse order so that it starts on the rows pass 1 left in L2, pass 3 in
-forward order for the same reason. All scratch is allocated with ``torch.empty``/``torch.zeros`` by
-the wrappers; nothing is read back to the host, so the launches are CUDA-graph capturable. Scratch per
-row: ``4 * (group tile + min((k - 1) * GROUP, width) + 8 + flags)`` bytes.
+Step 3 walks the rows in reverse order so that it starts on the rows step 1 left in L2, step 4 in
+forward order for the same reason. All scratch comes from ``torch.empty`` in the wrappers (every word
+is written before it is read); nothing is read back to the host, so the launches are CUDA-graph
+capturable. Scratch per row: ``4 * (group tile + min((k - 1) * GROUP, width) + 8 + flags)`` bytes.
 
 Strides: any logits strides (column stride 0 or > 1 included) and any ``out`` strides are honoured in
 the kernels; no copy is made. ``starts``/``ends``/``seq_lens`` are made contiguous (a no-op for the
@@ -69,10 +74,10 @@ NONE = tl.constexpr(-(2**31))
 KEY_MAX = tl.constexpr(2**31 - 1)
 INF_BITS = tl.constexpr(0x7F800000)
 NEG_INF_BITS = tl.constexpr(-8388608)  # 0xFF800000 as int32
+LOW_FIELD = tl.constexpr(0xFFFF)
 
-# Per-row state words of the split path (int32, zero-initialised), then one flag per chunk.
-_ARRIVED_GROUPS = tl.constexpr(0)
-_ARRIVED_CANDIDATES = tl.constexpr(1)
+# Per-row state words of the split path, then one flag per chunk.
+_ARRIVED = tl.constexpr(1)
 _NUM_CANDIDATES = tl.constexpr(2)
 _T_LOW = tl.constexpr(3)
 _THRESHOLD = tl.constexpr(4)
@@ -86,37 +91,47 @@ _SLOT_BLOCK = 1024
 
 @dataclass(frozen=True)
 class TopkConfig:
-    """Tuning of the Triton top-k (tests shrink these to reach every path with tiny shapes).
+    """Tuning of the Triton top-k (tests shrink the sizes to reach every path with tiny shapes).
 
-    row_block_max: widths up to this use one program per row (power of two).
-    chunk: columns per program on the split path (power of two).
-    group_tile: most group maxima per row on the split path; ``None`` = ``clamp(4k, 1024, 8192)``.
+    row_block_max: widths up to this use whole-row programs (power of two, at most 16384).
+    row_elements: register tile of a whole-row program: ``row_elements // tile width`` rows share a
+        program (1 to 16; power of two).
+    row_warps: most warps of a whole-row program (fewer for small tiles).
+    chunk: columns per program on the split path (power of two, at most 16384).
+    group_tile: most group maxima per row on the split path (at most 16384); ``None`` =
+        ``clamp(4k, 1024, 8192)``.
     candidate_block: candidates searched in registers; ``None`` = ``clamp(2k, 1024, 16384)``.
+    split_warps: warps of the split-path programs.
     """
 
     row_block_max: int = 8192
-    chunk: int = 4096
+    row_elements: int = 8192
+    row_warps: int = 4
+    chunk: int = 2048
     group_tile: int | None = None
     candidate_block: int | None = None
+    split_warps: int = 4
 
 
 DEFAULT_CONFIG = TopkConfig()
 
 
 @triton.jit
-def _row_window(row, starts_ptr, ends_ptr, width, next_n, HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr):
-    """(start, length) of a row's window. ENDS_MODE 0: ``width``; 1: ``ends[row]``; 2: decode request
-    lengths ``L = ends[row // next_n]``, end ``max(L - next_n + row % next_n + 1, 0)``."""
+def _row_window(row, valid, starts_ptr, ends_ptr, width, next_n, HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr):
+    """(start, length) of the windows of ``row`` (scalar or vector; ``valid`` false gives length 0).
+
+    ENDS_MODE 0: end ``width``; 1: ``ends[row]``; 2: decode request lengths ``L = ends[row // next_n]``,
+    end ``max(L - next_n + row % next_n + 1, 0)``."""
     start = row * 0
     if HAS_STARTS:
-        start = tl.load(starts_ptr + row)
+        start = tl.load(starts_ptr + row, mask=valid, other=0)
     end = row * 0 + width
     if ENDS_MODE == 1:
-        end = tl.load(ends_ptr + row)
+        end = tl.load(ends_ptr + row, mask=valid, other=0)
     if ENDS_MODE == 2:
-        request_len = tl.load(ends_ptr + row // next_n)
+        request_len = tl.load(ends_ptr + row // next_n, mask=valid, other=0)
         end = tl.maximum(request_len - next_n + row % next_n + 1, 0)
-    return start, end - start
+    return start, tl.where(valid, end - start, 0)
 
 
 @triton.jit
@@ -138,25 +153,65 @@ def _bit_length(x):
 
 
 @triton.jit
-def _search_start(lo, hi):
-    """(start key, rounds): ``lo`` with its low ``bit_length(lo ^ hi)`` unsigned bits cleared."""
-    rounds = _bit_length(lo ^ hi)
+def _clear_low_bits(lo, rounds):
+    """``lo`` with its low ``rounds`` bits cleared in the unsigned image (``rounds`` in ``[0, 32]``)."""
     low_mask = ((tl.full([], 1, tl.int64) << rounds.to(tl.int64)) - 1).to(tl.int32)
-    return ((lo ^ NONE) & ~low_mask) ^ NONE, rounds
+    return ((lo ^ NONE) & ~low_mask) ^ NONE
+
+
+@triton.jit
+def _search_step(keys, t, bit, k, AXIS: tl.constexpr):
+    """Decide bits ``bit + 1`` and ``bit`` of ``t`` (both still clear in the unsigned image): the largest
+    of ``t``, ``t + 2**bit``, ``t + 2 * 2**bit``, ``t + 3 * 2**bit`` that ``>= k`` keys reach. Counts
+    of a tile of at most 16384 keys share one int32 (two 16-bit fields)."""
+    low = 1 << bit
+    first = t ^ low
+    second = t ^ (low << 1)
+    third = second ^ low
+    if AXIS == 0:
+        pair = (keys >= first).to(tl.int32) + ((keys >= second).to(tl.int32) << 16)
+        counts = tl.sum(pair, axis=0)
+        above_third = tl.sum((keys >= third).to(tl.int32), axis=0)
+    else:
+        pair = (keys >= first[:, None]).to(tl.int32) + ((keys >= second[:, None]).to(tl.int32) << 16)
+        counts = tl.sum(pair, axis=1)
+        above_third = tl.sum((keys >= third[:, None]).to(tl.int32), axis=1)
+    t = tl.where((counts & LOW_FIELD) >= k, first, t)
+    t = tl.where((counts >> 16) >= k, second, t)
+    return tl.where(above_third >= k, third, t)
 
 
 @triton.jit
 def _kth_largest(keys, k):
-    """Largest t with ``#(keys >= t) >= k``; needs at least k keys other than NONE."""
+    """Largest t with ``#(keys >= t) >= k`` for a 1-D ``keys`` (at most 16384); needs at least k keys
+    other than NONE."""
     lo = tl.min(tl.where(keys != NONE, keys, KEY_MAX), axis=0)
     hi = tl.max(keys, axis=0)
-    t, bit = _search_start(lo, hi)
-    while bit > 0:
+    bit = _bit_length(lo ^ hi)
+    t = _clear_low_bits(lo, bit)
+    if bit % 2 == 1:
         bit -= 1
         candidate = t ^ (1 << bit)
-        count = tl.sum((keys >= candidate).to(tl.int32), axis=0)
-        t = tl.where(count >= k, candidate, t)
+        t = tl.where(tl.sum((keys >= candidate).to(tl.int32), axis=0) >= k, candidate, t)
+    while bit > 0:
+        bit -= 2
+        t = _search_step(keys, t, bit, k, 0)
     return t
+
+
+@triton.jit
+def _kth_largest_rows(keys, k, active):
+    """``_kth_largest`` of each row of ``keys [ROWS, BLOCK]`` where ``active`` (others: NONE). The rows
+    share each round's reductions, so all start from the widest bracket among the active rows."""
+    lo = tl.min(tl.where(keys != NONE, keys, KEY_MAX), axis=1)  # [ROWS]
+    hi = tl.max(keys, axis=1)  # [ROWS]
+    bit = tl.max(tl.where(active, _bit_length(lo ^ hi), 0), axis=0)
+    bit += bit % 2
+    t = _clear_low_bits(lo, bit)  # [ROWS]
+    while bit > 0:
+        bit -= 2
+        t = _search_step(keys, t, bit, k, 1)
+    return tl.where(active, t, NONE)
 
 
 @triton.jit
@@ -171,7 +226,8 @@ def _kth_largest_in_memory(ptr, n, k, TILE: tl.constexpr):
         lo = tl.minimum(lo, tl.min(tl.where(keys != NONE, keys, KEY_MAX), axis=0))
         hi = tl.maximum(hi, tl.max(keys, axis=0))
         first += TILE
-    t, bit = _search_start(lo, hi)
+    bit = _bit_length(lo ^ hi)
+    t = _clear_low_bits(lo, bit)
     while bit > 0:
         bit -= 1
         candidate = t ^ (1 << bit)
@@ -198,55 +254,63 @@ def _count_above_in_memory(ptr, n, threshold, TILE: tl.constexpr):
 
 
 @triton.jit
-def _emit_taken(greater, equal, columns, ties_left, base, out_row, out_stride_col):
-    """Write the columns of ``greater`` entries and of the first ``ties_left`` ``equal`` entries at
-    positions ``base, base + 1, ...`` in column order; return ``base`` + the number written."""
-    tie_rank = tl.cumsum(equal.to(tl.int32), axis=0)
-    take = greater | (equal & (tie_rank <= ties_left))
-    position = base + tl.cumsum(take.to(tl.int32), axis=0) - 1
-    tl.store(out_row + position.to(tl.int64) * out_stride_col, columns, mask=take)
-    return base + tl.sum(take.to(tl.int32), axis=0)
+def _emit_taken(counts, greater, equal, columns, ties, base, out_ptrs, out_stride_col, AXIS: tl.constexpr):
+    """Store the columns of the ``greater`` entries and of the first ``ties`` (>= 0) ``equal`` entries
+    at ``out_ptrs`` positions ``base, base + 1, ...`` in column order along ``AXIS``.
+
+    ``counts = greater + equal * 2**16`` (the packed flags whose prefix sum gives both ranks)."""
+    prefix = tl.cumsum(counts, axis=AXIS)
+    greater_rank = prefix & LOW_FIELD
+    equal_rank = prefix >> 16
+    take = greater | (equal & (equal_rank <= ties))
+    position = base + greater_rank + tl.minimum(equal_rank, ties) - 1
+    tl.store(out_ptrs + position.to(tl.int64) * out_stride_col, columns, mask=take)
 
 
 @triton.jit
-def _pad_row(out_row, out_stride_col, first, k, PAD_BLOCK: tl.constexpr):
-    """``-1`` into positions ``[first, k)``."""
-    padding = tl.full([PAD_BLOCK], -1, tl.int32)
-    while first < k:
-        position = first + tl.arange(0, PAD_BLOCK)  # [PAD_BLOCK]
-        tl.store(out_row + position.to(tl.int64) * out_stride_col, padding, mask=position < k)
-        first += PAD_BLOCK
+def _pad_rows(out_ptrs, out_stride_col, first, valid, k, PAD_BLOCK: tl.constexpr):
+    """``-1`` into positions ``[first, k)`` of the rows at ``out_ptrs [ROWS, 1]`` (``first [ROWS]``)."""
+    padding = tl.full([1, PAD_BLOCK], -1, tl.int32)
+    block = tl.min(tl.where(valid, first, k), axis=0)
+    while block < k:
+        position = block + tl.arange(0, PAD_BLOCK)[None, :]  # [1, PAD_BLOCK]
+        pad = valid[:, None] & (position >= first[:, None]) & (position < k)  # [ROWS, PAD_BLOCK]
+        tl.store(out_ptrs + position.to(tl.int64) * out_stride_col, padding, mask=pad)
+        block += PAD_BLOCK
 
 
-@triton.jit(do_not_specialize=["width", "k", "next_n"])
+@triton.jit(do_not_specialize=["num_rows", "width", "k", "next_n"])
 def _topk_row_kernel(
     logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, out_ptr, out_stride_row, out_stride_col,
-    width, k, next_n,
-    HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr,
+    num_rows, width, k, next_n,
+    HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    PAD_BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    start, length = _row_window(row, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
-    columns = tl.arange(0, BLOCK)  # [BLOCK] window-relative
-    inside = columns < length
-    src = logits_ptr + row.to(tl.int64) * stride_row + (start + columns).to(tl.int64) * stride_col
-    keys = _order_keys(tl.load(src, mask=inside, other=0.0), inside)  # [BLOCK]
-    num_selectable = tl.sum((keys != NONE).to(tl.int32), axis=0)
-    threshold = num_selectable * 0 + NONE
-    ties = num_selectable * 0
-    if num_selectable > k:
-        threshold = _kth_largest(keys, k)
-        ties = k - tl.sum((keys > threshold).to(tl.int32), axis=0)
-    out_row = out_ptr + row.to(tl.int64) * out_stride_row
-    greater = keys > threshold
-    equal = (keys == threshold) & (keys != NONE)
-    taken = _emit_taken(greater, equal, columns, ties, ties * 0, out_row, out_stride_col)
-    _pad_row(out_row, out_stride_col, taken, k, PAD_BLOCK)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    valid = rows < num_rows
+    start, length = _row_window(rows, valid, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
+    columns = tl.arange(0, BLOCK)[None, :]  # [1, BLOCK] window-relative
+    inside = columns < length[:, None]  # [ROWS, BLOCK]
+    src = logits_ptr + rows.to(tl.int64)[:, None] * stride_row + (start[:, None] + columns).to(tl.int64) * stride_col
+    keys = _order_keys(tl.load(src, mask=inside, other=0.0), inside)  # [ROWS, BLOCK]
+    searching = tl.sum((keys != NONE).to(tl.int32), axis=1) > k  # [ROWS]
+    threshold = _kth_largest_rows(keys, k, searching)  # [ROWS]
+    greater = keys > threshold[:, None]
+    equal = (keys == threshold[:, None]) & (keys != NONE)
+    counts = greater.to(tl.int32) + (equal.to(tl.int32) << 16)  # [ROWS, BLOCK]
+    totals = tl.sum(counts, axis=1)  # [ROWS]
+    ties = tl.where(searching, k - (totals & LOW_FIELD), 0)
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * out_stride_row  # [ROWS, 1]
+    _emit_taken(counts, greater, equal, tl.broadcast_to(columns, [ROWS, BLOCK]), ties[:, None], 0, out_ptrs,
+                out_stride_col, 1)
+    taken = (totals & LOW_FIELD) + tl.minimum(totals >> 16, ties)
+    _pad_rows(out_ptrs, out_stride_col, taken, valid, k, PAD_BLOCK)
 
 
-@triton.jit(do_not_specialize=["width", "k", "next_n", "num_chunks"])
+@triton.jit(do_not_specialize=["width", "next_n", "num_chunks"])
 def _split_group_max_kernel(
     logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, group_max_ptr, state_ptr, state_stride,
-    width, k, next_n, num_chunks,
+    width, next_n, num_chunks,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr,
     CHUNK: tl.constexpr, GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
 ):
@@ -254,9 +318,8 @@ def _split_group_max_kernel(
     pid = tl.program_id(0)
     row = pid // num_chunks
     chunk = pid % num_chunks
-    start, length = _row_window(row, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
-    row_chunks = tl.maximum(tl.cdiv(length, CHUNK), 1)
-    if chunk < row_chunks:
+    start, length = _row_window(row, row >= 0, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
+    if chunk < tl.maximum(tl.cdiv(length, CHUNK), 1):
         group_ids = tl.arange(0, GROUPS_PER_CHUNK)  # [GROUPS_PER_CHUNK]
         columns = chunk * CHUNK + group_ids[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [GROUPS_PER_CHUNK, GROUP]
         inside = columns < length
@@ -264,46 +327,60 @@ def _split_group_max_kernel(
         keys = _order_keys(tl.load(src, mask=inside, other=0.0), inside)  # [GROUPS_PER_CHUNK, GROUP]
         group_row = group_max_ptr + row.to(tl.int64) * GROUP_TILE
         tl.store(group_row + chunk * GROUPS_PER_CHUNK + group_ids, tl.max(keys, axis=1))
-        state_row = state_ptr + row.to(tl.int64) * state_stride
-        tl.debug_barrier()
-        arrived = tl.atomic_add(state_row + _ARRIVED_GROUPS, 1, sem="acq_rel", scope="gpu")
-        if arrived == row_chunks - 1:
-            tile = tl.arange(0, GROUP_TILE)  # [GROUP_TILE]
-            maxima = tl.load(group_row + tile, mask=tile < row_chunks * GROUPS_PER_CHUNK, other=NONE,
-                             cache_modifier=".cg")  # [GROUP_TILE]
-            selectable_groups = tl.sum((maxima != NONE).to(tl.int32), axis=0)
-            t_low = selectable_groups * 0 + NONE
-            if selectable_groups >= k:
-                t_low = _kth_largest(maxima, k)
-            tl.store(state_row + _T_LOW, t_low)
+        tl.store(state_ptr + row.to(tl.int64) * state_stride + _FLAGS + chunk, 0)
+
+
+@triton.jit(do_not_specialize=["width", "k", "next_n"])
+def _split_low_bound_kernel(
+    starts_ptr, ends_ptr, group_max_ptr, state_ptr, state_stride, width, k, next_n,
+    HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr,
+    GROUP_TILE: tl.constexpr,
+):
+    row = tl.program_id(0)
+    start, length = _row_window(row, row >= 0, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
+    num_groups = tl.maximum(tl.cdiv(length, CHUNK), 1) * (CHUNK // GROUP)
+    tile = tl.arange(0, GROUP_TILE)  # [GROUP_TILE]
+    maxima = tl.load(group_max_ptr + row.to(tl.int64) * GROUP_TILE + tile, mask=tile < num_groups, other=NONE)
+    t_low = row * 0 + NONE
+    if tl.sum((maxima != NONE).to(tl.int32), axis=0) >= k:
+        t_low = _kth_largest(maxima, k)
+    state_row = state_ptr + row.to(tl.int64) * state_stride
+    tl.store(state_row + _T_LOW, t_low)
+    tl.store(state_row + _NUM_CANDIDATES, 0)
+    tl.store(state_row + _ARRIVED, 0)
 
 
 @triton.jit(do_not_specialize=["width", "k", "next_n", "num_rows", "num_chunks"])
 def _split_candidates_kernel(
-    logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, cand_ptr, cand_stride, state_ptr, state_stride,
-    width, k, next_n, num_rows, num_chunks,
-    HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, CHUNK: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr,
+    logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, group_max_ptr, cand_ptr, cand_stride,
+    state_ptr, state_stride, width, k, next_n, num_rows, num_chunks,
+    HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr,
+    GROUP_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr,
 ):
+    GROUPS_PER_CHUNK: tl.constexpr = CHUNK // GROUP
     pid = tl.program_id(0)
     row = num_rows - 1 - pid // num_chunks
     chunk = pid % num_chunks
-    start, length = _row_window(row, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
+    start, length = _row_window(row, row >= 0, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
     row_chunks = tl.maximum(tl.cdiv(length, CHUNK), 1)
     if chunk < row_chunks:
         state_row = state_ptr + row.to(tl.int64) * state_stride
         t_low = tl.load(state_row + _T_LOW)
-        columns = chunk * CHUNK + tl.arange(0, CHUNK)  # [CHUNK]
-        inside = columns < length
+        group_ids = tl.arange(0, GROUPS_PER_CHUNK)  # [GROUPS_PER_CHUNK]
+        maxima = tl.load(group_max_ptr + row.to(tl.int64) * GROUP_TILE + chunk * GROUPS_PER_CHUNK + group_ids)
+        columns = chunk * CHUNK + group_ids[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [GROUPS_PER_CHUNK, GROUP]
+        needed = (columns < length) & (maxima[:, None] > t_low)
         src = logits_ptr + row.to(tl.int64) * stride_row + (start + columns).to(tl.int64) * stride_col
-        keys = _order_keys(tl.load(src, mask=inside, other=0.0), inside)  # [CHUNK]
-        is_candidate = keys > t_low
-        first = tl.atomic_add(state_row + _NUM_CANDIDATES, tl.sum(is_candidate.to(tl.int32), axis=0),
-                              sem="relaxed", scope="gpu")
+        keys = _order_keys(tl.load(src, mask=needed, other=0.0), needed)  # [GROUPS_PER_CHUNK, GROUP]
+        is_candidate = (keys > t_low).to(tl.int32)
+        per_group = tl.sum(is_candidate, axis=1)  # [GROUPS_PER_CHUNK]
+        first = tl.atomic_add(state_row + _NUM_CANDIDATES, tl.sum(per_group, axis=0), sem="relaxed", scope="gpu")
+        group_first = first + tl.cumsum(per_group, axis=0) - per_group  # [GROUPS_PER_CHUNK]
+        position = group_first[:, None] + tl.cumsum(is_candidate, axis=1) - 1  # [GROUPS_PER_CHUNK, GROUP]
         cand_row = cand_ptr + row.to(tl.int64) * cand_stride
-        position = first + tl.cumsum(is_candidate.to(tl.int32), axis=0) - 1
-        tl.store(cand_row + position, keys, mask=is_candidate)
+        tl.store(cand_row + position, keys, mask=is_candidate != 0)
         tl.debug_barrier()
-        arrived = tl.atomic_add(state_row + _ARRIVED_CANDIDATES, 1, sem="acq_rel", scope="gpu")
+        arrived = tl.atomic_add(state_row + _ARRIVED, 1, sem="acq_rel", scope="gpu")
         if arrived == row_chunks - 1:
             total = tl.load(state_row + _NUM_CANDIDATES, volatile=True)
             threshold = t_low
@@ -324,15 +401,14 @@ def _split_candidates_kernel(
 @triton.jit(do_not_specialize=["width", "k", "next_n", "num_chunks"])
 def _split_emit_kernel(
     logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, out_ptr, out_stride_row, out_stride_col,
-    state_ptr, state_stride,
-    width, k, next_n, num_chunks,
+    state_ptr, state_stride, width, k, next_n, num_chunks,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, CHUNK: tl.constexpr, FLAG_TILE: tl.constexpr,
     PAD_BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row = pid // num_chunks
     chunk = pid % num_chunks
-    start, length = _row_window(row, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
+    start, length = _row_window(row, row >= 0, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
     row_chunks = tl.maximum(tl.cdiv(length, CHUNK), 1)
     if chunk < row_chunks:
         state_row = state_ptr + row.to(tl.int64) * state_stride
@@ -344,21 +420,24 @@ def _split_emit_kernel(
         keys = _order_keys(tl.load(src, mask=inside, other=0.0), inside)  # [CHUNK]
         greater = keys > threshold
         equal = (keys == threshold) & (keys != NONE)
-        num_greater = tl.sum(greater.to(tl.int32), axis=0)
-        num_equal = tl.sum(equal.to(tl.int32), axis=0)
-        tl.atomic_xchg(state_row + _FLAGS + chunk, 1 + num_greater + (num_equal << 16), sem="relaxed", scope="gpu")
+        counts = greater.to(tl.int32) + (equal.to(tl.int32) << 16)  # [CHUNK]
+        total = tl.sum(counts, axis=0)
+        tl.atomic_xchg(state_row + _FLAGS + chunk, total + 1, sem="relaxed", scope="gpu")
         lower = tl.arange(0, FLAG_TILE)  # [FLAG_TILE]
         is_lower = lower < chunk
         flags = tl.load(state_row + _FLAGS + lower, mask=is_lower, other=1, volatile=True)  # [FLAG_TILE]
         while tl.min(flags, axis=0) == 0:
             flags = tl.load(state_row + _FLAGS + lower, mask=is_lower, other=1, volatile=True)
-        greater_before = tl.sum((flags & 0xFFFF) - 1, axis=0)
+        greater_before = tl.sum((flags & LOW_FIELD) - 1, axis=0)
         equal_before = tl.sum(flags >> 16, axis=0)
         out_row = out_ptr + row.to(tl.int64) * out_stride_row
+        ties_here = tl.maximum(ties - equal_before, 0)
         base = greater_before + tl.minimum(equal_before, ties)
-        taken = _emit_taken(greater, equal, columns, ties - equal_before, base, out_row, out_stride_col)
+        _emit_taken(counts, greater, equal, columns, ties_here, base, out_row, out_stride_col, 0)
         if chunk == row_chunks - 1:
-            _pad_row(out_row, out_stride_col, taken, k, PAD_BLOCK)
+            taken = base + (total & LOW_FIELD) + tl.minimum(total >> 16, ties_here)
+            one = tl.full([1], 0, tl.int32)
+            _pad_rows(out_row + tl.zeros([1, 1], tl.int64), out_stride_col, one + taken, one == 0, k, PAD_BLOCK)
 
 
 @triton.jit(do_not_specialize=["k", "block_size"])
@@ -389,22 +468,22 @@ def _bounds_args(starts: torch.Tensor | None, ends: torch.Tensor | None, decode:
     ends_mode = 2 if decode else (1 if ends is not None else 0)
     starts_arg = starts.contiguous() if has_starts else logits
     ends_arg = ends.contiguous() if ends is not None else logits
-    return starts_arg, ends_arg, has_starts, ends_mode
+    return starts_arg, ends_arg, dict(HAS_STARTS=has_starts, ENDS_MODE=ends_mode)
 
 
-def _launch(logits, k, starts, ends, out, next_n, decode, config):
+def _launch_rows(logits, k, bounds, out, next_n, bounds_flags, config):
     num_rows, width = logits.shape
-    if num_rows == 0:
-        return out
-    starts_arg, ends_arg, has_starts, ends_mode = _bounds_args(starts, ends, decode, logits)
-    common = dict(HAS_STARTS=has_starts, ENDS_MODE=ends_mode)
-    if width <= config.row_block_max:
-        block = max(16, _next_pow2(width))
-        _topk_row_kernel[(num_rows,)](
-            logits, logits.stride(0), logits.stride(1), starts_arg, ends_arg, out, out.stride(0), out.stride(1),
-            width, k, next_n, BLOCK=block, PAD_BLOCK=_PAD_BLOCK, num_warps=4 if block <= 1024 else 8, **common,
-        )
-        return out
+    block = max(16, _next_pow2(width))
+    rows = min(16, max(1, config.row_elements // block))
+    warps = max(1, min(config.row_warps, rows * block // 256))
+    _topk_row_kernel[(triton.cdiv(num_rows, rows),)](
+        logits, logits.stride(0), logits.stride(1), *bounds, out, out.stride(0), out.stride(1),
+        num_rows, width, k, next_n, ROWS=rows, BLOCK=block, PAD_BLOCK=_PAD_BLOCK, num_warps=warps, **bounds_flags,
+    )
+
+
+def _launch_split(logits, k, bounds, out, next_n, bounds_flags, config):
+    num_rows, width = logits.shape
     chunk = config.chunk
     num_chunks = triton.cdiv(width, chunk)
     group_tile_max = config.group_tile or min(8192, max(1024, _next_pow2(4 * k)))
@@ -419,23 +498,37 @@ def _launch(logits, k, starts, ends, out, next_n, decode, config):
     flag_tile = _next_pow2(num_chunks)
     state_stride = _STATE_WORDS + flag_tile
     device = logits.device
-    state = torch.zeros((num_rows, state_stride), dtype=torch.int32, device=device)
+    state = torch.empty((num_rows, state_stride), dtype=torch.int32, device=device)
     group_max = torch.empty((num_rows, group_tile), dtype=torch.int32, device=device)
     candidates = torch.empty((num_rows, capacity), dtype=torch.int32, device=device)
     grid = (num_rows * num_chunks,)
-    rows_args = (logits, logits.stride(0), logits.stride(1), starts_arg, ends_arg)
+    rows_args = (logits, logits.stride(0), logits.stride(1), *bounds)
+    warps = config.split_warps
+    sizes = dict(CHUNK=chunk, GROUP=group, GROUP_TILE=group_tile)
     _split_group_max_kernel[grid](
-        *rows_args, group_max, state, state_stride, width, k, next_n, num_chunks,
-        CHUNK=chunk, GROUP=group, GROUP_TILE=group_tile, num_warps=8, **common,
+        *rows_args, group_max, state, state_stride, width, next_n, num_chunks,
+        num_warps=warps, **sizes, **bounds_flags,
+    )
+    _split_low_bound_kernel[(num_rows,)](
+        *bounds, group_max, state, state_stride, width, k, next_n, num_warps=8, **sizes, **bounds_flags,
     )
     _split_candidates_kernel[grid](
-        *rows_args, candidates, capacity, state, state_stride, width, k, next_n, num_rows, num_chunks,
-        CHUNK=chunk, CANDIDATE_BLOCK=candidate_block, num_warps=8, **common,
+        *rows_args, group_max, candidates, capacity, state, state_stride, width, k, next_n, num_rows, num_chunks,
+        CANDIDATE_BLOCK=candidate_block, num_warps=warps, **sizes, **bounds_flags,
     )
     _split_emit_kernel[grid](
         *rows_args, out, out.stride(0), out.stride(1), state, state_stride, width, k, next_n, num_chunks,
-        CHUNK=chunk, FLAG_TILE=flag_tile, PAD_BLOCK=_PAD_BLOCK, num_warps=8, **common,
+        CHUNK=chunk, FLAG_TILE=flag_tile, PAD_BLOCK=_PAD_BLOCK, num_warps=warps, **bounds_flags,
     )
+
+
+def _launch(logits, k, starts, ends, out, next_n, decode, config):
+    num_rows, width = logits.shape
+    if num_rows == 0:
+        return out
+    starts_arg, ends_arg, bounds_flags = _bounds_args(starts, ends, decode, logits)
+    launch = _launch_rows if width <= config.row_block_max else _launch_split
+    launch(logits, k, (starts_arg, ends_arg), out, next_n, bounds_flags, config)
     return out
 
 

@@ -1,0 +1,274 @@
+"""Logits benchmarks (issue 5): decode ``paged_mqa_logits`` and prefill ``mqa_logits``, FP8 and MXFP4.
+
+Shapes: H=64 heads, D=128, 64-token pages.
+- Decode: B in {32, 128} x L in {32K, 128K} x next_n in {1, 2}, plus B=1, L=128K; every request at length L
+  with ``context_lens [B, next_n] = [L - 1, L]`` (next_n = 2) or ``[L]``, pages randomly permuted in one
+  pool, ``clean=True``. Floor: the cache bytes read (132 B/key FP8, 68 B/key MXFP4, per request) plus the
+  fp32 logits written, at the read bandwidth measured in the same run. Times are cold-L2 medians of CUDA
+  graph replays (a 256 MB memset before each replay, outside the timed region): an engine replays decode
+  as a graph, and eager timing here measured the host's Triton launch path (20-80 µs) as much as the
+  kernels at the small shapes. The eager ``do_bench`` median is recorded beside it (``eager_us``).
+- Prefill: S=2048 queries over SKV in {8K, 32K, 64K} with ks=0, ke=i+SKV-S+1, and a causal 8K prompt
+  (ks=0, ke=i+1), ``clean=False``. Floor: 2*H*D flops per valid (query, key) pair at the FP8 matmul rate
+  measured in the same run. Timed like decode (graph replays after an L2 flush; eager median beside it).
+
+Before timing, each shape is checked on a subset (two requests / 128 query rows) in two tiers
+(DESIGN.md §11): against the PyTorch reference on the same quantised inputs (calc_diff < 5e-6, ``-inf``
+masks equal; a miss stops the suite) and against the unquantised fp32 math (< 1e-3 FP8, < 2e-2 MXFP4;
+recorded with its verdict, as it measures the format rather than the kernel). The baseline ``torch`` is
+that reference (dequantise, matmul, relu, weighted head sum; chunked to bound memory).
+
+``python -m benchmarks.bench_logits sweep`` times the decode kernel's tuning candidates on a few shapes.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from benchmarks import harness
+from dsa_indexer.cache import IndexerKCache
+from dsa_indexer.formats import quantize_fp8, quantize_mxfp4
+from dsa_indexer.ops.logits import reference
+from dsa_indexer.ops.logits import triton as kernels
+from dsa_indexer.testing import calc_diff
+
+HEADS, DIM, PAGE = 64, 128, 64
+DECODE_SHAPES = [(1, 131072, 1), (1, 131072, 2)] + [
+    (b, length, n) for b in (32, 128) for length in (32768, 131072) for n in (1, 2)
+]
+PREFILL_SHAPES = [(2048, 8192, False), (2048, 32768, False), (2048, 65536, False), (8192, 8192, True)]
+TRUTH_BOUND = {"fp8": 1e-3, "mxfp4": 2e-2}
+REFERENCE_BOUND = 5e-6
+
+
+def _quantize_q(q: torch.Tensor, weights: torch.Tensor, fmt: str):
+    if fmt == "fp8":
+        values, scales = quantize_fp8(q, block_size=DIM, amax_floor=1e-10)
+        return values, None, weights * scales[..., 0].reshape(weights.shape)
+    packed, scales = quantize_mxfp4(q)
+    return packed, scales, weights
+
+
+def _relu_head_sum(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """fp32 ``sum_h w[r, h] relu(q[r, h] . k[n])`` for q ``[R, H, D]``, k ``[N, D]``, w ``[R, H]`` -> ``[R, N]``."""
+    rows = []
+    for start in range(0, q.shape[0], 8):
+        scores = torch.einsum("rhd,nd->rhn", q[start : start + 8], k).relu_()
+        rows.append(torch.einsum("rhn,rh->rn", scores, w[start : start + 8]))
+    return torch.cat(rows)
+
+
+def _cold_graph_us(fn, reps: int = 100) -> float:
+    """Median µs of CUDA-graph replays of ``fn``, each after a 256 MB memset that evicts the L2."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        flush.zero_()
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    times = sorted(start.elapsed_time(end) for start, end in events)
+    return times[reps // 2] * 1e3
+
+
+def _check(result: torch.Tensor, truth: torch.Tensor, expected: torch.Tensor, fmt: str, what: str) -> dict:
+    """Both tiers; a kernel that misses the reference tier is not timed. The truth tier measures the
+    format's quantisation error on these random inputs and is recorded with its verdict."""
+    truth_diff = calc_diff(result, truth)
+    reference_diff = calc_diff(result, expected)
+    if not reference_diff < REFERENCE_BOUND:
+        raise AssertionError(f"{what}: calc_diff {reference_diff:.2e} vs the reference (bound {REFERENCE_BOUND})")
+    return {
+        "calc_diff_truth": float(f"{truth_diff:.3g}"),
+        "truth_tier_ok": truth_diff < TRUTH_BOUND[fmt],
+        "calc_diff_reference": float(f"{reference_diff:.3g}"),
+    }
+
+
+# ------------------------------------------------------------------------------------------- decode
+
+
+def _decode_pool(fmt: str, num_pages: int) -> IndexerKCache:
+    """A cache of random but finite keys (no e4m3 NaN bytes, positive scales)."""
+    cache = IndexerKCache(num_pages, block_size=PAGE, head_dim=DIM, fmt=fmt, device="cuda")
+    values, scales = cache.values_view(), cache.scales_view()
+    for start in range(0, num_pages, 16384):
+        chunk = slice(start, start + 16384)
+        if fmt == "fp8":
+            raw = torch.randint(0, 254, values[chunk].shape, dtype=torch.uint8, device="cuda")
+            values[chunk] = raw + (raw >= 0x7F).to(torch.uint8)
+            scale = torch.rand(scales[chunk].shape[:2], device="cuda") * 1e-2 + 1e-3
+            scales[chunk] = scale.view(torch.uint8).view(scales[chunk].shape)
+        else:
+            values[chunk] = torch.randint(0, 256, values[chunk].shape, dtype=torch.uint8, device="cuda")
+            scales[chunk] = torch.randint(125, 130, scales[chunk].shape, dtype=torch.uint8, device="cuda")
+    return cache
+
+
+def _decode_case(cache: IndexerKCache, batch: int, length: int, next_n: int, gen: torch.Generator):
+    fmt = cache.fmt
+    pages = length // PAGE
+    table = torch.randperm(cache.num_blocks, generator=gen)[: batch * pages].view(batch, pages).int().cuda()
+    lens = torch.tensor([length - next_n + 1 + t for t in range(next_n)], dtype=torch.int32)
+    context_lens = lens.repeat(batch, 1).cuda()
+    q = torch.randn(batch, next_n, HEADS, DIM, generator=gen).cuda()
+    weights = torch.randn(batch * next_n, HEADS, generator=gen).cuda()
+    q_stored, q_scale, w = _quantize_q(q, weights, fmt)
+    # Real keys for the checked requests (first and last), inserted over the random pool bytes.
+    checked = sorted({0, batch - 1})
+    keys = torch.randn(len(checked), length, DIM, generator=gen).cuda()
+    positions = torch.arange(length, device="cuda")
+    for i, b in enumerate(checked):
+        slots = table[b, positions // PAGE].long() * PAGE + positions % PAGE
+        cache.insert(keys[i], slots, backend="reference")
+    return q, weights, keys, checked, (q_stored, q_scale, cache, w, context_lens, table, length)
+
+
+def _decode_check(args, q, weights, keys, checked, next_n):
+    q_stored, q_scale, cache, w, context_lens, table, length = args
+    fmt = cache.fmt
+    out = torch.empty((q_stored.shape[0] * next_n, length), device="cuda")
+    kernels.paged_mqa_logits_triton(*args, True, out)
+    rows = torch.tensor([b * next_n + t for b in checked for t in range(next_n)], device="cuda")
+    idx = torch.tensor(checked, device="cuda")
+    sub_args = (q_stored[idx], None if q_scale is None else q_scale[idx], cache, w[rows], context_lens[idx], table[idx],
+                length)
+    expected = reference.paged_mqa_logits(*sub_args, True, torch.empty((len(rows), length), device="cuda"))
+    truth = torch.cat([_relu_head_sum(q[b], keys[i], weights[b * next_n : (b + 1) * next_n])
+                       for i, b in enumerate(checked)])
+    truth = torch.where(torch.arange(length, device="cuda") < context_lens[idx].reshape(-1, 1), truth, float("-inf"))
+    return _check(out[rows], truth, expected, fmt, f"decode {fmt} {tuple(q_stored.shape[:2])} L={length}")
+
+
+def _decode_rows(fmt: str, ceilings: dict[str, float], gen: torch.Generator) -> list[dict]:
+    bytes_per_key = 132 if fmt == "fp8" else 68
+    cache = _decode_pool(fmt, max(b * length for b, length, _ in DECODE_SHAPES) // PAGE + 64)
+    rows = []
+    for batch, length, next_n in DECODE_SHAPES:
+        q, weights, keys, checked, args = _decode_case(cache, batch, length, next_n, gen)
+        checks = _decode_check(args, q, weights, keys, checked, next_n)
+        del q, weights, keys
+        out = torch.empty((batch * next_n, length), device="cuda")
+        us = _cold_graph_us(lambda: kernels.paged_mqa_logits_triton(*args, True, out))
+        eager_us = harness.median_us(lambda: kernels.paged_mqa_logits_triton(*args, True, out))
+        torch_us = harness.median_us(lambda: reference.paged_mqa_logits(*args, True, out), warmup_ms=1, rep_ms=50)
+        moved = batch * length * bytes_per_key + batch * next_n * length * 4
+        rows.append(harness.record(
+            "paged_mqa_logits", {"B": batch, "L": length, "next_n": next_n, "fmt": fmt}, us,
+            moved / (ceilings["read_tbs"] * 1e6), tbs=moved / us / 1e6,
+            tflops=2 * HEADS * DIM * batch * next_n * length / us / 1e6, baselines={"torch": torch_us},
+            eager_us=round(eager_us, 2), config=list(kernels.DECODE_CONFIG[fmt]), **checks,
+        ))
+    del cache
+    torch.cuda.empty_cache()
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ prefill
+
+
+def _prefill_case(fmt: str, num_rows: int, num_keys: int, causal: bool, gen: torch.Generator):
+    q = torch.randn(num_rows, HEADS, DIM, generator=gen).cuda()
+    k = torch.randn(num_keys, DIM, generator=gen).cuda()
+    weights = torch.randn(num_rows, HEADS, generator=gen).cuda()
+    q_stored, q_scale, w = _quantize_q(q, weights, fmt)
+    if fmt == "fp8":
+        k_values, k_scales = quantize_fp8(k, block_size=DIM)
+        k_scales = k_scales[:, 0]
+    else:
+        k_values, k_scales = quantize_mxfp4(k)
+    offset = 0 if causal else num_keys - num_rows
+    ke = torch.arange(1, num_rows + 1, dtype=torch.int32, device="cuda") + offset
+    ks = torch.zeros_like(ke)
+    return q, weights, k, (q_stored, q_scale, k_values, k_scales, w, ks, ke)
+
+
+def _prefill_check(args, q, weights, k, fmt):
+    q_stored, q_scale, k_values, k_scales, w, ks, ke = args
+    num_rows, num_keys = q_stored.shape[0], k_values.shape[0]
+    out = torch.empty((num_rows, num_keys), device="cuda")
+    kernels.mqa_logits_triton(*args, True, out)
+    idx = torch.cat([torch.arange(64), torch.arange(num_rows - 64, num_rows)]).cuda()
+    sub_args = (q_stored[idx], None if q_scale is None else q_scale[idx], k_values, k_scales, w[idx], ks[idx], ke[idx])
+    expected = reference.mqa_logits(*sub_args, True, torch.empty((len(idx), num_keys), device="cuda"))
+    columns = torch.arange(num_keys, device="cuda")
+    valid = (columns >= ks[idx, None]) & (columns < ke[idx, None])
+    truth = torch.where(valid, _relu_head_sum(q[idx], k, weights[idx]), float("-inf"))
+    return _check(out[idx], truth, expected, fmt, f"prefill {fmt} S={num_rows} SKV={num_keys}")
+
+
+def _prefill_rows(fmt: str, ceilings: dict[str, float], gen: torch.Generator) -> list[dict]:
+    rows = []
+    for num_rows, num_keys, causal in PREFILL_SHAPES:
+        q, weights, k, args = _prefill_case(fmt, num_rows, num_keys, causal, gen)
+        checks = _prefill_check(args, q, weights, k, fmt)
+        del q, weights, k
+        out = torch.empty((num_rows, num_keys), device="cuda")
+        us = _cold_graph_us(lambda: kernels.mqa_logits_triton(*args, False, out), reps=20)
+        eager_us = harness.median_us(lambda: kernels.mqa_logits_triton(*args, False, out))
+        torch_us = harness.median_us(lambda: reference.mqa_logits(*args, False, out), warmup_ms=1, rep_ms=50)
+        pairs = int((args[6] - args[5]).sum())
+        flops = 2 * HEADS * DIM * pairs
+        rows.append(harness.record(
+            "mqa_logits", {"S": num_rows, "SKV": num_keys, "causal": causal, "fmt": fmt}, us,
+            flops / (ceilings["fp8_tflops"] * 1e6), tflops=flops / us / 1e6, baselines={"torch": torch_us},
+            eager_us=round(eager_us, 2), config=list(kernels.PREFILL_CONFIG), **checks,
+        ))
+    return rows
+
+
+def run(ceilings: dict[str, float]) -> list[dict]:
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for fmt in ("fp8", "mxfp4"):
+        rows += _decode_rows(fmt, ceilings, gen)
+    for fmt in ("fp8", "mxfp4"):
+        rows += _prefill_rows(fmt, ceilings, gen)
+    return rows
+
+
+# -------------------------------------------------------------------------------------------- sweep
+
+DECODE_CANDIDATES = {
+    ("fp8", 32, 131072, 2): [(64, 4, 3, 8, 4, 32, None), (64, 4, 4, 8, 4, 32, None), (64, 8, 3, 8, 4, 32, None),
+                             (64, 4, 3, 8, 4, 32, 168)],
+    ("fp8", 32, 32768, 1): [(128, 4, 3, 8, 2, 16, None), (128, 4, 3, 4, 2, 16, None), (128, 4, 3, 16, 1, 16, None)],
+    ("fp8", 1, 131072, 1): [(128, 4, 3, 8, 2, 16, None), (128, 4, 3, 8, 4, 16, None), (128, 4, 2, 8, 2, 16, None),
+                            (128, 4, 3, 8, 1, 16, None), (64, 4, 3, 8, 8, 32, None)],
+    ("mxfp4", 32, 32768, 1): [(64, 4, 3, 8, 4, 32, None), (64, 4, 3, 4, 4, 32, None)],
+}
+
+
+def sweep() -> None:
+    """Cold-L2 graph-replay µs of each decode tuning candidate (correctness is the default config's,
+    checked by ``run``)."""
+    gen = torch.Generator().manual_seed(1)
+    for fmt in ("fp8", "mxfp4"):
+        cache = _decode_pool(fmt, 32 * 2048 + 64)
+        for (case_fmt, batch, length, next_n), candidates in DECODE_CANDIDATES.items():
+            if case_fmt != fmt:
+                continue
+            _, _, _, _, args = _decode_case(cache, batch, length, next_n, gen)
+            out = torch.empty((batch * next_n, length), device="cuda")
+            moved = batch * length * (132 if fmt == "fp8" else 68) + batch * next_n * length * 4
+            print(f"decode {fmt} B={batch} L={length} next_n={next_n} (TB/s)")
+            for config in candidates:
+                us = _cold_graph_us(lambda: kernels.paged_mqa_logits_triton(*args, True, out, config=config))
+                print(f"  {config}: {us:9.1f} us {moved / us / 1e6:6.2f} TB/s", flush=True)
+        del cache
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["sweep"]:
+        sweep()
+    else:
+        sys.exit("usage: python -m benchmarks.bench_logits sweep   (the full suite runs through benchmarks.run)")

@@ -1,0 +1,118 @@
+"""Benchmarks of pack_seq / unpack_seq and the V4.1 candidate blocks (issue 4, part B).
+
+Every op here is memory-bound: the floor is the fewest bytes it must move over the copy bandwidth
+measured in the same run (read + write bytes, like the ceiling). Target: >= 70% of that bandwidth.
+The ``torch`` baseline is the package's PyTorch reference on the same inputs. Both sides are timed
+without the public wrappers' argument checks (the candidate ops' bounds check reads a value back to
+the host, which would put a CPU round trip inside the timed region).
+
+- pack_seq: V3.2 decode Q padding, 8192 requests of 1..4 tokens (next_n = 4), fp8 [64, 128] rows
+  (8 KiB): reads the valid rows, writes the whole padded grid.
+- unpack_seq: compacting int32 top-2048 rows (8 KiB) of the same batch: reads and writes the valid rows.
+- select_candidate_blocks: V4.1 sources, 128K compressed positions per row, blocks of 8, top 2048
+  blocks: reads each row's logits once (the block-key scratch, 1/8 of it, stays in L2 or is counted
+  as overhead). Stage records time the two kernels alone.
+- apply_candidate_mask: the same rows and the 2048 chosen blocks: writes -inf on every masked
+  column (the kept ones are not touched), reads the candidate ids.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks import harness
+from dsa_indexer.ops.candidates import triton as candidates_triton
+from dsa_indexer.ops.candidates.reference import apply_candidate_mask_reference, select_candidate_blocks_reference
+from dsa_indexer.ops.seq_pack.reference import pack_seq_reference, unpack_seq_reference
+from dsa_indexer.ops.seq_pack.triton import pack_seq_triton, unpack_seq_triton
+
+MIB = 1 << 20
+
+
+def _random_bytes(shape, dtype, generator) -> torch.Tensor:
+    numel = 1
+    for size in shape:
+        numel *= size
+    raw = torch.randint(0, 256, (numel * dtype.itemsize,), dtype=torch.uint8, device="cuda", generator=generator)
+    return raw.view(dtype).view(shape)
+
+
+def _floor_us(num_bytes: int, ceilings: dict[str, float]) -> float:
+    return num_bytes / (ceilings["copy_tbs"] * 1e6)
+
+
+def _row(op, shape, us, num_bytes, ceilings, torch_us, **extra):
+    return harness.record(op, shape, us, _floor_us(num_bytes, ceilings), tbs=num_bytes / us / 1e6,
+                          baselines={"torch": torch_us} if torch_us is not None else None,
+                          moved_mib=round(num_bytes / MIB, 1), **extra)
+
+
+def _timed(fn) -> tuple[float, float]:
+    """(cold-L2 event time, CUDA-graph replay time) in µs: the second leaves out the host's launch cost."""
+    return harness.median_us(fn), harness.median_us(fn, graph=True)
+
+
+def _bench_seq_pack(ceilings, generator) -> list[dict]:
+    num_seqs, max_len = 8192, 4
+    lengths = torch.randint(1, max_len + 1, (num_seqs,), device="cuda", generator=generator, dtype=torch.int32)
+    total = int(lengths.sum())
+    q = _random_bytes((total, 64, 128), torch.float8_e4m3fn, generator)
+    row_bytes = 64 * 128
+    packed = torch.empty((num_seqs, max_len, 64, 128), dtype=torch.float8_e4m3fn, device="cuda")
+    pack_bytes = total * row_bytes + num_seqs * max_len * row_bytes
+    shape = {"B": num_seqs, "L": max_len, "rows": total, "row_bytes": row_bytes, "dtype": "fp8"}
+    rows = []
+    us, graph_us = _timed(lambda: pack_seq_triton(q, lengths, 0.0, max_len, packed))
+    ref = harness.median_us(lambda: pack_seq_reference(q, lengths, 0.0, max_len, packed))
+    rows.append(_row("pack_seq", shape, us, pack_bytes, ceilings, ref, graph_us=round(graph_us, 2)))
+    indices = _random_bytes((num_seqs, max_len, 2048), torch.int32, generator)
+    flat = torch.empty((total, 2048), dtype=torch.int32, device="cuda")
+    unpack_bytes = 2 * total * 2048 * 4
+    shape = {"B": num_seqs, "L": max_len, "rows": total, "row_bytes": 2048 * 4, "dtype": "int32"}
+    us, graph_us = _timed(lambda: unpack_seq_triton(indices, lengths, total, flat))
+    ref = harness.median_us(lambda: unpack_seq_reference(indices, lengths, total, flat))
+    rows.append(_row("unpack_seq", shape, us, unpack_bytes, ceilings, ref, graph_us=round(graph_us, 2)))
+    return rows
+
+
+def _bench_candidates(ceilings, generator, num_rows: int, *, with_torch: bool, stages: bool) -> list[dict]:
+    width, block_size, num_blocks_k = 131072, 8, 2048
+    logits = torch.randn(num_rows, width, device="cuda", generator=generator)
+    starts = torch.zeros(num_rows, dtype=torch.int32, device="cuda")
+    ends = torch.full((num_rows,), width, dtype=torch.int32, device="cuda")
+    out = torch.empty((num_rows, num_blocks_k), dtype=torch.int32, device="cuda")
+    shape = {"R": num_rows, "C": width, "block": block_size, "K": num_blocks_k}
+    rows = []
+    select_bytes = num_rows * width * 4 + num_rows * num_blocks_k * 4
+
+    def select(impl):
+        return impl(logits, starts, ends, num_blocks_k, block_size, 1, out)
+
+    us, graph_us = _timed(lambda: select(candidates_triton.select_candidate_blocks_triton))
+    ref = harness.median_us(lambda: select(select_candidate_blocks_reference)) if with_torch else None
+    rows.append(_row("select_candidate_blocks", shape, us, select_bytes, ceilings, ref, graph_us=round(graph_us, 2)))
+    if stages:
+        keys = candidates_triton.block_keys(logits, starts, ends, block_size, 1)
+        us = harness.median_us(lambda: candidates_triton.block_keys(logits, starts, ends, block_size, 1))
+        rows.append(_row("select/block_keys", shape, us, num_rows * width * 4 + keys.numel() * 4, ceilings, None))
+        us = harness.median_us(lambda: candidates_triton.select_from_keys(
+            keys, starts, ends, num_blocks_k, block_size, 1, out))
+        rows.append(_row("select/radix", shape, us, keys.numel() * 4, ceilings, None))
+    chosen = select(candidates_triton.select_candidate_blocks_triton).clone()
+    masked = num_rows * width - num_rows * num_blocks_k * block_size
+    mask_bytes = masked * 4 + chosen.numel() * 4
+    def mask(impl):
+        impl(logits, starts, ends, chosen, block_size, 1)
+
+    us, graph_us = _timed(lambda: mask(candidates_triton.apply_candidate_mask_triton))
+    ref = harness.median_us(lambda: mask(apply_candidate_mask_reference)) if with_torch else None
+    rows.append(_row("apply_candidate_mask", shape, us, mask_bytes, ceilings, ref, graph_us=round(graph_us, 2)))
+    return rows
+
+
+def run(ceilings: dict[str, float]) -> list[dict]:
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    rows = _bench_seq_pack(ceilings, generator)
+    rows += _bench_candidates(ceilings, generator, 512, with_torch=True, stages=True)
+    rows += _bench_candidates(ceilings, generator, 64, with_torch=False, stages=True)
+    return rows

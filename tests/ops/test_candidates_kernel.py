@@ -1,0 +1,285 @@
+"""Triton select_candidate_blocks / apply_candidate_mask against the PyTorch reference, bit for bit.
+
+Runs on CUDA (scripts/gpu-check) or on Triton's CPU interpreter (TRITON_INTERPRET=1, tiny shapes).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsa_indexer.ops.candidates import apply_candidate_mask, select_candidate_blocks
+from dsa_indexer.ops.candidates.triton import apply_candidate_mask_triton, select_candidate_blocks_triton
+
+NEG_INF = float("-inf")
+GARBAGE = (float("nan"), 1e30, float("inf"), -1e30)
+
+
+def make_bounds(num_bounds, width, generator, *, with_starts=True):
+    """Random ``0 <= starts <= ends <= width``, the first entry an empty row."""
+    starts = torch.randint(0, width + 1, (num_bounds,), generator=generator, dtype=torch.int32)
+    if not with_starts:
+        starts.zero_()
+    ends = starts + (torch.rand(num_bounds, generator=generator) * (width + 1 - starts)).to(torch.int32)
+    ends[0] = starts[0]
+    return (starts if with_starts else None), ends
+
+
+def make_logits(num_rows, width, generator, data):
+    if data == "random":
+        return torch.randn(num_rows, width, generator=generator)
+    if data == "ties":
+        logits = torch.randint(0, 3, (num_rows, width), generator=generator).float()
+        logits[logits == 0] = -0.0
+        logits[:, ::5] = 0.0
+        return logits
+    if data == "close":  # one exponent, keys differ in the low mantissa bits only: every radix pass runs
+        return 1.0 + torch.randint(0, 64, (num_rows, width), generator=generator).float() * 2.0**-23
+    if data == "relu":  # many exact zeros, some +inf
+        logits = torch.randn(num_rows, width, generator=generator).clamp_min(0.0)
+        logits[torch.rand(num_rows, width, generator=generator) < 0.02] = float("inf")
+        return logits
+    logits = torch.randn(num_rows, width, generator=generator)
+    special = torch.rand(num_rows, width, generator=generator)
+    logits[special < 0.3] = float("nan")
+    logits[(special >= 0.3) & (special < 0.6)] = NEG_INF
+    return logits
+
+
+def garbage_outside(logits, starts, ends, row_repeat):
+    """Fill every column outside a row's bounds with NaN / +-1e30 / inf (never to be read)."""
+    num_rows, width = logits.shape
+    column = torch.arange(width)
+    bound = torch.arange(num_rows) // row_repeat
+    lower = torch.zeros(num_rows, dtype=torch.int64) if starts is None else starts.long()[bound]
+    upper = ends.long()[bound]
+    outside = (column[None, :] < lower[:, None]) | (column[None, :] >= upper[:, None])
+    pattern = torch.tensor(GARBAGE)[column % len(GARBAGE)].expand(num_rows, width)
+    return torch.where(outside, pattern, logits)
+
+
+def case(num_rows, width, seed, data, *, row_repeat=1, with_starts=True, device="cpu"):
+    generator = torch.Generator().manual_seed(seed)
+    starts, ends = make_bounds(-(-num_rows // row_repeat) + 1, width, generator, with_starts=with_starts)
+    logits = garbage_outside(make_logits(num_rows, width, generator, data), starts, ends, row_repeat)
+    moved = None if starts is None else starts.to(device)
+    return logits.to(device), moved, ends.to(device), generator
+
+
+def check_select(logits, starts, ends, num_blocks_k, block_size, row_repeat=1):
+    expected = select_candidate_blocks(logits, starts, ends, num_blocks_k, block_size, row_repeat=row_repeat,
+                                       backend="reference")
+    out = torch.full((logits.shape[0], num_blocks_k), -777, dtype=torch.int32, device=logits.device)
+    actual = select_candidate_blocks(logits, starts, ends, num_blocks_k, block_size, row_repeat=row_repeat, out=out,
+                                     backend="triton")
+    assert actual is out
+    assert torch.equal(actual, expected)
+    return actual
+
+
+def check_mask(logits, starts, ends, candidate_blocks, block_size, row_repeat=1):
+    expected = logits.clone()
+    apply_candidate_mask(expected, starts, ends, candidate_blocks, block_size, row_repeat=row_repeat,
+                         backend="reference")
+    apply_candidate_mask(logits, starts, ends, candidate_blocks, block_size, row_repeat=row_repeat,
+                         backend="triton")
+    assert torch.equal(logits.view(torch.int32), expected.view(torch.int32))
+
+
+@pytest.mark.parametrize("data", ["random", "ties", "close", "relu", "nan_and_neg_inf"])
+@pytest.mark.parametrize("block_size", [1, 3, 8])
+@pytest.mark.parametrize("row_repeat,with_starts", [(1, True), (2, False)])
+def test_select_matches_reference(kernel_device, data, block_size, row_repeat, with_starts):
+    logits, starts, ends, _ = case(7, 60, block_size, data, row_repeat=row_repeat, with_starts=with_starts,
+                                   device=kernel_device)
+    for num_blocks_k in (1, 4, 9, 100):
+        check_select(logits, starts, ends, num_blocks_k, block_size, row_repeat)
+
+
+@pytest.mark.parametrize("block_size", [64, 200])
+def test_select_large_blocks(kernel_device, block_size):
+    logits, starts, ends, _ = case(5, 700, block_size, "nan_and_neg_inf", device=kernel_device)
+    check_select(logits, starts, ends, 2, block_size)
+    check_select(logits, starts, ends, 20, block_size)
+
+
+def test_select_equal_block_maxima_go_to_the_lower_block_id(kernel_device):
+    # Every block has maximum 1.0 except the newest (pinned): the lowest ids win.
+    logits = torch.zeros(3, 64, device=kernel_device)
+    logits[:, ::4] = 1.0
+    ends = torch.tensor([64, 61, 33], dtype=torch.int32, device=kernel_device)
+    result = check_select(logits, None, ends, 5, 4)
+    assert result[0].tolist() == [0, 1, 2, 3, 15]
+    assert result[2].tolist() == [0, 1, 2, 3, 8]
+
+
+def test_select_infinite_logits_tie_with_the_pinned_block(kernel_device):
+    # +inf blocks tie with the pinned newest block; the lower ids win, as in the reference.
+    logits = torch.randn(2, 40, device=kernel_device)
+    logits[:, 0] = float("inf")
+    logits[:, 9] = float("inf")
+    logits[0, 17] = float("inf")
+    ends = torch.full((2,), 40, dtype=torch.int32, device=kernel_device)
+    assert check_select(logits, None, ends, 2, 4)[0].tolist() == [0, 2]
+    check_select(logits, None, ends, 3, 4)
+
+
+def test_select_all_equal_and_all_unselectable_rows(kernel_device):
+    logits = torch.full((4, 3000), 0.5, device=kernel_device)
+    logits[1] = NEG_INF
+    logits[2] = float("nan")
+    logits[3, ::2] = -0.0
+    logits[3, 1::2] = 0.0
+    ends = torch.tensor([3000, 2999, 3000, 2500], dtype=torch.int32, device=kernel_device)
+    result = check_select(logits, None, ends, 5, 2)
+    assert result[1].tolist() == [1499, -1, -1, -1, -1]
+    check_select(logits, None, ends, 2000, 1)
+
+
+def test_select_rows_longer_than_one_chunk(kernel_device):
+    # 5000 blocks per row: several chunks of keys per radix pass; ties across chunk borders.
+    generator = torch.Generator().manual_seed(11)
+    starts = torch.tensor([0, 150, 200], dtype=torch.int32)
+    ends = torch.tensor([5200, 5150, 5200], dtype=torch.int32)
+    logits = garbage_outside(make_logits(3, 5200, generator, "ties"), starts, ends, 1).to(kernel_device)
+    starts, ends = starts.to(kernel_device), ends.to(kernel_device)
+    check_select(logits, starts, ends, 1500, 1)
+    check_select(logits, starts, ends, 2600, 1)
+
+
+def test_select_strided_logits_and_out(kernel_device):
+    logits, starts, ends, _ = case(5, 33, 3, "ties", device=kernel_device)
+    expected = select_candidate_blocks(logits, starts, ends, 3, 4, backend="reference")
+    column_major = logits.t().contiguous().t()
+    padded = torch.full((5, 50), float("nan"), device=kernel_device)
+    padded[:, 7:40] = logits
+    for view in (column_major, padded[:, 7:40]):
+        assert torch.equal(select_candidate_blocks(view, starts, ends, 3, 4, backend="triton"), expected)
+    out_base = torch.full((3, 5), -777, dtype=torch.int32, device=kernel_device)
+    select_candidate_blocks(logits, starts, ends, 3, 4, out=out_base.t(), backend="triton")
+    assert torch.equal(out_base.t(), expected)
+
+
+def test_select_empty_rows_and_k_past_the_block_count(kernel_device):
+    logits = torch.randn(3, 10, device=kernel_device)
+    bounds = torch.tensor([4, 0, 10], dtype=torch.int32, device=kernel_device)
+    assert torch.equal(check_select(logits, bounds, bounds, 3, 2), torch.full((3, 3), -1, dtype=torch.int32,
+                                                                              device=kernel_device))
+    ends = torch.tensor([10, 9, 1], dtype=torch.int32, device=kernel_device)
+    result = check_select(logits, None, ends, 8, 2)
+    assert result[0, :5].tolist() == [0, 1, 2, 3, 4]
+    assert result[2].tolist() == [0] + [-1] * 7
+
+
+@pytest.mark.parametrize("num_rows,width", [(0, 10), (3, 0), (0, 0)])
+def test_select_zero_size_logits(kernel_device, num_rows, width):
+    logits = torch.zeros(num_rows, width, device=kernel_device)
+    ends = torch.zeros(3, dtype=torch.int32, device=kernel_device)
+    result = select_candidate_blocks(logits, None, ends, 4, 2, backend="triton")
+    assert torch.equal(result, torch.full((num_rows, 4), -1, dtype=torch.int32, device=kernel_device))
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 7])
+@pytest.mark.parametrize("row_repeat,with_starts", [(1, True), (2, False), (3, True)])
+def test_mask_matches_reference(kernel_device, block_size, row_repeat, with_starts):
+    logits, starts, ends, generator = case(6, 30, block_size, "nan_and_neg_inf", row_repeat=row_repeat,
+                                           with_starts=with_starts, device=kernel_device)
+    # -1 padding, other negatives, duplicates, ids past the row's blocks and past the logits' blocks.
+    candidate_blocks = torch.randint(-3, 30 // block_size + 3, (6, 5), generator=generator, dtype=torch.int32)
+    candidate_blocks[:, 0] = -1
+    candidate_blocks[:, 1] = candidate_blocks[:, 2]
+    check_mask(logits, starts, ends, candidate_blocks.to(kernel_device), block_size, row_repeat)
+
+
+def test_mask_keeps_exactly_the_selected_blocks(kernel_device):
+    logits, starts, ends, _ = case(5, 90, 5, "random", device=kernel_device)
+    chosen = select_candidate_blocks(logits, starts, ends, 4, 8, backend="triton")
+    check_mask(logits, starts, ends, chosen, 8)
+
+
+def test_mask_strided_view_leaves_the_rest_of_the_buffer_untouched(kernel_device):
+    buffer = torch.randn(4, 30, device=kernel_device)
+    original = buffer.clone()
+    logits = buffer[:, 5:25]
+    starts = torch.tensor([0, 3, 5, 19], dtype=torch.int32, device=kernel_device)
+    ends = torch.tensor([20, 17, 5, 20], dtype=torch.int32, device=kernel_device)
+    candidate_blocks = torch.tensor([[0, 3], [1, -1], [0, 1], [0, -1]], dtype=torch.int32, device=kernel_device)
+    check_mask(logits, starts, ends, candidate_blocks, 4)
+    assert torch.equal(buffer[:, :5], original[:, :5])
+    assert torch.equal(buffer[:, 25:], original[:, 25:])
+    column_major = original[:, 5:25].t().contiguous().t()
+    check_mask(column_major, starts, ends, candidate_blocks.t().contiguous().t(), 4)
+
+
+@pytest.mark.parametrize("shape", [(0, 10, 3), (3, 0, 2), (3, 8, 0)])
+def test_mask_zero_size_inputs(kernel_device, shape):
+    num_rows, width, num_candidates = shape
+    logits = torch.randn(num_rows, width, device=kernel_device)
+    candidate_blocks = torch.zeros(num_rows, num_candidates, dtype=torch.int32, device=kernel_device)
+    ends = torch.full((3,), width, dtype=torch.int32, device=kernel_device)
+    check_mask(logits, None, ends, candidate_blocks, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("data", ["random", "ties", "close", "relu"])
+def test_v41_shapes_match_reference_and_reruns_are_bitwise_stable(data):
+    # 64 rows x 128K compressed positions, blocks of 8 (16K blocks per row), top 2048 blocks.
+    generator = torch.Generator().manual_seed(1)
+    num_rows, width = 64, 131072
+    starts = torch.randint(0, 4096, (num_rows,), generator=generator, dtype=torch.int32)
+    ends = width - torch.randint(0, 4096, (num_rows,), generator=generator, dtype=torch.int32)
+    ends[:4] = starts[:4] + torch.tensor([0, 1, 8 * 2048, 8 * 2048 + 1], dtype=torch.int32)
+    logits = garbage_outside(make_logits(num_rows, width, generator, data), starts, ends, 1).cuda()
+    starts, ends = starts.cuda(), ends.cuda()
+    first = check_select(logits, starts, ends, 2048, 8)
+    for _ in range(20):
+        assert torch.equal(select_candidate_blocks(logits, starts, ends, 2048, 8, backend="triton"), first)
+    masked = logits.clone()
+    check_mask(masked, starts, ends, first, 8)
+    for _ in range(20):
+        again = logits.clone()
+        apply_candidate_mask(again, starts, ends, first, 8, backend="triton")
+        assert torch.equal(again.view(torch.int32), masked.view(torch.int32))
+
+
+@pytest.mark.gpu
+def test_million_column_rows_with_row_repeat():
+    generator = torch.Generator().manual_seed(2)
+    width = 1 << 20
+    logits = make_logits(4, width, generator, "close").cuda()
+    ends = torch.tensor([width, width - 5], dtype=torch.int32, device="cuda")
+    starts = torch.tensor([0, 3], dtype=torch.int32, device="cuda")
+    chosen = check_select(logits, starts, ends, 2048, 8, row_repeat=2)
+    check_mask(logits, starts, ends, chosen, 8, row_repeat=2)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_follows_new_bounds():
+    # The kernels are captured directly: the public wrappers' bounds check reads back to the host.
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(8, 4096, generator=generator).cuda()
+    masked = torch.empty_like(logits)
+    starts = torch.zeros(8, dtype=torch.int32, device="cuda")
+    ends = torch.full((8,), 4096, dtype=torch.int32, device="cuda")
+    out = torch.empty(8, 64, dtype=torch.int32, device="cuda")
+
+    def step():
+        select_candidate_blocks_triton(logits, starts, ends, 64, 8, 1, out)
+        masked.copy_(logits)
+        apply_candidate_mask_triton(masked, starts, ends, out, 8, 1)
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):
+        new_starts = torch.randint(0, 2048, (8,), generator=generator, dtype=torch.int32)
+        starts.copy_(new_starts)
+        ends.copy_(new_starts + torch.randint(0, 2049, (8,), generator=generator, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = select_candidate_blocks(logits, starts, ends, 64, 8, backend="reference")
+        assert torch.equal(out, expected)
+        expected_masked = logits.clone()
+        apply_candidate_mask(expected_masked, starts, ends, expected, 8, backend="reference")
+        assert torch.equal(masked.view(torch.int32), expected_masked.view(torch.int32))

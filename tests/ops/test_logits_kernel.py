@@ -1,0 +1,377 @@
+"""Triton logits kernels (``ops/logits/triton.py``) against the PyTorch reference on the same inputs.
+
+Tier (DESIGN.md §11): ``calc_diff < 5e-6`` against the reference on the same quantised inputs, with the
+``-inf`` masks equal exactly (``dsa_indexer.testing.calc_diff`` asserts that). Outputs are poisoned and
+written through padded row strides: the padding must keep its poison, and with ``clean=False`` the
+kernels write the valid ranges only. The paged cache lives inside a larger allocation poisoned with
+0xFF bytes (e4m3 NaN, an infinite MXFP4 scale), so a read of any byte the kernel should not use shows up.
+Interpreter shapes are tiny; ``gpu`` tests use realistic ones and check 20 reruns for identical bits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from dsa_indexer.backend import ENV_VAR
+from dsa_indexer.cache import IndexerKCache, bytes_per_token
+from dsa_indexer.formats import quantize_fp8, quantize_mxfp4
+from dsa_indexer.ops.logits import mqa_logits, paged_mqa_logits
+from dsa_indexer.testing import calc_diff
+
+NEG_INF = float("-inf")
+POISON = -777.0
+POISON_BYTE = 0xFF
+TIER = 5e-6
+FORMATS = ("fp8", "mxfp4")
+FORCE_UPCAST_ENV = "DSA_INDEXER_FORCE_UPCAST"
+
+
+@pytest.fixture(autouse=True)
+def _no_overrides(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.delenv(FORCE_UPCAST_ENV, raising=False)
+
+
+def quantized_queries(q: torch.Tensor, weights: torch.Tensor, fmt: str):
+    """fp32 ``q [..., H, D]`` -> (stored q, q_scale | None, weights with the FP8 Q scale folded in)."""
+    if fmt == "fp8":
+        values, scales = quantize_fp8(q, block_size=q.shape[-1], amax_floor=1e-10)
+        return values, None, weights * scales[..., 0].reshape(weights.shape)
+    packed, scales = quantize_mxfp4(q)
+    return packed, scales, weights
+
+
+# ------------------------------------------------------------------------------------------ prefill
+
+
+@dataclass
+class PrefillInputs:
+    q: torch.Tensor
+    q_scale: torch.Tensor | None
+    k: torch.Tensor
+    k_scale: torch.Tensor
+    weights: torch.Tensor
+    ks: torch.Tensor
+    ke: torch.Tensor
+
+    def args(self):
+        return (self.q, self.q_scale, self.k, self.k_scale, self.weights, self.ks, self.ke)
+
+
+def prefill_inputs(fmt, ranges, num_keys, heads, dim, device, seed=0) -> PrefillInputs:
+    gen = torch.Generator().manual_seed(seed)
+    num_rows = len(ranges)
+    q = torch.randn(num_rows, heads, dim, generator=gen)
+    k = torch.randn(num_keys, dim, generator=gen)
+    weights = torch.randn(num_rows, heads, generator=gen)
+    q_stored, q_scale, weights_out = quantized_queries(q, weights, fmt)
+    if fmt == "fp8":
+        k_values, k_scales = quantize_fp8(k, block_size=dim)
+        k_scales = k_scales[:, 0]
+    else:
+        k_values, k_scales = quantize_mxfp4(k)
+    ks = torch.tensor([start for start, _ in ranges], dtype=torch.int32).reshape(num_rows)
+    ke = torch.tensor([end for _, end in ranges], dtype=torch.int32).reshape(num_rows)
+    moved = [None if t is None else t.to(device) for t in (q_stored, q_scale, k_values, k_scales, weights_out, ks, ke)]
+    return PrefillInputs(*moved)
+
+
+def varied_ranges(num_rows: int, num_keys: int, seed: int) -> list[tuple[int, int]]:
+    """Empty rows (at 0, inside, at the end), full rows, rows touching either end, random windows."""
+    fixed = [(0, 0), (0, num_keys), (num_keys, num_keys), (num_keys - 1, num_keys), (0, 1), (3, 3)]
+    gen = torch.Generator().manual_seed(seed)
+    ranges = []
+    for row in range(num_rows):
+        if row < len(fixed):
+            ranges.append(fixed[row])
+        else:
+            a, b = sorted(torch.randint(0, num_keys + 1, (2,), generator=gen).tolist())
+            ranges.append((a, b))
+    return ranges
+
+
+def causal_ranges(num_rows: int, num_keys: int) -> list[tuple[int, int]]:
+    return [(0, max(0, num_keys - num_rows + 1 + i)) for i in range(num_rows)]
+
+
+def run_prefill(inputs: PrefillInputs, backend: str, clean: bool, pad: int) -> torch.Tensor:
+    """The op into a poisoned ``[M, N + pad]`` allocation through an ``[M, N]`` view; returns the allocation."""
+    num_rows, num_keys = inputs.q.shape[0], inputs.k.shape[0]
+    storage = torch.full((num_rows, num_keys + pad), POISON, device=inputs.q.device)
+    out = storage[:, :num_keys]
+    result = mqa_logits(*inputs.args(), clean=clean, out=out, backend=backend)
+    assert result.data_ptr() == out.data_ptr() and result.stride() == out.stride()
+    return storage
+
+
+def check_against_reference(triton_storage, reference_storage, width: int, clean: bool) -> None:
+    """Tier check of the ``[:, :width]`` region, padding untouched, and with ``clean=False`` nothing
+    written outside the valid entries (the reference marks them ``-inf``)."""
+    assert (triton_storage[:, width:] == POISON).all(), "padded row stride was written"
+    result, expected = triton_storage[:, :width], reference_storage[:, :width]
+    if clean:
+        assert calc_diff(result, expected) < TIER
+        return
+    valid = expected != NEG_INF
+    assert calc_diff(result[valid], expected[valid]) < TIER
+    assert (result[~valid] == POISON).all(), "clean=False wrote outside the valid ranges"
+
+
+def check_prefill(inputs: PrefillInputs, clean: bool, pad: int = 5) -> torch.Tensor:
+    expected = run_prefill(inputs, "reference", True, pad)
+    result = run_prefill(inputs, "triton", clean, pad)
+    check_against_reference(result, expected, inputs.k.shape[0], clean)
+    return result
+
+
+@pytest.mark.parametrize("clean", [True, False])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_prefill_kernel_matches_reference_on_ragged_rows(kernel_device, fmt, clean):
+    inputs = prefill_inputs(fmt, varied_ranges(37, 70, seed=1), 70, 3, 128, kernel_device, seed=2)
+    check_prefill(inputs, clean)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_prefill_kernel_causal_small_head_dim(kernel_device, fmt):
+    inputs = prefill_inputs(fmt, causal_ranges(20, 45), 45, 2, 64, kernel_device, seed=3)
+    check_prefill(inputs, clean=True)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_prefill_kernel_upcast_path(kernel_device, fmt, monkeypatch):
+    monkeypatch.setenv(FORCE_UPCAST_ENV, "1")
+    inputs = prefill_inputs(fmt, varied_ranges(19, 40, seed=4), 40, 2, 128, kernel_device, seed=5)
+    check_prefill(inputs, clean=True)
+    check_prefill(inputs, clean=False)
+
+
+def test_prefill_kernel_int64_ranges_and_strided_inputs(kernel_device):
+    inputs = prefill_inputs("fp8", causal_ranges(9, 33), 33, 4, 64, kernel_device, seed=6)
+    expected = run_prefill(inputs, "reference", True, 0)
+    q_strided = torch.empty((9, 8, 64), dtype=inputs.q.dtype, device=kernel_device)[:, ::2]
+    q_strided.copy_(inputs.q)
+    w_strided = torch.empty((4, 9), device=kernel_device).t()
+    w_strided.copy_(inputs.weights)
+    strided = PrefillInputs(q_strided, None, inputs.k, inputs.k_scale, w_strided, inputs.ks.long(), inputs.ke.long())
+    check_against_reference(run_prefill(strided, "triton", True, 0), expected, 33, True)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_prefill_kernel_zero_rows_or_keys(kernel_device, fmt):
+    no_rows = prefill_inputs(fmt, [], 12, 2, 64, kernel_device)
+    assert mqa_logits(*no_rows.args(), backend="triton").shape == (0, 12)
+    no_keys = prefill_inputs(fmt, [(0, 0)] * 3, 0, 2, 64, kernel_device)
+    assert mqa_logits(*no_keys.args(), backend="triton").shape == (3, 0)
+
+
+# ------------------------------------------------------------------------------------------- decode
+
+
+@dataclass
+class DecodeInputs:
+    q: torch.Tensor
+    q_scale: torch.Tensor | None
+    cache: IndexerKCache
+    weights: torch.Tensor
+    context_lens: torch.Tensor
+    block_table: torch.Tensor
+    max_context_len: int
+
+    def args(self):
+        return (self.q, self.q_scale, self.cache, self.weights, self.context_lens, self.block_table,
+                self.max_context_len)
+
+
+def row_lengths(lengths: list, next_n: int) -> list[list[int]]:
+    if lengths and isinstance(lengths[0], list):
+        return lengths
+    return [[max(length - next_n + t + 1, 0) for t in range(next_n)] for length in lengths]
+
+
+def decode_inputs(fmt, lengths: list, next_n: int, device, *, heads=4, dim=128, block_size=16, extra_width=3,
+                  page_padding=40, spare_pages=3, first_page=0, seed=0) -> DecodeInputs:
+    """Requests of the given lengths (1-D: request lengths; 2-D: per-row lengths) whose pages sit,
+    randomly permuted, in a cache inside a 0xFF-poisoned allocation with a padded page stride; table
+    entries past each request's pages are garbage (-1 and huge ids). Pages below ``first_page`` are
+    never used (large byte offsets)."""
+    gen = torch.Generator().manual_seed(seed)
+    extents = [max(row, default=0) for row in row_lengths(lengths, next_n)]
+    pages_needed = [math.ceil(extent / block_size) for extent in extents]
+    num_blocks = first_page + sum(pages_needed) + spare_pages
+    token_bytes = bytes_per_token(fmt, dim)
+    page_stride = block_size * token_bytes + page_padding
+    storage = torch.full((num_blocks * page_stride + 24,), POISON_BYTE, dtype=torch.uint8, device=device)
+    buffer = torch.as_strided(storage, (num_blocks, block_size, token_bytes), (page_stride, token_bytes, 1), 24)
+    cache = IndexerKCache(num_blocks, block_size=block_size, head_dim=dim, fmt=fmt, buffer=buffer)
+
+    batch = len(lengths)
+    max_blocks = max(pages_needed, default=0) + 2
+    block_table = torch.empty((batch, max_blocks), dtype=torch.int32)
+    block_table[:, 0::2] = -1
+    block_table[:, 1::2] = 10**6
+    order = (first_page + torch.randperm(num_blocks - first_page, generator=gen)).tolist()
+    slots = []
+    for request, count in enumerate(pages_needed):
+        block_table[request, :count] = torch.tensor(order[:count], dtype=torch.int32)
+        order = order[count:]
+        slots += [int(block_table[request, p // block_size]) * block_size + p % block_size
+                  for p in range(extents[request])]
+    keys = torch.randn(len(slots), dim, generator=gen)
+    cache.insert(keys.to(device), torch.tensor(slots, dtype=torch.int64, device=device), backend="reference")
+
+    q = torch.randn(batch, next_n, heads, dim, generator=gen)
+    weights = torch.randn(batch * next_n, heads, generator=gen)
+    q_stored, q_scale, weights_out = quantized_queries(q, weights, fmt)
+    return DecodeInputs(
+        q_stored.to(device),
+        None if q_scale is None else q_scale.to(device),
+        cache,
+        weights_out.to(device),
+        torch.tensor(lengths, dtype=torch.int32, device=device),
+        block_table.to(device),
+        max(extents, default=0) + extra_width,
+    )
+
+
+def run_decode(inputs: DecodeInputs, backend: str, clean: bool, pad: int) -> torch.Tensor:
+    rows = inputs.q.shape[0] * inputs.q.shape[1]
+    storage = torch.full((rows, inputs.max_context_len + pad), POISON, device=inputs.q.device)
+    out = storage[:, : inputs.max_context_len]
+    result = paged_mqa_logits(*inputs.args(), clean=clean, out=out, backend=backend)
+    assert result.data_ptr() == out.data_ptr() and result.stride() == out.stride()
+    return storage
+
+
+def check_decode(inputs: DecodeInputs, clean: bool, pad: int = 4) -> torch.Tensor:
+    expected = run_decode(inputs, "reference", True, pad)
+    result = run_decode(inputs, "triton", clean, pad)
+    check_against_reference(result, expected, inputs.max_context_len, clean)
+    return result
+
+
+DECODE_LENGTHS = {
+    # 1-D request lengths (row t sees L - next_n + t + 1) and 2-D per-row lengths.
+    (1, "1d"): [5, 40, 0, 33, 16],
+    (2, "1d"): [1, 37, 0, 17],
+    (2, "2d"): [[3, 4], [20, 21], [0, 0], [17, 9], [0, 32]],
+    (4, "1d"): [2, 50, 31],
+    (4, "2d"): [[1, 0, 7, 3], [16, 16, 16, 16], [33, 32, 31, 30]],
+    (5, "1d"): [3, 29],
+    (5, "2d"): [[9, 0, 4, 16, 1], [0, 0, 0, 0, 17]],
+}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("next_n, lens", sorted(DECODE_LENGTHS))
+def test_decode_kernel_matches_reference(kernel_device, fmt, next_n, lens):
+    inputs = decode_inputs(fmt, DECODE_LENGTHS[next_n, lens], next_n, kernel_device, seed=next_n)
+    check_decode(inputs, clean=True)
+    check_decode(inputs, clean=False)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_kernel_odd_heads_small_dim_and_page_size(kernel_device, fmt):
+    inputs = decode_inputs(fmt, [13, 0, 40], 2, kernel_device, heads=3, dim=64, block_size=8, seed=7)
+    check_decode(inputs, clean=True)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_kernel_upcast_path(kernel_device, fmt, monkeypatch):
+    monkeypatch.setenv(FORCE_UPCAST_ENV, "1")
+    inputs = decode_inputs(fmt, [[7, 26], [0, 19]], 2, kernel_device, seed=8)
+    check_decode(inputs, clean=True)
+    check_decode(inputs, clean=False)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_kernel_degenerate_batches(kernel_device, fmt):
+    all_empty = decode_inputs(fmt, [0, 0], 2, kernel_device, extra_width=20, seed=9)
+    result = run_decode(all_empty, "triton", True, 2)
+    assert (result[:, :20] == NEG_INF).all() and (result[:, 20:] == POISON).all()
+    assert (run_decode(all_empty, "triton", False, 2) == POISON).all()
+    no_requests = decode_inputs(fmt, [], 1, kernel_device, extra_width=5)
+    assert paged_mqa_logits(*no_requests.args(), backend="triton").shape == (0, 5)
+    check_decode(decode_inputs(fmt, [1, 2], 3, kernel_device, extra_width=0, seed=10), clean=True)
+
+
+# ---------------------------------------------------------------------------------------- GPU sizes
+
+
+def assert_reruns_identical(run, first: torch.Tensor, times: int = 20) -> None:
+    for _ in range(times):
+        assert torch.equal(run().view(torch.int32), first.view(torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("clean", [True, False])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_prefill_kernel_realistic_sizes_gpu(kernel_device, fmt, clean):
+    num_rows, num_keys = 300, 4100
+    ranges = causal_ranges(150, num_keys) + varied_ranges(150, num_keys, seed=11)
+    inputs = prefill_inputs(fmt, ranges, num_keys, 64, 128, kernel_device, seed=12)
+    first = check_prefill(inputs, clean, pad=16)
+    assert_reruns_identical(lambda: run_prefill(inputs, "triton", clean, 16), first)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("next_n, lens", [(1, "1d"), (2, "2d"), (4, "1d")])
+def test_decode_kernel_realistic_sizes_gpu(kernel_device, fmt, next_n, lens):
+    request_lengths = [0, 1, 63, 64, 65, 4999, 12345]
+    lengths = request_lengths if lens == "1d" else [[max(0, n - 7 * t) for t in range(next_n)] for n in request_lengths]
+    inputs = decode_inputs(fmt, lengths, next_n, kernel_device, heads=64, block_size=64, seed=13)
+    check_decode(inputs, clean=False, pad=8)
+    first = check_decode(inputs, clean=True, pad=8)
+    assert_reruns_identical(lambda: run_decode(inputs, "triton", True, 8), first)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_kernels_upcast_path_realistic_sizes_gpu(kernel_device, fmt, monkeypatch):
+    monkeypatch.setenv(FORCE_UPCAST_ENV, "1")
+    ranges = varied_ranges(200, 3000, seed=14)
+    check_prefill(prefill_inputs(fmt, ranges, 3000, 64, 128, kernel_device, seed=15), clean=True)
+    lengths = [[3000, 3001], [0, 77], [640, 64]]
+    check_decode(decode_inputs(fmt, lengths, 2, kernel_device, heads=64, block_size=64, seed=16), clean=True)
+
+
+@pytest.mark.gpu
+def test_decode_kernel_pages_beyond_two_gib_gpu(kernel_device):
+    """Pages whose byte offset exceeds 2**31: the page address arithmetic must be 64-bit."""
+    page_bytes = 64 * bytes_per_token("fp8", 128) + 40
+    first_page = (1 << 31) // page_bytes + 1
+    inputs = decode_inputs("fp8", [300, 1000], 2, kernel_device, heads=64, block_size=64, first_page=first_page,
+                           spare_pages=0, seed=17)
+    check_decode(inputs, clean=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_kernels_replay_in_a_cuda_graph_with_changed_lengths_gpu(kernel_device, fmt):
+    """The Triton path reads nothing back to the host: captured once, replayed after the lengths (decode)
+    and the row ranges (prefill) change in place, it matches the reference on the new values."""
+    from dsa_indexer.ops.logits.triton import mqa_logits_triton, paged_mqa_logits_triton
+
+    inputs = decode_inputs(fmt, [[900, 901], [0, 64], [300, 17]], 2, kernel_device, heads=64, block_size=64, seed=18)
+    out = torch.full((6, inputs.max_context_len), POISON, device=kernel_device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_mqa_logits_triton(*inputs.args(), True, out)
+    inputs.context_lens.copy_(torch.tensor([[5, 640], [63, 0], [300, 299]], dtype=torch.int32))
+    graph.replay()
+    assert calc_diff(out, run_decode(inputs, "reference", True, 0)) < TIER
+
+    prefill = prefill_inputs(fmt, varied_ranges(70, 500, seed=19), 500, 64, 128, kernel_device, seed=20)
+    result = torch.full((70, 500), POISON, device=kernel_device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mqa_logits_triton(*prefill.args(), True, result)
+    new_ranges = causal_ranges(70, 500)
+    prefill.ks.copy_(torch.tensor([a for a, _ in new_ranges], dtype=torch.int32))
+    prefill.ke.copy_(torch.tensor([b for _, b in new_ranges], dtype=torch.int32))
+    graph.replay()
+    assert calc_diff(result, run_prefill(prefill, "reference", True, 0)) < TIER

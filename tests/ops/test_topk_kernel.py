@@ -1,0 +1,281 @@
+"""Triton top-k kernels against the reference: bitwise equal outputs on adversarial rows, every path.
+
+The interpreter tests shrink the kernels' tuning (``TopkConfig``) so that tiny rows reach the split
+path (group maxima, candidate buffer in registers and in memory, chunked emit with look-back) as well
+as the one-program-per-row path. GPU tests use the default tuning at realistic sizes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dsa_indexer.backend import ENV_VAR
+from dsa_indexer.ops.topk import indices_to_slots, reference, topk, topk_decode
+from dsa_indexer.testing import ADVERSARIAL_GENERATORS, count_topk_errors, with_garbage_past_ends
+
+triton_impl = pytest.importorskip("dsa_indexer.ops.topk.triton")
+TopkConfig = triton_impl.TopkConfig
+
+POISON = -777
+# Widths above 16 take the split path: 16-column chunks, at most 16 group maxima per row (so groups of
+# 2, 4, 8 columns as rows widen), at most 8 candidates searched in registers.
+SPLIT = TopkConfig(row_block_max=16, chunk=16, group_tile=16, candidate_block=8)
+ROW = TopkConfig()
+ONE_ROW = TopkConfig(row_elements=16)  # one row per whole-row program
+
+
+@pytest.fixture(autouse=True)
+def _no_backend_override(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+
+
+def poisoned(num_rows: int, k: int, device) -> torch.Tensor:
+    return torch.full((num_rows, k), POISON, dtype=torch.int32, device=device)
+
+
+def reference_topk(logits, k, starts=None, ends=None):
+    return reference.topk(logits, k, starts, ends, poisoned(logits.shape[0], k, logits.device))
+
+
+def triton_topk(logits, k, starts=None, ends=None, config=ROW):
+    return triton_impl.topk_triton(logits, k, starts, ends, poisoned(logits.shape[0], k, logits.device), config=config)
+
+
+def assert_same(logits, k, starts=None, ends=None, config=ROW):
+    expected = reference_topk(logits, k, starts, ends)
+    got = triton_topk(logits, k, starts, ends, config)
+    if not torch.equal(expected, got):
+        row = int((expected != got).any(dim=1).nonzero()[0, 0])
+        raise AssertionError(
+            f"row {row} differs (k={k}, shape={list(logits.shape)}, config={config}):\n"
+            f"expected {expected[row].tolist()}\ngot      {got[row].tolist()}"
+        )
+    return got
+
+
+def random_window(num_rows, width, seed, device):
+    rng = torch.Generator().manual_seed(seed)
+    a = torch.randint(0, width + 1, (num_rows,), generator=rng)
+    b = torch.randint(0, width + 1, (num_rows,), generator=rng)
+    return torch.minimum(a, b).to(torch.int32).to(device), torch.maximum(a, b).to(torch.int32).to(device)
+
+
+@pytest.mark.parametrize("name", sorted(ADVERSARIAL_GENERATORS))
+def test_generators_row_path(kernel_device, name):
+    logits = ADVERSARIAL_GENERATORS[name]((3, 40), 11, kernel_device)
+    starts, ends = random_window(3, 40, 5, kernel_device)
+    garbage = with_garbage_past_ends(logits, ends, starts=starts)
+    for k in (1, 9, 41):
+        assert_same(logits, k)
+        assert_same(garbage, k, starts, ends, ONE_ROW if k == 9 else ROW)
+
+
+@pytest.mark.parametrize("name", sorted(ADVERSARIAL_GENERATORS))
+def test_generators_split_path(kernel_device, name):
+    # Width 70: 5 chunks, groups of 8. k=3: the candidates (> T_low, at most 16) may exceed the
+    # 8-register tile. k=12 > 10 groups: T_low is NONE and every selectable entry is a candidate.
+    logits = ADVERSARIAL_GENERATORS[name]((2, 70), 12, kernel_device)
+    ends = torch.tensor([70, 53], dtype=torch.int32, device=kernel_device)
+    assert_same(with_garbage_past_ends(logits, ends), 3, None, ends, SPLIT)
+    assert_same(logits, 12, None, None, SPLIT)
+
+
+def tie_heavy(num_rows, width, seed, device):
+    rng = torch.Generator().manual_seed(seed)
+    values = torch.randint(-3, 4, (num_rows, width), generator=rng).float() / 2
+    values = torch.where(torch.rand(num_rows, width, generator=rng) < 0.3, -values, values)
+    special = torch.rand(num_rows, width, generator=rng)
+    values[special < 0.05] = math.nan
+    values[(special >= 0.05) & (special < 0.08)] = math.inf
+    values[(special >= 0.08) & (special < 0.12)] = -math.inf
+    return values.to(device)
+
+
+@pytest.mark.parametrize("k", [1, 4, 15, 16, 17, 33])
+def test_lengths_around_split_thresholds(kernel_device, k):
+    # Row lengths at and around k, the chunk (16) and its multiples, with garbage past each end.
+    lengths = [0, 1, 15, 16, 17, 31, 32, 33, 48, 49, 57]
+    ends = torch.tensor(lengths, dtype=torch.int32, device=kernel_device)
+    logits = with_garbage_past_ends(tie_heavy(len(lengths), 57, k, kernel_device), ends)
+    assert_same(logits, k, None, ends, SPLIT)
+
+
+@pytest.mark.parametrize("k", [1, 7, 8, 9, 31, 32, 33, 64])
+def test_lengths_around_row_thresholds(kernel_device, k):
+    # One program per row, register tile of 32 columns: lengths around k and the tile.
+    lengths = [0, 1, 7, 8, 9, 16, 31, 32]
+    ends = torch.tensor(lengths, dtype=torch.int32, device=kernel_device)
+    starts = torch.zeros_like(ends)
+    logits = with_garbage_past_ends(tie_heavy(len(lengths), 32, k, kernel_device), ends)
+    assert_same(logits, k, starts, ends)
+    assert_same(logits, k, None, ends, ONE_ROW)
+
+
+def test_value_order_details(kernel_device):
+    # -0.0 == +0.0, +inf first, -inf/NaN never, subnormals and extremes ordered by value.
+    row = [0.0, -0.0, math.inf, -math.inf, math.nan, 1e-45, -1e-45, 3.4e38, -3.4e38, 0.0, -0.0, -math.nan]
+    logits = torch.tensor([row, row[::-1]], dtype=torch.float32, device=kernel_device)
+    for config in (ROW, TopkConfig(row_block_max=8, chunk=8, group_tile=8, candidate_block=8)):
+        for k in (1, 2, 3, 5, 8, 12):
+            assert_same(logits, k, None, None, config)
+
+
+@pytest.mark.parametrize("config", [ROW, SPLIT], ids=["row", "split"])
+def test_strided_offset_and_expanded_views(kernel_device, config):
+    base = tie_heavy(6, 90, 3, kernel_device)
+    views = {
+        "column_stride_2": base[:, ::2],
+        "offset": base[1:, 7:61],
+        "expanded_rows": base[2:3, :40].expand(5, 40),
+        "expanded_columns": base[:, 5:6].expand(6, 24),
+        "transposed": base[:, :30].t(),
+    }
+    for name, view in views.items():
+        assert_same(view, 2 if name.startswith("expanded") else 20, None, None, config)
+
+
+@pytest.mark.parametrize("config", [ROW, SPLIT], ids=["row", "split"])
+def test_empty_and_oversized(kernel_device, config):
+    empty_rows = torch.empty((0, 30), device=kernel_device)
+    assert triton_topk(empty_rows, 4, config=config).shape == (0, 4)
+    no_columns = torch.empty((3, 0), device=kernel_device)
+    assert torch.equal(triton_topk(no_columns, 5, config=config), torch.full((3, 5), -1, dtype=torch.int32,
+                                                                             device=kernel_device))
+    logits = tie_heavy(2, 20, 4, kernel_device)
+    assert_same(logits, 50, None, None, config)
+
+
+@pytest.mark.parametrize("config", [ROW, SPLIT], ids=["row", "split"])
+def test_out_with_padded_rows_keeps_the_tail(kernel_device, config):
+    logits = tie_heavy(4, 40, 6, kernel_device)
+    buffer = torch.full((4, 12), POISON, dtype=torch.int32, device=kernel_device)
+    got = triton_impl.topk_triton(logits, 9, None, None, buffer[:, :9], config=config)
+    assert got.data_ptr() == buffer.data_ptr()
+    assert torch.equal(buffer[:, :9], reference_topk(logits, 9))
+    assert bool((buffer[:, 9:] == POISON).all())
+
+
+@pytest.mark.parametrize("config", [ROW, SPLIT], ids=["row", "split"])
+def test_decode_lengths_on_device(kernel_device, config):
+    next_n, k = 2, 5
+    logits = tie_heavy(8, 40, 8, kernel_device)
+    request_lens = torch.tensor([0, 1, 23, 40], dtype=torch.int32, device=kernel_device)
+    row_lens = torch.tensor([[0, 1], [17, 16], [40, 33], [2, 0]], dtype=torch.int32, device=kernel_device)
+    for seq_lens in (request_lens, row_lens):
+        expected = reference.topk_decode(logits, seq_lens, next_n, k, poisoned(8, k, kernel_device))
+        got = triton_impl.topk_decode_triton(logits, seq_lens, next_n, k, poisoned(8, k, kernel_device),
+                                             config=config)
+        assert torch.equal(expected, got)
+
+
+def test_public_functions_dispatch_to_triton(kernel_device):
+    logits = tie_heavy(3, 24, 9, kernel_device)
+    starts, ends = random_window(3, 24, 2, kernel_device)
+    expected = topk(logits, 6, starts=starts, ends=ends, backend="reference")
+    assert torch.equal(topk(logits, 6, starts=starts, ends=ends, backend="triton"), expected)
+    seq_lens = torch.tensor([24, 7, 0], dtype=torch.int32, device=kernel_device)
+    assert torch.equal(topk_decode(logits, seq_lens, 1, 6, backend="triton"),
+                       topk_decode(logits, seq_lens, 1, 6, backend="reference"))
+
+
+def test_indices_to_slots(kernel_device):
+    rng = torch.Generator().manual_seed(0)
+    block_table = torch.randint(0, 1000, (3, 5), generator=rng, dtype=torch.int32).to(kernel_device)
+    indices = torch.randint(-1, 5 * 16, (4, 20), generator=rng, dtype=torch.int32).to(kernel_device)
+    row_to_request = torch.tensor([2, 0, 0, 1], dtype=torch.int32, device=kernel_device)
+    for view in (indices, indices[:, ::2], indices.t().contiguous().t()):
+        expected = indices_to_slots(view, block_table, 16, row_to_request, backend="reference")
+        assert torch.equal(indices_to_slots(view, block_table, 16, row_to_request, backend="triton"), expected)
+    padding_only = torch.full((2, 3), -1, dtype=torch.int32, device=kernel_device)
+    empty_table = torch.empty((1, 0), dtype=torch.int32, device=kernel_device)
+    rows = torch.zeros(2, dtype=torch.int32, device=kernel_device)
+    assert torch.equal(indices_to_slots(padding_only, empty_table, 4, rows, backend="triton"), padding_only)
+
+
+def decode_lengths(num_rows, width, seed):
+    rng = torch.Generator().manual_seed(seed)
+    return torch.randint(int(0.8 * width), width + 1, (num_rows,), generator=rng, dtype=torch.int32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(ADVERSARIAL_GENERATORS))
+@pytest.mark.parametrize("width, num_rows", [(131072, 4), (1 << 20, 2)])
+def test_gpu_generators_long_rows(name, width, num_rows):
+    logits = ADVERSARIAL_GENERATORS[name]((num_rows, width), 21, "cuda")
+    ends = decode_lengths(num_rows, width, 3).cuda()
+    garbage = with_garbage_past_ends(logits, ends)
+    for k in (2048, 512):
+        got = assert_same(garbage, k, None, ends)
+        assert count_topk_errors(logits, got, k, ends=ends) == 0
+    assert_same(logits, 2048)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(ADVERSARIAL_GENERATORS))
+def test_gpu_generators_prefill_rows(name):
+    width = 8192
+    logits = ADVERSARIAL_GENERATORS[name]((64, width), 22, "cuda")
+    ends = torch.linspace(1, width, 64).to(torch.int32).cuda()
+    starts = (ends // 3).to(torch.int32)
+    got = assert_same(with_garbage_past_ends(logits, ends, starts=starts), 2048, starts, ends)
+    assert count_topk_errors(logits, got, 2048, starts=starts, ends=ends) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width", [8191, 8192, 8193, 12288, 16385, 40000])
+def test_gpu_widths_around_paths(width):
+    logits = ADVERSARIAL_GENERATORS["relu_sum"]((6, width), width, "cuda")
+    lengths = torch.tensor([0, 2047, 2048, 2049, 4097, width], dtype=torch.int32, device="cuda")
+    for k in (2048, 512):
+        assert_same(logits, k, None, lengths)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [ROW, TopkConfig(row_block_max=16, chunk=64)], ids=["row", "split"])
+def test_gpu_more_than_65535_rows(config):
+    logits = tie_heavy(70000, 100, 5, "cuda")
+    starts, ends = random_window(70000, 100, 7, "cuda")
+    assert_same(logits, 8, starts, ends, config)
+
+
+@pytest.mark.gpu
+def test_gpu_reruns_are_bitwise_equal():
+    logits = torch.cat([ADVERSARIAL_GENERATORS["one_bin"]((4, 131072), 1, "cuda"),
+                        torch.randn(4, 131072, device="cuda")])
+    ends = decode_lengths(8, 131072, 4).cuda()
+    first = triton_topk(logits, 2048, None, ends)
+    prefill = torch.randn(256, 8192, device="cuda")
+    first_prefill = triton_topk(prefill, 2048)
+    for _ in range(20):
+        assert torch.equal(triton_topk(logits, 2048, None, ends), first)
+        assert torch.equal(triton_topk(prefill, 2048), first_prefill)
+
+
+@pytest.mark.gpu
+def test_gpu_out_with_padded_rows_keeps_the_tail():
+    logits = torch.randn(3, 131072, device="cuda")
+    buffer = torch.full((3, 2100), POISON, dtype=torch.int32, device="cuda")
+    triton_impl.topk_triton(logits, 2048, None, None, buffer[:, :2048])
+    assert torch.equal(buffer[:, :2048], reference_topk(logits, 2048))
+    assert bool((buffer[:, 2048:] == POISON).all())
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_with_new_lengths():
+    num_requests, next_n, width, k = 3, 2, 65536, 2048
+    logits = torch.randn(num_requests * next_n, width, device="cuda")
+    seq_lens = torch.tensor([width, 100, 40000], dtype=torch.int32, device="cuda")
+    out = torch.empty((num_requests * next_n, k), dtype=torch.int32, device="cuda")
+    triton_impl.topk_decode_triton(logits, seq_lens, next_n, k, out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        triton_impl.topk_decode_triton(logits, seq_lens, next_n, k, out)
+    for trial in range(3):
+        logits.copy_(ADVERSARIAL_GENERATORS["relu_sum"]((num_requests * next_n, width), trial, "cuda"))
+        seq_lens.copy_(decode_lengths(num_requests, width, trial).cuda() // (trial + 1))
+        graph.replay()
+        expected = reference.topk_decode(logits, seq_lens, next_n, k, poisoned(num_requests * next_n, k, "cuda"))
+        assert torch.equal(out, expected)
