@@ -19,12 +19,12 @@ from dsa_indexer.ops.k_cache.triton import gather_k_triton, insert_k_triton
 from dsa_indexer.ops.q_quant.reference import rope_quant_q_reference
 from dsa_indexer.ops.q_quant.triton import rope_quant_q_triton
 
-ROPE_VARIANTS = [dict(block_heads=16, num_warps=4), dict(block_heads=8, num_warps=2),
-                 dict(block_heads=32, num_warps=8)]
-INSERT_VARIANTS = [dict(block_tokens=32, num_warps=4), dict(block_tokens=16, num_warps=2),
-                   dict(block_tokens=64, num_warps=8)]
+ROPE_VARIANTS = [dict(block_heads=64, num_warps=4), dict(block_heads=64, num_warps=8),
+                 dict(block_heads=64, num_warps=2), dict(block_heads=32, num_warps=4)]
+INSERT_VARIANTS = [dict(block_tokens=32, num_warps=4), dict(block_tokens=64, num_warps=4),
+                   dict(block_tokens=32, num_warps=2), dict(block_tokens=64, num_warps=2)]
 GATHER_VARIANTS = [dict(block_rows=64, num_warps=4), dict(block_rows=32, num_warps=2),
-                   dict(block_rows=128, num_warps=8)]
+                   dict(block_rows=128, num_warps=4)]
 
 
 def _bytes_equal(a, b) -> bool:

@@ -37,3 +37,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not ON_GPU:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def without_interpreter(monkeypatch):
+    """Backend choice as on a machine without ``TRITON_INTERPRET`` (for checks that ``backend='triton'``
+    on CPU tensors is refused; under the interpreter that call legitimately runs the kernel)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)

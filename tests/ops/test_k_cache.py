@@ -363,6 +363,7 @@ INSERT_ERRORS = [
 
 
 @pytest.mark.parametrize("fmt, overrides, options, error, match", INSERT_ERRORS)
+@pytest.mark.usefixtures("without_interpreter")
 def test_insert_rejects_bad_arguments_before_writing(fmt, overrides, options, error, match):
     poisoned, args = insert_args(fmt, **overrides)
     before = poisoned.storage.clone()
@@ -404,6 +405,7 @@ GATHER_ERRORS = [
 
 
 @pytest.mark.parametrize("fmt, overrides, options, error, match", GATHER_ERRORS)
+@pytest.mark.usefixtures("without_interpreter")
 def test_gather_rejects_bad_arguments(fmt, overrides, options, error, match):
     poisoned, args = gather_args(fmt, **overrides)
     before = poisoned.storage.clone()

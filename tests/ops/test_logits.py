@@ -589,6 +589,7 @@ def small_prefill_case() -> PrefillCase:
 
 
 @pytest.mark.parametrize("label", [m[0] for m in prefill_mutations(small_prefill_case())])
+@pytest.mark.usefixtures("without_interpreter")
 def test_prefill_rejects_bad_argument_without_writing(label):
     case = small_prefill_case()
     _, changes, error, name = next(m for m in prefill_mutations(case) if m[0] == label)

@@ -449,6 +449,7 @@ VALIDATION_CASES = [
 
 
 @pytest.mark.parametrize("overrides, options, error, match", VALIDATION_CASES)
+@pytest.mark.usefixtures("without_interpreter")
 def test_invalid_arguments_raise_naming_the_argument(overrides, options, error, match):
     args = valid_args(**overrides)
     snapshot = {

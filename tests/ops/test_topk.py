@@ -369,6 +369,7 @@ TOPK_ERRORS = [
 
 
 @pytest.mark.parametrize("call, error, match", [c[1:] for c in TOPK_ERRORS], ids=[c[0] for c in TOPK_ERRORS])
+@pytest.mark.usefixtures("without_interpreter")
 def test_topk_rejects_bad_arguments_without_writing(call, error, match):
     out = torch.full((3, 2), POISON, dtype=torch.int32)
     with pytest.raises(error, match=match):

@@ -17,9 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ...backend import interpreter_enabled
 from ...cache import IndexerKCache
 from ...formats import FP8_MAX
-from ...backend import interpreter_enabled
 from ..q_quant.triton import e4m3_bytes, finite_amax, fp8_scale_exponent, mxfp4_pack, pow2
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -32,8 +32,8 @@ def _insert_k_kernel(
     k_ptr, slots_ptr, cache_ptr,
     num_tokens, stride_kt, stride_kd, stride_slots,
     page_stride, amax_floor,
-    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MXFP4: tl.constexpr, UE8M0: tl.constexpr,
-    BLOCK_T: tl.constexpr, INTERPRETER: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MXFP4: tl.constexpr,
+    UE8M0: tl.constexpr, BLOCK_T: tl.constexpr, INTERPRETER: tl.constexpr,
 ):
     """One program: rows ``[program_id(0) * BLOCK_T, +BLOCK_T)`` of ``k``; rows with a negative slot write nothing."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
@@ -46,7 +46,7 @@ def _insert_k_kernel(
     x = tl.load(k_ptr + rows[:, None] * stride_kt + dim[None, :] * stride_kd, mask=write[:, None] & dim_ok[None, :],
                 other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_D]
     if MXFP4:
-        packed, scales = mxfp4_pack(x, BLOCK_T, BLOCK_D, INTERPRETER)  # [BLOCK_T, BLOCK_D/2], [BLOCK_T, BLOCK_D/32]
+        packed, scales = mxfp4_pack(x, BLOCK_T, BLOCK_D)  # [BLOCK_T, BLOCK_D/2], [BLOCK_T, BLOCK_D/32]
         pair = tl.arange(0, BLOCK_D // 2)
         tl.store(page[:, None] + token[:, None] * (HEAD_DIM // 2) + pair[None, :], packed,
                  mask=write[:, None] & (pair < HEAD_DIM // 2)[None, :])
@@ -76,8 +76,8 @@ def _gather_k_kernel(
     num_requests, search_steps, stride_cu,
     stride_bt_request, stride_bt_block, page_stride,
     stride_values_row, stride_values_byte, stride_scales_row, stride_scales_byte,
-    BLOCK_SIZE: tl.constexpr, VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_ROWS: tl.constexpr,
 ):
     """One program: destination rows ``[program_id(0) * BLOCK_ROWS, +BLOCK_ROWS)``, those below ``cu[-1]``."""
     first_row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS
@@ -137,8 +137,9 @@ def insert_k_triton(
         k, slot_mapping, cache.buffer,
         num_tokens, k.stride(0), k.stride(1), slot_mapping.stride(0),
         cache.page_stride, amax_floor,
-        BLOCK_SIZE=cache.block_size, HEAD_DIM=cache.head_dim, BLOCK_D=triton.next_power_of_2(cache.head_dim), MXFP4=cache.fmt == "mxfp4",
-        UE8M0=scale_fmt == "ue8m0", BLOCK_T=block_tokens, INTERPRETER=interpreter_enabled(),
+        BLOCK_SIZE=cache.block_size, HEAD_DIM=cache.head_dim, BLOCK_D=triton.next_power_of_2(cache.head_dim),
+        MXFP4=cache.fmt == "mxfp4", UE8M0=scale_fmt == "ue8m0", BLOCK_T=block_tokens,
+        INTERPRETER=interpreter_enabled(),
         num_warps=num_warps, enable_fp_fusion=False,
     )
 

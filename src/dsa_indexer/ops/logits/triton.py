@@ -24,9 +24,11 @@ grid scaled down by 2**8: its smallest subnormal is 2**-9 = 0.5 * 2**-8). Larger
 e4m3 grid (relative error below 2**-10 of the largest block's scale, far inside the §11 tier) and
 spreads above 29 drop the block (its contribution is below 2**-29 of the vector's). The per-vector
 ``2**e_max`` is folded back outside the dot: for queries into the weights (``w * 2**eq_max``), for keys
-into ``key_mul``; both are positive, so they commute with the relu. The query rows are converted once by
-``_mxfp4_rows_kernel``; prefill converts the gathered keys the same way and runs the FP8 kernel; decode
-converts each key tile in registers as it streams the cache.
+into ``key_mul``; both are positive, so they commute with the relu. A dot product does not depend on the
+order of its terms, so the expanded vectors are kept de-interleaved, even elements (low nibbles) first,
+which spares an interleave: ``_mxfp4_rows_kernel`` writes query rows (and, for prefill, the gathered
+keys, which then run through the FP8 kernel) that way, and decode expands each key tile in registers into
+its two halves, contracted by two half-depth dots.
 
 Upcast path. GPUs without FP8 tensor cores (compute capability < 8.9), or any GPU when the environment
 variable ``DSA_INDEXER_FORCE_UPCAST=1`` is set, read the e4m3 bytes as integers and rebuild fp16 values:
@@ -39,15 +41,19 @@ and reused by every head; the head loop streams ``[BLOCK_Q, D]`` query slices th
 pipeline. A tile outside every row's ``[ks, ke)`` range does no arithmetic: it writes ``-inf`` when
 ``clean`` and nothing otherwise (most of a causal triangle).
 
-Decode schedule. Programs cover (request, group of up to ``ROWS`` draft rows, key split); a split is
+Decode schedule. Programs cover (request, group of ``ROWS`` draft rows, key split); a split is
 ``TILES * BLOCK_K`` consecutive positions, ``TILES`` a compile-time power of two picked from host integers
 (``max_context_len``, the batch size, the SM count) so that the grid holds several programs per SM and
-nothing is read back from the device. Each program loads its rows' queries once, then streams
-``BLOCK_K`` positions at a time through a software pipeline: the block-table entries, the key bytes and
-scales, one dot per row against the same key tile (so K is read once for all ``next_n <= 4`` rows; a
-larger ``next_n`` runs in groups of four rows, each reading K once), and the logits. It reads positions below its rows' longest length only (a tile past it is fully masked and
-touches no memory); a split past that length writes ``-inf`` (``clean``) or nothing. The page size is a
-compile-time constant, so position -> (page, slot) is a shift and a mask for the usual powers of two.
+nothing is read back from the device. ``ROWS`` is ``next_n`` rounded up to a power of two, at most 4
+(a larger ``next_n`` runs in groups of four rows, each reading K once). Each program stacks its rows'
+queries into one ``[ROWS * H, D]`` operand loaded once, then streams ``BLOCK_K`` positions at a time
+through a software pipeline: the block-table entries, the key bytes and scales, one dot for all rows
+(so K is read once for all of them), the relu-weighted head sum as a reduction over the last axis of the
+``[BLOCK_K, ROWS, H]`` view of the scores (in registers: within a thread, then across the four lanes
+of a quad), and the logits. It reads positions below its rows' longest length only (a tile past it is
+fully masked and touches no memory); a split past that length writes ``-inf`` (``clean``) or nothing.
+The page size is a compile-time constant, so position -> (page, slot) is a shift and a mask for the
+usual powers of two.
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ import triton.language as tl
 
 from ... import backend as _backend
 from ...cache import IndexerKCache
-from ...formats import FP8_DTYPE, MXFP4_BLOCK
+from ...formats import FP8_DTYPE
 
 __all__ = ["mqa_logits_triton", "paged_mqa_logits_triton", "FORCE_UPCAST_ENV"]
 
@@ -71,7 +77,6 @@ _MAX_ROWS_PER_PROGRAM = 4
 # rows) to keep it within this many fp32 elements; stacking two rows of 64 heads at 128 keys took 220
 # registers a thread and measured slower than 64 keys (B=32, L=128K, next_n=2 on the H200).
 _MAX_SCORE_TILE = 128 * 64
-_MXFP4_BYTES_PER_BLOCK = MXFP4_BLOCK // 2
 
 
 @triton.jit

@@ -1,9 +1,10 @@
 """Triton kernel of the fused Q RoPE + quantisation, and the exact format helpers it shares with the K cache.
 
 Every helper reproduces ``dsa_indexer.formats`` bit for bit, on the GPU and under Triton's CPU
-interpreter alike. Both conversions the hardware would do for us are done explicitly, because the
-interpreter does them differently (it truncates fp32 -> bf16, and converts fp32 -> e4m3 with ties away
-from zero, losing the exponent carry, and NaN -> 256):
+interpreter. The GPU converts fp32 -> bf16 and fp32 -> e4m3 with round-to-nearest-even (e4m3 also
+saturating at ±448, NaN staying NaN: ``cvt.rn.satfinite``), exactly as torch does. The interpreter does
+not (it truncates to bf16, and rounds to e4m3 with ties away from zero, losing the exponent carry, and
+NaN -> 256), so under it (``INTERPRETER``) both conversions are done explicitly:
 
 bf16 rounding (``round_to_bf16``)
     Adding ``0x7FFF + lsb`` to the fp32 bits, with ``lsb`` the lowest kept bit, carries into bit 16
@@ -17,16 +18,30 @@ e4m3 rounding (``round_to_e4m3``)
     ``2**(e - 3)``, and ``|v| < 2**(e + 1)`` keeps ``v + M`` in M's binade, so the fp32 sum rounds ``v``
     to that grid (to nearest, ties to even: ``M / 2**(e-3) = 3 * 2**22`` is even) and ``- M`` is exact.
     The sign bit of ``v`` is put back so that zeros keep their sign. The result is an e4m3 value, which
-    the cast then converts exactly on every backend; NaN (which the interpreter converts to 256) is
-    encoded explicitly as ``0x7F``.
+    the cast converts exactly; NaN is encoded explicitly as ``0x7F``.
 
-ue8m0 exponents (``ceil_log2``)
-    ``ceil(log2(x))`` of a positive fp32 from its bits: the unbiased exponent, plus one unless the
-    mantissa is zero (a power of two). Subnormals give ``-126`` (every caller clamps there) and zero
-    gives 0, which is what ``torch.frexp`` yields for the reference.
+e2m1 codes (``e2m1_codes``, one path everywhere: no hardware converts to e2m1 before Blackwell)
+    The same trick on ``m = min(|v|, 6)``: with ``k = max(exponent(m), 0)`` the e2m1 grid near ``m`` is
+    ``2**(k-1)``, the fp32 ulp of ``M = 1.5 * 2**(k + 22)``, so the integer difference of the bits of
+    ``m + M`` and ``M`` is ``q = round(m / 2**(k-1))`` (ties to even), and the code is ``2k + q``
+    (0.5 -> 1, 1 -> 2, 1.5 -> 3, 2 -> 4, 3 -> 5, 4 -> 6, 6 -> 7; a carry such as 1.75 -> 4 lands on the
+    next code). A negative value has a non-zero code exactly when it is below -0.25; NaN gives +0.
+
+ue8m0 exponents without a division (``fp8_scale_exponent``, ``mxfp4_exponents``)
+    The reference takes ``ceil(log2(fp32(amax / c)))`` for ``c = 448 = 1.75 * 2**8`` or
+    ``6 = 1.5 * 2**2``. For a normal ``amax = m * 2**E`` (``1 <= m < 2``) the real quotient exceeds
+    ``2**(E - 8)`` (resp. ``2**(E - 2)``) exactly when ``m > 1.75`` (``m > 1.5``), so the exponent is
+    ``E - 8 + [mantissa bits > 0x600000]`` (``E - 2 + [> 0x400000]``). Rounding the quotient to fp32
+    never moves it across a power of two: the smallest fp32 above ``c * 2**j`` gives a quotient more
+    than half an ulp above ``2**j``. (Checked against the reference for every fp32 of ten binades
+    spanning the range, and every subnormal.) A subnormal ``amax`` (possible only with a subnormal
+    floor) gives a subnormal quotient, clamped to -126, or 0 when ``amax <= 1.75 * 2**-142`` (bits
+    ``<= 224``) rounds it to zero, whose ``frexp`` exponent is 0.
 
 Dividing by a power-of-two scale ``2**e`` is replaced by multiplying with ``2**-e``: both are one
 correctly rounded fp32 operation on the same real quotient (``-e`` stays within the normal range).
+Kernels launch with ``enable_fp_fusion=False``, so no product is fused into a sum (the RoPE rounds each
+product, as the reference does).
 """
 
 from __future__ import annotations
@@ -135,7 +150,7 @@ def mxfp4_exponents(block_amax):
 
 
 @triton.jit
-def mxfp4_pack(x, ROWS: tl.constexpr, WIDTH: tl.constexpr, INTERPRETER: tl.constexpr):
+def mxfp4_pack(x, ROWS: tl.constexpr, WIDTH: tl.constexpr):
     """MXFP4 of ``x [ROWS, WIDTH]`` (WIDTH a multiple of 32).
 
     Returns ``(packed uint8 [ROWS, WIDTH/2], scales uint8 [ROWS, WIDTH/32])``.
@@ -149,9 +164,9 @@ def mxfp4_pack(x, ROWS: tl.constexpr, WIDTH: tl.constexpr, INTERPRETER: tl.const
 
 @triton.jit
 def _store_mxfp4(values_ptr, scales_ptr, head_rows, heads_ok, x, START: tl.constexpr, WIDTH: tl.constexpr,
-                 BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, INTERPRETER: tl.constexpr):
+                 BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Quantise dims ``[START, START + WIDTH)`` of each head (``x [BLOCK_H, BLOCK]``) and store them."""
-    packed, scales = mxfp4_pack(x, BLOCK_H, BLOCK, INTERPRETER)
+    packed, scales = mxfp4_pack(x, BLOCK_H, BLOCK)
     pair = tl.arange(0, BLOCK // 2)
     tl.store(
         values_ptr + head_rows[:, None] * (HEAD_DIM // 2) + (pair + START // 2)[None, :],
@@ -222,15 +237,15 @@ def _rope_quant_q_kernel(
         if INTERLEAVED:
             rotated = tl.reshape(tl.join(r0, r1), [BLOCK_H, 2 * HALF_BLOCK])  # natural dim order
             _store_mxfp4(values_ptr, scales_ptr, head_rows, heads_ok, rotated, ROPE_START, ROPE_DIM,
-                         2 * HALF_BLOCK, BLOCK_H, HEAD_DIM, INTERPRETER)
+                         2 * HALF_BLOCK, BLOCK_H, HEAD_DIM)
         else:
             _store_mxfp4(values_ptr, scales_ptr, head_rows, heads_ok, r0, ROPE_START, half, HALF_BLOCK,
-                         BLOCK_H, HEAD_DIM, INTERPRETER)
+                         BLOCK_H, HEAD_DIM)
             _store_mxfp4(values_ptr, scales_ptr, head_rows, heads_ok, r1, ROPE_START + half, half, HALF_BLOCK,
-                         BLOCK_H, HEAD_DIM, INTERPRETER)
+                         BLOCK_H, HEAD_DIM)
         if pass_width > 0:
             _store_mxfp4(values_ptr, scales_ptr, head_rows, heads_ok, kept, PASS_START, pass_width, PASS_BLOCK,
-                         BLOCK_H, HEAD_DIM, INTERPRETER)
+                         BLOCK_H, HEAD_DIM)
         weights_out = (weights * softmax) * head
     else:
         amax = tl.maximum(finite_amax(r0, 1), finite_amax(r1, 1))  # [BLOCK_H]

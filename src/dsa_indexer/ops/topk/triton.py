@@ -22,9 +22,10 @@ count of keys ``>= t | 2**b`` is still ``>= k``. Because ``t``'s bits ``<= b`` a
 moment, setting bit ``b`` of ``u`` is toggling bit ``b`` of the signed key, so the search runs on
 int32 directly. The search starts at the common high bits of ``lo`` (smallest selectable key) and
 ``hi`` (largest key): ``T`` lies in ``[lo, hi]`` and shares them, so only ``bit_length(lo ^ hi)``
-bits are searched (10 for rows whose values share 22 high bits). A round decides two bits at once
-from the counts at the three thresholds ``t + {1, 2, 3} * 2**b`` (two block reductions, the first
-carrying two counts in 16-bit fields), halving the number of serial rounds.
+bits are searched (10 for rows whose values share 22 high bits). The split path's searches decide
+two bits per round from the counts at the three thresholds ``t + {1, 2, 3} * 2**b`` (two block
+reductions, the first carrying two counts in 16-bit fields); the whole-row kernel decides one bit
+per round (one block reduction), which is cheaper with its many keys per thread.
 
 Rows of width ``<= row_block_max``: a program holds ``rows_per_program`` whole windows in registers,
 finds each row's ``T`` (the rows share each round's reduction) and emits: one launch, no scratch.
@@ -101,7 +102,7 @@ class TopkConfig:
     group_tile: most group maxima per row on the split path (at most 16384); ``None`` =
         ``clamp(4k, 1024, 8192)``.
     candidate_block: candidates searched in registers; ``None`` = ``clamp(2k, 1024, 16384)``.
-    split_warps: warps of the split-path programs.
+    split_warps: warps of the split-path chunk programs (the per-row lower-bound program uses 8).
     """
 
     row_block_max: int = 8192
@@ -160,22 +161,16 @@ def _clear_low_bits(lo, rounds):
 
 
 @triton.jit
-def _search_step(keys, t, bit, k, AXIS: tl.constexpr):
+def _search_step(keys, t, bit, k):
     """Decide bits ``bit + 1`` and ``bit`` of ``t`` (both still clear in the unsigned image): the largest
-    of ``t``, ``t + 2**bit``, ``t + 2 * 2**bit``, ``t + 3 * 2**bit`` that ``>= k`` keys reach. Counts
-    of a tile of at most 16384 keys share one int32 (two 16-bit fields)."""
+    of ``t``, ``t + 2**bit``, ``t + 2 * 2**bit``, ``t + 3 * 2**bit`` that ``>= k`` of the 1-D ``keys``
+    reach. Counts of a tile of at most 16384 keys share one int32 (two 16-bit fields)."""
     low = 1 << bit
     first = t ^ low
     second = t ^ (low << 1)
     third = second ^ low
-    if AXIS == 0:
-        pair = (keys >= first).to(tl.int32) + ((keys >= second).to(tl.int32) << 16)
-        counts = tl.sum(pair, axis=0)
-        above_third = tl.sum((keys >= third).to(tl.int32), axis=0)
-    else:
-        pair = (keys >= first[:, None]).to(tl.int32) + ((keys >= second[:, None]).to(tl.int32) << 16)
-        counts = tl.sum(pair, axis=1)
-        above_third = tl.sum((keys >= third[:, None]).to(tl.int32), axis=1)
+    counts = tl.sum((keys >= first).to(tl.int32) + ((keys >= second).to(tl.int32) << 16), axis=0)
+    above_third = tl.sum((keys >= third).to(tl.int32), axis=0)
     t = tl.where((counts & LOW_FIELD) >= k, first, t)
     t = tl.where((counts >> 16) >= k, second, t)
     return tl.where(above_third >= k, third, t)
@@ -184,7 +179,7 @@ def _search_step(keys, t, bit, k, AXIS: tl.constexpr):
 @triton.jit
 def _kth_largest(keys, k):
     """Largest t with ``#(keys >= t) >= k`` for a 1-D ``keys`` (at most 16384); needs at least k keys
-    other than NONE."""
+    other than NONE. Two bits per round."""
     lo = tl.min(tl.where(keys != NONE, keys, KEY_MAX), axis=0)
     hi = tl.max(keys, axis=0)
     bit = _bit_length(lo ^ hi)
@@ -195,22 +190,25 @@ def _kth_largest(keys, k):
         t = tl.where(tl.sum((keys >= candidate).to(tl.int32), axis=0) >= k, candidate, t)
     while bit > 0:
         bit -= 2
-        t = _search_step(keys, t, bit, k, 0)
+        t = _search_step(keys, t, bit, k)
     return t
 
 
 @triton.jit
 def _kth_largest_rows(keys, k, active):
-    """``_kth_largest`` of each row of ``keys [ROWS, BLOCK]`` where ``active`` (others: NONE). The rows
-    share each round's reductions, so all start from the widest bracket among the active rows."""
+    """``_kth_largest`` of each row of ``keys [ROWS, BLOCK]`` where ``active`` (others: NONE), one bit
+    per round (the whole-row tiles hold many keys per thread: three counts per round would make the
+    rounds arithmetic-bound); the rows share each round's reduction."""
     lo = tl.min(tl.where(keys != NONE, keys, KEY_MAX), axis=1)  # [ROWS]
     hi = tl.max(keys, axis=1)  # [ROWS]
-    bit = tl.max(tl.where(active, _bit_length(lo ^ hi), 0), axis=0)
-    bit += bit % 2
-    t = _clear_low_bits(lo, bit)  # [ROWS]
+    rounds = tl.where(active, _bit_length(lo ^ hi), 0)  # [ROWS]
+    t = _clear_low_bits(lo, rounds)
+    bit = tl.max(rounds, axis=0)
     while bit > 0:
-        bit -= 2
-        t = _search_step(keys, t, bit, k, 1)
+        bit -= 1
+        candidate = t ^ (1 << bit)  # [ROWS]
+        count = tl.sum((keys >= candidate[:, None]).to(tl.int32), axis=1)  # [ROWS]
+        t = tl.where((bit < rounds) & (count >= k), candidate, t)
     return tl.where(active, t, NONE)
 
 
