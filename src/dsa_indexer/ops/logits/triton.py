@@ -344,7 +344,7 @@ _DECODE_INTERPRETER_CONFIG = (16, 4, 1, 2, 1, 2, None)
 
 def _mxfp4_rows(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed e2m1 ``[..., D/2]`` with ue8m0 ``[..., D/32]`` -> (``dtype`` ``[..., D]`` values / 2**e_max,
-    fp32 ``[...]`` 2**e_max)."""
+    de-interleaved: even elements, then odd ones; fp32 ``[...]`` 2**e_max)."""
     lead = packed.shape[:-1]
     dim = packed.shape[-1] * 2
     packed_rows = packed.reshape(-1, packed.shape[-1])
