@@ -52,6 +52,12 @@ def pow2(exponent: torch.Tensor) -> torch.Tensor:
     return ((exponent.to(torch.int32) + 127) << 23).view(torch.float32)
 
 
+def _ieee_divide(numerator: torch.Tensor, denominator: float) -> torch.Tensor:
+    """Correctly rounded fp32 division. Dividing a CUDA tensor by a Python scalar multiplies by the
+    rounded reciprocal instead, which differs in the last bit for some inputs."""
+    return numerator / torch.full_like(numerator, denominator)
+
+
 def _finite_block_amax(blocks: torch.Tensor) -> torch.Tensor:
     magnitude = blocks.abs()
     return torch.where(torch.isfinite(blocks), magnitude, torch.zeros_like(magnitude)).amax(dim=-1)
@@ -61,7 +67,7 @@ def fp8_scales(x: torch.Tensor, block_size: int, scale_fmt: str, amax_floor: flo
     """Per-block fp32 scales of ``x [..., D]`` -> ``[..., D // block_size]``."""
     blocks = x.float().unflatten(-1, (-1, block_size))
     amax = _finite_block_amax(blocks).clamp_min(amax_floor)
-    scale = amax / FP8_MAX
+    scale = _ieee_divide(amax, FP8_MAX)
     if scale_fmt == "ue8m0":
         scale = pow2(ceil_log2(scale).clamp(_MIN_EXPONENT, _MAX_EXPONENT))
     return scale
@@ -107,7 +113,7 @@ def mxfp4_exponents(x: torch.Tensor) -> torch.Tensor:
     """Unbiased ue8m0 exponents of the 32-element blocks of ``x [..., D]`` -> int32 ``[..., D // 32]``."""
     blocks = x.float().unflatten(-1, (-1, MXFP4_BLOCK))
     amax = _finite_block_amax(blocks).clamp_min(MXFP4_MAX * 2.0**_MIN_EXPONENT)
-    return ceil_log2(amax / MXFP4_MAX)
+    return ceil_log2(_ieee_divide(amax, MXFP4_MAX))
 
 
 def e2m1_codes(scaled: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,8 @@
 Both honour the cache's byte layout (``dsa_indexer.cache``): page ``p`` starts ``p * page_stride`` bytes
 after the buffer's first byte; inside it come ``block_size`` value rows, then ``block_size`` scale rows.
 Quantisation uses the exact helpers of ``ops.q_quant.triton`` (bit-exact with ``dsa_indexer.formats``).
+The cache's block size and head dim are compile-time constants (one compile per cache configuration),
+so slot arithmetic is shifts and multiplies rather than 64-bit division.
 
 ``gather_k`` runs one program per ``BLOCK_ROWS`` destination rows, over the destination's whole row
 capacity; a program whose first row is at or past ``cu_seq_lens[-1]`` does nothing, so the grid needs
