@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from dsa_indexer.cli import main
 
@@ -50,3 +51,12 @@ def test_demo_with_dcp_matches_the_single_process_run(tmp_path):
     assert main(args) == 0
     numbers = json.loads(path.read_text())
     assert numbers["dcp"] == 2 and numbers["dcp_agreement"] == 1.0
+
+
+def test_near_tie_rows_accept_only_swaps_within_kernel_rounding():
+    from dsa_indexer.demo import _near_tie_rows
+
+    logits = torch.tensor([[5.0, 1.0, 1.0 + 1e-7, 0.5], [5.0, 1.0, 1.5, 0.5], [5.0, 1.0, 1.0 + 1e-7, 0.5]])
+    expected = torch.tensor([[0, 2], [0, 2], [0, 2]], dtype=torch.int32)
+    got = torch.tensor([[0, 1], [0, 1], [0, 3]], dtype=torch.int32)
+    assert _near_tie_rows(logits, got, expected).tolist() == [True, False, False]

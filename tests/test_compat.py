@@ -46,7 +46,8 @@ def test_compressed_logits_are_row_start_relative():
     got = deep_gemm.fp8_fp4_mqa_logits((q, None), (k, k_scale), w, ks, ke, clean_logits=False, max_seqlen_k=30)
     for i in range(M):
         n = int(ke[i] - ks[i])
-        assert torch.equal(got[i, :n], full[i, int(ks[i]) : int(ke[i])])
+        # A window of the keys is a matmul of another shape: equal within fp32 rounding.
+        torch.testing.assert_close(got[i, :n], full[i, int(ks[i]) : int(ke[i])], rtol=1e-6, atol=1e-6)
 
 
 def test_paged_logits_from_the_fused_cache_view():

@@ -66,6 +66,10 @@ def _run_demo(args, console: Console) -> int:
         decode_steps=args.decode_steps, next_n=args.next_n, topk=args.topk, seed=args.seed, dcp=args.dcp,
     )
     columns = (TextColumn("[bold]serving"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    if args.device == "cuda":
+        # Triton compiles each kernel variant on first use: one untimed pass keeps compilation out of the numbers.
+        with console.status("compiling the Triton kernels (untimed warm-up run)"):
+            run_demo(options)
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("steps", total=None)
         update = lambda done, total: progress.update(task, completed=done, total=total)  # noqa: E731
@@ -77,7 +81,8 @@ def _run_demo(args, console: Console) -> int:
     for s in result.steps:
         steps.add_row(
             str(s.step), str(s.decode_tokens), str(s.prefill_tokens), "yes" if s.padded else "",
-            f"{s.rows_equal}/{s.rows_checked}", f"{s.recall:.3f}",
+            f"{s.rows_equal}/{s.rows_checked}" + (f" (+{s.rows_near_tie} tie)" if s.rows_near_tie else ""),
+            f"{s.recall:.3f}",
         )
     console.print(steps)
     stages = Table(title="time per stage")
@@ -86,8 +91,11 @@ def _run_demo(args, console: Console) -> int:
     for name, seconds in sorted(result.stage_seconds.items(), key=lambda item: -item[1]):
         stages.add_row(name, f"{seconds * 1e3:.1f}")
     console.print(stages)
+    ties = ""
+    if result.agreement_within_ties != result.agreement:
+        ties = f"(rows differing only at ties within kernel rounding: {result.agreement_within_ties - result.agreement:.2%})   "
     console.print(
-        f"agreement with the exact oracle: [bold]{result.agreement:.2%}[/]   "
+        f"agreement with the exact oracle: [bold]{result.agreement:.2%}[/] {ties}  "
         f"recall vs fp32 indexer: [bold]{result.recall_vs_fp32:.3f}[/]   "
         f"tokens/s: [bold]{result.tokens_per_s:,.0f}[/]"
     )
@@ -100,7 +108,7 @@ def _run_demo(args, console: Console) -> int:
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result.to_json(), handle, indent=2)
-    return 0 if result.agreement == 1.0 and dcp_ok else 1
+    return 0 if result.agreement_within_ties == 1.0 and dcp_ok else 1
 
 
 def _run_info(console: Console) -> int:

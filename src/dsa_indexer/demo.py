@@ -53,6 +53,7 @@ class StepRecord:
     prefill_tokens: int
     rows_checked: int
     rows_equal: int
+    rows_near_tie: int
     recall: float
     padded: bool
 
@@ -74,6 +75,13 @@ class DemoResult:
         return sum(s.rows_equal for s in self.steps) / checked if checked else 1.0
 
     @property
+    def agreement_within_ties(self) -> float:
+        """Rows equal to the oracle or differing only where its logits tie within kernel rounding."""
+        checked = sum(s.rows_checked for s in self.steps)
+        agreed = sum(s.rows_equal + s.rows_near_tie for s in self.steps)
+        return agreed / checked if checked else 1.0
+
+    @property
     def recall_vs_fp32(self) -> float:
         weighted = [(s.recall, s.rows_checked) for s in self.steps if s.rows_checked]
         total = sum(n for _, n in weighted)
@@ -89,6 +97,7 @@ class DemoResult:
             "fmt": self.options.fmt,
             "device": self.options.device,
             "agreement": self.agreement,
+            "agreement_within_ties": self.agreement_within_ties,
             "recall_vs_fp32": self.recall_vs_fp32,
             "tokens_per_s": self.tokens_per_s,
             "tokens": self.tokens,
@@ -231,7 +240,7 @@ def run_demo(options: DemoOptions, progress=None, *, dcp_rank: int = 0, dcp_grou
                 (q_quant, q_scale, weights), consumer_inputs, indices, consumer_indices, candidate_buffer, config,
             )
         else:
-            record = StepRecord(step, 0, 0, 0, 0, float("nan"), False)
+            record = StepRecord(step, 0, 0, 0, 0, 0, float("nan"), False)
         record.padded = metadata.decode is not None and metadata.decode.requires_padding
         record.decode_tokens, record.prefill_tokens = metadata.num_decode_tokens, metadata.num_prefill_tokens
         result.steps.append(record)
@@ -296,10 +305,32 @@ def _request_keys_fp32(request: _Request, ratio: int) -> torch.Tensor:
     return pooled.bfloat16().float()
 
 
+# The oracle scores with the reference; Triton kernels sum in another order (DESIGN §11: calc_diff
+# < 5e-6), so on GPU a pick may flip between two keys whose logits differ by less than this.
+NEAR_TIE_RELATIVE = 1e-5
+
+
+def _near_tie_rows(logits: torch.Tensor, got: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """bool [R]: rows that differ from the oracle only by swapping keys tied (within kernel rounding)
+    with the oracle's k-th pick."""
+    result = torch.zeros(got.shape[0], dtype=torch.bool)
+    for r in range(got.shape[0]):
+        want = set(expected[r][expected[r] >= 0].tolist())
+        have = set(got[r][got[r] >= 0].tolist())
+        if want == have or len(want) != len(have) or not want:
+            continue
+        values = logits[r].double()
+        kth = min(values[c].item() for c in want)
+        scale = values[torch.isfinite(values)].abs().max().item()
+        swapped = want ^ have
+        result[r] = all(abs(values[c].item() - kth) <= NEAR_TIE_RELATIVE * scale for c in swapped)
+    return result
+
+
 def _check_step(step, source, consumer, cache, block_table, requests, plan, positions, hidden, latent, k_input,
                 source_inputs, consumer_inputs, indices, consumer_indices, candidate_buffer, config) -> StepRecord:
     ratio = config.compress_ratio
-    rows_checked = rows_equal = 0
+    rows_checked = rows_equal = rows_near_tie = 0
     hits = total = 0
     row = 0
     q, _, w_fp32 = source.project(hidden, latent, positions, k_input=k_input)
@@ -334,12 +365,20 @@ def _check_step(step, source, consumer, cache, block_table, requests, plan, posi
             apply_candidate_mask(consumer_logits, starts, visible, expected_blocks, config.candidate_block_size,
                                  backend="reference")
             consumer_expected = topk(consumer_logits, config.topk, starts=starts, ends=visible, backend="reference")
-            equal_rows = (got == expected).all(1) & (consumer_indices[rows] == consumer_expected).all(1)
-            equal_rows &= torch.tensor(blocks_equal, device=got.device)
+            consumer_got = consumer_indices[rows]
+            equal_rows = (got == expected).all(1) & (consumer_got == consumer_expected).all(1) & blocks_equal
+            near_tie = (
+                ((got == expected).all(1).cpu() | _near_tie_rows(logits.cpu(), got.cpu(), expected.cpu()))
+                & ((consumer_got == consumer_expected).all(1).cpu()
+                   | _near_tie_rows(consumer_logits.cpu(), consumer_got.cpu(), consumer_expected.cpu()))
+                & blocks_equal
+            ) & ~equal_rows.cpu()
         else:
             equal_rows = (got == expected).all(1)
+            near_tie = _near_tie_rows(logits.cpu(), got.cpu(), expected.cpu())
         rows_checked += q
         rows_equal += int(equal_rows.sum())
+        rows_near_tie += int(near_tie.sum())
 
         keys_fp32 = _request_keys_fp32(request, ratio).to(cache.device)
         scores = source.scores_fp32(q_rot[rows].float(), keys_fp32[:num_keys], w_fp32[rows])
@@ -349,4 +388,4 @@ def _check_step(step, source, consumer, cache, block_table, requests, plan, posi
             hits += len(truth_set & set(picked[picked >= 0].tolist()))
             total += len(truth_set)
     recall = hits / total if total else 1.0
-    return StepRecord(step, 0, 0, rows_checked, rows_equal, recall, False)
+    return StepRecord(step, 0, 0, rows_checked, rows_equal, rows_near_tie, recall, False)
