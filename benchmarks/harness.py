@@ -79,27 +79,40 @@ def record(op: str, shape: dict, us: float, floor_us: float, *, tflops: float | 
     return row
 
 
+_STANDARD_KEYS = {"op", "shape", "us", "floor_us", "pct_of_floor", "tflops", "tbs", "baselines", "gpu", "torch", "triton",
+                  "python", "date"}
+
+
+def render_markdown(name: str, payload: dict) -> str:
+    """The Markdown table of a results JSON: one row per record, extra record fields in ``notes``."""
+    env = payload["environment"]
+    ceilings = payload["ceilings"]
+    lines = [
+        f"# {name}", "",
+        f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date']}. "
+        f"Ceilings measured in the same run: copy {ceilings['copy_tbs']:.2f} TB/s, read {ceilings['read_tbs']:.2f} TB/s, "
+        f"FP8 matmul {ceilings['fp8_tflops']:.0f} TFLOP/s.", "",
+        "| op | shape | µs | floor µs | % of floor | TFLOP/s | TB/s | baselines (µs) | notes |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+    ]
+    for r in payload["records"]:
+        shape = ", ".join(f"{k}={v}" for k, v in r["shape"].items())
+        base = ", ".join(f"{k} {v}" for k, v in r["baselines"].items())
+        notes = "; ".join(f"{k}={v}" for k, v in r.items() if k not in _STANDARD_KEYS)
+        lines.append(
+            f"| {r['op']} | {shape} | {r['us']} | {r['floor_us']} | {r['pct_of_floor']} | "
+            f"{r['tflops'] or ''} | {r['tbs'] or ''} | {base} | {notes} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def write_results(name: str, rows: list[dict], ceilings: dict[str, float]) -> Path:
     """Write ``results/<name>.json`` and a Markdown table beside it; return the JSON path."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps({"ceilings": ceilings, "environment": environment(), "records": rows}, indent=1))
-    lines = [
-        f"# {name}", "",
-        f"{environment()['gpu']}, torch {torch.__version__}, triton {triton.__version__}, {environment()['date']}. "
-        f"Ceilings measured in the same run: copy {ceilings['copy_tbs']:.2f} TB/s, read {ceilings['read_tbs']:.2f} TB/s, "
-        f"FP8 matmul {ceilings['fp8_tflops']:.0f} TFLOP/s.", "",
-        "| op | shape | µs | floor µs | % of floor | TFLOP/s | TB/s | baselines (µs) |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
-    ]
-    for r in rows:
-        shape = ", ".join(f"{k}={v}" for k, v in r["shape"].items())
-        base = ", ".join(f"{k} {v}" for k, v in r["baselines"].items())
-        lines.append(
-            f"| {r['op']} | {shape} | {r['us']} | {r['floor_us']} | {r['pct_of_floor']} | "
-            f"{r['tflops'] or ''} | {r['tbs'] or ''} | {base} |"
-        )
-    path.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    payload = {"ceilings": ceilings, "environment": environment(), "records": rows}
+    path.write_text(json.dumps(payload, indent=1))
+    path.with_suffix(".md").write_text(render_markdown(name, payload))
     return path
 
 

