@@ -66,3 +66,17 @@ def test_import_does_not_initialise_cuda():
     code = "import dsa_indexer, torch; print(torch.cuda.is_initialized())"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_value_checks_can_be_turned_off_but_shape_checks_cannot(monkeypatch):
+    from dsa_indexer import topk
+    from dsa_indexer._validation import SKIP_VALUE_CHECKS_ENV, value_checks_enabled
+
+    logits = torch.randn(2, 8)
+    bad_ends = torch.tensor([8, 9], dtype=torch.int32)
+    with pytest.raises(ValueError, match="ends"):
+        topk(logits, 2, ends=bad_ends)
+    monkeypatch.setenv(SKIP_VALUE_CHECKS_ENV, "1")
+    assert not value_checks_enabled()
+    with pytest.raises(TypeError, match="ends"):
+        topk(logits, 2, ends=bad_ends.long())

@@ -93,3 +93,20 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
 
 def check_index_tensor(name: str, value, *, ndim: int | Sequence[int] | None = None, shape=None) -> torch.Tensor:
     return check_tensor(name, value, dtype=INDEX_DTYPES, ndim=ndim, shape=shape)
+
+
+SKIP_VALUE_CHECKS_ENV = "DSA_INDEXER_SKIP_VALUE_CHECKS"
+
+
+def value_checks_enabled() -> bool:
+    """Whether the checks that read device tensors' values on the host may run.
+
+    They are skipped while a CUDA graph is being captured (a host read would break the capture) and
+    when ``DSA_INDEXER_SKIP_VALUE_CHECKS=1`` (engines that validate their metadata themselves). The
+    checks of types, dtypes, shapes and devices always run.
+    """
+    import os
+
+    if os.environ.get(SKIP_VALUE_CHECKS_ENV, "0") == "1":
+        return False
+    return not (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())

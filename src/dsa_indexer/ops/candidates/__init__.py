@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ... import backend as _backend
-from ..._validation import check_positive_int, check_same_device, check_tensor
+from ..._validation import check_positive_int, check_same_device, check_tensor, value_checks_enabled
 from .reference import apply_candidate_mask_reference, select_candidate_blocks_reference
 
 __all__ = ["apply_candidate_mask", "select_candidate_blocks"]
@@ -113,7 +113,8 @@ def select_candidate_blocks(
     if out is not None:
         check_tensor("out", out, dtype=torch.int32, shape=(logits.shape[0], num_blocks_k))
     check_same_device(logits=logits, starts=starts, ends=ends, out=out)
-    _check_bound_values(starts, ends, logits.shape[0], row_repeat, logits.shape[1])
+    if value_checks_enabled():
+        _check_bound_values(starts, ends, logits.shape[0], row_repeat, logits.shape[1])
     impl = _backend.dispatch(
         select_candidate_blocks_reference,
         _select_candidate_blocks_triton if _backend.triton_available() else None,
@@ -152,7 +153,8 @@ def apply_candidate_mask(
     _check_bounds(starts, ends, logits.shape[0], row_repeat)
     check_tensor("candidate_blocks", candidate_blocks, dtype=torch.int32, shape=(logits.shape[0], None))
     check_same_device(logits=logits, starts=starts, ends=ends, candidate_blocks=candidate_blocks)
-    _check_bound_values(starts, ends, logits.shape[0], row_repeat, logits.shape[1])
+    if value_checks_enabled():
+        _check_bound_values(starts, ends, logits.shape[0], row_repeat, logits.shape[1])
     impl = _backend.dispatch(
         apply_candidate_mask_reference,
         _apply_candidate_mask_triton if _backend.triton_available() else None,

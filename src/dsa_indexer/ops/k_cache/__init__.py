@@ -8,7 +8,14 @@ import numbers
 import torch
 
 from ... import backend as _backend
-from ..._validation import check_choice, check_index_tensor, check_positive_int, check_same_device, check_tensor
+from ..._validation import (
+    check_choice,
+    check_index_tensor,
+    check_positive_int,
+    check_same_device,
+    check_tensor,
+    value_checks_enabled,
+)
 from ...cache import IndexerKCache
 from ...formats import FP8_DTYPE, K_AMAX_FLOOR, SCALE_FORMATS
 from .reference import gather_k_reference, insert_k_reference
@@ -72,7 +79,7 @@ def insert_k(
         raise TypeError(f"amax_floor must be a real number, got {type(amax_floor).__name__}")
     if not (amax_floor > 0 and math.isfinite(amax_floor)):
         raise ValueError(f"amax_floor must be finite and > 0, got {amax_floor}")
-    if slot_mapping.numel():
+    if slot_mapping.numel() and value_checks_enabled():
         highest = int(slot_mapping.max())
         if highest >= cache.num_slots:
             raise ValueError(f"slot_mapping entries must be < cache.num_slots = {cache.num_slots}, got {highest}")
@@ -169,12 +176,14 @@ def gather_k(
         check_tensor("out[0] (values)", values_out, dtype=values_dtype, shape=(None, values_width), device=cache.device)
         scales_shape = (values_out.shape[0], *scales_tail)
         check_tensor("out[1] (scales)", scales_out, dtype=scales_dtype, shape=scales_shape, device=cache.device)
-    total = _check_gather_tables(cache, block_table, cu_seq_lens)
+    total = _check_gather_tables(cache, block_table, cu_seq_lens) if value_checks_enabled() else None
     if out is not None:
         num_rows = values_out.shape[0]
     else:
         num_rows = total if num_tokens is None else num_tokens
-    if total > num_rows:
+    if num_rows is None:
+        raise ValueError("num_tokens or out must be given while value checks are off (e.g. during CUDA graph capture)")
+    if total is not None and total > num_rows:
         source = "out rows" if out is not None else "num_tokens"
         raise ValueError(f"{source} must be >= cu_seq_lens[-1] = {total}, got {num_rows}")
     if out is None:

@@ -14,7 +14,13 @@ from __future__ import annotations
 import torch
 
 from ... import backend as _backend
-from ..._validation import check_index_tensor, check_positive_int, check_same_device, check_tensor
+from ..._validation import (
+    check_index_tensor,
+    check_positive_int,
+    check_same_device,
+    check_tensor,
+    value_checks_enabled,
+)
 from ...cache import IndexerKCache
 from ...formats import FP8_DTYPE, MXFP4_BLOCK
 from . import reference
@@ -145,7 +151,8 @@ def mqa_logits(
     implementation = _backend.dispatch(
         reference.mqa_logits, _mqa_logits_triton if _backend.triton_available() else None, backend, q.device
     )
-    _check_key_ranges(ks, ke, num_keys)
+    if value_checks_enabled():
+        _check_key_ranges(ks, ke, num_keys)
     out = _prepare_out(out, num_rows, num_keys, q.device)
     return implementation(q, q_scale, k, k_scale, weights, ks, ke, clean, out)
 
@@ -264,6 +271,7 @@ def paged_mqa_logits(
         backend,
         q.device,
     )
-    _check_decode_lengths(context_lens, block_table, next_n, max_context_len, cache)
+    if value_checks_enabled():
+        _check_decode_lengths(context_lens, block_table, next_n, max_context_len, cache)
     out = _prepare_out(out, batch * next_n, max_context_len, q.device)
     return implementation(q, q_scale, cache, weights, context_lens, block_table, max_context_len, clean, out)

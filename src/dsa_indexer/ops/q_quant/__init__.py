@@ -8,7 +8,13 @@ import numbers
 import torch
 
 from ... import backend as _backend
-from ..._validation import check_choice, check_index_tensor, check_same_device, check_tensor
+from ..._validation import (
+    check_choice,
+    check_index_tensor,
+    check_same_device,
+    check_tensor,
+    value_checks_enabled,
+)
 from ...formats import MXFP4_BLOCK
 from .reference import rope_quant_q_reference
 
@@ -93,7 +99,7 @@ def rope_quant_q(
         )
     if fmt == "mxfp4" and head_dim % MXFP4_BLOCK:
         raise ValueError(f"q's head dim must be a multiple of {MXFP4_BLOCK} for fmt='mxfp4', got {head_dim}")
-    if num_tokens:
+    if num_tokens and value_checks_enabled():
         low, high = int(positions.min()), int(positions.max())
         if low < 0 or high >= max_pos:
             raise ValueError(f"positions must lie in [0, {max_pos}) (cos_sin rows), got values in [{low}, {high}]")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ... import backend as _backend
-from ..._validation import check_positive_int, check_same_device, check_tensor
+from ..._validation import check_positive_int, check_same_device, check_tensor, value_checks_enabled
 from . import reference
 
 __all__ = ["indices_to_slots", "topk", "topk_decode"]
@@ -104,7 +104,7 @@ def topk(
         check_tensor("ends", ends, dtype=torch.int32, shape=(num_rows,))
     check_same_device(logits=logits, starts=starts, ends=ends, out=out)
     _check_out(out, num_rows, k, logits.device)
-    if starts is not None or ends is not None:
+    if (starts is not None or ends is not None) and value_checks_enabled():
         _check_bounds(starts, ends, width)
     implementation = _backend.dispatch(reference.topk, _triton_or_none(_topk_triton), backend, logits.device)
     if out is None:
@@ -151,7 +151,7 @@ def topk_decode(
     _check_out(out, num_rows, k, logits.device)
     flat_lens = seq_lens.reshape(-1)
     out_of_range = (flat_lens < 0) | (flat_lens > width)
-    if bool(out_of_range.any()):
+    if value_checks_enabled() and bool(out_of_range.any()):
         position = _first_true_row(out_of_range)
         raise ValueError(
             f"seq_lens must lie in [0, {width}] (the logits width), "
@@ -195,7 +195,7 @@ def indices_to_slots(
     # int64 because max_blocks * block_size may exceed the int32 range.
     bad_index = (indices < -1) | (indices.to(torch.int64) >= max_blocks * block_size)
     bad_request = (row_to_request < 0) | (row_to_request >= num_requests)
-    if bool(bad_index.any() | bad_request.any()):
+    if value_checks_enabled() and bool(bad_index.any() | bad_request.any()):
         if bool(bad_request.any()):
             row = _first_true_row(bad_request)
             raise ValueError(
