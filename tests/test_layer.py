@@ -275,3 +275,12 @@ def test_timer_records_stages_and_reserve_reports_peak_bytes():
     assert {"insert", "gather", "prefill_logits", "prefill_topk", "decode_logits", "decode_topk"} <= set(timer.seconds)
     peak = layer.reserve_workspace(max_decode_rows=8, max_context_len=1000, max_logits_bytes=1 << 20)
     assert peak >= 256 * (DIM + 4) + (1 << 20)
+
+
+def test_warmup_runs_a_step_without_touching_the_cache():
+    layer, cache, buffer = make_layer()
+    meta = build_metadata([30, 40], [1, 40], torch.arange(8, dtype=torch.int32).view(2, 4), block_size=BLOCK)
+    q, q_scale, k, w = fp8_inputs(41)
+    layer.warmup(q, q_scale, k, w, meta)
+    assert not cache.buffer.any()
+    assert (buffer[:41, 0] >= -1).all() and (buffer[41:] == POISON).all()

@@ -7,6 +7,7 @@ buffer, then per prefill chunk gather → logits → [candidates] → top-k, the
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
@@ -167,6 +168,23 @@ class SparseAttnIndexer(nn.Module):
         if self.candidate_blocks is not None:
             candidate_scratch = max_decode_rows * self.candidate_blocks.shape[1] * 4
         return workspace + max(max_logits_bytes, decode_logits) + candidate_scratch + max_decode_rows * self.topk_tokens * 4
+
+    def warmup(
+        self,
+        q_quant: torch.Tensor,
+        q_scale: torch.Tensor | None,
+        k: torch.Tensor | None,
+        weights: torch.Tensor,
+        metadata: IndexerMetadata,
+    ) -> None:
+        """Compile every kernel variant a step of this shape uses, without touching the cache.
+
+        Run it before capturing a CUDA graph of ``forward`` (Triton compiles on first use, which a
+        capture cannot contain): one forward with the same shapes whose insert writes nothing (every
+        slot ``-1``). The index buffer rows of the step are overwritten.
+        """
+        idle = dataclasses.replace(metadata, slot_mapping=torch.full_like(metadata.slot_mapping, -1))
+        self.forward(q_quant, q_scale, k, weights, idle)
 
     def _stage(self, name: str):
         if self.timer is None:
