@@ -60,3 +60,18 @@ def test_near_tie_rows_accept_only_swaps_within_kernel_rounding():
     expected = torch.tensor([[0, 2], [0, 2], [0, 2]], dtype=torch.int32)
     got = torch.tensor([[0, 1], [0, 1], [0, 3]], dtype=torch.int32)
     assert _near_tie_rows(logits, got, expected).tolist() == [True, False, False]
+
+
+def test_bench_on_cpu_writes_results_and_a_plot(tmp_path):
+    plot_path = tmp_path / "bench.png"
+    assert main(["bench", "--out", str(tmp_path), "--plot", str(plot_path)]) == 0
+    results = json.loads((tmp_path / "cpu.json").read_text())
+    assert {r["op"] for r in results["records"]} >= {"mqa_logits", "paged_mqa_logits", "topk"}
+    assert all(r["us"] > 0 and r["floor_us"] > 0 for r in results["records"])
+    assert plot_path.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal of GPU suites without CUDA")
+def test_bench_gpu_suite_without_cuda_is_a_one_line_error(capsys):
+    assert main(["bench", "--suite", "logits", "--out", "/tmp/unused"]) == 2
+    assert "need a CUDA device" in capsys.readouterr().err

@@ -45,6 +45,11 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--dcp", type=_positive, default=1, metavar="N",
                       help="also run with decode context parallelism over N processes and compare")
     demo.add_argument("--json", metavar="PATH", help="write the numbers as JSON")
+    bench = commands.add_parser("bench", help="time every op on this device against its floor and torch")
+    bench.add_argument("--suite", action="append", dest="suites", metavar="NAME",
+                       help="quant_cache, seq_candidates, logits, topk (GPU) or cpu; repeatable (default: all for the device)")
+    bench.add_argument("--out", default="dsa-indexer-bench", metavar="DIR", help="folder for <suite>.json and .md")
+    bench.add_argument("--plot", metavar="PNG", help="also draw each result as a percentage of its floor")
     commands.add_parser("info", help="versions, devices and available backends")
     return parser
 
@@ -111,6 +116,50 @@ def _run_demo(args, console: Console) -> int:
     return 0 if result.agreement_within_ties == 1.0 and dcp_ok else 1
 
 
+def _run_bench(args, console: Console) -> int:
+    from pathlib import Path
+
+    from . import bench
+
+    suites = tuple(args.suites) if args.suites else bench.default_suites()
+    env = bench.harness.environment()
+    console.print(f"[bold]dsa-indexer bench[/] on {env['gpu']} — torch {env['torch']}, triton {env['triton']}, {env['date']}")
+    peers = bench.installed_peers()
+    console.print(f"peer libraries installed: {', '.join(peers) if peers else 'none'} (timed only through the torch baseline)")
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as progress:
+        task = progress.add_task("measuring ceilings", total=len(suites))
+        done = []
+
+        def advance(name: str) -> None:
+            if done:
+                progress.advance(task)
+            done.append(name)
+            progress.update(task, description=f"suite {name}")
+
+        ceilings, rows = bench.run_suites(suites, Path(args.out), progress=advance)
+    console.print(
+        f"ceilings measured now: copy {ceilings['copy_tbs']:.2f} TB/s, read {ceilings['read_tbs']:.2f} TB/s, "
+        f"matmul {ceilings['fp8_tflops']:.3g} TFLOP/s"
+    )
+    table = Table(title="results (median; % of floor = floor time / measured time)")
+    for name in ("op", "shape", "µs", "floor µs", "% floor", "TFLOP/s", "TB/s", "× torch"):
+        table.add_column(name, justify="left" if name in ("op", "shape") else "right")
+    for r in rows:
+        torch_us = next(iter(r["baselines"].values()), None)
+        table.add_row(
+            r["op"], ",".join(f"{k}={v}" for k, v in r["shape"].items()), f"{r['us']:.1f}", f"{r['floor_us']:.1f}",
+            f"{r['pct_of_floor']}", f"{r['tflops'] or ''}", f"{r['tbs'] or ''}",
+            f"{torch_us / r['us']:.1f}" if torch_us else "",
+        )
+    console.print(table)
+    console.print(f"JSON and Markdown written to {args.out}/")
+    if args.plot:
+        bench.plot(rows, Path(args.plot))
+        console.print(f"plot written to {args.plot}")
+    return 0
+
+
 def _run_info(console: Console) -> int:
     import torch
 
@@ -147,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "demo":
             return _run_demo(args, console)
+        if args.command == "bench":
+            return _run_bench(args, console)
         return _run_info(console)
     except (ValueError, TypeError) as error:
         print(f"dsa-indexer: error: {error}", file=sys.stderr)

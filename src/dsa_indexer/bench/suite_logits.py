@@ -18,7 +18,7 @@ masks equal; a miss stops the suite) and against the unquantised fp32 math (< 1e
 recorded with its verdict, as it measures the format rather than the kernel). The baseline ``torch`` is
 that reference (dequantise, matmul, relu, weighted head sum; chunked to bound memory).
 
-``python -m benchmarks.bench_logits sweep`` times the decode kernel's tuning candidates on a few shapes.
+``python -m dsa_indexer.bench.suite_logits sweep`` times the decode kernel's tuning candidates on a few shapes.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from benchmarks import harness
+from . import harness
 from dsa_indexer.cache import IndexerKCache
 from dsa_indexer.formats import quantize_fp8, quantize_mxfp4
 from dsa_indexer.ops.logits import reference
@@ -271,4 +271,4 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["sweep"]:
         sweep()
     else:
-        sys.exit("usage: python -m benchmarks.bench_logits sweep   (the full suite runs through benchmarks.run)")
+        sys.exit("usage: python -m dsa_indexer.bench.suite_logits sweep   (the full suite runs through dsa-indexer bench)")

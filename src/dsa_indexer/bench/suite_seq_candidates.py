@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks import harness
+from . import harness
 from dsa_indexer.ops.candidates import triton as candidates_triton
 from dsa_indexer.ops.candidates.reference import apply_candidate_mask_reference, select_candidate_blocks_reference
 from dsa_indexer.ops.seq_pack.reference import pack_seq_reference, unpack_seq_reference

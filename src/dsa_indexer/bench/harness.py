@@ -14,14 +14,11 @@ import platform
 from pathlib import Path
 
 import torch
-import triton
-import triton.testing
-
-RESULTS = Path(__file__).parent / "results"
-
 
 def median_us(fn, *, graph: bool = False, warmup_ms: int = 25, rep_ms: int = 200) -> float:
-    """Median time of ``fn()`` in microseconds."""
+    """Median time of ``fn()`` in microseconds (CUDA: device events)."""
+    import triton.testing
+
     if graph:
         ms = triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
     else:
@@ -52,10 +49,21 @@ def measure_ceilings() -> dict[str, float]:
 
 
 def environment() -> dict[str, str]:
+    import importlib.util
+
+    if torch.cuda.is_available():
+        device = torch.cuda.get_device_name()
+    else:
+        device = f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
+    triton_version = "not installed"
+    if importlib.util.find_spec("triton") is not None:
+        import triton
+
+        triton_version = triton.__version__
     return {
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": device,
         "torch": torch.__version__,
-        "triton": triton.__version__,
+        "triton": triton_version,
         "python": platform.python_version(),
         "date": datetime.date.today().isoformat(),
     }
@@ -106,19 +114,11 @@ def render_markdown(name: str, payload: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_results(name: str, rows: list[dict], ceilings: dict[str, float]) -> Path:
-    """Write ``results/<name>.json`` and a Markdown table beside it; return the JSON path."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+def write_results(name: str, rows: list[dict], ceilings: dict[str, float], folder: Path) -> Path:
+    """Write ``<folder>/<name>.json`` and a Markdown table beside it; return the JSON path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
     payload = {"ceilings": ceilings, "environment": environment(), "records": rows}
     path.write_text(json.dumps(payload, indent=1))
     path.with_suffix(".md").write_text(render_markdown(name, payload))
     return path
-
-
-def print_table(rows: list[dict]) -> None:
-    print(f"{'op':<22} {'shape':<44} {'us':>10} {'floor':>9} {'%floor':>7}  baselines")
-    for r in rows:
-        shape = ",".join(f"{k}={v}" for k, v in r["shape"].items())
-        base = " ".join(f"{k}={v}" for k, v in r["baselines"].items())
-        print(f"{r['op']:<22} {shape:<44} {r['us']:>10.1f} {r['floor_us']:>9.1f} {r['pct_of_floor']:>7}  {base}")

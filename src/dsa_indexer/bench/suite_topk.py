@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks import harness
+from . import harness
 from dsa_indexer.ops.topk import reference
 from dsa_indexer.ops.topk.triton import topk_triton
 from dsa_indexer.testing import count_topk_errors, one_bin_rows, relu_sum_rows
@@ -100,7 +100,7 @@ def run(ceilings: dict[str, float]) -> list[dict]:
 
 
 def sweep() -> None:
-    """Tuning variants on three shapes (``python -m benchmarks.bench_topk``): cold µs per config, then
+    """Tuning variants on three shapes (``python -m dsa_indexer.bench.suite_topk``): cold µs per config, then
     registers and spills of every compiled top-k kernel."""
     from dsa_indexer.ops.topk import triton as kernels
 

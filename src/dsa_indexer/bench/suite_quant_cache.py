@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks import harness
+from . import harness
 from dsa_indexer.cache import IndexerKCache
 from dsa_indexer.ops.k_cache.reference import gather_k_reference, insert_k_reference
 from dsa_indexer.ops.k_cache.triton import gather_k_triton, insert_k_triton

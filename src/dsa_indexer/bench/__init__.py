@@ -1,0 +1,80 @@
+"""Benchmarks of every op on the current device: ``dsa-indexer bench`` (or ``scripts/gpu-bench``).
+
+A suite is a module ``suite_<name>.py`` with ``run(ceilings) -> list[record]``; GPU suites time the
+Triton kernels against the torch reference on the shapes of DESIGN.md §12 and check their results
+first. On a machine without CUDA the ``cpu`` suite times the references on small shapes.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from . import harness
+
+GPU_SUITES = ("quant_cache", "seq_candidates", "logits", "topk")
+CPU_SUITES = ("cpu",)
+PEER_LIBRARIES = ("deep_gemm", "flashinfer", "vllm", "sgl_kernel")
+
+
+def default_suites() -> tuple[str, ...]:
+    return GPU_SUITES if torch.cuda.is_available() else CPU_SUITES
+
+
+def installed_peers() -> list[str]:
+    import importlib.util
+
+    return [name for name in PEER_LIBRARIES if importlib.util.find_spec(name) is not None]
+
+
+def run_suites(
+    suites: tuple[str, ...], folder: Path, progress: Callable[[str], None] | None = None
+) -> tuple[dict[str, float], list[dict]]:
+    """Measure the ceilings, run ``suites`` and write their results to ``folder``."""
+    unknown = [s for s in suites if s not in GPU_SUITES + CPU_SUITES]
+    if unknown:
+        raise ValueError(f"suites must be among {GPU_SUITES + CPU_SUITES}, got {unknown}")
+    needs_gpu = [s for s in suites if s in GPU_SUITES]
+    if needs_gpu and not torch.cuda.is_available():
+        raise ValueError(f"suites {needs_gpu} need a CUDA device; on this machine run the 'cpu' suite")
+    if needs_gpu:
+        ceilings = harness.measure_ceilings()
+    else:
+        from .suite_cpu import measure_ceilings
+
+        ceilings = measure_ceilings()
+    rows: list[dict] = []
+    for name in suites:
+        if progress is not None:
+            progress(name)
+        suite_rows = importlib.import_module(f"{__name__}.suite_{name}").run(ceilings)
+        harness.write_results(name, suite_rows, ceilings, folder)
+        rows.extend(suite_rows)
+    return ceilings, rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """A PNG bar chart of each measurement as a percentage of its floor (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise ValueError("--plot needs matplotlib: pip install 'dsa-indexer[bench]'") from error
+    labels = [f"{r['op']} " + ",".join(f"{k}={v}" for k, v in r["shape"].items()) for r in rows]
+    values = [r["pct_of_floor"] or 0.0 for r in rows]
+    figure, axis = plt.subplots(figsize=(10, 0.28 * len(rows) + 1.5))
+    axis.barh(range(len(rows)), values, color=["tab:green" if v >= 70 else "tab:orange" for v in values])
+    axis.set_yticks(range(len(rows)), labels, fontsize=7)
+    axis.invert_yaxis()
+    axis.axvline(100, color="black", linewidth=0.8)
+    axis.set_xlabel("% of the floor (bandwidth or FP8 tensor-core bound, measured ceilings)")
+    env = harness.environment()
+    axis.set_title(f"dsa-indexer on {env['gpu']} — torch {env['torch']}, triton {env['triton']}, {env['date']}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
