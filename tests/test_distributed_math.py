@@ -252,3 +252,19 @@ def test_select_global_topk_rejects_bad_arguments_without_writing(overrides, err
     with pytest.raises(error, match=name):
         select_global_topk(args.pop("scores"), args.pop("global_ids"), args.pop("k"), **args)
     assert torch.equal(out, before)
+
+
+def test_select_global_topk_kernel_path_equals_reference(kernel_device):
+    from dsa_indexer.testing import few_distinct_rows
+
+    gen = torch.Generator().manual_seed(9)
+    rows, candidates, k = 5, 48, 12
+    scores = few_distinct_rows((rows, candidates), gen)
+    scores[0, :5] = float("nan")
+    scores[1, 3:9] = float("-inf")
+    ids = torch.stack([torch.randperm(1000, generator=gen)[:candidates] for _ in range(rows)]).to(torch.int64)
+    ids[2, ::3] = -1
+    ids[3, :40] = -1
+    expected = select_global_topk(scores, ids, k, backend="reference")
+    got = select_global_topk(scores.to(kernel_device), ids.to(kernel_device), k, backend="triton")
+    assert torch.equal(got.cpu(), expected)

@@ -187,6 +187,25 @@ def _select_global_topk_reference(
     return out.copy_(top_ids_ascending(keys, global_ids, k))
 
 
+def _select_global_topk_by_id_order(
+    scores: torch.Tensor, global_ids: torch.Tensor, k: int, out: torch.Tensor | None
+) -> torch.Tensor:
+    """The same selection through the Triton top-k: candidates sorted by id become columns, so the
+    top-k's tie rule (lower column) is the merge's (lower id) and its ascending columns are ascending
+    ids. Everything stays on the device (no host reads), so it is graph-capturable."""
+    from .ops.topk import topk
+
+    num_rows = scores.shape[0]
+    if out is None:
+        out = torch.empty((num_rows, k), dtype=torch.int32, device=scores.device)
+    valid_id = (global_ids >= 0) & (global_ids <= _MAX_GLOBAL_ID)
+    ordered_ids, order = torch.where(valid_id, global_ids, _MAX_GLOBAL_ID + 1).sort(dim=1, stable=True)
+    ordered_scores = torch.where(valid_id, scores, float("-inf")).gather(1, order)
+    columns = topk(ordered_scores.contiguous(), k, backend="triton")
+    picked = ordered_ids.gather(1, columns.clamp_min(0).to(torch.int64))
+    return out.copy_(torch.where(columns >= 0, picked, -1))
+
+
 def select_global_topk(
     scores: torch.Tensor,
     global_ids: torch.Tensor,
@@ -215,7 +234,8 @@ def select_global_topk(
     if out is not None:
         check_tensor("out", out, dtype=torch.int32, shape=(scores.shape[0], k))
     check_same_device(scores=scores, global_ids=global_ids, out=out)
-    impl = _backend.dispatch(_select_global_topk_reference, None, backend, scores.device)
+    triton_impl = _select_global_topk_by_id_order if _backend.triton_available() else None
+    impl = _backend.dispatch(_select_global_topk_reference, triton_impl, backend, scores.device)
     return impl(scores, global_ids, k, out)
 
 
