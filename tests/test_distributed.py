@@ -211,3 +211,24 @@ def test_bad_input_raises_on_every_rank_without_hanging():
 def test_uninitialised_group_is_a_clear_error():
     with pytest.raises(ValueError, match="not initialised"):
         merge_topk_global(torch.randn(2, 4), torch.zeros(2, 2, dtype=torch.int32), 2)
+
+
+def nccl_merge_case(rank: int, world: int, rows: int, width: int, k: int) -> torch.Tensor:
+    logits = few_distinct_rows((rows, width), 21)
+    lengths = torch.randint(int(0.8 * width), width + 1, (rows,), generator=torch.Generator().manual_seed(2))
+    local = sharded_columns(logits, rank, world, 1).contiguous().cuda()
+    local_len = local_lengths(lengths.to(torch.int32), rank, world, 1).cuda()
+    indices = topk_decode(local, local_len, 1, k)
+    merge_topk_global(local, indices, k)
+    return indices.cpu()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs for NCCL (device kind nvidia-h200-x2)")
+def test_nccl_merge_at_realistic_size_equals_single_rank():
+    rows, width, k = 32, 131072, 2048
+    logits = few_distinct_rows((rows, width), 21)
+    lengths = torch.randint(int(0.8 * width), width + 1, (rows,), generator=torch.Generator().manual_seed(2))
+    expected = topk_decode(logits, lengths.to(torch.int32), 1, k, backend="reference")
+    for merged in run_distributed(nccl_merge_case, 2, rows, width, k, backend="nccl"):
+        assert torch.equal(merged, expected)
