@@ -268,3 +268,17 @@ def test_select_global_topk_kernel_path_equals_reference(kernel_device):
     expected = select_global_topk(scores, ids, k, backend="reference")
     got = select_global_topk(scores.to(kernel_device), ids.to(kernel_device), k, backend="triton")
     assert torch.equal(got.cpu(), expected)
+
+
+@pytest.mark.parametrize("interleave, with_starts", [(1, False), (4, True)])
+def test_pack_kernel_equals_reference(kernel_device, interleave, with_starts):
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 30, generator=gen)
+    local_topk = torch.randint(-1, 26, (6, 5), generator=gen, dtype=torch.int32)
+    starts = torch.randint(0, 6, (6,), generator=gen, dtype=torch.int32) if with_starts else None
+    want = pack_local_candidates(logits, local_topk, 1, 3, interleave, starts, backend="reference")
+    got = pack_local_candidates(
+        logits.to(kernel_device), local_topk.to(kernel_device), 1, 3, interleave,
+        None if starts is None else starts.to(kernel_device), backend="triton",
+    )
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])

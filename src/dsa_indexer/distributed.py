@@ -141,6 +141,12 @@ def _pack_local_candidates_reference(
     return scores, global_ids
 
 
+def _pack_local_candidates_triton(*args):
+    from ._distributed_triton import pack_local_candidates_triton
+
+    return pack_local_candidates_triton(*args)
+
+
 def pack_local_candidates(
     logits: torch.Tensor,
     local_topk: torch.Tensor,
@@ -173,7 +179,8 @@ def pack_local_candidates(
     if starts is not None:
         check_tensor("starts", starts, dtype=torch.int32, shape=(logits.shape[0],))
     check_same_device(logits=logits, local_topk=local_topk, starts=starts)
-    impl = _backend.dispatch(_pack_local_candidates_reference, None, backend, logits.device)
+    triton_impl = _pack_local_candidates_triton if _backend.triton_available() else None
+    impl = _backend.dispatch(_pack_local_candidates_reference, triton_impl, backend, logits.device)
     return impl(logits, local_topk, rank, world_size, interleave, starts)
 
 
