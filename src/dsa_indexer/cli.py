@@ -37,10 +37,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--fmt", choices=("fp8", "mxfp4"), default=None, help="cache format (default: the config's)")
     demo.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     demo.add_argument("--requests", type=_positive, default=4)
-    demo.add_argument("--prompt-len", type=_positive, default=384, help="longest prompt, in tokens")
-    demo.add_argument("--decode-steps", type=_positive, default=4)
+    demo.add_argument("--prompt-len", type=_positive, default=1024, help="longest prompt, in tokens")
+    demo.add_argument("--decode-steps", type=_positive, default=6)
     demo.add_argument("--next-n", type=_positive, default=2, help="tokens per decode step (1 + speculative)")
-    demo.add_argument("--topk", type=_positive, default=64, help="keys selected per token")
+    demo.add_argument("--topk", type=_positive, default=128, help="keys selected per token")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--dcp", type=_positive, default=1, metavar="N",
                       help="also run with decode context parallelism over N processes and compare")

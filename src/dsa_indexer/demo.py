@@ -35,11 +35,11 @@ class DemoOptions:
     fmt: str | None = None
     device: str = "cpu"
     requests: int = 4
-    prompt_len: int = 384
-    decode_steps: int = 4
+    prompt_len: int = 1024
+    decode_steps: int = 6
     next_n: int = 2
-    topk: int = 64
-    prefill_chunk: int = 160
+    topk: int = 128
+    prefill_chunk: int | None = None
     block_size: int = 16
     seed: int = 0
     max_logits_bytes: int = 256 * 1024
@@ -129,12 +129,18 @@ def _config(options: DemoOptions) -> IndexerConfig:
     return base(**overrides).small()
 
 
+def _prefill_chunk(options: DemoOptions) -> int:
+    """Prompt tokens a request brings per step: a quarter of the longest prompt unless set, so prompts
+    of different lengths finish in different steps and some steps mix decodes with prefill chunks."""
+    return options.prefill_chunk or max(16, options.prompt_len // 4)
+
+
 def _schedule(requests: list[_Request], step: int, options: DemoOptions, short_decode_step: int) -> list[int]:
     """Tokens each request brings this step: decodes (``next_n``, or 1 on the short step), then prefill chunks."""
     plan = []
     for index, request in enumerate(requests):
         if request.prefilling:
-            plan.append(min(options.prefill_chunk, request.prompt_len - request.length))
+            plan.append(min(_prefill_chunk(options), request.prompt_len - request.length))
         elif step == short_decode_step and index == 0:
             plan.append(1)
         else:
@@ -158,7 +164,7 @@ def run_demo(options: DemoOptions, progress=None, *, dcp_rank: int = 0, dcp_grou
     consumer = Indexer(config, seed=options.seed + 1, device=device) if config.candidate_topk_blocks else None
     ratio = config.compress_ratio
 
-    prompt_lens = [max(1, options.prompt_len - 37 * i) for i in range(options.requests)]
+    prompt_lens = [max(1, options.prompt_len - (options.prompt_len // 7) * i) for i in range(options.requests)]
     requests = [_Request(n) for n in prompt_lens]
     max_len = max(prompt_lens) + options.decode_steps * options.next_n + 1
     pages_per_request = -(-(max_len // ratio + 1) // options.block_size)
@@ -188,7 +194,7 @@ def run_demo(options: DemoOptions, progress=None, *, dcp_rank: int = 0, dcp_grou
             candidate_block_size=config.candidate_block_size, skip_k_cache_insert=True, **common,
         )
 
-    prefill_steps = -(-max(prompt_lens) // options.prefill_chunk)
+    prefill_steps = -(-max(prompt_lens) // _prefill_chunk(options))
     total_steps = prefill_steps + options.decode_steps
     short_decode_step = prefill_steps + min(1, options.decode_steps - 1)
     result = DemoResult(options)
