@@ -75,3 +75,11 @@ def test_bench_on_cpu_writes_results_and_a_plot(tmp_path):
 def test_bench_gpu_suite_without_cuda_is_a_one_line_error(capsys):
     assert main(["bench", "--suite", "logits", "--out", "/tmp/unused"]) == 2
     assert "need a CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("suite", ["quant_cache", "seq_candidates", "logits", "topk", "cpu"])
+def test_every_bench_suite_imports_and_exposes_run(suite):
+    import importlib
+
+    module = importlib.import_module(f"dsa_indexer.bench.suite_{suite}")
+    assert callable(module.run)
