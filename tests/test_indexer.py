@@ -32,24 +32,6 @@ def _inputs(config: IndexerConfig, num_tokens: int, seed: int = 1, *, start: int
     return hidden, q_latent, positions, k_input
 
 
-def _ops_available() -> str | None:
-    """None when the ops the module calls import, else the reason."""
-    try:
-        from dsa_indexer.layer import SparseAttnIndexer  # noqa: F401
-        from dsa_indexer.ops.q_quant import rope_quant_q  # noqa: F401
-    except Exception as error:  # pragma: no cover - only while the ops are being written
-        return f"ops not importable yet: {error!r}"
-    return None
-
-
-needs_ops = pytest.mark.skipif(_ops_available() is not None, reason=str(_ops_available()))
-
-
-# --------------------------------------------------------------------------------------------------
-# Configurations
-# --------------------------------------------------------------------------------------------------
-
-
 def test_deepseek_v32_preset_fields():
     c = IndexerConfig.deepseek_v32()
     assert (c.n_heads, c.head_dim, c.topk, c.rope_dim) == (64, 128, 2048, 64)
@@ -120,11 +102,6 @@ def test_config_validation_format_constraints():
         IndexerConfig(n_heads=4, topk=8, head_dim=80, rope_dim=64, fmt="mxfp4")
     with pytest.raises(ValueError, match="head_dim"):
         IndexerConfig(n_heads=4, topk=8, head_dim=96, rope_dim=64, use_hadamard=True)
-
-
-# --------------------------------------------------------------------------------------------------
-# Parameters, checkpoint layout, initialisation
-# --------------------------------------------------------------------------------------------------
 
 
 def test_state_dict_keys_match_checkpoint_names():
@@ -223,11 +200,6 @@ def test_project_requires_k_input_when_wk_takes_another_tensor():
     with torch.no_grad():
         _, k, _ = module.project(hidden, q_latent, positions, k_input=k_input)
     assert k.shape == (4, 128)
-
-
-# --------------------------------------------------------------------------------------------------
-# YaRN table and RoPE
-# --------------------------------------------------------------------------------------------------
 
 
 def _yarn_table_float64(rope_dim, theta, factor, original, beta_fast, beta_slow, model_len, rows):
@@ -333,11 +305,6 @@ def test_apply_rope_rotates_the_configured_pairs(style, place):
     assert torch.equal(out[..., untouched], x[..., untouched])
 
 
-# --------------------------------------------------------------------------------------------------
-# Hadamard
-# --------------------------------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize("n", [1, 2, 4, 8, 32, 128])
 def test_hadamard_is_the_orthonormal_sylvester_matrix(n):
     eye = torch.eye(n, dtype=torch.float32)
@@ -365,12 +332,6 @@ def test_hadamard_preserves_dot_products_and_dtype():
         hadamard_transform(torch.zeros(3, 96))
 
 
-# --------------------------------------------------------------------------------------------------
-# Quantisation
-# --------------------------------------------------------------------------------------------------
-
-
-@needs_ops
 @pytest.mark.parametrize(
     "config",
     [
@@ -444,7 +405,6 @@ def test_hadamard_path_quantised_scores_match_fp32_scores(fmt, bound):
     assert diff < bound, diff
 
 
-@needs_ops
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 def test_hadamard_reduces_quantisation_error_on_outlier_channels(fmt):
     g = torch.Generator().manual_seed(0)
@@ -497,11 +457,6 @@ def test_scores_fp32_matches_float64_sum_and_is_chunk_invariant(monkeypatch):
     monkeypatch.setattr(indexer_module, "_SCORES_CHUNK_BYTES", 64 * 33 * 4 * 3)  # 3 rows per chunk
     # Chunks are separate matmuls; BLAS may order a dot differently by shape, so equal within fp32 rounding.
     torch.testing.assert_close(module.scores_fp32(q, k, w), scores, rtol=1e-6, atol=1e-6)
-
-
-# --------------------------------------------------------------------------------------------------
-# Forward through a real SparseAttnIndexer
-# --------------------------------------------------------------------------------------------------
 
 
 def _check_against_oracle(indices, oracle_rows, topk):
@@ -573,20 +528,17 @@ def _run_forward_steps(config, seed, *, use_k_override):
         assert metadata.num_decodes == (2 if step == 1 else 0)
 
 
-@needs_ops
 @pytest.mark.parametrize("use_hadamard", [False, True], ids=["plain", "hadamard"])
 def test_forward_v32_fp8_matches_dense_oracle(use_hadamard):
     config = IndexerConfig.deepseek_v32(topk=8, use_hadamard=use_hadamard).small()
     _run_forward_steps(config, seed=21, use_k_override=False)
 
 
-@needs_ops
 def test_forward_v41_mxfp4_compressed_keys_match_dense_oracle():
     config = IndexerConfig.deepseek_v41(topk=6).small()
     _run_forward_steps(config, seed=22, use_k_override=True)
 
 
-@needs_ops
 def test_forward_rejects_a_layer_of_another_configuration():
     from dsa_indexer.cache import IndexerKCache
     from dsa_indexer.layer import SparseAttnIndexer

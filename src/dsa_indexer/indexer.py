@@ -165,7 +165,6 @@ class IndexerConfig:
         _check_positive_float("beta_fast", self.beta_fast)
         _check_positive_float("beta_slow", self.beta_slow)
 
-    # ----------------------------------------------------------------------------------------------
     @property
     def k_input_size(self) -> int:
         """Input features of ``wk``."""
@@ -252,11 +251,6 @@ class IndexerConfig:
         return cls(**fields)
 
 
-# --------------------------------------------------------------------------------------------------
-# RoPE table and Hadamard
-# --------------------------------------------------------------------------------------------------
-
-
 def rope_frequencies(config: IndexerConfig) -> torch.Tensor:
     """Angular frequency of each rotated pair, float64 ``[rope_dim / 2]`` (radians per position).
 
@@ -335,11 +329,6 @@ def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
     return (y * (n ** -0.5)).view(x.shape).to(x.dtype)
 
 
-# --------------------------------------------------------------------------------------------------
-# The module
-# --------------------------------------------------------------------------------------------------
-
-
 class Indexer(nn.Module):
     """DeepSeek's indexer module (V3.2 or V4.1 configuration), producing the indexer layer's inputs.
 
@@ -407,7 +396,6 @@ class Indexer(nn.Module):
             f"compress_ratio={c.compress_ratio}, candidates={c.candidate_topk_blocks}x{c.candidate_block_size}"
         )
 
-    # ----------------------------------------------------------------------------------------------
     @property
     def dtype(self) -> torch.dtype:
         return self.wq_b.weight.dtype
@@ -481,7 +469,6 @@ class Indexer(nn.Module):
             out[..., rope] = torch.stack((r0, r1), dim=-1).flatten(-2)
         return out
 
-    # ----------------------------------------------------------------------------------------------
     def project_q(self, q_latent: torch.Tensor) -> torch.Tensor:
         """``wq_b(q_latent)`` as ``[T, H, D]`` in the module dtype (RoPE not applied)."""
         c = self.config
@@ -649,7 +636,6 @@ class Indexer(nn.Module):
         q_quant, q_scale, k_for_cache, weights_out = self.quantize(q, k, weights, positions)
         return layer(q_quant, q_scale, k_for_cache, weights_out, metadata)
 
-    # ----------------------------------------------------------------------------------------------
     def scores_fp32(self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Unquantised indexer scores ``float32 [M, N]`` (no causal mask).
 

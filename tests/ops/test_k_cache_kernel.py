@@ -197,7 +197,6 @@ def test_insert_launch_knobs_do_not_change_results(kernel_device, block_tokens, 
         assert torch.equal(poisoned.storage, twin.storage)
 
 
-# --- gather ----------------------------------------------------------------------------------------
 
 
 def random_filled_cache(num_blocks, block_size, fmt, *, device, seed) -> PoisonedCache:
@@ -335,7 +334,6 @@ def test_public_cache_methods_use_the_kernels(kernel_device):
                       twin.cache.gather(table, cu, backend="reference"))
 
 
-# --- GPU only: realistic sizes, determinism, CUDA graphs -------------------------------------------
 
 
 @pytest.mark.gpu

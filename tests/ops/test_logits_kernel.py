@@ -45,9 +45,6 @@ def quantized_queries(q: torch.Tensor, weights: torch.Tensor, fmt: str):
     return packed, scales, weights
 
 
-# ------------------------------------------------------------------------------------------ prefill
-
-
 @dataclass
 class PrefillInputs:
     q: torch.Tensor
@@ -166,9 +163,6 @@ def test_prefill_kernel_zero_rows_or_keys(kernel_device, fmt):
     assert mqa_logits(*no_rows.args(), backend="triton").shape == (0, 12)
     no_keys = prefill_inputs(fmt, [(0, 0)] * 3, 0, 2, 64, kernel_device)
     assert mqa_logits(*no_keys.args(), backend="triton").shape == (3, 0)
-
-
-# ------------------------------------------------------------------------------------------- decode
 
 
 @dataclass
@@ -296,9 +290,6 @@ def test_decode_kernel_degenerate_batches(kernel_device, fmt):
     no_requests = decode_inputs(fmt, [], 1, kernel_device, extra_width=5)
     assert paged_mqa_logits(*no_requests.args(), backend="triton").shape == (0, 5)
     check_decode(decode_inputs(fmt, [1, 2], 3, kernel_device, extra_width=0, seed=10), clean=True)
-
-
-# ---------------------------------------------------------------------------------------- GPU sizes
 
 
 def assert_reruns_identical(run, first: torch.Tensor, times: int = 20) -> None:

@@ -195,7 +195,6 @@ def test_no_tokens(kernel_device, fmt):
     assert got[0].shape[0] == 0
 
 
-# --- the exact format helpers, element by element --------------------------------------------------
 
 
 @triton.jit
@@ -297,7 +296,6 @@ def test_e2m1_codes_match_formats(kernel_device):
     assert torch.equal(got, e2m1_codes(x).to(torch.int32))
 
 
-# --- GPU only: realistic sizes, determinism, CUDA graphs -------------------------------------------
 
 
 @pytest.mark.gpu

@@ -93,9 +93,6 @@ def _check(result: torch.Tensor, truth: torch.Tensor, expected: torch.Tensor, fm
     }
 
 
-# ------------------------------------------------------------------------------------------- decode
-
-
 def _decode_pool(fmt: str, num_pages: int) -> IndexerKCache:
     """A cache of random but finite keys (no e4m3 NaN bytes, positive scales)."""
     cache = IndexerKCache(num_pages, block_size=PAGE, head_dim=DIM, fmt=fmt, device="cuda")
@@ -172,9 +169,6 @@ def _decode_rows(fmt: str, ceilings: dict[str, float], gen: torch.Generator) -> 
     return rows
 
 
-# ------------------------------------------------------------------------------------------ prefill
-
-
 def _prefill_case(fmt: str, num_rows: int, num_keys: int, causal: bool, gen: torch.Generator):
     q = torch.randn(num_rows, HEADS, DIM, generator=gen).cuda()
     k = torch.randn(num_keys, DIM, generator=gen).cuda()
@@ -234,8 +228,6 @@ def run(ceilings: dict[str, float]) -> list[dict]:
         rows += _prefill_rows(fmt, ceilings, gen)
     return rows
 
-
-# -------------------------------------------------------------------------------------------- sweep
 
 DECODE_CANDIDATES = {
     ("fp8", 32, 131072, 2): [(64, 4, 3, 8, 4, 32, None), (64, 4, 4, 8, 4, 32, None), (64, 8, 3, 8, 4, 32, None),

@@ -296,10 +296,6 @@ def _paged_mqa_logits_kernel(
             first += BLOCK_K
 
 
-# ---------------------------------------------------------------------------------------------------
-# Host side: configuration and launches (no device reads).
-
-
 @functools.lru_cache(maxsize=None)
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
