@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsa_indexer.metadata import MetadataBuilder, build_metadata, local_count, owner_and_local
+from dsa_indexer.metadata import MetadataBuilder, build_metadata
 
 
 def table(num_requests: int, pages: int, *, offset: int = 0) -> torch.Tensor:
@@ -74,14 +74,6 @@ def test_dcp_localises_lengths_after_the_row_expansion():
     meta = build_metadata([10], [3], table(1, 4), block_size=4, num_spec_tokens=2, dcp_rank=1, dcp_world_size=2)
     assert meta.decode.global_context_lens.tolist() == [[8, 9, 10]]
     assert meta.decode.context_lens.tolist() == [[4, 4, 5]]
-
-
-@pytest.mark.parametrize("world, interleave", [(1, 1), (2, 1), (3, 2), (4, 4)])
-def test_local_count_matches_brute_force(world, interleave):
-    for length in range(0, 50):
-        for rank in range(world):
-            owned = sum(owner_and_local(g, world, interleave)[0] == rank for g in range(length))
-            assert local_count(length, rank, world, interleave) == owned
 
 
 def test_slot_mapping_follows_block_table_compression_and_dcp_owner():

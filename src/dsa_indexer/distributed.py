@@ -31,7 +31,6 @@ from .ops._order import composite_key
 from .ops._order import top_ids_ascending
 
 __all__ = [
-    "candidate_block_scores",
     "gather_prefill_k",
     "global_to_local",
     "local_lengths",
@@ -344,36 +343,6 @@ def merge_topk_global(
     select_global_topk(all_scores, all_ids, k, out=topk_indices, backend=backend)
 
 
-def candidate_block_scores(
-    logits: torch.Tensor,
-    starts: torch.Tensor | None,
-    ends: torch.Tensor,
-    block_size: int,
-    num_blocks: int,
-    *,
-    row_repeat: int = 1,
-) -> torch.Tensor:
-    """float32 ``[R, num_blocks]``: the max selectable logit of each block of each row, ``-inf`` if none.
-
-    Block ``b`` of row ``r`` covers columns ``starts + b * block_size ...`` clipped to ``ends`` (bounds at
-    ``r // row_repeat``). No block is pinned; blocks past the row score ``-inf``.
-    """
-    from .ops._order import selectable
-    from .ops.candidates.reference import row_bounds
-
-    num_rows, width = logits.shape
-    scores = torch.full((num_rows, num_blocks), float("-inf"), dtype=torch.float32, device=logits.device)
-    if num_rows == 0 or num_blocks == 0 or width == 0:
-        return scores
-    row_starts, row_lengths = row_bounds(starts, ends, num_rows, row_repeat)
-    position = torch.arange(num_blocks * block_size, device=logits.device)
-    in_row = position[None, :] < row_lengths[:, None]
-    column = (row_starts[:, None] + position[None, :]).clamp(max=width - 1)
-    values = logits.gather(1, column)
-    values = torch.where(in_row & selectable(values), values, float("-inf"))
-    return values.view(num_rows, num_blocks, block_size).amax(dim=2)
-
-
 def select_candidate_blocks_dcp(
     logits: torch.Tensor,
     starts: torch.Tensor | None,
@@ -399,6 +368,7 @@ def select_candidate_blocks_dcp(
     import torch.distributed as dist
 
     from .ops._order import composite_key, top_ids_ascending
+    from .ops.candidates.reference import block_scores
 
     _, world_size = _group_layout(group)
 
@@ -421,9 +391,7 @@ def select_candidate_blocks_dcp(
     elif error is not None:
         raise error
     num_rows = logits.shape[0]
-    scores = candidate_block_scores(
-        logits, starts, ends, global_block_size // world_size, max_global_blocks, row_repeat=row_repeat
-    )
+    scores = block_scores(logits, starts, ends, global_block_size // world_size, max_global_blocks, row_repeat)
     if world_size > 1:
         dist.all_reduce(scores, op=dist.ReduceOp.MAX, group=group)
     block_ids = torch.arange(max_global_blocks, device=logits.device).expand(num_rows, max_global_blocks)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._validation import check_choice, check_positive_int, check_tensor
+from .distributed import global_to_local, local_lengths
 
 DEFAULT_MAX_LOGITS_BYTES = 512 * 1024 * 1024
 LOGIT_BYTES = 4
@@ -97,18 +98,6 @@ class IndexerMetadata:
     @property
     def num_tokens(self) -> int:
         return self.num_decode_tokens + self.num_prefill_tokens
-
-
-def local_count(global_count: int, rank: int, world_size: int, interleave: int) -> int:
-    """How many of the global keys ``[0, global_count)`` rank ``rank`` holds."""
-    span = interleave * world_size
-    full, rest = divmod(global_count, span)
-    return full * interleave + min(max(rest - rank * interleave, 0), interleave)
-
-
-def owner_and_local(position: int, world_size: int, interleave: int) -> tuple[int, int]:
-    """(rank, local index) of global key ``position``."""
-    return (position // interleave) % world_size, (position // (interleave * world_size)) * interleave + position % interleave
 
 
 class MetadataBuilder:
@@ -202,7 +191,7 @@ class MetadataBuilder:
                 f"request {max(decodes)} follows prefill request {min(prefills)}"
             )
         host_table = block_table.cpu()
-        local_keys = [self._local(s // self.compress_ratio) for s in seq_lens]
+        local_keys = self._local([s // self.compress_ratio for s in seq_lens])
         self._check_block_table(host_table, local_keys)
         slot_mapping = self._persistent_slots(self._slot_mapping(seq_lens, query_lens, host_table))
         num_decode_tokens = sum(query_lens[r] for r in decodes)
@@ -232,8 +221,10 @@ class MetadataBuilder:
             dcp_interleave=self.dcp_interleave,
         )
 
-    def _local(self, global_count: int) -> int:
-        return local_count(global_count, self.dcp_rank, self.dcp_world_size, self.dcp_interleave)
+    def _local(self, global_counts: list[int]) -> list[int]:
+        """This rank's share of each global key count (all of it without DCP)."""
+        counts = torch.tensor(global_counts, dtype=torch.int64)
+        return local_lengths(counts, self.dcp_rank, self.dcp_world_size, self.dcp_interleave).tolist()
 
     def _check_block_table(self, host_table: torch.Tensor, local_keys: list[int]) -> None:
         for r, keys in enumerate(local_keys):
@@ -261,19 +252,19 @@ class MetadataBuilder:
         return target
 
     def _slot_mapping(self, seq_lens, query_lens, host_table) -> list[int]:
-        slots: list[int] = []
+        """Per new token: the slot of the key it completes on this rank, else -1."""
         ratio = self.compress_ratio
+        slots: list[int] = []
         for r, (seq_len, query_len) in enumerate(zip(seq_lens, query_lens)):
-            for position in range(seq_len - query_len, seq_len):
-                if (position + 1) % ratio:
-                    slots.append(-1)
-                    continue
-                rank, local = owner_and_local((position + 1) // ratio - 1, self.dcp_world_size, self.dcp_interleave)
-                if rank != self.dcp_rank:
-                    slots.append(-1)
-                    continue
-                page = int(host_table[r, local // self.block_size])
-                slots.append(page * self.block_size + local % self.block_size)
+            positions = torch.arange(seq_len - query_len, seq_len, dtype=torch.int64)
+            completes = (positions + 1) % ratio == 0
+            owner, local = global_to_local((positions + 1) // ratio - 1, self.dcp_world_size, self.dcp_interleave)
+            mine = completes & (owner == self.dcp_rank)
+            if not bool(mine.any()):
+                slots += [-1] * query_len
+                continue
+            page = host_table[r].to(torch.int64)[torch.where(mine, local // self.block_size, 0)]
+            slots += torch.where(mine, page * self.block_size + local % self.block_size, -1).tolist()
         return slots
 
     def _decode_rows(self, seq_lens, query_lens, block_table) -> DecodeRows | None:
@@ -297,7 +288,7 @@ class MetadataBuilder:
                 f"decode batch of {rows} rows x next_n {next_n} exceeds the builder's capacity "
                 f"{self._decode_rows_capacity} x {self._context_lens.shape[1]}"
             )
-        local_rows = [[self._local(g) for g in row] for row in global_rows]
+        local_rows = [self._local(row) for row in global_rows]
         self._global_context_lens[:rows, :next_n].copy_(torch.tensor(global_rows, dtype=torch.int32))
         self._context_lens[:rows, :next_n].copy_(torch.tensor(local_rows, dtype=torch.int32))
         self._decode_lens[:rows].copy_(torch.tensor(decode_lens, dtype=torch.int32))
@@ -367,11 +358,10 @@ class MetadataBuilder:
         for r in requests:
             start_pos = seq_lens[r] - query_lens[r]
             lo, hi = (row_lo, row_hi) if len(requests) == 1 else (0, query_lens[r])
-            for offset in range(lo, hi):
-                visible = (start_pos + 1 + offset) // ratio
-                global_visible.append(visible)
-                ks.append(cu[-1])
-                ke.append(cu[-1] + self._local(visible))
+            visible = [(start_pos + 1 + offset) // ratio for offset in range(lo, hi)]
+            global_visible += visible
+            ks += [cu[-1]] * len(visible)
+            ke += [cu[-1] + local for local in self._local(visible)]
             cu.append(cu[-1] + local_keys[r])
         first_token = token_start_of[requests[0]] + (row_lo if len(requests) == 1 else 0)
         num_rows = len(ks)

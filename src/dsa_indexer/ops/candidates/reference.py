@@ -23,6 +23,29 @@ def row_bounds(
     return row_starts, row_ends - row_starts
 
 
+def block_scores(
+    logits: torch.Tensor,
+    starts: torch.Tensor | None,
+    ends: torch.Tensor,
+    block_size: int,
+    num_blocks: int,
+    row_repeat: int,
+) -> torch.Tensor:
+    """float32 ``[R, num_blocks]``: the max selectable logit of each block of each row (``-inf`` if
+    none; blocks past the row, or past the logits' width, score ``-inf``). No block is pinned."""
+    num_rows, width = logits.shape
+    scores = torch.full((num_rows, num_blocks), float("-inf"), dtype=torch.float32, device=logits.device)
+    if num_rows == 0 or num_blocks == 0 or width == 0:
+        return scores
+    row_starts, row_lengths = row_bounds(starts, ends, num_rows, row_repeat)
+    position = torch.arange(num_blocks * block_size, device=logits.device)  # [NB * bs], row-relative
+    in_row = position[None, :] < row_lengths[:, None]  # [R, NB * bs]
+    column = (row_starts[:, None] + position[None, :]).clamp(max=width - 1)
+    values = logits.gather(1, column)
+    values = torch.where(in_row & selectable(values), values, float("-inf"))
+    return values.view(num_rows, num_blocks, block_size).amax(dim=2)
+
+
 def select_candidate_blocks_reference(
     logits: torch.Tensor,
     starts: torch.Tensor | None,
@@ -45,13 +68,8 @@ def select_candidate_blocks_reference(
     num_blocks = -(-width // block_size)
     if num_rows == 0 or num_blocks == 0:
         return out.fill_(-1)
-    row_starts, row_lengths = row_bounds(starts, ends, num_rows, row_repeat)
-    position = torch.arange(num_blocks * block_size, device=logits.device)  # [NB * bs], row-relative
-    in_row = position[None, :] < row_lengths[:, None]  # [R, NB * bs]
-    column = (row_starts[:, None] + position[None, :]).clamp(max=width - 1)
-    values = logits.gather(1, column)
-    values = torch.where(in_row & selectable(values), values, float("-inf"))
-    scores = values.view(num_rows, num_blocks, block_size).amax(dim=2)  # [R, NB]
+    scores = block_scores(logits, starts, ends, block_size, num_blocks, row_repeat)  # [R, NB]
+    _, row_lengths = row_bounds(starts, ends, num_rows, row_repeat)
     block_ids = torch.arange(num_blocks, device=logits.device).expand(num_rows, num_blocks)
     # A row without context has newest block -1, which matches no block.
     newest_block = torch.div(row_lengths - 1, block_size, rounding_mode="floor")
