@@ -19,6 +19,7 @@ from dsa_indexer.cache import IndexerKCache
 from dsa_indexer.formats import dequantize_mxfp4, quantize_fp8, quantize_mxfp4
 from dsa_indexer.ops.logits import mqa_logits, paged_mqa_logits
 from dsa_indexer.ops.logits import reference
+from ragged_ranges import causal_ranges, varied_ranges
 
 NEG_INF = float("-inf")
 POISON = -777.0
@@ -128,24 +129,6 @@ def prefill_oracle(case: PrefillCase) -> torch.Tensor:
         key_scales = torch.ones(case.k.shape[0], dtype=torch.float64)
     full = relu_head_sum64(dequantized_q64(case.q, case.q_scale), keys, case.weights.double()) * key_scales
     return masked_rows(full, case.ks.tolist(), case.ke.tolist())
-
-
-def causal_ranges(num_rows: int, num_keys: int) -> list[tuple[int, int]]:
-    return [(0, num_keys - num_rows + 1 + i) for i in range(num_rows)]
-
-
-def varied_ranges(num_rows: int, num_keys: int, seed: int) -> list[tuple[int, int]]:
-    """Empty rows, full rows, rows touching either end, and random interior windows."""
-    fixed = [(0, 0), (0, num_keys), (num_keys, num_keys), (num_keys - 1, num_keys), (0, 1), (3, 3)]
-    gen = torch.Generator().manual_seed(seed)
-    ranges = []
-    for row in range(num_rows):
-        if row < len(fixed):
-            ranges.append(fixed[row])
-        else:
-            a, b = sorted(torch.randint(0, num_keys + 1, (2,), generator=gen).tolist())
-            ranges.append((a, b))
-    return ranges
 
 
 def context_parallel_ranges(num_rows: int, num_keys: int) -> list[tuple[int, int]]:

@@ -21,6 +21,7 @@ from dsa_indexer.cache import IndexerKCache, bytes_per_token
 from dsa_indexer.formats import quantize_fp8, quantize_mxfp4
 from dsa_indexer.ops.logits import mqa_logits, paged_mqa_logits
 from dsa_indexer.testing import calc_diff
+from ragged_ranges import causal_ranges, varied_ranges
 
 NEG_INF = float("-inf")
 POISON = -777.0
@@ -75,24 +76,6 @@ def prefill_inputs(fmt, ranges, num_keys, heads, dim, device, seed=0) -> Prefill
     ke = torch.tensor([end for _, end in ranges], dtype=torch.int32).reshape(num_rows)
     moved = [None if t is None else t.to(device) for t in (q_stored, q_scale, k_values, k_scales, weights_out, ks, ke)]
     return PrefillInputs(*moved)
-
-
-def varied_ranges(num_rows: int, num_keys: int, seed: int) -> list[tuple[int, int]]:
-    """Empty rows (at 0, inside, at the end), full rows, rows touching either end, random windows."""
-    fixed = [(0, 0), (0, num_keys), (num_keys, num_keys), (num_keys - 1, num_keys), (0, 1), (3, 3)]
-    gen = torch.Generator().manual_seed(seed)
-    ranges = []
-    for row in range(num_rows):
-        if row < len(fixed):
-            ranges.append(fixed[row])
-        else:
-            a, b = sorted(torch.randint(0, num_keys + 1, (2,), generator=gen).tolist())
-            ranges.append((a, b))
-    return ranges
-
-
-def causal_ranges(num_rows: int, num_keys: int) -> list[tuple[int, int]]:
-    return [(0, max(0, num_keys - num_rows + 1 + i)) for i in range(num_rows)]
 
 
 def run_prefill(inputs: PrefillInputs, backend: str, clean: bool, pad: int) -> torch.Tensor:
