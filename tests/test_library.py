@@ -97,15 +97,19 @@ def indexer_step(q8, w8, k8, k_scale, ks, ke, cache, table, lens):
     picks = dsa.topk(prefill, 3, starts=ks, ends=ke)
     decode = dsa.paged_mqa_logits(q8.view(2, 2, H, D), None, cache, w8, lens, table, 12)
     decode_picks = dsa.topk_decode(decode, lens, 2, 3)
-    return picks, decode_picks, dsa.indices_to_slots(decode_picks, table, 4, torch.tensor([0, 0, 1, 1], dtype=torch.int32))
+    return picks, decode_picks, dsa.indices_to_slots(decode_picks, table, 4, torch.tensor([0, 0, 1, 1], dtype=torch.int32, device=table.device))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
-def test_compiled_function_equals_eager(compiler):
+def test_compiled_function_equals_eager(compiler, device):
     i = small_inputs()
+    cache = dsa.IndexerKCache(3, block_size=4, device=device)
+    cache.buffer.copy_(i["cache"].buffer)
     table = torch.tensor([[2, 0, 1], [1, 2, 0]], dtype=torch.int32)
     lens = torch.tensor([[9, 10], [3, 4]], dtype=torch.int32)
-    args = (i["q8"], i["w8"], i["k8"], i["k_scale"], i["ks"], i["ke"], i["cache"], table, lens)
+    tensors = (i["q8"], i["w8"], i["k8"], i["k_scale"], i["ks"], i["ke"])
+    args = (*(t.to(device) for t in tensors), cache, table.to(device), lens.to(device))
     eager = indexer_step(*args)
     compiled = torch.compile(indexer_step, fullgraph=True, backend=compiler)(*args)
     for got, want in zip(compiled, eager):
