@@ -97,7 +97,8 @@ def indexer_step(q8, w8, k8, k_scale, ks, ke, cache, table, lens):
     picks = dsa.topk(prefill, 3, starts=ks, ends=ke)
     decode = dsa.paged_mqa_logits(q8.view(2, 2, H, D), None, cache, w8, lens, table, 12)
     decode_picks = dsa.topk_decode(decode, lens, 2, 3)
-    return picks, decode_picks, dsa.indices_to_slots(decode_picks, table, 4, torch.tensor([0, 0, 1, 1], dtype=torch.int32, device=table.device))
+    owners = torch.tensor([0, 0, 1, 1], dtype=torch.int32, device=table.device)
+    return picks, decode_picks, dsa.indices_to_slots(decode_picks, table, 4, owners)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
