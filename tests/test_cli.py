@@ -64,7 +64,7 @@ def test_near_tie_rows_accept_only_swaps_within_kernel_rounding():
 
 def test_bench_on_cpu_writes_results_and_a_plot(tmp_path):
     plot_path = tmp_path / "bench.png"
-    assert main(["bench", "--out", str(tmp_path), "--plot", str(plot_path)]) == 0
+    assert main(["bench", "--suite", "cpu", "--out", str(tmp_path), "--plot", str(plot_path)]) == 0
     results = json.loads((tmp_path / "cpu.json").read_text())
     assert {r["op"] for r in results["records"]} >= {"mqa_logits", "paged_mqa_logits", "topk"}
     assert all(r["us"] > 0 and r["floor_us"] > 0 for r in results["records"])
@@ -77,7 +77,7 @@ def test_bench_gpu_suite_without_cuda_is_a_one_line_error(capsys):
     assert "need a CUDA device" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("suite", ["quant_cache", "seq_candidates", "logits", "topk", "cpu"])
+@pytest.mark.parametrize("suite", ["quant_cache", "seq_candidates", "logits", "topk", "distributed", "cpu"])
 def test_every_bench_suite_imports_and_exposes_run(suite):
     import importlib
 

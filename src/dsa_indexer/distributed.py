@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from . import backend as _backend
-from ._validation import check_index_tensor, check_positive_int, check_same_device, check_tensor
+from ._validation import check_index_tensor, check_positive_int, check_same_device, check_tensor, value_checks_enabled
 from .ops._order import composite_key
 from .ops._order import top_ids_ascending
 
@@ -258,9 +258,16 @@ def _agree_on(group, what: str, descriptor: list[int], local_error: Exception | 
     """Collective argument check: every rank contributes an error flag and a fixed-length int descriptor.
 
     If any rank's own checks failed, or the descriptors differ, every rank raises the same kind of
-    ``ValueError`` — no rank is left waiting in a later collective.
+    ``ValueError`` — no rank is left waiting in a later collective. The exchange reads a device tensor
+    on the host, so it is skipped where value checks are (CUDA-graph capture,
+    ``DSA_INDEXER_SKIP_VALUE_CHECKS=1``): then only this rank's own error is raised.
     """
     import torch.distributed as dist
+
+    if not value_checks_enabled():
+        if local_error is not None:
+            raise local_error
+        return
 
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
     mine = torch.tensor([int(local_error is not None), *descriptor], dtype=torch.int64, device=device)

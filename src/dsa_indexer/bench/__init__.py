@@ -16,12 +16,15 @@ import torch
 from . import harness
 
 GPU_SUITES = ("quant_cache", "seq_candidates", "logits", "topk")
+MULTI_GPU_SUITES = ("distributed",)
 CPU_SUITES = ("cpu",)
 PEER_LIBRARIES = ("deep_gemm", "flashinfer", "vllm", "sgl_kernel")
 
 
 def default_suites() -> tuple[str, ...]:
-    return GPU_SUITES if torch.cuda.is_available() else CPU_SUITES
+    if not torch.cuda.is_available():
+        return CPU_SUITES
+    return GPU_SUITES + (MULTI_GPU_SUITES if torch.cuda.device_count() >= 2 else ())
 
 
 def installed_peers() -> list[str]:
@@ -34,10 +37,11 @@ def run_suites(
     suites: tuple[str, ...], folder: Path, progress: Callable[[str], None] | None = None
 ) -> tuple[dict[str, float], list[dict]]:
     """Measure the ceilings, run ``suites`` and write their results to ``folder``."""
-    unknown = [s for s in suites if s not in GPU_SUITES + CPU_SUITES]
+    known = GPU_SUITES + MULTI_GPU_SUITES + CPU_SUITES
+    unknown = [s for s in suites if s not in known]
     if unknown:
-        raise ValueError(f"suites must be among {GPU_SUITES + CPU_SUITES}, got {unknown}")
-    needs_gpu = [s for s in suites if s in GPU_SUITES]
+        raise ValueError(f"suites must be among {known}, got {unknown}")
+    needs_gpu = [s for s in suites if s in GPU_SUITES + MULTI_GPU_SUITES]
     if needs_gpu and not torch.cuda.is_available():
         raise ValueError(f"suites {needs_gpu} need a CUDA device; on this machine run the 'cpu' suite")
     if needs_gpu:
