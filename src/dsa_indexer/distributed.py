@@ -299,6 +299,22 @@ def _all_gather_cat(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
+def _all_gather_candidates(scores: torch.Tensor, global_ids: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's ``[R, k]`` candidates as ``[R, W * k]`` (rank-major), in one all-gather.
+
+    Scores travel as their int32 bits beside int32 ids: ids above ``2**31 - 1`` (never selectable)
+    travel as ``-1`` (padding), which the selection treats the same way.
+    """
+    import torch.distributed as dist
+
+    ids = torch.where(global_ids <= _MAX_GLOBAL_ID, global_ids, -1).to(torch.int32)
+    packed = torch.stack((scores.view(torch.int32), ids))
+    parts = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, packed, group=group)
+    rank_major = torch.stack(parts, dim=2).flatten(2)
+    return rank_major[0].view(torch.float32), rank_major[1].to(torch.int64)
+
+
 def merge_topk_global(
     logits: torch.Tensor,
     topk_indices: torch.Tensor,
@@ -345,8 +361,7 @@ def merge_topk_global(
     descriptor = [-1, -1, -1] if error else [logits.shape[0], topk_indices.shape[1], interleave]
     _agree_on(group, "merge_topk_global arguments [rows, k, interleave]", descriptor, error)
     scores, global_ids = pack_local_candidates(logits, topk_indices, rank, world_size, interleave, starts, backend=backend)
-    all_scores = _all_gather_cat(scores, group, dim=1)
-    all_ids = _all_gather_cat(global_ids, group, dim=1)
+    all_scores, all_ids = _all_gather_candidates(scores, global_ids, group)
     select_global_topk(all_scores, all_ids, k, out=topk_indices, backend=backend)
 
 
