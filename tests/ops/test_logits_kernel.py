@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from dsa_indexer.backend import ENV_VAR
+from dsa_indexer.bench.suite_logits import SWEEP_VARIANTS
 from dsa_indexer.cache import IndexerKCache, bytes_per_token
 from dsa_indexer.formats import quantize_fp8, quantize_mxfp4
 from dsa_indexer.ops.logits import mqa_logits, paged_mqa_logits
@@ -311,6 +312,41 @@ def test_kernels_upcast_path_realistic_sizes_gpu(kernel_device, fmt, monkeypatch
     check_prefill(prefill_inputs(fmt, ranges, 3000, 64, 128, kernel_device, seed=15), clean=True)
     lengths = [[3000, 3001], [0, 77], [640, 64]]
     check_decode(decode_inputs(fmt, lengths, 2, kernel_device, heads=64, block_size=64, seed=16), clean=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("next_n", [1, 2, 5])
+def test_decode_mxfp4_ptx_expansion_matches_triton_expansion_gpu(kernel_device, next_n):
+    """The inline-PTX e2m1 expansion gives the bits of the Triton one: random packed bytes (every
+    code, both signs) and block exponents spread over 0..60 (exact, rounded and dropped blocks)."""
+    from dsa_indexer.ops.logits.triton import paged_mqa_logits_triton
+
+    inputs = decode_inputs("mxfp4", [0, 1, 65, 700, 3001], next_n, kernel_device, heads=64, block_size=64, seed=21)
+    gen = torch.Generator(device=kernel_device).manual_seed(22)
+    values, scales = inputs.cache.values_view(), inputs.cache.scales_view()
+    values.copy_(torch.randint(0, 256, values.shape, generator=gen, device=kernel_device, dtype=torch.uint8))
+    scales.copy_(torch.randint(70, 131, scales.shape, generator=gen, device=kernel_device, dtype=torch.uint8))
+    results = []
+    for expand_ptx in (True, False):
+        out = torch.full((5 * next_n, inputs.max_context_len), POISON, device=kernel_device)
+        paged_mqa_logits_triton(*inputs.args(), True, out, expand_ptx=expand_ptx)
+        results.append(out)
+    assert torch.equal(results[0].view(torch.int32), results[1].view(torch.int32))
+    assert calc_diff(results[0], run_decode(inputs, "reference", True, 0)) < TIER
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, variant", [(fmt, name) for fmt, variants in SWEEP_VARIANTS.items()
+                                          for name, kwargs in variants.items() if kwargs])
+def test_decode_kernel_sweep_variants_gpu(kernel_device, fmt, variant):
+    """Every variant the benchmark sweep times (schedules, expansions) matches the reference."""
+    from dsa_indexer.ops.logits.triton import paged_mqa_logits_triton
+
+    lengths = [[max(0, n - 7 * t) for t in range(2)] for n in (0, 1, 63, 64, 65, 4999, 12345)]
+    inputs = decode_inputs(fmt, lengths, 2, kernel_device, heads=64, block_size=64, seed=23)
+    out = torch.full((14, inputs.max_context_len), POISON, device=kernel_device)
+    paged_mqa_logits_triton(*inputs.args(), True, out, **SWEEP_VARIANTS[fmt][variant])
+    assert calc_diff(out, run_decode(inputs, "reference", True, 0)) < TIER
 
 
 @pytest.mark.gpu

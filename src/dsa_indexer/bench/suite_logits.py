@@ -18,7 +18,7 @@ masks equal; a miss stops the suite) and against the unquantised fp32 math (< 1e
 recorded with its verdict, as it measures the format rather than the kernel). The baseline ``torch`` is
 that reference (dequantise, matmul, relu, weighted head sum; chunked to bound memory).
 
-``python -m dsa_indexer.bench.suite_logits sweep`` times the decode kernel's tuning candidates on a few shapes.
+``python -m dsa_indexer.bench.suite_logits sweep [OUT_DIR]`` times the decode kernel's variants on a few shapes.
 """
 
 from __future__ import annotations
@@ -229,38 +229,94 @@ def run(ceilings: dict[str, float]) -> list[dict]:
     return rows
 
 
-DECODE_CANDIDATES = {
-    ("fp8", 32, 131072, 2): [(64, 4, 3, 8, 4, 32, None), (64, 4, 4, 8, 4, 32, None), (64, 8, 3, 8, 4, 32, None),
-                             (64, 4, 3, 8, 4, 32, 168)],
-    ("fp8", 32, 32768, 1): [(128, 4, 3, 8, 2, 16, None), (128, 4, 3, 4, 2, 16, None), (128, 4, 3, 16, 1, 16, None)],
-    ("fp8", 1, 131072, 1): [(128, 4, 3, 8, 2, 16, None), (128, 4, 3, 8, 4, 16, None), (128, 4, 2, 8, 2, 16, None),
-                            (128, 4, 3, 8, 1, 16, None), (64, 4, 3, 8, 8, 32, None)],
-    ("mxfp4", 32, 32768, 1): [(64, 4, 3, 8, 4, 32, None), (64, 4, 3, 4, 4, 32, None)],
+# Decode tuning sweep: shapes (fmt, B, L, next_n) and variants (name -> keyword arguments of
+# ``paged_mqa_logits_triton``; "baseline" is the previous kernel when ``dsa_indexer.ops.logits._baseline``
+# exists, a snapshot kept only for a measuring run).
+SWEEP_CASES = [
+    ("mxfp4", 32, 131072, 1), ("mxfp4", 128, 32768, 2), ("mxfp4", 32, 32768, 1), ("mxfp4", 1, 131072, 1),
+    ("fp8", 32, 131072, 2), ("fp8", 128, 32768, 2), ("fp8", 1, 131072, 2), ("fp8", 32, 32768, 1),
+]
+SWEEP_VARIANTS = {
+    "fp8": {
+        "baseline": None,
+        "default": {},
+        "rows1": {"config": (128, 4, 3, 8, 2, 16, None, 1)},
+        "rows1-k64": {"config": (64, 4, 3, 8, 4, 32, None, 1)},
+        "stages4": {"config": (128, 4, 4, 8, 2, 16, None, 4)},
+    },
+    "mxfp4": {
+        "baseline": None,
+        "default": {},
+        "triton-expand": {"expand_ptx": False},
+        "stages4": {"config": (64, 4, 4, 8, 4, 32, None, 4)},
+        "per-sm16": {"config": (64, 4, 3, 16, 4, 32, None, 4)},
+        "rows1": {"config": (64, 4, 3, 8, 4, 32, None, 1)},
+    },
 }
 
 
-def sweep() -> None:
-    """Cold-L2 graph-replay µs of each decode tuning candidate (correctness is the default config's,
-    checked by ``run``)."""
+def _baseline_kernel():
+    try:
+        from dsa_indexer.ops.logits import _baseline
+    except ImportError:
+        return None
+    return _baseline.paged_mqa_logits_triton
+
+
+def sweep(out_dir: str | None = None) -> None:
+    """Cold-L2 graph-replay µs of each decode variant on each sweep shape, with its calc_diff against
+    the default variant's output (checked against the reference by ``run`` and the tests); prints a table
+    last and writes ``logits_sweep.json`` to ``out_dir`` when given."""
+    import json
+    import os
+
+    ceilings = harness.measure_ceilings()
+    baseline = _baseline_kernel()
     gen = torch.Generator().manual_seed(1)
-    for fmt in ("fp8", "mxfp4"):
+    rows = []
+    for fmt in ("mxfp4", "fp8"):
         cache = _decode_pool(fmt, 32 * 2048 + 64)
-        for (case_fmt, batch, length, next_n), candidates in DECODE_CANDIDATES.items():
+        for case_fmt, batch, length, next_n in SWEEP_CASES:
             if case_fmt != fmt:
                 continue
             _, _, _, _, args = _decode_case(cache, batch, length, next_n, gen)
-            out = torch.empty((batch * next_n, length), device="cuda")
             moved = batch * length * (132 if fmt == "fp8" else 68) + batch * next_n * length * 4
-            print(f"decode {fmt} B={batch} L={length} next_n={next_n} (TB/s)")
-            for config in candidates:
-                us = _cold_graph_us(lambda: kernels.paged_mqa_logits_triton(*args, True, out, config=config))
-                print(f"  {config}: {us:9.1f} us {moved / us / 1e6:6.2f} TB/s", flush=True)
+            floor_us = moved / (ceilings["read_tbs"] * 1e6)
+            expected = torch.empty((batch * next_n, length), device="cuda")
+            kernels.paged_mqa_logits_triton(*args, True, expected)
+            for name, kwargs in SWEEP_VARIANTS[fmt].items():
+                if kwargs is None and baseline is None:
+                    continue
+                out = torch.empty_like(expected)
+                if kwargs is None:
+                    call = lambda: baseline(*args, True, out)  # noqa: E731
+                else:
+                    call = lambda: kernels.paged_mqa_logits_triton(*args, True, out, **kwargs)  # noqa: E731
+                us = _cold_graph_us(call, reps=50)
+                try:
+                    diff = calc_diff(out, expected)
+                except AssertionError as error:  # -inf masks differ
+                    diff = str(error)
+                row = {"fmt": fmt, "B": batch, "L": length, "next_n": next_n, "variant": name, "us": round(us, 2),
+                       "pct_of_floor": round(100 * floor_us / us, 1), "calc_diff_vs_default": diff,
+                       "bits_equal_default": torch.equal(out.view(torch.int32), expected.view(torch.int32))}
+                rows.append(row)
+                print(row, flush=True)
         del cache
         torch.cuda.empty_cache()
+    if out_dir:
+        with open(os.path.join(out_dir, "logits_sweep.json"), "w") as f:
+            json.dump({"ceilings": ceilings, "environment": harness.environment(), "rows": rows}, f, indent=1)
+    print(f"read {ceilings['read_tbs']:.2f} TB/s")
+    print(f"{'fmt':6} {'B':>4} {'L':>7} {'n':>2} {'variant':15} {'us':>9} {'% floor':>8} same bits")
+    for row in rows:
+        print(f"{row['fmt']:6} {row['B']:4} {row['L']:7} {row['next_n']:2} {row['variant']:15} {row['us']:9.1f} "
+              f"{row['pct_of_floor']:8.1f} {row['bits_equal_default']}")
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["sweep"]:
-        sweep()
+    if sys.argv[1:2] == ["sweep"] and len(sys.argv) <= 3:
+        sweep(sys.argv[2] if len(sys.argv) == 3 else None)
     else:
-        sys.exit("usage: python -m dsa_indexer.bench.suite_logits sweep   (the full suite runs through dsa-indexer bench)")
+        sys.exit("usage: python -m dsa_indexer.bench.suite_logits sweep [OUT_DIR]   "
+                 "(the full suite runs through dsa-indexer bench)")

@@ -30,6 +30,17 @@ which spares an interleave: ``_mxfp4_rows_kernel`` writes query rows (and, for p
 keys, which then run through the FP8 kernel) that way, and decode expands each key tile in registers into
 its two halves, contracted by two half-depth dots.
 
+MXFP4 decode expansion on GPUs (``_mxfp4_halves_e4m3``, inline PTX; the Triton operations above stay
+the interpreter's and the upcast path's, and give the same bits). The value of an e2m1 code in a block
+depends on its three magnitude bits and the block's multiplier only, and the sign commutes with the
+round-to-nearest conversions. So each (key, block) gets an 8-entry e4m3 table (the eight magnitudes
+through the same ``mul.rn.f16x2`` and ``cvt.rn.satfinite.e4m3x2.f16x2`` as the Triton path), and each
+packed 32-bit word (8 codes) becomes two words of e4m3 (its 4 even, its 4 odd values) with 9
+instructions: a mask, a shift, two ``prmt`` table lookups (a nibble of the selector picks one of 8
+bytes), two ``prmt`` that de-interleave, and the sign bits OR-ed in. The contraction order of the
+decode dot is permuted (``_dot_order``, the queries alike) so that each thread's share of a key row in
+the wgmma register operand is the four words of one scale block: one table per thread and row.
+
 Upcast path. GPUs without FP8 tensor cores (compute capability < 8.9), or any GPU when the environment
 variable ``DSA_INDEXER_FORCE_UPCAST=1`` is set, read the e4m3 bytes as integers and rebuild fp16 values:
 the seven magnitude bits shifted left by 7 read as fp16 ``value * 2**-8`` (exponent bias 15 instead of
@@ -44,16 +55,19 @@ pipeline. A tile outside every row's ``[ks, ke)`` range does no arithmetic: it w
 Decode schedule. Programs cover (request, group of ``ROWS`` draft rows, key split); a split is
 ``TILES * BLOCK_K`` consecutive positions, ``TILES`` a compile-time power of two picked from host integers
 (``max_context_len``, the batch size, the SM count) so that the grid holds several programs per SM and
-nothing is read back from the device. ``ROWS`` is ``next_n`` rounded up to a power of two, at most 4
-(a larger ``next_n`` runs in groups of four rows, each reading K once). Each program stacks its rows'
-queries into one ``[ROWS * H, D]`` operand loaded once, then streams ``BLOCK_K`` positions at a time
-through a software pipeline: the block-table entries, the key bytes and scales, one dot for all rows
-(so K is read once for all of them), the relu-weighted head sum as a reduction over the last axis of the
-``[BLOCK_K, ROWS, H]`` view of the scores (in registers: within a thread, then across the four lanes
-of a quad), and the logits. It reads positions below its rows' longest length only (a tile past it is
-fully masked and touches no memory); a split past that length writes ``-inf`` (``clean``) or nothing.
+nothing is read back from the device. ``ROWS`` is ``next_n`` rounded up to a power of two, at most the
+configured rows per program (a larger ``next_n`` runs in groups of rows, each group reading K; a
+request's groups of one split have consecutive program ids, so the later reads mostly hit the L2).
+Each program stacks its rows' queries into one ``[ROWS * H, D]`` operand loaded once, then streams
+``BLOCK_K`` positions at a time through a software pipeline: the block-table entries, the key bytes and
+scales, one dot for all rows (so K is read once for all of them), the relu-weighted head sum as a
+reduction over the last axis of the ``[BLOCK_K, ROWS, H]`` view of the scores (in registers: within a
+thread, then across the four lanes of a quad), and the logits. It reads positions below its rows'
+longest length only (a tile past it is fully masked and touches no memory); a split past that length
+writes ``-inf`` (``clean``) or nothing.
 The page size is a compile-time constant, so position -> (page, slot) is a shift and a mask for the
-usual powers of two.
+usual powers of two. MXFP4 scale bytes (two per thread, too few for a cp.async the pipeliner could
+stage) are loaded one tile ahead into registers, their pages two tiles ahead.
 """
 
 from __future__ import annotations
@@ -72,7 +86,6 @@ from ...formats import FP8_DTYPE
 __all__ = ["mqa_logits_triton", "paged_mqa_logits_triton", "FORCE_UPCAST_ENV"]
 
 FORCE_UPCAST_ENV = "DSA_INDEXER_FORCE_UPCAST"
-_MAX_ROWS_PER_PROGRAM = 4
 # Decode score tile ``[BLOCK_K, ROWS * BLOCK_H]``: BLOCK_K shrinks (not below 64, one warpgroup's wgmma
 # rows) to keep it within this many fp32 elements; stacking two rows of 64 heads at 128 keys took 220
 # registers a thread and measured slower than 64 keys (B=32, L=128K, next_n=2 on the H200).
@@ -99,20 +112,104 @@ def _dot_operand(x):
 
 
 @triton.jit
+def _mxfp4_block_scales(scale_bytes):
+    """ue8m0 bytes ``[ROWS, BLOCK_D/32]`` (any integer type) -> (int32 ``[ROWS, BLOCK_D/32]``: the fp16
+    exponent field of each block's multiplier ``2**(14 + e_b - e_max)``, 0 for a dropped block
+    (multiplier +0); fp32 ``[ROWS]`` ``2**e_max``)."""
+    exponent_bytes = scale_bytes.to(tl.int32)
+    top_byte = tl.max(exponent_bytes, axis=1)  # [ROWS]
+    scale_field = tl.maximum(29 - (top_byte[:, None] - exponent_bytes), 0)
+    row_mul = (top_byte << 23).to(tl.float32, bitcast=True)
+    return scale_field, row_mul
+
+
+@triton.jit
 def _mxfp4_halves(packed, scale_bytes, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     """Packed e2m1 ``[ROWS, BLOCK_D/32, 16]`` uint8 and ue8m0 bytes ``[ROWS, BLOCK_D/32]`` -> (even
     elements, odd elements: fp16 ``[ROWS, BLOCK_D/2]`` each, divided by ``2**e_max``; fp32 ``[ROWS]``
     ``2**e_max``). Element ``2i`` is the low nibble of byte ``i``."""
-    exponents = scale_bytes.to(tl.int32) - 127  # [ROWS, BLOCK_D/32]
-    top = tl.max(exponents, axis=1)  # [ROWS]
-    scale_field = tl.maximum(29 - (top[:, None] - exponents), 0)  # [ROWS, BLOCK_D/32]
+    scale_field, row_mul = _mxfp4_block_scales(scale_bytes)
     block_scale = (scale_field << 10).to(tl.int16).to(tl.float16, bitcast=True)[:, :, None]  # [ROWS, BLOCK_D/32, 1]
     bits = packed.to(tl.int32)  # [ROWS, BLOCK_D/32, 16]
     even = (((bits << 12) & 0x8000) | ((bits << 9) & 0x0E00)).to(tl.int16).to(tl.float16, bitcast=True)
     odd = (((bits << 8) & 0x8000) | ((bits << 5) & 0x0E00)).to(tl.int16).to(tl.float16, bitcast=True)
-    row_mul = ((top + 127) << 23).to(tl.float32, bitcast=True)  # [ROWS]
     return (tl.reshape(even * block_scale, (ROWS, BLOCK_D // 2)), tl.reshape(odd * block_scale, (ROWS, BLOCK_D // 2)),
             row_mul)
+
+
+# Per block: e4m3 of the eight e2m1 magnitudes (fp16 ``code << 9``, codes 0..7) times the block's fp16x2
+# multiplier ``$2``, with the instructions of the Triton path (``mul.rn.f16x2``, ``cvt.rn.satfinite``),
+# so each entry has the bits that path gives: ``$0`` holds codes 0..3 (byte i: code i), ``$1`` codes 4..7.
+_E4M3_TABLE_ASM = tl.constexpr("""
+{
+.reg .b32 c<4>, h<4>;
+.reg .b16 e<4>;
+mov.b32 c0, 0x02000000;
+mov.b32 c1, 0x06000400;
+mov.b32 c2, 0x0A000800;
+mov.b32 c3, 0x0E000C00;
+mul.rn.f16x2 h0, c0, $2;
+mul.rn.f16x2 h1, c1, $2;
+mul.rn.f16x2 h2, c2, $2;
+mul.rn.f16x2 h3, c3, $2;
+cvt.rn.satfinite.e4m3x2.f16x2 e0, h0;
+cvt.rn.satfinite.e4m3x2.f16x2 e1, h1;
+cvt.rn.satfinite.e4m3x2.f16x2 e2, h2;
+cvt.rn.satfinite.e4m3x2.f16x2 e3, h3;
+mov.b32 $0, {e0, e1};
+mov.b32 $1, {e2, e3};
+}
+""")
+# One packed word ``$2`` (four bytes of one block, low nibble = even element) -> its four even and four
+# odd e4m3 values (``$0``, ``$1``; byte i from byte i): the three magnitude bits of each nibble index the
+# block's table (``$3``, ``$7``: bytes 0..7) through ``prmt``, the two results are de-interleaved by
+# byte, and each nibble's sign bit is OR-ed into bit 7 (the tables round to nearest, which is symmetric
+# in the sign, -0 included). Nine instructions for eight values.
+_E2M1_EXPAND_ASM = tl.constexpr("""
+{
+.reg .b32 m, mh, p0, p1, sl;
+and.b32 m, $2, 0x77777777;
+shr.b32 mh, m, 16;
+prmt.b32 p0, $3, $7, m;
+prmt.b32 p1, $3, $7, mh;
+prmt.b32 $0, p0, p1, 0x6420;
+prmt.b32 $1, p0, p1, 0x7531;
+shl.b32 sl, $2, 4;
+lop3.b32 $0, $0, sl, 0x80808080, 0xF8;
+lop3.b32 $1, $1, $2, 0x80808080, 0xF8;
+}
+""")
+
+
+@triton.jit
+def _mxfp4_halves_e4m3(packed, scale_bytes):
+    """GPU twin of ``_mxfp4_halves`` followed by the e4m3 conversion, bit for bit, in inline PTX: packed
+    ``[ROWS, BLOCK_D/32, 16]`` uint8 -> (even, odd: e4m3 ``[ROWS, BLOCK_D/32, 16]``; fp32 ``[ROWS]``)."""
+    scale_field, row_mul = _mxfp4_block_scales(scale_bytes)
+    scale_pair = scale_field * 0x04000400  # [ROWS, BLOCK_D/32] fp16x2 bits (multiplier, multiplier)
+    table_low, table_high = tl.inline_asm_elementwise(
+        _E4M3_TABLE_ASM, "=r,=r,r", [scale_pair], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+    even, odd = tl.inline_asm_elementwise(
+        _E2M1_EXPAND_ASM, "=r,=r,r,r,r,r,r,r,r,r,r",
+        [packed, table_low[:, :, None], table_high[:, :, None]],
+        dtype=(tl.float8e4nv, tl.float8e4nv), is_pure=True, pack=4)
+    return even, odd, row_mul
+
+
+@triton.jit
+def _dot_order(x, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """De-interleaved half ``[ROWS, BLOCK_D/2]`` (or ``[ROWS, BLOCK_D/32, 16]``) -> the same values in
+    the contraction order of the decode dot: position ``16i + 4b + j`` (``i`` < 4, ``j`` < 4, ``b`` < the
+    block count) holds half element ``16b + 4i + j``."""
+    blocks = tl.reshape(x, (ROWS, BLOCK_D // 32, 4, 4))
+    return tl.reshape(tl.permute(blocks, (0, 2, 1, 3)), (ROWS, BLOCK_D // 2))
+
+
+@triton.jit
+def _dot_order_source(BLOCK_D: tl.constexpr):
+    """``[BLOCK_D/2]``: the de-interleaved half element at each position of ``_dot_order``."""
+    position = tl.arange(0, BLOCK_D // 2)
+    return 16 * ((position // 4) % (BLOCK_D // 32)) + 4 * (position // (BLOCK_D // 8)) + position % 4
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -194,6 +291,31 @@ def _mqa_logits_kernel(
                      mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _mxfp4_scales_at(cache_ptr, page, page_stride, positions, live, DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_SIZE: tl.constexpr):
+    """ue8m0 bytes ``[BLOCK_K, BLOCK_D/32]`` of the keys at ``positions`` (their pages ``page``; 0 where
+    not ``live``)."""
+    block = tl.arange(0, BLOCK_D // 32)
+    slot = (positions.to(tl.uint32) % BLOCK_SIZE).to(tl.int32)
+    scale_row = page.to(tl.int64) * page_stride + BLOCK_SIZE * (DIM // 2) + slot * (DIM // 32)  # [BLOCK_K]
+    if DIM == BLOCK_D:
+        mask = live[:, None]
+    else:
+        mask = live[:, None] & (block < DIM // 32)[None, :]
+    return tl.load(cache_ptr + scale_row[:, None] + block[None, :], mask=mask, other=0)
+
+
+@triton.jit
+def _mxfp4_tile_scales(table_row, cache_ptr, page_stride, first, read_end, DIM: tl.constexpr,
+                       BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``_mxfp4_scales_at`` for the tile of positions ``[first, first + BLOCK_K)``, its pages read here."""
+    positions = first + tl.arange(0, BLOCK_K)
+    live = positions < read_end
+    page = tl.load(table_row + positions.to(tl.uint32) // BLOCK_SIZE, mask=live, other=0)
+    return _mxfp4_scales_at(cache_ptr, page, page_stride, positions, live, DIM, BLOCK_D, BLOCK_SIZE)
+
+
 @triton.jit(do_not_specialize=["next_n", "one_d", "max_context_len", "num_splits", "num_groups"])
 def _paged_mqa_logits_kernel(
     q_ptr, stride_qb, stride_qt, stride_qh,
@@ -206,20 +328,23 @@ def _paged_mqa_logits_kernel(
     HEADS: tl.constexpr, BLOCK_H: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr,
     NUM_STAGES: tl.constexpr,
-    CLEAN: tl.constexpr, MXFP4: tl.constexpr, UPCAST: tl.constexpr,
+    CLEAN: tl.constexpr, MXFP4: tl.constexpr, UPCAST: tl.constexpr, EXPAND_PTX: tl.constexpr,
 ):
     """Draft rows ``[t0, t0 + ROWS)`` of one request over one split of ``TILES * BLOCK_K`` positions.
 
     The rows' queries are stacked into one ``[ROWS * BLOCK_H, D]`` operand: one dot per key tile gives
     every (key, row, head) score, and the head sum is a reduction over the last axis of its
     ``[BLOCK_K, ROWS, BLOCK_H]`` view. MXFP4 queries come de-interleaved (``_mxfp4_rows_kernel``) and the
-    key tile is expanded the same way, so the dot is two half-depth dots accumulating.
+    key tile is expanded the same way, so the dot is two half-depth dots accumulating; both operands are
+    put in ``_dot_order`` (with ``EXPAND_PTX``, each thread's share of a key row is one scale block).
+    Program ids run over (request, split, row group), row groups fastest: a request's row groups read
+    the same keys close together in time (the second reads hit the L2).
     """
     pid = tl.program_id(0)
-    split = pid % num_splits
-    group = pid // num_splits
-    request = group // num_groups
-    t0 = (group % num_groups) * ROWS
+    request_split = pid // num_groups
+    split = request_split % num_splits
+    request = request_split // num_splits
+    t0 = (pid % num_groups) * ROWS
     stacked = tl.arange(0, ROWS * BLOCK_H)
     stacked_t = t0 + stacked // BLOCK_H  # [ROWS * BLOCK_H] draft row of each stacked query
     head = stacked % BLOCK_H
@@ -234,7 +359,7 @@ def _paged_mqa_logits_kernel(
     extent = tl.max(lengths, axis=0)
     out_rows = out_ptr + (request.to(tl.int64) * next_n + t) * stride_or  # [ROWS]
     if MXFP4:
-        half = tl.arange(0, BLOCK_D // 2)
+        half = _dot_order_source(BLOCK_D)
         half_ok = query_ok[:, None] & (half < DIM // 2)[None, :]
         q_even = _dot_operand(tl.load(query_rows[:, None] + half[None, :], mask=half_ok, other=0.0))
         q_odd = _dot_operand(tl.load(query_rows[:, None] + DIM // 2 + half[None, :], mask=half_ok, other=0.0))
@@ -249,6 +374,14 @@ def _paged_mqa_logits_kernel(
     read_end = tl.minimum(split_end, extent)
     table_row = table_ptr + request.to(tl.int64) * stride_tb
     if split_start < read_end:
+        if MXFP4:
+            # Scale bytes are 2 per thread, too few for a cp.async the pipeliner could stage: they are
+            # loaded one tile ahead into registers (and their page two tiles ahead), off the critical path.
+            next_scales = _mxfp4_tile_scales(table_row, cache_ptr, page_stride, split_start, read_end,
+                                             DIM, BLOCK_D, BLOCK_SIZE, BLOCK_K)
+            next_positions = split_start + BLOCK_K + tl.arange(0, BLOCK_K)
+            next_page = tl.load(table_row + next_positions.to(tl.uint32) // BLOCK_SIZE,
+                                mask=next_positions < read_end, other=0)
         for tile in tl.range(0, TILES, num_stages=NUM_STAGES):
             positions = split_start + tile * BLOCK_K + tl.arange(0, BLOCK_K)  # [BLOCK_K]
             live = positions < read_end
@@ -263,13 +396,21 @@ def _paged_mqa_logits_kernel(
                 row_bytes = page_start + slot * (DIM // 2)  # [BLOCK_K]
                 packed = tl.load(cache_ptr + row_bytes[:, None, None] + block[None, :, None] * 16 + byte[None, None, :],
                                  mask=live[:, None, None] & block_ok[None, :, None], other=0)  # [BLOCK_K, BLOCK_D/32, 16]
-                scale_row = page_start + BLOCK_SIZE * (DIM // 2) + slot * (DIM // 32)  # [BLOCK_K]
-                scale_bytes = tl.load(cache_ptr + scale_row[:, None] + block[None, :],
-                                      mask=live[:, None] & block_ok[None, :], other=0)  # [BLOCK_K, BLOCK_D/32]
-                k_even, k_odd, key_mul = _mxfp4_halves(packed, scale_bytes, BLOCK_K, BLOCK_D)
-                if not UPCAST:
-                    k_even = k_even.to(tl.float8e4nv)
-                    k_odd = k_odd.to(tl.float8e4nv)
+                scale_bytes = next_scales
+                ahead = positions + BLOCK_K
+                next_scales = _mxfp4_scales_at(cache_ptr, next_page, page_stride, ahead, ahead < read_end,
+                                               DIM, BLOCK_D, BLOCK_SIZE)
+                ahead = positions + 2 * BLOCK_K
+                next_page = tl.load(table_row + ahead.to(tl.uint32) // BLOCK_SIZE, mask=ahead < read_end, other=0)
+                if EXPAND_PTX:
+                    k_even, k_odd, key_mul = _mxfp4_halves_e4m3(packed, scale_bytes)
+                else:
+                    k_even, k_odd, key_mul = _mxfp4_halves(packed, scale_bytes, BLOCK_K, BLOCK_D)
+                    if not UPCAST:
+                        k_even = k_even.to(tl.float8e4nv)
+                        k_odd = k_odd.to(tl.float8e4nv)
+                k_even = _dot_order(k_even, BLOCK_K, BLOCK_D)
+                k_odd = _dot_order(k_odd, BLOCK_K, BLOCK_D)
                 scores = tl.dot(k_even, tl.trans(q_even))
                 scores = tl.dot(k_odd, tl.trans(q_odd), scores)  # [BLOCK_K, ROWS * BLOCK_H]
             else:
@@ -331,11 +472,12 @@ def _interpreting() -> bool:
 # tensor-core work); ptxas then keeps only values that are dead during the head loop in local memory.
 PREFILL_CONFIG = (64, 128, 4, 3, 168)
 _PREFILL_INTERPRETER_CONFIG = (16, 32, 4, 1, None)
-# (BLOCK_K, num_warps, num_stages, programs per SM aimed at, key tiles per split min/max, register cap)
-# of the decode kernel on GPUs by key format, and on the interpreter. MXFP4 tiles are 64 keys: at 128 the
-# expanded keys reach the tensor cores through a shared-memory relayout (~270 extra instructions a tile).
-DECODE_CONFIG = {"fp8": (128, 4, 3, 8, 2, 16, None), "mxfp4": (64, 4, 3, 8, 4, 32, None)}
-_DECODE_INTERPRETER_CONFIG = (16, 4, 1, 2, 1, 2, None)
+# (BLOCK_K, num_warps, num_stages, programs per SM aimed at, key tiles per split min/max, register cap,
+# draft rows per program at most: a power of two) of the decode kernel on GPUs by key format, and on the
+# interpreter. MXFP4 tiles are 64 keys: at 128 (4 warps) the expanded keys reach the tensor cores through a
+# byte-wise shared-memory relayout (~500 extra instructions a tile).
+DECODE_CONFIG = {"fp8": (128, 4, 3, 8, 2, 16, None, 4), "mxfp4": (64, 4, 3, 8, 4, 32, None, 4)}
+_DECODE_INTERPRETER_CONFIG = (16, 4, 1, 2, 1, 2, None, 4)
 
 
 def _mxfp4_rows(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -432,11 +574,14 @@ def paged_mqa_logits_triton(
     clean: bool,
     out: torch.Tensor,
     *,
-    config: tuple[int, int, int, int, int, int] | None = None,
+    config: tuple[int, int, int, int, int, int, int | None, int] | None = None,
+    expand_ptx: bool | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``reference.paged_mqa_logits`` (same arguments, validated by the public wrapper).
 
-    ``config`` overrides ``DECODE_CONFIG`` (benchmarks).
+    ``config`` overrides ``DECODE_CONFIG`` (benchmarks). ``expand_ptx`` picks the MXFP4 key expansion:
+    inline PTX (True; e4m3 dots on a GPU only) or Triton operations (False); the default is PTX wherever
+    it can run. Both give the same bits.
     """
     batch, next_n = q.shape[:2]
     heads = weights.shape[1]
@@ -460,10 +605,14 @@ def paged_mqa_logits_triton(
         values = buffer if upcast else buffer.view(FP8_DTYPE)
         if upcast:
             q_values = q_values.view(torch.uint8)
-    block_k, num_warps, num_stages, per_sm, lo, hi, maxnreg = config or (
+    block_k, num_warps, num_stages, per_sm, lo, hi, maxnreg, max_rows = config or (
         _DECODE_INTERPRETER_CONFIG if _interpreting() else DECODE_CONFIG[cache.fmt]
     )
-    rows = triton.next_power_of_2(min(next_n, _MAX_ROWS_PER_PROGRAM))
+    if expand_ptx is None:
+        expand_ptx = not (_interpreting() or upcast)
+    if expand_ptx and (_interpreting() or upcast):
+        raise ValueError("the PTX expansion needs a GPU with e4m3 dots (not the interpreter, not the upcast path)")
+    rows = triton.next_power_of_2(min(next_n, max_rows))
     num_groups = triton.cdiv(next_n, rows)
     block_h = _next_pow2(heads, 16)
     block_k = min(block_k, max(64, _MAX_SCORE_TILE // (rows * block_h)))
@@ -482,7 +631,7 @@ def paged_mqa_logits_triton(
         next_n, int(one_d), max_context_len, num_splits, num_groups,
         HEADS=heads, BLOCK_H=block_h, DIM=dim, BLOCK_D=_next_pow2(dim, 32),
         BLOCK_SIZE=cache.block_size, ROWS=rows, BLOCK_K=block_k, TILES=tiles, NUM_STAGES=num_stages,
-        CLEAN=clean, MXFP4=mxfp4, UPCAST=upcast,
+        CLEAN=clean, MXFP4=mxfp4, UPCAST=upcast, EXPAND_PTX=mxfp4 and expand_ptx,
         num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg,
     )
     return out
