@@ -1,8 +1,10 @@
 """Triton top-k kernels against the reference: bitwise equal outputs on adversarial rows, every path.
 
 The interpreter tests shrink the kernels' tuning (``TopkConfig``) so that tiny rows reach the split
-path (group maxima, candidate buffer in registers and in memory, chunked emit with look-back) as well
-as the one-program-per-row path. GPU tests use the default tuning at realistic sizes.
+path (group maxima, candidate buffer in registers and in memory, chunked emit with look-back), the
+streaming row programs (lower bound with and without the early stop, candidates in registers and in
+memory, emit from the candidates or from the row) and the whole-row programs. GPU tests use the
+default tuning at realistic sizes, with each wide-row path forced in turn.
 """
 
 from __future__ import annotations
@@ -22,7 +24,16 @@ TopkConfig = triton_impl.TopkConfig
 POISON = -777
 # Widths above 16 take the split path: 16-column chunks, at most 16 group maxima per row (so groups of
 # 2, 4, 8 columns as rows widen), at most 8 candidates searched in registers.
-SPLIT = TopkConfig(row_block_max=16, chunk=16, group_tile=16, candidate_block=8)
+SPLIT = TopkConfig(row_block_max=16, row_program_rows=1 << 30, chunk=16, group_tile=16, candidate_block=8)
+# Widths above 16 take streaming row programs: 16-column steps, at most 16 group maxima, 8 candidates in
+# registers. STREAM_LOOSE stops the lower-bound search early (up to 4k maxima above it).
+STREAM = TopkConfig(row_block_max=16, row_program_rows=1, stream_tile=16, group_tile=16, candidate_block=8)
+STREAM_LOOSE = TopkConfig(row_block_max=16, row_program_rows=1, stream_tile=16, group_tile=16, candidate_block=8,
+                          bound_slack=3.0)
+WIDE = [SPLIT, STREAM, STREAM_LOOSE]
+WIDE_IDS = ["split", "stream", "stream_loose"]
+GPU_SPLIT = TopkConfig(row_program_rows=1 << 30)
+GPU_STREAM = TopkConfig(row_program_rows=1)
 ROW = TopkConfig()
 ONE_ROW = TopkConfig(row_elements=16)  # one row per whole-row program
 
@@ -73,14 +84,38 @@ def test_generators_row_path(kernel_device, name):
         assert_same(garbage, k, starts, ends, ONE_ROW if k == 9 else ROW)
 
 
+@pytest.mark.parametrize("config", WIDE, ids=WIDE_IDS)
 @pytest.mark.parametrize("name", sorted(ADVERSARIAL_GENERATORS))
-def test_generators_split_path(kernel_device, name):
+def test_generators_wide_paths(kernel_device, name, config):
     # Width 70: 5 chunks, groups of 8. k=3: the candidates (> T_low, at most 16) may exceed the
     # 8-register tile. k=12 > 10 groups: T_low is NONE and every selectable entry is a candidate.
     logits = ADVERSARIAL_GENERATORS[name]((2, 70), 12, kernel_device)
     ends = torch.tensor([70, 53], dtype=torch.int32, device=kernel_device)
-    assert_same(with_garbage_past_ends(logits, ends), 3, None, ends, SPLIT)
-    assert_same(logits, 12, None, None, SPLIT)
+    assert_same(with_garbage_past_ends(logits, ends), 3, None, ends, config)
+    assert_same(logits, 12, None, None, config)
+
+
+@pytest.mark.parametrize("k", [3, 5])
+def test_stream_strict_bound(kernel_device, k):
+    # Group maxima (groups of 4 columns) tie at the k-th largest one, so the lower bound is exact and
+    # strict: k=3 finds T among the 4 candidates above it, k=5 takes ties of the bound from the row.
+    groups = [[9.0, 8.0, 7.0, 6.0], [1.0, 0.0, 1.0, 1.0]] + [[1.0, 0.5, 0.0, 1.0]] * 6
+    logits = torch.tensor([sum(groups, []), sum(groups[::-1], [])], device=kernel_device)
+    assert_same(logits, k, None, None, TopkConfig(row_block_max=16, row_program_rows=1, stream_tile=16,
+                                                    group_tile=8, candidate_block=8, bound_slack=0.0))
+
+
+@pytest.mark.parametrize("num_rows", [2, 3])
+def test_wide_path_rule(kernel_device, monkeypatch, num_rows):
+    # Wide rows take streaming row programs from `row_program_rows` rows on, the split path below.
+    config = TopkConfig(row_block_max=16, row_program_rows=3, stream_tile=16, chunk=16, group_tile=16)
+    launched = []
+    for name in ("_launch_split", "_launch_row_programs"):
+        launch = getattr(triton_impl, name)
+        monkeypatch.setattr(triton_impl, name,
+                            lambda *args, _launch=launch, _name=name: launched.append(_name) or _launch(*args))
+    assert_same(tie_heavy(num_rows, 40, 1, kernel_device), 5, None, None, config)
+    assert launched == ["_launch_split" if num_rows < 3 else "_launch_row_programs"]
 
 
 def tie_heavy(num_rows, width, seed, device):
@@ -94,13 +129,14 @@ def tie_heavy(num_rows, width, seed, device):
     return values.to(device)
 
 
+@pytest.mark.parametrize("config", WIDE, ids=WIDE_IDS)
 @pytest.mark.parametrize("k", [1, 4, 15, 16, 17, 33])
-def test_lengths_around_split_thresholds(kernel_device, k):
-    # Row lengths at and around k, the chunk (16) and its multiples, with garbage past each end.
+def test_lengths_around_wide_thresholds(kernel_device, k, config):
+    # Row lengths at and around k, the chunk / stream tile (16) and its multiples, with garbage past each end.
     lengths = [0, 1, 15, 16, 17, 31, 32, 33, 48, 49, 57]
     ends = torch.tensor(lengths, dtype=torch.int32, device=kernel_device)
     logits = with_garbage_past_ends(tie_heavy(len(lengths), 57, k, kernel_device), ends)
-    assert_same(logits, k, None, ends, SPLIT)
+    assert_same(logits, k, None, ends, config)
 
 
 @pytest.mark.parametrize("k", [1, 7, 8, 9, 31, 32, 33, 64])
@@ -118,12 +154,13 @@ def test_value_order_details(kernel_device):
     # -0.0 == +0.0, +inf first, -inf/NaN never, subnormals and extremes ordered by value.
     row = [0.0, -0.0, math.inf, -math.inf, math.nan, 1e-45, -1e-45, 3.4e38, -3.4e38, 0.0, -0.0, -math.nan]
     logits = torch.tensor([row, row[::-1]], dtype=torch.float32, device=kernel_device)
-    for config in (ROW, TopkConfig(row_block_max=8, chunk=8, group_tile=8, candidate_block=8)):
+    tiny = dict(row_block_max=8, chunk=8, stream_tile=8, group_tile=8, candidate_block=8)
+    for config in (ROW, TopkConfig(row_program_rows=3, **tiny), TopkConfig(row_program_rows=1, **tiny)):
         for k in (1, 2, 3, 5, 8, 12):
             assert_same(logits, k, None, None, config)
 
 
-@pytest.mark.parametrize("config", [ROW, SPLIT], ids=["row", "split"])
+@pytest.mark.parametrize("config", [ROW, SPLIT, STREAM], ids=["row", "split", "stream"])
 def test_strided_offset_and_expanded_views(kernel_device, config):
     base = tie_heavy(6, 90, 3, kernel_device)
     views = {
@@ -137,7 +174,7 @@ def test_strided_offset_and_expanded_views(kernel_device, config):
         assert_same(view, 2 if name.startswith("expanded") else 20, None, None, config)
 
 
-@pytest.mark.parametrize("config", [ROW, SPLIT], ids=["row", "split"])
+@pytest.mark.parametrize("config", [ROW, SPLIT, STREAM], ids=["row", "split", "stream"])
 def test_empty_and_oversized(kernel_device, config):
     empty_rows = torch.empty((0, 30), device=kernel_device)
     assert triton_topk(empty_rows, 4, config=config).shape == (0, 4)
@@ -148,7 +185,7 @@ def test_empty_and_oversized(kernel_device, config):
     assert_same(logits, 50, None, None, config)
 
 
-@pytest.mark.parametrize("config", [ROW, SPLIT], ids=["row", "split"])
+@pytest.mark.parametrize("config", [ROW, SPLIT, STREAM], ids=["row", "split", "stream"])
 def test_out_with_padded_rows_keeps_the_tail(kernel_device, config):
     logits = tie_heavy(4, 40, 6, kernel_device)
     buffer = torch.full((4, 12), POISON, dtype=torch.int32, device=kernel_device)
@@ -158,7 +195,7 @@ def test_out_with_padded_rows_keeps_the_tail(kernel_device, config):
     assert bool((buffer[:, 9:] == POISON).all())
 
 
-@pytest.mark.parametrize("config", [ROW, SPLIT], ids=["row", "split"])
+@pytest.mark.parametrize("config", [ROW, SPLIT, STREAM], ids=["row", "split", "stream"])
 def test_decode_lengths_on_device(kernel_device, config):
     next_n, k = 2, 5
     logits = tie_heavy(8, 40, 8, kernel_device)
@@ -201,16 +238,17 @@ def decode_lengths(num_rows, width, seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [GPU_SPLIT, GPU_STREAM], ids=["split", "stream"])
 @pytest.mark.parametrize("name", sorted(ADVERSARIAL_GENERATORS))
 @pytest.mark.parametrize("width, num_rows", [(131072, 4), (1 << 20, 2)])
-def test_gpu_generators_long_rows(name, width, num_rows):
+def test_gpu_generators_long_rows(name, width, num_rows, config):
     logits = ADVERSARIAL_GENERATORS[name]((num_rows, width), 21, "cuda")
     ends = decode_lengths(num_rows, width, 3).cuda()
     garbage = with_garbage_past_ends(logits, ends)
     for k in (2048, 512):
-        got = assert_same(garbage, k, None, ends)
+        got = assert_same(garbage, k, None, ends, config)
         assert count_topk_errors(logits, got, k, ends=ends) == 0
-    assert_same(logits, 2048)
+    assert_same(logits, 2048, None, None, config)
 
 
 @pytest.mark.gpu
@@ -225,16 +263,18 @@ def test_gpu_generators_prefill_rows(name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [GPU_SPLIT, GPU_STREAM], ids=["split", "stream"])
 @pytest.mark.parametrize("width", [8191, 8192, 8193, 12288, 16385, 40000])
-def test_gpu_widths_around_paths(width):
+def test_gpu_widths_around_paths(width, config):
     logits = ADVERSARIAL_GENERATORS["relu_sum"]((6, width), width, "cuda")
     lengths = torch.tensor([0, 2047, 2048, 2049, 4097, width], dtype=torch.int32, device="cuda")
     for k in (2048, 512):
-        assert_same(logits, k, None, lengths)
+        assert_same(logits, k, None, lengths, config)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [ROW, TopkConfig(row_block_max=16, chunk=64)], ids=["row", "split"])
+@pytest.mark.parametrize("config", [ROW, TopkConfig(row_block_max=16, row_program_rows=1 << 30, chunk=64),
+                                    TopkConfig(row_block_max=16, stream_tile=64)], ids=["row", "split", "stream"])
 def test_gpu_more_than_65535_rows(config):
     logits = tie_heavy(70000, 100, 5, "cuda")
     starts, ends = random_window(70000, 100, 7, "cuda")
@@ -242,16 +282,17 @@ def test_gpu_more_than_65535_rows(config):
 
 
 @pytest.mark.gpu
-def test_gpu_reruns_are_bitwise_equal():
+@pytest.mark.parametrize("config", [GPU_SPLIT, GPU_STREAM], ids=["split", "stream"])
+def test_gpu_reruns_are_bitwise_equal(config):
     logits = torch.cat([ADVERSARIAL_GENERATORS["one_bin"]((4, 131072), 1, "cuda"),
                         torch.randn(4, 131072, device="cuda")])
     ends = decode_lengths(8, 131072, 4).cuda()
-    first = triton_topk(logits, 2048, None, ends)
+    first = triton_topk(logits, 2048, None, ends, config)
     prefill = torch.randn(256, 8192, device="cuda")
-    first_prefill = triton_topk(prefill, 2048)
+    first_prefill = triton_topk(prefill, 2048, config=config)
     for _ in range(20):
-        assert torch.equal(triton_topk(logits, 2048, None, ends), first)
-        assert torch.equal(triton_topk(prefill, 2048), first_prefill)
+        assert torch.equal(triton_topk(logits, 2048, None, ends, config), first)
+        assert torch.equal(triton_topk(prefill, 2048, config=config), first_prefill)
 
 
 @pytest.mark.gpu
@@ -264,15 +305,16 @@ def test_gpu_out_with_padded_rows_keeps_the_tail():
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_replay_with_new_lengths():
+@pytest.mark.parametrize("config", [GPU_SPLIT, GPU_STREAM], ids=["split", "stream"])
+def test_gpu_cuda_graph_replay_with_new_lengths(config):
     num_requests, next_n, width, k = 3, 2, 65536, 2048
     logits = torch.randn(num_requests * next_n, width, device="cuda")
     seq_lens = torch.tensor([width, 100, 40000], dtype=torch.int32, device="cuda")
     out = torch.empty((num_requests * next_n, k), dtype=torch.int32, device="cuda")
-    triton_impl.topk_decode_triton(logits, seq_lens, next_n, k, out)
+    triton_impl.topk_decode_triton(logits, seq_lens, next_n, k, out, config=config)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        triton_impl.topk_decode_triton(logits, seq_lens, next_n, k, out)
+        triton_impl.topk_decode_triton(logits, seq_lens, next_n, k, out, config=config)
     for trial in range(3):
         logits.copy_(ADVERSARIAL_GENERATORS["relu_sum"]((num_requests * next_n, width), trial, "cuda"))
         seq_lens.copy_(decode_lengths(num_requests, width, trial).cuda() // (trial + 1))

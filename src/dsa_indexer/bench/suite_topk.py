@@ -10,9 +10,15 @@ Before timing, every shape is checked: the Triton output must equal the referenc
 graph that cycles through copies of the inputs totalling more than 4x the L2, so every call starts
 cold; ``warm_us`` replays one input (L2-resident when it fits). Floor: the valid logits read once at
 the measured read bandwidth.
+
+``python -m dsa_indexer.bench.suite_topk sweep [OUT_JSON]`` times the tuning variants of ``_sweep_configs``
+on the same shapes.
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import torch
 
@@ -99,40 +105,90 @@ def run(ceilings: dict[str, float]) -> list[dict]:
     return rows
 
 
-def sweep() -> None:
-    """Tuning variants on three shapes (``python -m dsa_indexer.bench.suite_topk``): cold µs per config, then
-    registers and spills of every compiled top-k kernel."""
+def _sweep_configs() -> tuple[dict, dict]:
+    """Decode and prefill variants timed by ``sweep`` (names -> ``TopkConfig``): wide rows on the split
+    path or on streaming row programs, prefill rows on whole-row programs of 4 or 8 warps."""
+    from dsa_indexer.ops.topk.triton import TopkConfig
+
+    decode = {
+        "split": TopkConfig(row_program_rows=1 << 30),
+        "stream16": TopkConfig(row_program_rows=1),
+        "stream8": TopkConfig(row_program_rows=1, stream_warps=8),
+        "stream16_t4096": TopkConfig(row_program_rows=1, stream_tile=4096),
+        "stream16_slack05": TopkConfig(row_program_rows=1, bound_slack=0.5),
+        "stream16_slack0": TopkConfig(row_program_rows=1, bound_slack=0.0),
+    }
+    prefill = {"whole_row": TopkConfig(), "whole_row8": TopkConfig(row_warps=8)}
+    return decode, prefill
+
+
+def sweep(out_path: str | None = None) -> None:
+    """Cold µs of every variant of ``_sweep_configs`` on the decode shapes (R in 1/32/64/128, k in 2048/512,
+    every data kind) and the causal 8K prefill (``python -m dsa_indexer.bench.suite_topk sweep [json]``),
+    each checked bitwise against the reference first; then registers and spills of every compiled top-k
+    kernel, and a table of the times last."""
+    import json
+
     from dsa_indexer.ops.topk import triton as kernels
 
-    def split(**kw):
-        return kernels.TopkConfig(**kw)
+    decode_configs, prefill_configs = _sweep_configs()
+    records = []
 
-    cases = [
-        (1, DECODE_L, False, [split(), split(group_tile=4096), split(chunk=4096)]),
-        (128, DECODE_L, False, [split(), split(group_tile=4096), split(chunk=4096)]),
-        (PREFILL_S, PREFILL_S, True, [split(), split(row_warps=8)]),
-    ]
-    k = 2048
-    for num_rows, width, prefill, configs in cases:
-        if prefill:
-            ends = torch.arange(1, width + 1, dtype=torch.int32, device="cuda")
-        else:
-            ends = torch.randint(int(0.8 * width), width + 1, (num_rows,), dtype=torch.int32, device="cuda")
-        logits = torch.randn(num_rows, width, device="cuda")
-        inputs = [logits] + [logits.clone() for _ in range(max(1, ROTATION_BYTES // logits.numel() // 4))]
+    def time_configs(label, logits, k, ends, configs):
+        num_rows = logits.shape[0]
         expected = reference.topk(logits, k, None, ends, torch.empty((num_rows, k), dtype=torch.int32, device="cuda"))
-        for config in configs:
+        copies = max(2, -(-ROTATION_BYTES // logits.numel() // 4))
+        inputs = [logits] + [logits.clone() for _ in range(copies - 1)]
+        times = {}
+        for name, config in configs.items():
             out = torch.empty((num_rows, k), dtype=torch.int32, device="cuda")
-            exact = torch.equal(kernels.topk_triton(logits, k, None, ends, out, config=config), expected)
-            us = _cold_us(lambda x, c=config, o=out: kernels.topk_triton(x, k, None, ends, o, config=c), inputs)
-            print(f"rows={num_rows} width={width} exact={exact} {us:8.1f} us  {config}", flush=True)
-        del inputs, logits
-    for name in ("_topk_row_kernel", "_split_group_max_kernel", "_split_low_bound_kernel",
+            times[name] = None
+            try:
+                exact = torch.equal(kernels.topk_triton(logits, k, None, ends, out, config=config), expected)
+            except Exception as error:  # a variant that fails to build must not stop the sweep
+                print(f"{label} {name}: FAILED {error!r}", flush=True)
+                continue
+            if not exact:
+                print(f"{label} {name}: NOT EXACT", flush=True)
+                continue
+            times[name] = _cold_us(lambda x, c=config, o=out: kernels.topk_triton(x, k, None, ends, o, config=c),
+                                   inputs)
+        print(f"{label}: " + "  ".join(f"{n} {'-' if t is None else f'{t:.1f}'}" for n, t in times.items()), flush=True)
+        records.append({"shape": label, "us": times})
+        del inputs
+
+    for data in DATA:
+        for num_rows in DECODE_ROWS:
+            lengths = torch.randint(int(0.8 * DECODE_L), DECODE_L + 1, (num_rows,),
+                                    generator=torch.Generator().manual_seed(num_rows), dtype=torch.int32).cuda()
+            logits = _clean(_values(data, (num_rows, DECODE_L), num_rows), None, lengths)
+            for k in (2048, 512):
+                time_configs(f"decode R={num_rows} k={k} {data}", logits, k, lengths, decode_configs)
+            del logits
+        if data != "relu_sum":
+            ends = torch.arange(1, PREFILL_S + 1, dtype=torch.int32, device="cuda")
+            logits = _clean(_values(data, (PREFILL_S, PREFILL_S), 7), None, ends)
+            time_configs(f"prefill 8K k=2048 {data}", logits, 2048, ends, prefill_configs)
+            del logits
+        torch.cuda.empty_cache()
+    for name in ("_topk_row_kernel", "_row_program_kernel", "_split_group_max_kernel", "_split_low_bound_kernel",
                  "_split_candidates_kernel", "_split_emit_kernel"):
         for cache in getattr(kernels, name).device_caches.values():
             for compiled in cache[0].values():
                 print(f"{name}: warps={compiled.metadata.num_warps} regs={compiled.n_regs} spills={compiled.n_spills}")
+    if out_path:
+        Path(out_path).write_text(json.dumps({"environment": harness.environment(), "records": records}, indent=1))
+    names = list(decode_configs) + [n for n in prefill_configs if n not in decode_configs]
+    print("\n| shape | " + " | ".join(names) + " |")
+    print("| --- |" + " ---: |" * len(names))
+    for record in records:
+        cells = [record["us"].get(n) for n in names]
+        print(f"| {record['shape']} | " + " | ".join("" if c is None else f"{c:.1f}" for c in cells) + " |")
 
 
 if __name__ == "__main__":
-    sweep()
+    if sys.argv[1:2] == ["sweep"] and len(sys.argv) <= 3:
+        sweep(sys.argv[2] if len(sys.argv) == 3 else None)
+    else:
+        sys.exit("usage: python -m dsa_indexer.bench.suite_topk sweep [OUT_JSON]   "
+                 "(the full suite runs through dsa-indexer bench)")

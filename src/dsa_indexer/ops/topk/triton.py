@@ -22,15 +22,34 @@ count of keys ``>= t | 2**b`` is still ``>= k``. Because ``t``'s bits ``<= b`` a
 moment, setting bit ``b`` of ``u`` is toggling bit ``b`` of the signed key, so the search runs on
 int32 directly. The search starts at the common high bits of ``lo`` (smallest selectable key) and
 ``hi`` (largest key): ``T`` lies in ``[lo, hi]`` and shares them, so only ``bit_length(lo ^ hi)``
-bits are searched (10 for rows whose values share 22 high bits). The split path's searches decide
-two bits per round from the counts at the three thresholds ``t + {1, 2, 3} * 2**b`` (two block
-reductions, the first carrying two counts in 16-bit fields); the whole-row kernel decides one bit
-per round (one block reduction), which is cheaper with its many keys per thread.
+bits are searched (10 for rows whose values share 22 high bits). The searches of 1-D tiles decide
+two bits per round from the counts at the three thresholds ``t + {1, 2, 3} * 2**b`` (one block
+reduction of an int64 holding three 16-bit counts); the whole-row kernel decides one bit per round,
+which is cheaper with its many keys per thread. A search may stop early at a ``t`` that exactly k
+keys reach: the entries ``> t`` plus the first ``k - #(> t)`` entries ``== t`` are then those k
+entries, the same selection as with ``T``. This holds wherever the emit reads the keys that were
+searched (whole rows, candidate buffers of the row programs), not where the split path searches its
+candidates and emits from the row.
 
 Rows of width ``<= row_block_max``: a program holds ``rows_per_program`` whole windows in registers,
 finds each row's ``T`` (the rows share each round's reduction) and emits: one launch, no scratch.
 
-Wider rows (split path, four launches, two full passes over the logits plus a partial one):
+Wider rows, calls of at least ``row_program_rows`` rows (streaming row programs, one launch, no
+atomics): one program per row streams the row once (the next tile's loads in flight while the
+current one is reduced) and stores the maximum of each group of ``GROUP`` consecutive columns. Back
+in registers, the maxima give a lower bound: the search for the k-th largest maximum stops as soon as
+at most ``enough = k + int(k * bound_slack)`` maxima reach its floor ``t``; then ``T >= t`` (k groups
+hold an entry ``>= t``) and the candidates are the entries ``>= t``, at most ``enough * GROUP``. If
+it never gets there, ``t`` is the exact k-th largest maximum and the candidates are the entries
+``> t`` (fewer than k groups hold one, so at most ``(k - 1) * GROUP``). The program compacts the
+qualifying group ids (one scan), re-reads those groups (L2: the row was just streamed) and appends
+their candidates to a per-row buffer in column order (per piece of groups: one scan of per-group
+counts, in-group ranks within a warp). ``T`` is searched among the candidates (in registers up to
+``candidate_block``, else in memory) and the emit is one ordered compaction of the buffer: every
+entry ``>= T`` is a candidate. One case emits from the row instead: an exact, strict bound reached
+by fewer than k candidates, where ``T`` is the bound and its ties are not candidates.
+
+Wider rows, fewer rows (split path, four launches, two full passes over the logits plus a partial one):
 
 1. *Group maxima.* Programs own ``CHUNK`` columns of one row and store the maximum key of each group
    of ``GROUP`` consecutive columns (and clear their chunk's flag for step 4).
@@ -56,7 +75,8 @@ Wider rows (split path, four launches, two full passes over the logits plus a pa
 Step 3 walks the rows in reverse order so that it starts on the rows step 1 left in L2, step 4 in
 forward order for the same reason. All scratch comes from ``torch.empty`` in the wrappers (every word
 is written before it is read); nothing is read back to the host, so the launches are CUDA-graph
-capturable. Scratch per row: ``4 * (group tile + min((k - 1) * GROUP, width) + 8 + flags)`` bytes.
+capturable. Scratch per row: split path ``4 * (group tile + min((k - 1) * GROUP, width) + 8 + flags)``
+bytes; row programs ``4 * (2 * group tile + 2 * min(max(enough, k - 1) * GROUP, width))`` bytes.
 
 Strides: any logits strides (column stride 0 or > 1 included) and any ``out`` strides are honoured in
 the kernels; no copy is made. ``starts``/``ends``/``seq_lens`` are made contiguous (a no-op for the
@@ -98,9 +118,15 @@ class TopkConfig:
     row_elements: register tile of a whole-row program: ``row_elements // tile width`` rows share a
         program (1 to 16; power of two).
     row_warps: most warps of a whole-row program (fewer for small tiles).
+    row_program_rows: wider rows take one streaming program per row when the call has at least this
+        many rows, else the split path.
+    stream_tile: columns per step of a streaming row program (power of two, at most 16384).
+    stream_warps: warps of a streaming row program.
+    bound_slack: a streaming row program's lower-bound search stops once at most
+        ``k + int(k * bound_slack)`` group maxima reach its floor.
     chunk: columns per program on the split path (power of two, at most 16384).
-    group_tile: most group maxima per row on the split path (at most 16384); ``None`` =
-        ``clamp(4k, 1024, 8192)``.
+    group_tile: most group maxima per row (at most 16384); ``None`` = ``clamp(4k, 1024, 8192)`` on the
+        split path, 8192 in streaming row programs.
     candidate_block: candidates searched in registers; ``None`` = ``clamp(2k, 1024, 16384)``.
     split_warps: warps of the split-path chunk programs (the per-row lower-bound program uses 8).
     """
@@ -108,6 +134,10 @@ class TopkConfig:
     row_block_max: int = 8192
     row_elements: int = 8192
     row_warps: int = 4
+    row_program_rows: int = 32
+    stream_tile: int = 8192
+    stream_warps: int = 16
+    bound_slack: float = 0.25
     chunk: int = 2048
     group_tile: int | None = None
     candidate_block: int | None = None
@@ -161,54 +191,77 @@ def _clear_low_bits(lo, rounds):
 
 
 @triton.jit
-def _search_step(keys, t, bit, k):
+def _search_step(keys, t, count, bit, k):
     """Decide bits ``bit + 1`` and ``bit`` of ``t`` (both still clear in the unsigned image): the largest
     of ``t``, ``t + 2**bit``, ``t + 2 * 2**bit``, ``t + 3 * 2**bit`` that ``>= k`` of the 1-D ``keys``
-    reach. Counts of a tile of at most 16384 keys share one int32 (two 16-bit fields)."""
+    reach, with that number (``count`` = ``#(keys >= t)`` on entry). The three counts of a tile of at most
+    16384 keys share one int64 (16-bit fields), so a round costs one block reduction."""
     low = 1 << bit
     first = t ^ low
     second = t ^ (low << 1)
     third = second ^ low
-    counts = tl.sum((keys >= first).to(tl.int32) + ((keys >= second).to(tl.int32) << 16), axis=0)
-    above_third = tl.sum((keys >= third).to(tl.int32), axis=0)
-    t = tl.where((counts & LOW_FIELD) >= k, first, t)
-    t = tl.where((counts >> 16) >= k, second, t)
-    return tl.where(above_third >= k, third, t)
+    packed = tl.sum((keys >= first).to(tl.int64) + ((keys >= second).to(tl.int64) << 16)
+                    + ((keys >= third).to(tl.int64) << 32), axis=0)
+    first_count = (packed & LOW_FIELD).to(tl.int32)
+    second_count = ((packed >> 16) & LOW_FIELD).to(tl.int32)
+    third_count = (packed >> 32).to(tl.int32)
+    reaches_first = first_count >= k
+    t = tl.where(reaches_first, first, t)
+    count = tl.where(reaches_first, first_count, count)
+    reaches_second = second_count >= k
+    t = tl.where(reaches_second, second, t)
+    count = tl.where(reaches_second, second_count, count)
+    reaches_third = third_count >= k
+    t = tl.where(reaches_third, third, t)
+    count = tl.where(reaches_third, third_count, count)
+    return t, count
 
 
 @triton.jit
-def _kth_largest(keys, k):
-    """Largest t with ``#(keys >= t) >= k`` for a 1-D ``keys`` (at most 16384); needs at least k keys
-    other than NONE. Two bits per round."""
-    lo = tl.min(tl.where(keys != NONE, keys, KEY_MAX), axis=0)
+def _kth_largest(keys, k, enough):
+    """``(t, #(keys >= t))`` for a 1-D ``keys`` (at most 16384) holding at least k keys other than NONE:
+    ``t`` is the k-th largest key, or, once the count at the bracket's floor is ``<= enough`` (``>= k``),
+    that floor (so ``enough < k`` always gives the k-th largest). Two bits per round."""
+    selectable = keys != NONE
+    count = tl.sum(selectable.to(tl.int32), axis=0)
+    lo = tl.min(tl.where(selectable, keys, KEY_MAX), axis=0)
     hi = tl.max(keys, axis=0)
     bit = _bit_length(lo ^ hi)
     t = _clear_low_bits(lo, bit)
-    if bit % 2 == 1:
+    if (bit % 2 == 1) & (count > enough):
         bit -= 1
         candidate = t ^ (1 << bit)
-        t = tl.where(tl.sum((keys >= candidate).to(tl.int32), axis=0) >= k, candidate, t)
-    while bit > 0:
+        candidate_count = tl.sum((keys >= candidate).to(tl.int32), axis=0)
+        reaches = candidate_count >= k
+        t = tl.where(reaches, candidate, t)
+        count = tl.where(reaches, candidate_count, count)
+    while (bit > 0) & (count > enough):
         bit -= 2
-        t = _search_step(keys, t, bit, k)
-    return t
+        t, count = _search_step(keys, t, count, bit, k)
+    return t, count
 
 
 @triton.jit
-def _kth_largest_rows(keys, k, active):
-    """``_kth_largest`` of each row of ``keys [ROWS, BLOCK]`` where ``active`` (others: NONE), one bit
-    per round (the whole-row tiles hold many keys per thread: three counts per round would make the
-    rounds arithmetic-bound); the rows share each round's reduction."""
+def _kth_largest_rows(keys, k, active, reaching):
+    """Per row of ``keys [ROWS, BLOCK]`` where ``active`` (others: NONE): a ``t`` that is the k-th
+    largest key or that exactly k keys reach (``reaching [ROWS]`` = ``#(keys != NONE)``). Either
+    selects the same entries (those ``> t`` and the first ``k - #(> t)`` equal to it), so the search
+    stops once every row's count is exactly k. One bit per round (the whole-row tiles hold many keys per
+    thread: three counts per round would make the rounds arithmetic-bound); the rows share each
+    round's reduction."""
     lo = tl.min(tl.where(keys != NONE, keys, KEY_MAX), axis=1)  # [ROWS]
     hi = tl.max(keys, axis=1)  # [ROWS]
     rounds = tl.where(active, _bit_length(lo ^ hi), 0)  # [ROWS]
     t = _clear_low_bits(lo, rounds)
+    reaching = tl.where(active, reaching, k)  # [ROWS] #(keys >= t)
     bit = tl.max(rounds, axis=0)
-    while bit > 0:
+    while (bit > 0) & (tl.max((reaching > k).to(tl.int32), axis=0) > 0):
         bit -= 1
         candidate = t ^ (1 << bit)  # [ROWS]
         count = tl.sum((keys >= candidate[:, None]).to(tl.int32), axis=1)  # [ROWS]
-        t = tl.where((bit < rounds) & (count >= k), candidate, t)
+        take = (bit < rounds) & (count >= k)
+        t = tl.where(take, candidate, t)
+        reaching = tl.where(take, count, reaching)
     return tl.where(active, t, NONE)
 
 
@@ -291,8 +344,9 @@ def _topk_row_kernel(
     inside = columns < length[:, None]  # [ROWS, BLOCK]
     src = logits_ptr + rows.to(tl.int64)[:, None] * stride_row + (start[:, None] + columns).to(tl.int64) * stride_col
     keys = _order_keys(tl.load(src, mask=inside, other=0.0), inside)  # [ROWS, BLOCK]
-    searching = tl.sum((keys != NONE).to(tl.int32), axis=1) > k  # [ROWS]
-    threshold = _kth_largest_rows(keys, k, searching)  # [ROWS]
+    selectable = tl.sum((keys != NONE).to(tl.int32), axis=1)  # [ROWS]
+    searching = selectable > k
+    threshold = _kth_largest_rows(keys, k, searching, selectable)  # [ROWS]
     greater = keys > threshold[:, None]
     equal = (keys == threshold[:, None]) & (keys != NONE)
     counts = greater.to(tl.int32) + (equal.to(tl.int32) << 16)  # [ROWS, BLOCK]
@@ -341,7 +395,7 @@ def _split_low_bound_kernel(
     maxima = tl.load(group_max_ptr + row.to(tl.int64) * GROUP_TILE + tile, mask=tile < num_groups, other=NONE)
     t_low = row * 0 + NONE
     if tl.sum((maxima != NONE).to(tl.int32), axis=0) >= k:
-        t_low = _kth_largest(maxima, k)
+        t_low, _ = _kth_largest(maxima, k, k - 1)
     state_row = state_ptr + row.to(tl.int64) * state_stride
     tl.store(state_row + _T_LOW, t_low)
     tl.store(state_row + _NUM_CANDIDATES, 0)
@@ -387,7 +441,7 @@ def _split_candidates_kernel(
                 if total <= CANDIDATE_BLOCK:
                     tile = tl.arange(0, CANDIDATE_BLOCK)  # [CANDIDATE_BLOCK]
                     candidates = tl.load(cand_row + tile, mask=tile < total, other=NONE, cache_modifier=".cg")
-                    threshold = _kth_largest(candidates, k)
+                    threshold, _ = _kth_largest(candidates, k, k - 1)
                     ties = k - tl.sum((candidates > threshold).to(tl.int32), axis=0)
                 else:
                     threshold = _kth_largest_in_memory(cand_row, total, k, CANDIDATE_BLOCK)
@@ -436,6 +490,146 @@ def _split_emit_kernel(
             taken = base + (total & LOW_FIELD) + tl.minimum(total >> 16, ties_here)
             one = tl.full([1], 0, tl.int32)
             _pad_rows(out_row + tl.zeros([1, 1], tl.int64), out_stride_col, one + taken, one == 0, k, PAD_BLOCK)
+
+
+@triton.jit
+def _reaches(keys, bound, inclusive):
+    """``keys >= bound`` where ``inclusive`` else ``keys > bound``; NONE never reaches."""
+    return ((keys > bound) | ((inclusive != 0) & (keys == bound))) & (keys != NONE)
+
+
+@triton.jit
+def _emit_ordered(keys, columns, threshold, ties, base, out_row, out_stride_col):
+    """Emit the 1-D tile ``keys``/``columns`` (ascending columns, after every earlier tile of the row):
+    entries ``> threshold`` and the first ``ties`` entries ``== threshold`` go to positions ``base, ...``.
+    Returns the next ``base`` and the ties still to take."""
+    greater = keys > threshold
+    equal = (keys == threshold) & (keys != NONE)
+    counts = greater.to(tl.int32) + (equal.to(tl.int32) << 16)
+    total = tl.sum(counts, axis=0)
+    _emit_taken(counts, greater, equal, columns, ties, base, out_row, out_stride_col, 0)
+    ties_taken = tl.minimum(total >> 16, ties)
+    return base + (total & LOW_FIELD) + ties_taken, ties - ties_taken
+
+
+@triton.jit(do_not_specialize=["width", "k", "next_n", "enough", "capacity"])
+def _row_program_kernel(
+    logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, out_ptr, out_stride_row, out_stride_col,
+    groups_ptr, cand_keys_ptr, cand_columns_ptr, capacity, width, k, next_n, enough,
+    HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
+    STREAM_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr,
+):
+    TILE_GROUPS: tl.constexpr = STREAM_TILE // GROUP
+    row = tl.program_id(0)
+    start, length = _row_window(row, row >= 0, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
+    src_row = logits_ptr + row.to(tl.int64) * stride_row
+    maxima_row = groups_ptr + row.to(tl.int64) * (2 * GROUP_TILE)
+    ids_row = maxima_row + GROUP_TILE
+    group_ids = tl.arange(0, TILE_GROUPS)  # [TILE_GROUPS]
+    in_group = tl.arange(0, GROUP)[None, :]  # [1, GROUP]
+    tile_columns = group_ids[:, None] * GROUP + in_group  # [TILE_GROUPS, GROUP]
+
+    # Stream the row once, keeping the next tile's loads in flight while this one is reduced. Full
+    # tiles are loaded under a mask that is uniform per tile (so the loads can be 16 bytes wide), the
+    # last partial tile under the row's length.
+    num_tiles = tl.cdiv(length, STREAM_TILE)
+    full_end = length // STREAM_TILE * STREAM_TILE
+    values = tl.load(src_row + (start + tile_columns).to(tl.int64) * stride_col, mask=tile_columns < full_end,
+                     other=0.0)
+    tile = num_tiles * 0
+    while tile < num_tiles:
+        columns = tile * STREAM_TILE + tile_columns
+        next_columns = columns + STREAM_TILE
+        next_values = tl.load(src_row + (start + next_columns).to(tl.int64) * stride_col,
+                              mask=next_columns < full_end, other=0.0)
+        if tile * STREAM_TILE == full_end:
+            values = tl.load(src_row + (start + columns).to(tl.int64) * stride_col, mask=columns < length, other=0.0)
+        keys = _order_keys(values, columns < length)
+        tl.store(maxima_row + tile * TILE_GROUPS + group_ids, tl.max(keys, axis=1))
+        values = next_values
+        tile += 1
+    tl.debug_barrier()
+
+    # Lower bound: stop as soon as at most `enough` group maxima reach it (candidates >= bound), else
+    # the exact k-th largest maximum (candidates > bound: fewer than k groups hold one).
+    slots = tl.arange(0, GROUP_TILE)  # [GROUP_TILE]
+    maxima = tl.load(maxima_row + slots, mask=slots < num_tiles * TILE_GROUPS, other=NONE, cache_modifier=".cg")
+    bound = row * 0 + NONE
+    inclusive = row * 0 + 1
+    if tl.sum((maxima != NONE).to(tl.int32), axis=0) >= k:
+        bound, reaching = _kth_largest(maxima, k, enough)
+        inclusive = (reaching <= enough).to(tl.int32)
+    qualifies = _reaches(maxima, bound, inclusive).to(tl.int32)
+    num_qualifying = tl.sum(qualifies, axis=0)
+    tl.store(ids_row + tl.cumsum(qualifies, axis=0) - 1, slots, mask=qualifies != 0)
+    tl.debug_barrier()
+
+    # Candidates of the qualifying groups, in column order (groups ascending, then columns in a group).
+    cand_keys_row = cand_keys_ptr + row.to(tl.int64) * capacity
+    cand_columns_row = cand_columns_ptr + row.to(tl.int64) * capacity
+    num_candidates = row * 0
+    piece_first = row * 0
+    ids = tl.load(ids_row + group_ids, mask=group_ids < num_qualifying, other=0, cache_modifier=".cg")
+    while piece_first < num_qualifying:
+        in_piece = piece_first + group_ids < num_qualifying
+        columns = ids[:, None] * GROUP + in_group  # [TILE_GROUPS, GROUP]
+        next_piece = piece_first + TILE_GROUPS + group_ids
+        ids = tl.load(ids_row + next_piece, mask=next_piece < num_qualifying, other=0, cache_modifier=".cg")
+        inside = in_piece[:, None] & (columns < length)
+        keys = _order_keys(tl.load(src_row + (start + columns).to(tl.int64) * stride_col, mask=inside, other=0.0),
+                           inside)
+        is_candidate = _reaches(keys, bound, inclusive).to(tl.int32)
+        per_group = tl.sum(is_candidate, axis=1)  # [TILE_GROUPS]
+        group_first = num_candidates + tl.cumsum(per_group, axis=0) - per_group
+        position = group_first[:, None] + tl.cumsum(is_candidate, axis=1) - 1
+        tl.store(cand_keys_row + position, keys, mask=is_candidate != 0)
+        tl.store(cand_columns_row + position, columns, mask=is_candidate != 0)
+        num_candidates += tl.sum(per_group, axis=0)
+        piece_first += TILE_GROUPS
+    tl.debug_barrier()
+
+    # T and the ties, then the ordered emit: from the candidates, or from the row when T is the bound
+    # itself and its ties (not candidates) are taken.
+    out_row = out_ptr + row.to(tl.int64) * out_stride_row
+    taken = row * 0
+    if (inclusive == 0) & (num_candidates < k):
+        ties = k - num_candidates
+        line = tl.arange(0, STREAM_TILE)
+        line_first = row * 0
+        while line_first < length:
+            line_columns = line_first + line
+            line_inside = line_columns < length
+            line_keys = _order_keys(tl.load(src_row + (start + line_columns).to(tl.int64) * stride_col,
+                                            mask=line_inside, other=0.0), line_inside)
+            taken, ties = _emit_ordered(line_keys, line_columns, bound, ties, taken, out_row, out_stride_col)
+            line_first += STREAM_TILE
+    elif num_candidates <= CANDIDATE_BLOCK:
+        held = tl.arange(0, CANDIDATE_BLOCK)
+        held_keys = tl.load(cand_keys_row + held, mask=held < num_candidates, other=NONE, cache_modifier=".cg")
+        held_columns = tl.load(cand_columns_row + held, mask=held < num_candidates, other=0, cache_modifier=".cg")
+        threshold = row * 0 + NONE
+        ties = row * 0
+        if num_candidates > k:
+            threshold, _ = _kth_largest(held_keys, k, k)
+            ties = k - tl.sum((held_keys > threshold).to(tl.int32), axis=0)
+        taken, ties = _emit_ordered(held_keys, held_columns, threshold, ties, taken, out_row, out_stride_col)
+    else:
+        threshold = row * 0 + NONE
+        ties = row * 0
+        if num_candidates > k:
+            threshold = _kth_largest_in_memory(cand_keys_row, num_candidates, k, CANDIDATE_BLOCK)
+            ties = k - _count_above_in_memory(cand_keys_row, num_candidates, threshold, CANDIDATE_BLOCK)
+        slot = tl.arange(0, CANDIDATE_BLOCK)
+        slot_first = row * 0
+        while slot_first < num_candidates:
+            in_slots = slot_first + slot < num_candidates
+            slot_keys = tl.load(cand_keys_row + slot_first + slot, mask=in_slots, other=NONE, cache_modifier=".cg")
+            slot_columns = tl.load(cand_columns_row + slot_first + slot, mask=in_slots, other=0,
+                                   cache_modifier=".cg")
+            taken, ties = _emit_ordered(slot_keys, slot_columns, threshold, ties, taken, out_row, out_stride_col)
+            slot_first += CANDIDATE_BLOCK
+    one = tl.full([1], 0, tl.int32)
+    _pad_rows(out_row + tl.zeros([1, 1], tl.int64), out_stride_col, one + taken, one == 0, k, PAD_BLOCK)
 
 
 @triton.jit(do_not_specialize=["k", "block_size"])
@@ -520,12 +714,43 @@ def _launch_split(logits, k, bounds, out, next_n, bounds_flags, config):
     )
 
 
+def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, config):
+    num_rows, width = logits.shape
+    stream_tile = config.stream_tile
+    columns = triton.cdiv(width, stream_tile) * stream_tile
+    group_tile_max = config.group_tile or 8192
+    group = 1
+    while columns // group > group_tile_max:
+        group *= 2
+    if group > stream_tile:
+        raise ValueError(f"logits width {width} is too large for the top-k row programs (stream tile {stream_tile})")
+    group_tile = _next_pow2(columns // group)
+    enough = k + int(k * config.bound_slack)
+    capacity = max(1, min(width, max(enough, k - 1) * group))
+    candidate_block = config.candidate_block or min(16384, max(1024, _next_pow2(2 * k)))
+    device = logits.device
+    groups = torch.empty((num_rows, 2 * group_tile), dtype=torch.int32, device=device)
+    cand_keys = torch.empty((num_rows, capacity), dtype=torch.int32, device=device)
+    cand_columns = torch.empty((num_rows, capacity), dtype=torch.int32, device=device)
+    _row_program_kernel[(num_rows,)](
+        logits, logits.stride(0), logits.stride(1), *bounds, out, out.stride(0), out.stride(1),
+        groups, cand_keys, cand_columns, capacity, width, k, next_n, enough,
+        GROUP=group, GROUP_TILE=group_tile, STREAM_TILE=stream_tile, CANDIDATE_BLOCK=candidate_block,
+        PAD_BLOCK=_PAD_BLOCK, num_warps=config.stream_warps, **bounds_flags,
+    )
+
+
 def _launch(logits, k, starts, ends, out, next_n, decode, config):
     num_rows, width = logits.shape
     if num_rows == 0:
         return out
     starts_arg, ends_arg, bounds_flags = _bounds_args(starts, ends, decode, logits)
-    launch = _launch_rows if width <= config.row_block_max else _launch_split
+    if width <= config.row_block_max:
+        launch = _launch_rows
+    elif num_rows >= config.row_program_rows:
+        launch = _launch_row_programs
+    else:
+        launch = _launch_split
     launch(logits, k, (starts_arg, ends_arg), out, next_n, bounds_flags, config)
     return out
 
