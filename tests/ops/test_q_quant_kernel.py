@@ -211,7 +211,7 @@ def _helper_kernel(x_ptr, out_ptr, n, WHICH: tl.constexpr, BLOCK: tl.constexpr, 
     elif WHICH == "mxfp4_exponent":
         tl.store(out_ptr + offsets, q_kernels.mxfp4_exponents(x), mask=mask)
     else:
-        tl.store(out_ptr + offsets, q_kernels.e2m1_codes(x), mask=mask)
+        tl.store(out_ptr + offsets, q_kernels.e2m1_codes(x, INTERPRETER), mask=mask)
 
 
 def apply_helper(which: str, x: torch.Tensor) -> torch.Tensor:

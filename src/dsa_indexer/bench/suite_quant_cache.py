@@ -19,12 +19,18 @@ from dsa_indexer.ops.k_cache.triton import gather_k_triton, insert_k_triton
 from dsa_indexer.ops.q_quant.reference import rope_quant_q_reference
 from dsa_indexer.ops.q_quant.triton import rope_quant_q_triton
 
-ROPE_VARIANTS = [dict(block_heads=64, num_warps=4), dict(block_heads=64, num_warps=8),
-                 dict(block_heads=64, num_warps=2), dict(block_heads=32, num_warps=4)]
-INSERT_VARIANTS = [dict(block_tokens=32, num_warps=4), dict(block_tokens=64, num_warps=4),
-                   dict(block_tokens=32, num_warps=2), dict(block_tokens=64, num_warps=2)]
-GATHER_VARIANTS = [dict(block_rows=64, num_warps=4), dict(block_rows=32, num_warps=2),
-                   dict(block_rows=128, num_warps=4)]
+# Launch variants per format; the first of each list is the wrapper's default.
+ROPE_VARIANTS = {
+    "fp8": [dict(block_heads=64, num_warps=8), dict(block_heads=64, num_warps=4), dict(block_heads=32, num_warps=4)],
+    "mxfp4": [dict(block_heads=64, num_warps=4), dict(block_heads=64, num_warps=8), dict(block_heads=32, num_warps=4),
+              dict(block_heads=64, num_warps=2)],
+}
+INSERT_VARIANTS = {
+    "fp8": [dict(block_tokens=32, num_warps=4), dict(block_tokens=64, num_warps=4)],
+    "mxfp4": [dict(block_tokens=32, num_warps=4), dict(block_tokens=64, num_warps=4),
+              dict(block_tokens=32, num_warps=2), dict(block_tokens=64, num_warps=8)],
+}
+GATHER_VARIANTS = [dict(block_rows=64, num_warps=4), dict(block_rows=128, num_warps=4)]
 
 
 def _bytes_equal(a, b) -> bool:
@@ -61,7 +67,7 @@ def _rope_quant_q(copy_tbs) -> list[dict]:
                  + out_bytes + num_tokens * num_heads * 4)
         reference_us = harness.median_us(lambda: rope_quant_q_reference(*args, **options))
         shape = dict(T=num_tokens, H=num_heads, D=head_dim, fmt=fmt, style=rope_style, position=rope_position)
-        rows += _rows("rope_quant_q", shape, moved, ROPE_VARIANTS,
+        rows += _rows("rope_quant_q", shape, moved, ROPE_VARIANTS[fmt],
                       lambda **knobs: rope_quant_q_triton(*args, **options, **knobs), reference_us, copy_tbs)
     return rows
 
@@ -90,7 +96,7 @@ def _insert_k(copy_tbs) -> list[dict]:
         moved = k.numel() * 2 + slots.numel() * 8 + num_tokens * cache.bytes_per_token
         reference_us = harness.median_us(lambda: insert_k_reference(k, twin, slots, **options))
         shape = dict(T=num_tokens, D=head_dim, block_size=block_size, fmt=fmt)
-        rows += _rows("insert_k", shape, moved, INSERT_VARIANTS,
+        rows += _rows("insert_k", shape, moved, INSERT_VARIANTS[fmt],
                       lambda **knobs: insert_k_triton(k, cache, slots, **options, **knobs), reference_us, copy_tbs)
         del cache, twin
     return rows

@@ -14,6 +14,10 @@ the host, which would put a CPU round trip inside the timed region).
   as overhead). Stage records time the two kernels alone.
 - apply_candidate_mask: the same rows and the 2048 chosen blocks: writes -inf on every masked
   column (the kept ones are not touched), reads the candidate ids.
+- indices_to_slots (kernel owned by ``ops/topk``): 16384 top-2048 rows of 256 requests with 64K-token
+  contexts in pages of 64 (a 1 MiB block table, L2-resident): reads the int32 indices (about 3% of
+  them -1 padding) and writes the int32 slots, 256 MiB in all; the table and the row-to-request map
+  are counted once.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from dsa_indexer.ops.candidates import triton as candidates_triton
 from dsa_indexer.ops.candidates.reference import apply_candidate_mask_reference, select_candidate_blocks_reference
 from dsa_indexer.ops.seq_pack.reference import pack_seq_reference, unpack_seq_reference
 from dsa_indexer.ops.seq_pack.triton import pack_seq_triton, unpack_seq_triton
+from dsa_indexer.ops.topk.reference import indices_to_slots as indices_to_slots_reference
+from dsa_indexer.ops.topk.triton import indices_to_slots_triton
 
 MIB = 1 << 20
 
@@ -110,9 +116,29 @@ def _bench_candidates(ceilings, generator, num_rows: int, *, with_torch: bool, s
     return rows
 
 
+def _bench_indices_to_slots(ceilings, generator) -> list[dict]:
+    num_rows, k, num_requests, context, block_size = 16384, 2048, 256, 65536, 64
+    pages = context // block_size
+    indices = torch.randint(0, context, (num_rows, k), device="cuda", generator=generator, dtype=torch.int32)
+    padding = torch.rand((num_rows, k), device="cuda", generator=generator) < 0.03
+    indices = torch.where(padding, -1, indices)
+    table = torch.randperm(num_requests * pages, device="cuda", generator=generator).to(torch.int32)
+    table = table.view(num_requests, pages)
+    row_to_request = torch.arange(num_rows, device="cuda", dtype=torch.int32) // (num_rows // num_requests)
+    args = (indices, table, block_size, row_to_request)
+    if not torch.equal(indices_to_slots_triton(*args), indices_to_slots_reference(*args)):
+        raise AssertionError("indices_to_slots: Triton slots differ from the reference")
+    moved = 2 * indices.numel() * 4 + table.numel() * 4 + row_to_request.numel() * 4
+    shape = {"R": num_rows, "k": k, "B": num_requests, "pages": pages, "block": block_size}
+    us, graph_us = _timed(lambda: indices_to_slots_triton(*args))
+    ref = harness.median_us(lambda: indices_to_slots_reference(*args))
+    return [_row("indices_to_slots", shape, us, moved, ceilings, ref, graph_us=round(graph_us, 2))]
+
+
 def run(ceilings: dict[str, float]) -> list[dict]:
     generator = torch.Generator(device="cuda").manual_seed(0)
     rows = _bench_seq_pack(ceilings, generator)
     rows += _bench_candidates(ceilings, generator, 512, with_torch=True, stages=True)
     rows += _bench_candidates(ceilings, generator, 64, with_torch=False, stages=True)
+    rows += _bench_indices_to_slots(ceilings, generator)
     return rows

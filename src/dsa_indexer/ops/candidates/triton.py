@@ -202,25 +202,36 @@ def _mask_kernel(
     HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_J: tl.constexpr,
 ):
     """Blocks are numbered relative to the row start, from ``-ceil(start / BLOCK_SIZE)`` up to
-    ``span_blocks`` of them, so the tiles also cover the columns before ``start`` and after ``end``."""
+    ``span_blocks`` of them, so the tiles also cover the columns before ``start`` and after ``end``.
+
+    A column of block ``b`` is masked when it lies in ``[0, width)`` (one unsigned compare) and the
+    block is unlisted or the column is at or past ``end``: the kept part of a listed block is the part
+    before ``end``, and blocks outside the row are never listed. Columns are int32 (below 2**31;
+    only the address is 64-bit), which keeps the per-element work to two compares and the store.
+    """
     row = tl.program_id(0).to(tl.int64)
-    start, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS)
+    start64, length64 = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS)
+    start = start64.to(tl.int32)
+    end = (start64 + length64).to(tl.int32)
     lowest = -((start + BLOCK_SIZE - 1) // BLOCK_SIZE)
-    num_blocks = (length + BLOCK_SIZE - 1) // BLOCK_SIZE
+    num_blocks = (length64.to(tl.int32) + BLOCK_SIZE - 1) // BLOCK_SIZE
     row_ptr = logits_ptr + row * stride_row
-    tile = tl.program_id(1).to(tl.int64)
+    flags_row = flags_ptr + row * flags_stride
+    width_u = width.to(tl.uint32)
+    inner = tl.arange(0, BLOCK_J)  # [BLOCK_J]
+    tile = tl.program_id(1)
     while tile * BLOCK_NB < span_blocks:
-        blocks = lowest + tile * BLOCK_NB + tl.arange(0, BLOCK_NB)  # [BLOCK_NB]
+        blocks = lowest + tile * BLOCK_NB + tl.arange(0, BLOCK_NB)  # [BLOCK_NB] int32
         in_row = (blocks >= 0) & (blocks < num_blocks)
-        listed = tl.load(flags_ptr + row * flags_stride + blocks, mask=in_row, other=0) != 0  # [BLOCK_NB]
-        for first in tl.static_range(0, BLOCK_SIZE, BLOCK_J):
-            inner = first + tl.arange(0, BLOCK_J)  # [BLOCK_J]
-            pos = blocks[:, None] * BLOCK_SIZE + inner[None, :]  # [BLOCK_NB, BLOCK_J] row-relative
-            column = start + pos
-            on_row = (inner[None, :] < BLOCK_SIZE) & (column >= 0) & (column < width)
-            keep = listed[:, None] & (pos >= 0) & (pos < length)
-            tl.store(row_ptr + column * stride_col, tl.full([BLOCK_NB, BLOCK_J], float("-inf"), tl.float32),
-                     mask=on_row & ~keep)
+        unlisted = tl.load(flags_row + blocks, mask=in_row, other=0) == 0  # [BLOCK_NB]
+        first = start + blocks * BLOCK_SIZE  # [BLOCK_NB] first column of each block
+        for j in tl.static_range(0, BLOCK_SIZE, BLOCK_J):
+            offset = j + inner  # [BLOCK_J]
+            column = first[:, None] + offset[None, :]  # [BLOCK_NB, BLOCK_J]
+            masked = ((column.to(tl.uint32) < width_u) & (unlisted[:, None] | (column >= end))
+                      & (offset < BLOCK_SIZE)[None, :])
+            tl.store(row_ptr + column.to(tl.int64) * stride_col,
+                     tl.full([BLOCK_NB, BLOCK_J], float("-inf"), tl.float32), mask=masked)
         tile += programs_per_row
 
 

@@ -4,7 +4,9 @@ Both honour the cache's byte layout (``dsa_indexer.cache``): page ``p`` starts `
 after the buffer's first byte; inside it come ``block_size`` value rows, then ``block_size`` scale rows.
 Quantisation uses the exact helpers of ``ops.q_quant.triton`` (bit-exact with ``dsa_indexer.formats``).
 The cache's block size and head dim are compile-time constants (one compile per cache configuration),
-so slot arithmetic is shifts and multiplies rather than 64-bit division.
+so slot arithmetic is shifts and multiplies rather than 64-bit division. MXFP4 rows are loaded as
+``load_pairs`` tiles: each thread holds one whole 32-dim block of one row (four 16-byte loads), so
+the block amax needs no shuffles and the packed bytes leave from the layout they were computed in.
 
 ``gather_k`` runs one program per ``BLOCK_ROWS`` destination rows, over the destination's whole row
 capacity; a program whose first row is at or past ``cu_seq_lens[-1]`` does nothing, so the grid needs
@@ -22,7 +24,8 @@ import triton.language as tl
 from ...backend import interpreter_enabled
 from ...cache import IndexerKCache
 from ...formats import FP8_MAX
-from ..q_quant.triton import e4m3_bytes, finite_amax, fp8_scale_exponent, mxfp4_pack, pow2
+from ..q_quant.triton import (e4m3_bytes, finite_amax, fp8_scale_exponent, load_pairs, mxfp4_pack_pairs, pair_index,
+                              pow2)
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 
@@ -43,19 +46,23 @@ def _insert_k_kernel(
     write = slot >= 0
     page = cache_ptr + (slot // BLOCK_SIZE) * page_stride  # [BLOCK_T] first byte of the row's page
     token = slot % BLOCK_SIZE
-    dim = tl.arange(0, BLOCK_D)
-    dim_ok = dim < HEAD_DIM
-    x = tl.load(k_ptr + rows[:, None] * stride_kt + dim[None, :] * stride_kd, mask=write[:, None] & dim_ok[None, :],
-                other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_D]
     if MXFP4:
-        packed, scales = mxfp4_pack(x, BLOCK_T, BLOCK_D)  # [BLOCK_T, BLOCK_D/2], [BLOCK_T, BLOCK_D/32]
-        pair = tl.arange(0, BLOCK_D // 2)
-        tl.store(page[:, None] + token[:, None] * (HEAD_DIM // 2) + pair[None, :], packed,
-                 mask=write[:, None] & (pair < HEAD_DIM // 2)[None, :])
-        block = tl.arange(0, BLOCK_D // 32)
+        nb: tl.constexpr = BLOCK_D // 32
+        k_rows = k_ptr + rows * stride_kt  # [BLOCK_T]
+        even, odd = load_pairs(k_rows, 0, stride_kd, write, HEAD_DIM // 2, nb)  # [BLOCK_T, NB, 4, 4] each
+        packed, scales = mxfp4_pack_pairs(even, odd, INTERPRETER)  # [BLOCK_T, NB, 4, 4], [BLOCK_T, NB]
+        pair = pair_index(nb)  # [1, NB, 4, 4]
+        rows_out = page + token * (HEAD_DIM // 2)  # [BLOCK_T]
+        tl.store(rows_out[:, None, None, None] + pair, packed,
+                 mask=write[:, None, None, None] & (pair < HEAD_DIM // 2))
+        block = tl.arange(0, nb)
         scale_rows = page + BLOCK_SIZE * (HEAD_DIM // 2) + token * (HEAD_DIM // 32)  # [BLOCK_T]
         tl.store(scale_rows[:, None] + block[None, :], scales, mask=write[:, None] & (block < HEAD_DIM // 32)[None, :])
     else:
+        dim = tl.arange(0, BLOCK_D)
+        dim_ok = dim < HEAD_DIM
+        x = tl.load(k_ptr + rows[:, None] * stride_kt + dim[None, :] * stride_kd,
+                    mask=write[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_D]
         amax = tl.maximum(finite_amax(x, 1), tl.cast(amax_floor, tl.float32))  # [BLOCK_T]
         if UE8M0:
             exponent = fp8_scale_exponent(amax)

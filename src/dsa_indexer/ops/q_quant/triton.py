@@ -20,12 +20,31 @@ e4m3 rounding (``round_to_e4m3``)
     The sign bit of ``v`` is put back so that zeros keep their sign. The result is an e4m3 value, which
     the cast converts exactly; NaN is encoded explicitly as ``0x7F``.
 
-e2m1 codes (``e2m1_codes``, one path everywhere: no hardware converts to e2m1 before Blackwell)
-    The same trick on ``m = min(|v|, 6)``: with ``k = max(exponent(m), 0)`` the e2m1 grid near ``m`` is
-    ``2**(k-1)``, the fp32 ulp of ``M = 1.5 * 2**(k + 22)``, so the integer difference of the bits of
-    ``m + M`` and ``M`` is ``q = round(m / 2**(k-1))`` (ties to even), and the code is ``2k + q``
-    (0.5 -> 1, 1 -> 2, 1.5 -> 3, 2 -> 4, 3 -> 5, 4 -> 6, 6 -> 7; a carry such as 1.75 -> 4 lands on the
-    next code). A negative value has a non-zero code exactly when it is below -0.25; NaN gives +0.
+e2m1 codes (``e2m1_bits``, one path everywhere: no hardware converts to e2m1 before Blackwell)
+    Most of the work stays on the FMA pipe: the integer/compare pipe runs at half its rate and was
+    the bottleneck. With ``m = min(|v|, 6)`` and ``k = max(exponent(m), 0)`` the e2m1 grid near ``m``
+    is ``2**(k-1)``, the fp32 ulp of ``M = 1.5 * 2**(k + 22)``. ``s = copysign(m, v)``; ``(s + M) - M``
+    rounds ``s`` to that grid (ties to even: ``M`` is an even number of ulps, so the parity is the
+    same for either sign) and is exact, giving the signed e2m1 value ``r``; a negative value that
+    rounds to zero gives ``+0`` (``M - M``), as the reference wants. The e2m1 code of ``r`` is the
+    bit pattern of a float with one mantissa bit, two exponent bits (bias 1) and subnormals, which
+    is what fp32 holds at the very bottom of its range: ``bits(r * 2**-126) = sign << 31 | code << 22``
+    (``0.5 * 2**-126`` is the subnormal ``1 << 22``; ``6 * 2**-126`` has exponent field 3, mantissa
+    ``1 << 22``). Kernels keep fp32 subnormals (no flush to zero). NaN must give +0: on the GPU
+    ``m = min(max(|v|, 0), 6)`` does it, since ``max.f32`` drops NaN; numpy's maximum keeps NaN, so the
+    interpreter selects 0 explicitly.
+
+    Nibbles come out of those bits with one ``umulhi`` each (an integer multiply, FMA pipe):
+    ``umulhi(b, 2**10 + 2**4) = (b >> 22) + (b >> 28)`` (the low halves never carry) has the code in
+    bits 0-2 and the sign in bit 3, and ``umulhi(b, 2**14 + 2**8)`` has them in bits 4-7 (plus bits
+    that the masks drop), so a byte of two elements is ``(lo & 0x0F) | (hi & 0xF0)``.
+
+Finite block amax (``finite_abs_or_nan``)
+    On the GPU ``fma(x, 0, |x|)`` is ``|x|`` for finite ``x`` and NaN for inf and NaN, and the float
+    maximum (``max.f32``) drops NaN: one FMA and one max per element; a block without a finite value
+    ends as NaN, which the floor's maximum in ``mxfp4_exponents`` drops too. Under the interpreter the
+    keys are ``2 * bits(x) + 2**24`` (uint32, wrapping), which keep the order of ``|x|`` over the
+    finite values (all in ``[2**24, 2**32)``) and send inf and NaN below ``2**24``.
 
 ue8m0 exponents without a division (``fp8_scale_exponent``, ``mxfp4_exponents``)
     The reference takes ``ceil(log2(fp32(amax / c)))`` for ``c = 448 = 1.75 * 2**8`` or
@@ -62,6 +81,10 @@ _MXFP4_AMAX_FLOOR = tl.constexpr(MXFP4_AMAX_FLOOR)
 _MXFP4_BLOCK = tl.constexpr(MXFP4_BLOCK)
 _Q_AMAX_FLOOR = tl.constexpr(Q_AMAX_FLOOR)
 _SIGN_BIT = tl.constexpr(-(2**31))
+_SIGN_MASK = tl.constexpr(0x80000000)
+_E2M1_TO_SUBNORMAL = tl.constexpr(2.0**-126)
+_LOW_NIBBLE = tl.constexpr(2**10 + 2**4)  # umulhi: (b >> 22) + (b >> 28)
+_HIGH_NIBBLE = tl.constexpr(2**14 + 2**8)  # umulhi: (b >> 18) + (b >> 24)
 
 __all__ = ["rope_quant_q_triton"]
 
@@ -130,55 +153,133 @@ def e4m3_bytes(scaled, INTERPRETER: tl.constexpr):
 
 
 @triton.jit
-def e2m1_codes(scaled):
-    """4-bit e2m1 codes (int32, sign in bit 3) of already-scaled fp32 values; ties to even, NaN -> +0."""
-    magnitude = tl.minimum(tl.abs(scaled), _MXFP4_MAX)
-    power = (magnitude.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-    unit = tl.maximum(power, 1.0)  # 2**k, k = max(exponent, 0) in {0, 1, 2}: the grid is unit / 2
+def e2m1_bits(scaled, INTERPRETER: tl.constexpr):
+    """``sign << 31 | code << 22`` (uint32) of the e2m1 value nearest to already-scaled fp32 values.
+
+    ``code`` in [0, 7] is the magnitude code (ties to even, saturating at 6); the sign is set only
+    for values below -0.25; NaN gives 0.
+    """
+    if INTERPRETER:  # numpy's maximum keeps NaN
+        magnitude = tl.where(scaled == scaled, tl.minimum(tl.abs(scaled), _MXFP4_MAX), 0.0)
+    else:  # max.f32 drops NaN: NaN -> 0
+        magnitude = tl.minimum(tl.maximum(tl.abs(scaled), 0.0), _MXFP4_MAX)
+    magnitude_bits = magnitude.to(tl.uint32, bitcast=True)
+    signed = (magnitude_bits | (scaled.to(tl.uint32, bitcast=True) & _SIGN_MASK)).to(tl.float32, bitcast=True)
+    unit = tl.maximum(magnitude_bits & 0x7F800000, 0x3F800000).to(tl.float32, bitcast=True)  # 2**k
     magic = unit * 6291456.0  # 1.5 * 2**22 * unit, whose fp32 ulp is unit / 2
-    steps = (magnitude + magic).to(tl.int32, bitcast=True) - magic.to(tl.int32, bitcast=True)
-    code = steps + (unit.to(tl.int32, bitcast=True) >> 22) - 254  # steps + 2 * k
-    code = code | tl.where(scaled < -0.25, 8, 0)
-    return tl.where(scaled == scaled, code, 0)
+    rounded = (signed + magic) - magic  # signed e2m1 value; +0 for NaN (its sign bit may be set)
+    return (rounded * _E2M1_TO_SUBNORMAL).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def e2m1_codes(scaled, INTERPRETER: tl.constexpr):
+    """4-bit e2m1 codes (int32, sign in bit 3) of already-scaled fp32 values; ties to even, NaN -> +0."""
+    return (tl.umulhi(e2m1_bits(scaled, INTERPRETER), _LOW_NIBBLE) & 0xF).to(tl.int32)
+
+
+@triton.jit
+def finite_abs_or_nan(x, INTERPRETER: tl.constexpr):
+    """Keys whose maximum is the largest finite ``|x|``: on the GPU ``|x|`` for finite ``x``, NaN otherwise
+    (``x * 0 + |x|``: one FMA; the float maximum drops NaN); under the interpreter (numpy keeps NaN)
+    ``finite_order``'s integer keys."""
+    if INTERPRETER:
+        keys = finite_order(x)
+    else:
+        keys = tl.fma(x, 0.0, tl.abs(x))
+    return keys
+
+
+@triton.jit
+def amax_from_keys(keys, INTERPRETER: tl.constexpr):
+    """The largest finite ``|x|`` (fp32) from the maximum of ``finite_abs_or_nan`` keys; NaN or 0 if there is none."""
+    if INTERPRETER:
+        amax = finite_amax_from_order(keys)
+    else:
+        amax = keys
+    return amax
+
+
+@triton.jit
+def finite_order(x):
+    """uint32 keys of fp32 ``x``: increasing with ``|x|`` over finite values (all >= 2**24), below 2**24 for inf/NaN."""
+    return x.to(tl.uint32, bitcast=True) * 2 + 0x01000000
+
+
+@triton.jit
+def finite_amax_from_order(key):
+    """Inverse of ``finite_order`` on a maximum key: the largest finite ``|x|`` (fp32), 0 if there is none."""
+    return tl.where(key >= 0x01000000, (key - 0x01000000) >> 1, 0).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def mxfp4_exponents(block_amax):
-    """Unbiased ue8m0 exponents ``ceil(log2(fp32(max(amax, 6 * 2**-126) / 6)))`` (int32) of 32-element blocks."""
+    """Unbiased ue8m0 exponents ``ceil(log2(fp32(max(amax, 6 * 2**-126) / 6)))`` (int32) of 32-element blocks.
+
+    A NaN ``amax`` (a block without finite values, on the GPU) counts as 0: ``max.f32`` drops it.
+    """
     bits = tl.maximum(block_amax, _MXFP4_AMAX_FLOOR).to(tl.int32, bitcast=True)
     return (bits >> 23) - 129 + ((bits & 0x7FFFFF) > 0x400000).to(tl.int32)
 
 
 @triton.jit
-def mxfp4_pack(x, ROWS: tl.constexpr, WIDTH: tl.constexpr):
-    """MXFP4 of ``x [ROWS, WIDTH]`` (WIDTH a multiple of 32).
+def mxfp4_pack_pairs(even, odd, INTERPRETER: tl.constexpr):
+    """MXFP4 of values given as pairs ``even, odd [ROWS, NB, 4, 4]``: pair ``16b + 4g + i`` of a row (its
+    elements ``32b + 8g + 2i`` and ``+ 1``) is ``even[row, b, g, i]``, ``odd[row, b, g, i]``.
 
-    Returns ``(packed uint8 [ROWS, WIDTH/2], scales uint8 [ROWS, WIDTH/32])``.
+    Returns ``(packed uint8 [ROWS, NB, 4, 4], scales uint8 [ROWS, NB])``: the byte of each pair holds the
+    even element in its low nibble.
     """
-    blocks = tl.reshape(x, [ROWS, WIDTH // _MXFP4_BLOCK, _MXFP4_BLOCK])
-    exponent = mxfp4_exponents(finite_amax(blocks, 2))  # [ROWS, WIDTH/32]
-    codes = e2m1_codes(blocks * pow2(-exponent)[:, :, None])  # [ROWS, WIDTH/32, 32]
-    low, high = tl.split(tl.reshape(codes, [ROWS, WIDTH // 2, 2]))
-    return (low | (high << 4)).to(tl.uint8), (exponent + 127).to(tl.uint8)
+    keys = tl.maximum(finite_abs_or_nan(even, INTERPRETER), finite_abs_or_nan(odd, INTERPRETER))
+    amax = amax_from_keys(tl.max(tl.max(keys, axis=3), axis=2), INTERPRETER)  # [ROWS, NB]
+    exponent = mxfp4_exponents(amax)
+    inverse = pow2(-exponent)[:, :, None, None]  # [ROWS, NB, 1, 1]
+    low = tl.umulhi(e2m1_bits(even * inverse, INTERPRETER), _LOW_NIBBLE)
+    high = tl.umulhi(e2m1_bits(odd * inverse, INTERPRETER), _HIGH_NIBBLE)
+    return ((low & 0x0F) | (high & 0xF0)).to(tl.uint8), (exponent + 127).to(tl.uint8)
 
 
 @triton.jit
-def _store_mxfp4(values_ptr, scales_ptr, head_rows, heads_ok, x, START: tl.constexpr, WIDTH: tl.constexpr,
-                 BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Quantise dims ``[START, START + WIDTH)`` of each head (``x [BLOCK_H, BLOCK]``) and store them."""
-    packed, scales = mxfp4_pack(x, BLOCK_H, BLOCK)
-    pair = tl.arange(0, BLOCK // 2)
-    tl.store(
-        values_ptr + head_rows[:, None] * (HEAD_DIM // 2) + (pair + START // 2)[None, :],
-        packed,
-        mask=heads_ok[:, None] & (pair < WIDTH // 2)[None, :],
-    )
-    block = tl.arange(0, BLOCK // _MXFP4_BLOCK)
-    tl.store(
-        scales_ptr + head_rows[:, None] * (HEAD_DIM // _MXFP4_BLOCK) + (block + START // _MXFP4_BLOCK)[None, :],
-        scales,
-        mask=heads_ok[:, None] & (block < WIDTH // _MXFP4_BLOCK)[None, :],
-    )
+def pair_index(NB: tl.constexpr):
+    """``16b + 4g + i`` as ``[1, NB, 4, 4]`` (axes row, b, g, i): the pair that tile position holds."""
+    return (tl.arange(0, NB)[None, :, None, None] * 16 + tl.arange(0, 4)[None, None, :, None] * 4
+            + tl.arange(0, 4)[None, None, None, :])
+
+
+@triton.jit
+def load_pairs(row_ptrs, first_dim, stride, rows_ok, PAIRS: tl.constexpr, NB: tl.constexpr):
+    """Dims ``first_dim + 2p`` and ``+ 1`` of each row, ``p < PAIRS``, as fp32 ``(even, odd) [ROWS, NB, 4, 4]``
+    (the tiles of ``mxfp4_pack_pairs``); ``row_ptrs [ROWS]``; masked-off pairs read 0.
+
+    Each 32-dim block is loaded as four 8-dim runs (wide loads) along an axis after the row and
+    block axes, which Triton's layouts keep inside one thread: the block amax needs no shuffles.
+    """
+    dim = (tl.arange(0, NB)[None, :, None, None] * 32 + tl.arange(0, 4)[None, None, :, None] * 8
+           + tl.arange(0, 8)[None, None, None, :])  # [1, NB, 4, 8]
+    ok = rows_ok[:, None, None, None] & (dim < 2 * PAIRS)
+    x = tl.load(row_ptrs[:, None, None, None] + (dim + first_dim) * stride, mask=ok, other=0.0)  # [ROWS, NB, 4, 8]
+    return tl.split(tl.reshape(x.to(tl.float32), [row_ptrs.shape[0], NB, 4, 4, 2]))
+
+
+@triton.jit
+def _store_mxfp4_pairs(values_ptr, scales_ptr, head_rows, heads_ok, even, odd, START: tl.constexpr,
+                       WIDTH: tl.constexpr, NB: tl.constexpr, HEAD_DIM: tl.constexpr, INTERPRETER: tl.constexpr):
+    """Quantise and store dims ``[START, START + WIDTH)`` of each head.
+
+    ``even, odd``: those dims as ``load_pairs`` tiles ``[BLOCK_H, NB, 4, 4]``.
+    """
+    packed, scales = mxfp4_pack_pairs(even, odd, INTERPRETER)
+    pair = pair_index(NB)  # [1, NB, 4, 4]
+    tl.store(values_ptr + head_rows[:, None, None, None] * (HEAD_DIM // 2) + (pair + START // 2), packed,
+             mask=heads_ok[:, None, None, None] & (pair < WIDTH // 2))
+    block = tl.arange(0, NB)
+    tl.store(scales_ptr + head_rows[:, None] * (HEAD_DIM // _MXFP4_BLOCK) + (block + START // _MXFP4_BLOCK)[None, :],
+             scales, mask=heads_ok[:, None] & (block < WIDTH // _MXFP4_BLOCK)[None, :])
+
+
+@triton.jit
+def _rope_pairs(x0, x1, cos, sin, INTERPRETER: tl.constexpr):
+    """bf16-rounded ``(x0 cos - x1 sin, x1 cos + x0 sin)``."""
+    return round_to_bf16(x0 * cos - x1 * sin, INTERPRETER), round_to_bf16(x1 * cos + x0 * sin, INTERPRETER)
 
 
 @triton.jit(do_not_specialize=["num_heads"])
@@ -198,6 +299,9 @@ def _rope_quant_q_kernel(
     RoPE works on pairs ``(x0[j], x1[j])``, ``j < ROPE_DIM / 2``: dims ``ROPE_START + j`` and
     ``ROPE_START + ROPE_DIM / 2 + j`` (NeoX) or ``ROPE_START + 2j`` and ``+ 1`` (interleaved, loaded as
     ``[.., j, 2]`` and split). The other ``HEAD_DIM - ROPE_DIM`` dims start at ``PASS_START``.
+    MXFP4 keeps every segment as (even dim, odd dim) pairs ``[BLOCK_H, NB, 16]`` from the load to the
+    packed bytes, so no tile changes layout: interleaved rope pairs are such pairs already; NeoX
+    halves are loaded as pairs of consecutive dims, with ``cos``/``sin`` split the same way.
     """
     half: tl.constexpr = ROPE_DIM // 2
     pass_width: tl.constexpr = HEAD_DIM - ROPE_DIM
@@ -205,51 +309,64 @@ def _rope_quant_q_kernel(
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     heads_ok = heads < num_heads
     head_rows = token * num_heads + heads  # [BLOCK_H] row of the [T * H] outputs
-    q_heads = q_ptr + token * stride_qt + heads.to(tl.int64)[:, None] * stride_qh  # [BLOCK_H, 1]
+    q_rows = q_ptr + token * stride_qt + heads.to(tl.int64) * stride_qh  # [BLOCK_H]
+    q_heads = q_rows[:, None]  # [BLOCK_H, 1]
     position = tl.load(positions_ptr + token * stride_positions).to(tl.int64)
-
-    pair = tl.arange(0, HALF_BLOCK)  # [HALF_BLOCK]
-    pair_ok = pair < half
     table = cos_sin_ptr + position * stride_cs_pos
-    cos = tl.load(table + pair * stride_cs_dim, mask=pair_ok, other=0.0).to(tl.float32)[None, :]  # [1, HALF_BLOCK]
-    sin = tl.load(table + (half + pair) * stride_cs_dim, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
-    pairs_ok = heads_ok[:, None] & pair_ok[None, :]  # [BLOCK_H, HALF_BLOCK]
-    if INTERLEAVED:
-        pair_dims = ROPE_START + 2 * pair[:, None] + tl.arange(0, 2)[None, :]  # [HALF_BLOCK, 2]
-        x = tl.load(q_heads[:, :, None] + pair_dims[None, :, :] * stride_qd, mask=pairs_ok[:, :, None], other=0.0)
-        x0, x1 = tl.split(x.to(tl.float32))  # [BLOCK_H, HALF_BLOCK] each
-    else:
-        x0 = tl.load(q_heads + (ROPE_START + pair)[None, :] * stride_qd, mask=pairs_ok, other=0.0).to(tl.float32)
-        x1 = tl.load(q_heads + (ROPE_START + half + pair)[None, :] * stride_qd, mask=pairs_ok, other=0.0)
-        x1 = x1.to(tl.float32)
-    r0 = round_to_bf16(x0 * cos - x1 * sin, INTERPRETER)  # [BLOCK_H, HALF_BLOCK]
-    r1 = round_to_bf16(x1 * cos + x0 * sin, INTERPRETER)
-
-    if pass_width > 0:
-        pass_dim = PASS_START + tl.arange(0, PASS_BLOCK)  # [PASS_BLOCK]
-        pass_ok = heads_ok[:, None] & (pass_dim < PASS_START + pass_width)[None, :]
-        kept = tl.load(q_heads + pass_dim[None, :] * stride_qd, mask=pass_ok, other=0.0).to(tl.float32)
-
     weights = tl.load(weights_ptr + token * stride_wt + heads * stride_wh, mask=heads_ok, other=0.0).to(tl.float32)
     softmax = tl.cast(softmax_scale, tl.float32)  # the interpreter passes tiny Python floats as fp64
     head = tl.cast(head_scale, tl.float32)
+
     if MXFP4:
         if INTERLEAVED:
-            rotated = tl.reshape(tl.join(r0, r1), [BLOCK_H, 2 * HALF_BLOCK])  # natural dim order
-            _store_mxfp4(values_ptr, scales_ptr, head_rows, heads_ok, rotated, ROPE_START, ROPE_DIM,
-                         2 * HALF_BLOCK, BLOCK_H, HEAD_DIM)
+            rope_nb: tl.constexpr = HALF_BLOCK // 16
+            pair = pair_index(rope_nb)  # [1, NB, 4, 4] rope pair j
+            cos = tl.load(table + pair * stride_cs_dim, mask=pair < half, other=0.0).to(tl.float32)
+            sin = tl.load(table + (pair + half) * stride_cs_dim, mask=pair < half, other=0.0).to(tl.float32)
+            x0, x1 = load_pairs(q_rows, ROPE_START, stride_qd, heads_ok, half, rope_nb)
+            r0, r1 = _rope_pairs(x0, x1, cos, sin, INTERPRETER)
+            _store_mxfp4_pairs(values_ptr, scales_ptr, head_rows, heads_ok, r0, r1, ROPE_START, ROPE_DIM, rope_nb,
+                               HEAD_DIM, INTERPRETER)
         else:
-            _store_mxfp4(values_ptr, scales_ptr, head_rows, heads_ok, r0, ROPE_START, half, HALF_BLOCK,
-                         BLOCK_H, HEAD_DIM)
-            _store_mxfp4(values_ptr, scales_ptr, head_rows, heads_ok, r1, ROPE_START + half, half, HALF_BLOCK,
-                         BLOCK_H, HEAD_DIM)
+            half_nb: tl.constexpr = HALF_BLOCK // 32
+            table_row = table + tl.zeros([1], tl.int64)  # [1]: cos/sin split like a row of q
+            table_ok = tl.full([1], True, tl.int1)
+            cos_even, cos_odd = load_pairs(table_row, 0, stride_cs_dim, table_ok, half // 2, half_nb)
+            sin_even, sin_odd = load_pairs(table_row, half, stride_cs_dim, table_ok, half // 2, half_nb)
+            x0_even, x0_odd = load_pairs(q_rows, ROPE_START, stride_qd, heads_ok, half // 2, half_nb)
+            x1_even, x1_odd = load_pairs(q_rows, ROPE_START + half, stride_qd, heads_ok, half // 2, half_nb)
+            r0_even, r1_even = _rope_pairs(x0_even, x1_even, cos_even, sin_even, INTERPRETER)
+            r0_odd, r1_odd = _rope_pairs(x0_odd, x1_odd, cos_odd, sin_odd, INTERPRETER)
+            _store_mxfp4_pairs(values_ptr, scales_ptr, head_rows, heads_ok, r0_even, r0_odd, ROPE_START, half,
+                               half_nb, HEAD_DIM, INTERPRETER)
+            _store_mxfp4_pairs(values_ptr, scales_ptr, head_rows, heads_ok, r1_even, r1_odd, ROPE_START + half, half,
+                               half_nb, HEAD_DIM, INTERPRETER)
         if pass_width > 0:
-            _store_mxfp4(values_ptr, scales_ptr, head_rows, heads_ok, kept, PASS_START, pass_width, PASS_BLOCK,
-                         BLOCK_H, HEAD_DIM)
+            pass_nb: tl.constexpr = PASS_BLOCK // 32
+            kept_even, kept_odd = load_pairs(q_rows, PASS_START, stride_qd, heads_ok, pass_width // 2, pass_nb)
+            _store_mxfp4_pairs(values_ptr, scales_ptr, head_rows, heads_ok, kept_even, kept_odd, PASS_START,
+                               pass_width, pass_nb, HEAD_DIM, INTERPRETER)
         weights_out = (weights * softmax) * head
     else:
+        pair = tl.arange(0, HALF_BLOCK)  # [HALF_BLOCK]
+        pair_ok = pair < half
+        cos = tl.load(table + pair * stride_cs_dim, mask=pair_ok, other=0.0).to(tl.float32)[None, :]  # [1, HALF_BLOCK]
+        sin = tl.load(table + (half + pair) * stride_cs_dim, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
+        pairs_ok = heads_ok[:, None] & pair_ok[None, :]  # [BLOCK_H, HALF_BLOCK]
+        if INTERLEAVED:
+            pair_dims = ROPE_START + 2 * pair[:, None] + tl.arange(0, 2)[None, :]  # [HALF_BLOCK, 2]
+            x = tl.load(q_heads[:, :, None] + pair_dims[None, :, :] * stride_qd, mask=pairs_ok[:, :, None], other=0.0)
+            x0, x1 = tl.split(x.to(tl.float32))  # [BLOCK_H, HALF_BLOCK] each
+        else:
+            x0 = tl.load(q_heads + (ROPE_START + pair)[None, :] * stride_qd, mask=pairs_ok, other=0.0).to(tl.float32)
+            x1 = tl.load(q_heads + (ROPE_START + half + pair)[None, :] * stride_qd, mask=pairs_ok, other=0.0)
+            x1 = x1.to(tl.float32)
+        r0, r1 = _rope_pairs(x0, x1, cos, sin, INTERPRETER)  # [BLOCK_H, HALF_BLOCK]
         amax = tl.maximum(finite_amax(r0, 1), finite_amax(r1, 1))  # [BLOCK_H]
         if pass_width > 0:
+            pass_dim = PASS_START + tl.arange(0, PASS_BLOCK)  # [PASS_BLOCK]
+            pass_ok = heads_ok[:, None] & (pass_dim < PASS_START + pass_width)[None, :]
+            kept = tl.load(q_heads + pass_dim[None, :] * stride_qd, mask=pass_ok, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, finite_amax(kept, 1))
         exponent = fp8_scale_exponent(tl.maximum(amax, _Q_AMAX_FLOOR))  # [BLOCK_H]
         inverse = pow2(-exponent)[:, None]  # [BLOCK_H, 1]
@@ -284,13 +401,14 @@ def rope_quant_q_triton(
     rope_position: str,
     fmt: str,
     block_heads: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Triton twin of ``rope_quant_q_reference`` (same arguments and results, bit for bit).
 
     MXFP4 with a rope dim that ``mxfp4_kernel_supports`` refuses (not a multiple of 64 for NeoX, of 32
     for interleaved; no DeepSeek model has one) runs the reference instead, with the same results.
-    ``block_heads`` (a power of two; default all heads, at most 64) and ``num_warps`` tune the launch.
+    ``block_heads`` (a power of two; default all heads, at most 64) and ``num_warps`` (default 8 for FP8,
+    4 for MXFP4: the fastest measured on an H200) tune the launch.
     No host synchronisation.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -310,6 +428,8 @@ def rope_quant_q_triton(
         return values, scales, weights_out
     if block_heads is None:
         block_heads = min(64, triton.next_power_of_2(num_heads))
+    if num_warps is None:
+        num_warps = 4 if mxfp4 else 8
     first = rope_position == "first"
     grid = (num_tokens, triton.cdiv(num_heads, block_heads))
     _rope_quant_q_kernel[grid](
