@@ -16,7 +16,7 @@ from .ops.candidates import apply_candidate_mask, select_candidate_blocks
 from .ops.logits import mqa_logits, paged_mqa_logits
 from .ops.q_quant import rope_quant_q
 from .ops.seq_pack import pack_seq, unpack_seq
-from .ops.topk import indices_to_slots, topk, topk_decode
+from .ops.topk import indices_to_slots, topk, topk_decode, topk_decode_slots
 
 # The public ops go through their torch.library custom ops only while torch.compile traces them.
 quantize_fp8 = _library.dispatching(quantize_fp8)
@@ -28,6 +28,7 @@ mqa_logits = _library.dispatching(mqa_logits)
 paged_mqa_logits = _library.dispatching(paged_mqa_logits)
 topk = _library.dispatching(topk)
 topk_decode = _library.dispatching(topk_decode)
+topk_decode_slots = _library.dispatching(topk_decode_slots)
 indices_to_slots = _library.dispatching(indices_to_slots)
 pack_seq = _library.dispatching(pack_seq)
 unpack_seq = _library.dispatching(unpack_seq)
@@ -56,5 +57,6 @@ __all__ = [
     "select_candidate_blocks",
     "topk",
     "topk_decode",
+    "topk_decode_slots",
     "unpack_seq",
 ]

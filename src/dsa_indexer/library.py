@@ -274,6 +274,19 @@ def _(logits, seq_lens, next_n, k, backend):
     return logits.new_empty((logits.shape[0], k), dtype=torch.int32)
 
 
+@custom_op(f"{NAMESPACE}::topk_decode_slots", mutates_args=())
+def topk_decode_slots_op(
+    logits: torch.Tensor, seq_lens: torch.Tensor, next_n: int, k: int, block_table: torch.Tensor, block_size: int,
+    backend: str,
+) -> torch.Tensor:
+    return _topk.topk_decode_slots(logits, seq_lens, next_n, k, block_table, block_size, backend=backend)
+
+
+@topk_decode_slots_op.register_fake
+def _(logits, seq_lens, next_n, k, block_table, block_size, backend):
+    return logits.new_empty((logits.shape[0], k), dtype=torch.int32)
+
+
 @custom_op(f"{NAMESPACE}::indices_to_slots", mutates_args=())
 def indices_to_slots_op(
     indices: torch.Tensor, block_table: torch.Tensor, block_size: int, row_to_request: torch.Tensor, backend: str
@@ -395,6 +408,10 @@ def _compiled_call(name: str, args: tuple, kwargs: dict):
         if kwargs.get("out") is not None:
             raise ValueError("out= is not supported for topk_decode when compiled; use the returned tensor")
         return topk_decode_op(*args, backend)
+    if name == "topk_decode_slots":
+        if kwargs.get("out") is not None:
+            raise ValueError("out= is not supported for topk_decode_slots when compiled; use the returned tensor")
+        return topk_decode_slots_op(*args, backend)
     if name == "indices_to_slots":
         return indices_to_slots_op(*args, backend)
     if name == "pack_seq":

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dsa_indexer.backend import ENV_VAR
-from dsa_indexer.ops.topk import indices_to_slots, reference, topk, topk_decode
+from dsa_indexer.ops.topk import indices_to_slots, reference, topk, topk_decode, topk_decode_slots
 from dsa_indexer.testing import ADVERSARIAL_GENERATORS, count_topk_errors, with_garbage_past_ends
 
 triton_impl = pytest.importorskip("dsa_indexer.ops.topk.triton")
@@ -208,6 +208,50 @@ def test_decode_lengths_on_device(kernel_device, config):
         assert torch.equal(expected, got)
 
 
+def slot_table(num_requests, width, block_size, seed, device):
+    """A block table whose pages are a random permutation (distinct slots for distinct positions)."""
+    pages = -(-width // block_size)
+    order = torch.randperm(num_requests * pages, generator=torch.Generator().manual_seed(seed))
+    return order.view(num_requests, pages).to(torch.int32).to(device)
+
+
+@pytest.mark.parametrize("config", [ROW, ONE_ROW, SPLIT, STREAM, STREAM_LOOSE],
+                         ids=["row", "one_row", "split", "stream", "stream_loose"])
+def test_decode_slots_equal_positions_mapped(kernel_device, config):
+    # Fused slot output = indices_to_slots(topk_decode(...)) on every path, 1-D and 2-D lengths, the
+    # output row stride wider than k (columns past k stay poison).
+    next_n, k, block_size = 2, 5, 4
+    logits = tie_heavy(8, 40, 8, kernel_device)
+    table = slot_table(4, 40, block_size, 3, kernel_device)
+    request_lens = torch.tensor([0, 1, 23, 40], dtype=torch.int32, device=kernel_device)
+    row_lens = torch.tensor([[0, 1], [17, 16], [40, 33], [2, 0]], dtype=torch.int32, device=kernel_device)
+    requests = torch.arange(8, dtype=torch.int32, device=kernel_device) // next_n
+    for seq_lens in (request_lens, row_lens):
+        positions = reference.topk_decode(logits, seq_lens, next_n, k, poisoned(8, k, kernel_device))
+        expected = indices_to_slots(positions, table, block_size, requests, backend="reference")
+        buffer = poisoned(8, k + 3, kernel_device)
+        triton_impl.topk_decode_triton(logits, seq_lens, next_n, k, buffer[:, :k], config=config,
+                                       slots=(table, block_size))
+        assert torch.equal(buffer[:, :k], expected)
+        assert bool((buffer[:, k:] == POISON).all())
+        assert torch.equal(reference.topk_decode_slots(logits, seq_lens, next_n, k, table, block_size,
+                                                       poisoned(8, k, kernel_device)), expected)
+
+
+def test_decode_slots_public_function(kernel_device):
+    logits = tie_heavy(6, 24, 4, kernel_device)
+    seq_lens = torch.tensor([24, 7, 0], dtype=torch.int32, device=kernel_device)
+    table = slot_table(3, 24, 8, 1, kernel_device)
+    expected = topk_decode_slots(logits, seq_lens, 2, 6, table, 8, backend="reference")
+    assert torch.equal(topk_decode_slots(logits, seq_lens, 2, 6, table, 8, backend="triton"), expected)
+    with pytest.raises(ValueError, match="block_table must have B = 3 rows"):
+        topk_decode_slots(logits, seq_lens, 2, 6, table[:2], 8)
+    with pytest.raises(ValueError, match="block_table holds max_blocks \\* block_size = 16 positions"):
+        topk_decode_slots(logits, seq_lens, 2, 6, table[:, :2], 8)
+    with pytest.raises(TypeError, match="block_table"):
+        topk_decode_slots(logits, seq_lens, 2, 6, table.long(), 8)
+
+
 def test_public_functions_dispatch_to_triton(kernel_device):
     logits = tie_heavy(3, 24, 9, kernel_device)
     starts, ends = random_window(3, 24, 2, kernel_device)
@@ -302,6 +346,21 @@ def test_gpu_out_with_padded_rows_keeps_the_tail():
     triton_impl.topk_triton(logits, 2048, None, None, buffer[:, :2048])
     assert torch.equal(buffer[:, :2048], reference_topk(logits, 2048))
     assert bool((buffer[:, 2048:] == POISON).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [GPU_SPLIT, GPU_STREAM], ids=["split", "stream"])
+def test_gpu_decode_slots_at_realistic_size(config):
+    num_requests, next_n, width, k, block_size = 4, 2, 131072, 2048, 64
+    logits = ADVERSARIAL_GENERATORS["relu_sum"]((num_requests * next_n, width), 5, "cuda")
+    seq_lens = decode_lengths(num_requests, width, 5).cuda()
+    table = slot_table(num_requests, width, block_size, 5, "cuda")
+    requests = torch.arange(num_requests * next_n, dtype=torch.int32, device="cuda") // next_n
+    positions = reference.topk_decode(logits, seq_lens, next_n, k, poisoned(num_requests * next_n, k, "cuda"))
+    expected = indices_to_slots(positions, table, block_size, requests, backend="reference")
+    got = triton_impl.topk_decode_triton(logits, seq_lens, next_n, k, poisoned(num_requests * next_n, k, "cuda"),
+                                         config=config, slots=(table, block_size))
+    assert torch.equal(got, expected)
 
 
 @pytest.mark.gpu

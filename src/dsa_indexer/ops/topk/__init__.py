@@ -14,7 +14,7 @@ from ... import backend as _backend
 from ..._validation import check_positive_int, check_same_device, check_tensor, value_checks_enabled
 from . import reference
 
-__all__ = ["indices_to_slots", "topk", "topk_decode"]
+__all__ = ["indices_to_slots", "topk", "topk_decode", "topk_decode_slots"]
 
 
 def _topk_triton(*args, **kwargs):
@@ -27,6 +27,12 @@ def _topk_decode_triton(*args, **kwargs):
     from .triton import topk_decode_triton
 
     return topk_decode_triton(*args, **kwargs)
+
+
+def _topk_decode_slots_triton(logits, seq_lens, next_n, k, block_table, block_size, out):
+    from .triton import topk_decode_triton
+
+    return topk_decode_triton(logits, seq_lens, next_n, k, out, slots=(block_table, block_size))
 
 
 def _indices_to_slots_triton(*args, **kwargs):
@@ -70,6 +76,33 @@ def _check_bounds(starts: torch.Tensor | None, ends: torch.Tensor | None, width:
         f"starts must be <= ends (defaults: starts 0, ends {width}), got starts[{row}] = {int(lower[row])} > "
         f"ends[{row}] = {int(upper[row])}"
     )
+
+
+def _check_decode_rows(logits, seq_lens, next_n: int, k: int, out) -> None:
+    """The argument checks of ``topk_decode`` (shared by ``topk_decode_slots``)."""
+    check_tensor("logits", logits, dtype=torch.float32, ndim=2)
+    check_positive_int("next_n", next_n)
+    check_positive_int("k", k)
+    check_tensor("seq_lens", seq_lens, dtype=torch.int32, ndim=(1, 2))
+    num_requests = seq_lens.shape[0]
+    if seq_lens.dim() == 2:
+        check_tensor("seq_lens", seq_lens, shape=(num_requests, next_n))
+    num_rows, width = logits.shape
+    if num_rows != num_requests * next_n:
+        raise ValueError(
+            f"logits must have B * next_n = {num_requests} * {next_n} = {num_requests * next_n} rows "
+            f"(B from seq_lens), got {num_rows}"
+        )
+    check_same_device(logits=logits, seq_lens=seq_lens, out=out)
+    _check_out(out, num_rows, k, logits.device)
+    flat_lens = seq_lens.reshape(-1)
+    out_of_range = (flat_lens < 0) | (flat_lens > width)
+    if value_checks_enabled() and bool(out_of_range.any()):
+        position = _first_true_row(out_of_range)
+        raise ValueError(
+            f"seq_lens must lie in [0, {width}] (the logits width), "
+            f"got {int(flat_lens[position])} at flat position {position}"
+        )
 
 
 def topk(
@@ -134,34 +167,12 @@ def topk_decode(
 
     Same selection rule as ``topk`` with ``starts = 0`` and ``ends`` the row's visible length.
     """
-    check_tensor("logits", logits, dtype=torch.float32, ndim=2)
-    check_positive_int("next_n", next_n)
-    check_positive_int("k", k)
-    check_tensor("seq_lens", seq_lens, dtype=torch.int32, ndim=(1, 2))
-    num_requests = seq_lens.shape[0]
-    if seq_lens.dim() == 2:
-        check_tensor("seq_lens", seq_lens, shape=(num_requests, next_n))
-    num_rows, width = logits.shape
-    if num_rows != num_requests * next_n:
-        raise ValueError(
-            f"logits must have B * next_n = {num_requests} * {next_n} = {num_requests * next_n} rows "
-            f"(B from seq_lens), got {num_rows}"
-        )
-    check_same_device(logits=logits, seq_lens=seq_lens, out=out)
-    _check_out(out, num_rows, k, logits.device)
-    flat_lens = seq_lens.reshape(-1)
-    out_of_range = (flat_lens < 0) | (flat_lens > width)
-    if value_checks_enabled() and bool(out_of_range.any()):
-        position = _first_true_row(out_of_range)
-        raise ValueError(
-            f"seq_lens must lie in [0, {width}] (the logits width), "
-            f"got {int(flat_lens[position])} at flat position {position}"
-        )
+    _check_decode_rows(logits, seq_lens, next_n, k, out)
     implementation = _backend.dispatch(
         reference.topk_decode, _triton_or_none(_topk_decode_triton), backend, logits.device
     )
     if out is None:
-        out = torch.empty((num_rows, k), dtype=torch.int32, device=logits.device)
+        out = torch.empty((logits.shape[0], k), dtype=torch.int32, device=logits.device)
     return implementation(logits, seq_lens, next_n, k, out)
 
 
@@ -211,3 +222,49 @@ def indices_to_slots(
         reference.indices_to_slots, _triton_or_none(_indices_to_slots_triton), backend, indices.device
     )
     return implementation(indices, block_table, block_size, row_to_request)
+
+
+def topk_decode_slots(
+    logits: torch.Tensor,
+    seq_lens: torch.Tensor,
+    next_n: int,
+    k: int,
+    block_table: torch.Tensor,
+    block_size: int,
+    *,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``topk_decode`` that writes physical cache slots instead of positions (for sparse attention).
+
+    Args:
+        logits, seq_lens, next_n, k, out: as in ``topk_decode`` (``out``: int32 ``[B * next_n, k]``).
+        block_table: int32 ``[B, max_blocks]``; position ``p`` of request ``b`` lives in page
+            ``block_table[b, p // block_size]``. Every visible length must be ``<= max_blocks * block_size``.
+        block_size: tokens per page, ``>= 1``.
+
+    Returns int32 ``[B * next_n, k]``: ``indices_to_slots(topk_decode(...), block_table, block_size,
+    row // next_n)`` bit for bit (``-1`` padding kept), computed in the top-k launch on GPUs.
+    """
+    _check_decode_rows(logits, seq_lens, next_n, k, out)
+    check_tensor("block_table", block_table, dtype=torch.int32, ndim=2)
+    check_positive_int("block_size", block_size)
+    num_requests, max_blocks = block_table.shape
+    if num_requests != seq_lens.shape[0]:
+        raise ValueError(f"block_table must have B = {seq_lens.shape[0]} rows (B from seq_lens), got {num_requests}")
+    check_same_device(logits=logits, block_table=block_table)
+    if value_checks_enabled():
+        visible = reference.decode_row_ends(seq_lens, next_n)
+        too_long = visible.to(torch.int64) > max_blocks * block_size
+        if bool(too_long.any()):
+            row = _first_true_row(too_long)
+            raise ValueError(
+                f"block_table holds max_blocks * block_size = {max_blocks * block_size} positions, but row {row} "
+                f"sees {int(visible[row])}"
+            )
+    implementation = _backend.dispatch(
+        reference.topk_decode_slots, _triton_or_none(_topk_decode_slots_triton), backend, logits.device
+    )
+    if out is None:
+        out = torch.empty((logits.shape[0], k), dtype=torch.int32, device=logits.device)
+    return implementation(logits, seq_lens, next_n, k, block_table, block_size, out)

@@ -92,3 +92,13 @@ def indices_to_slots(
     pages = block_table.to(torch.int64)[requests, positions // block_size]  # [R, k]
     slots = pages * block_size + positions % block_size
     return torch.where(padding, -1, slots).to(torch.int32)
+
+
+def topk_decode_slots(
+    logits: torch.Tensor, seq_lens: torch.Tensor, next_n: int, k: int, block_table: torch.Tensor, block_size: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """``topk_decode`` then ``indices_to_slots`` with row ``r`` of request ``r // next_n``, into ``out``."""
+    positions = topk_decode(logits, seq_lens, next_n, k, torch.empty_like(out))
+    requests = torch.arange(logits.shape[0], device=logits.device, dtype=torch.int32) // next_n
+    return out.copy_(indices_to_slots(positions, block_table, block_size, requests))

@@ -31,6 +31,10 @@ entries, the same selection as with ``T``. This holds wherever the emit reads th
 searched (whole rows, candidate buffers of the row programs), not where the split path searches its
 candidates and emits from the row.
 
+Slot output (``topk_decode_slots``): every path emits through one store helper, which can write the
+cache slot ``block_table[row // rows_per_request, p // block_size] * block_size + p % block_size`` of
+each picked position ``p`` instead of ``p`` (a gather from the block table, only for taken entries).
+
 Rows of width ``<= row_block_max``: a program holds ``rows_per_program`` whole windows in registers,
 finds each row's ``T`` (the rows share each round's reduction) and emits: one launch, no scratch.
 
@@ -305,9 +309,12 @@ def _count_above_in_memory(ptr, n, threshold, TILE: tl.constexpr):
 
 
 @triton.jit
-def _emit_taken(counts, greater, equal, columns, ties, base, out_ptrs, out_stride_col, AXIS: tl.constexpr):
+def _emit_taken(counts, greater, equal, columns, ties, base, out_ptrs, out_stride_col, pages, table_stride_col,
+                block_size, AXIS: tl.constexpr, SLOTS: tl.constexpr):
     """Store the columns of the ``greater`` entries and of the first ``ties`` (>= 0) ``equal`` entries
-    at ``out_ptrs`` positions ``base, base + 1, ...`` in column order along ``AXIS``.
+    at ``out_ptrs`` positions ``base, base + 1, ...`` in column order along ``AXIS``; with ``SLOTS``, the
+    cache slot of each column instead (``pages``: the block-table row of each output row, broadcastable
+    to ``columns``).
 
     ``counts = greater + equal * 2**16`` (the packed flags whose prefix sum gives both ranks)."""
     prefix = tl.cumsum(counts, axis=AXIS)
@@ -315,7 +322,20 @@ def _emit_taken(counts, greater, equal, columns, ties, base, out_ptrs, out_strid
     equal_rank = prefix >> 16
     take = greater | (equal & (equal_rank <= ties))
     position = base + greater_rank + tl.minimum(equal_rank, ties) - 1
-    tl.store(out_ptrs + position.to(tl.int64) * out_stride_col, columns, mask=take)
+    if SLOTS:
+        page = tl.load(pages + (columns // block_size).to(tl.int64) * table_stride_col, mask=take, other=0)
+        written = page * block_size + columns % block_size
+    else:
+        written = columns
+    tl.store(out_ptrs + position.to(tl.int64) * out_stride_col, written, mask=take)
+
+
+@triton.jit
+def _page_rows(table_ptr, table_stride_row, rows, rows_per_request, SLOTS: tl.constexpr):
+    """Block-table row pointers of the requests of ``rows`` (the table itself when not ``SLOTS``)."""
+    if SLOTS:
+        return table_ptr + (rows // rows_per_request).to(tl.int64) * table_stride_row
+    return table_ptr + rows.to(tl.int64) * 0
 
 
 @triton.jit
@@ -330,12 +350,12 @@ def _pad_rows(out_ptrs, out_stride_col, first, valid, k, PAD_BLOCK: tl.constexpr
         block += PAD_BLOCK
 
 
-@triton.jit(do_not_specialize=["num_rows", "width", "k", "next_n"])
+@triton.jit(do_not_specialize=["num_rows", "width", "k", "next_n", "block_size", "rows_per_request"])
 def _topk_row_kernel(
     logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, out_ptr, out_stride_row, out_stride_col,
-    num_rows, width, k, next_n,
+    num_rows, width, k, next_n, table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-    PAD_BLOCK: tl.constexpr,
+    PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
     valid = rows < num_rows
@@ -353,8 +373,9 @@ def _topk_row_kernel(
     totals = tl.sum(counts, axis=1)  # [ROWS]
     ties = tl.where(searching, k - (totals & LOW_FIELD), 0)
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * out_stride_row  # [ROWS, 1]
+    pages = _page_rows(table_ptr, table_stride_row, rows, rows_per_request, SLOTS)[:, None]  # [ROWS, 1]
     _emit_taken(counts, greater, equal, tl.broadcast_to(columns, [ROWS, BLOCK]), ties[:, None], 0, out_ptrs,
-                out_stride_col, 1)
+                out_stride_col, pages, table_stride_col, block_size, 1, SLOTS)
     taken = (totals & LOW_FIELD) + tl.minimum(totals >> 16, ties)
     _pad_rows(out_ptrs, out_stride_col, taken, valid, k, PAD_BLOCK)
 
@@ -450,12 +471,12 @@ def _split_candidates_kernel(
             tl.store(state_row + _TIES, ties)
 
 
-@triton.jit(do_not_specialize=["width", "k", "next_n", "num_chunks"])
+@triton.jit(do_not_specialize=["width", "k", "next_n", "num_chunks", "block_size", "rows_per_request"])
 def _split_emit_kernel(
     logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, out_ptr, out_stride_row, out_stride_col,
-    state_ptr, state_stride, width, k, next_n, num_chunks,
+    state_ptr, state_stride, width, k, next_n, num_chunks, table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, CHUNK: tl.constexpr, FLAG_TILE: tl.constexpr,
-    PAD_BLOCK: tl.constexpr,
+    PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row = pid // num_chunks
@@ -485,7 +506,9 @@ def _split_emit_kernel(
         out_row = out_ptr + row.to(tl.int64) * out_stride_row
         ties_here = tl.maximum(ties - equal_before, 0)
         base = greater_before + tl.minimum(equal_before, ties)
-        _emit_taken(counts, greater, equal, columns, ties_here, base, out_row, out_stride_col, 0)
+        pages = _page_rows(table_ptr, table_stride_row, row, rows_per_request, SLOTS)
+        _emit_taken(counts, greater, equal, columns, ties_here, base, out_row, out_stride_col, pages, table_stride_col,
+                    block_size, 0, SLOTS)
         if chunk == row_chunks - 1:
             taken = base + (total & LOW_FIELD) + tl.minimum(total >> 16, ties_here)
             one = tl.full([1], 0, tl.int32)
@@ -499,7 +522,8 @@ def _reaches(keys, bound, inclusive):
 
 
 @triton.jit
-def _emit_ordered(keys, columns, threshold, ties, base, out_row, out_stride_col):
+def _emit_ordered(keys, columns, threshold, ties, base, out_row, out_stride_col, pages, table_stride_col, block_size,
+                  SLOTS: tl.constexpr):
     """Emit the 1-D tile ``keys``/``columns`` (ascending columns, after every earlier tile of the row):
     entries ``> threshold`` and the first ``ties`` entries ``== threshold`` go to positions ``base, ...``.
     Returns the next ``base`` and the ties still to take."""
@@ -507,17 +531,18 @@ def _emit_ordered(keys, columns, threshold, ties, base, out_row, out_stride_col)
     equal = (keys == threshold) & (keys != NONE)
     counts = greater.to(tl.int32) + (equal.to(tl.int32) << 16)
     total = tl.sum(counts, axis=0)
-    _emit_taken(counts, greater, equal, columns, ties, base, out_row, out_stride_col, 0)
+    _emit_taken(counts, greater, equal, columns, ties, base, out_row, out_stride_col, pages, table_stride_col,
+                block_size, 0, SLOTS)
     ties_taken = tl.minimum(total >> 16, ties)
     return base + (total & LOW_FIELD) + ties_taken, ties - ties_taken
 
 
-@triton.jit(do_not_specialize=["width", "k", "next_n", "enough", "capacity"])
+@triton.jit(do_not_specialize=["width", "k", "next_n", "enough", "capacity", "block_size", "rows_per_request"])
 def _row_program_kernel(
     logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, out_ptr, out_stride_row, out_stride_col,
-    groups_ptr, cand_keys_ptr, cand_columns_ptr, capacity, width, k, next_n, enough,
+    groups_ptr, cand_keys_ptr, cand_columns_ptr, capacity, width, k, next_n, enough, table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
-    STREAM_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr,
+    STREAM_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr,
 ):
     TILE_GROUPS: tl.constexpr = STREAM_TILE // GROUP
     row = tl.program_id(0)
@@ -591,6 +616,7 @@ def _row_program_kernel(
     # T and the ties, then the ordered emit: from the candidates, or from the row when T is the bound
     # itself and its ties (not candidates) are taken.
     out_row = out_ptr + row.to(tl.int64) * out_stride_row
+    pages = _page_rows(table_ptr, table_stride_row, row, rows_per_request, SLOTS)
     taken = row * 0
     if (inclusive == 0) & (num_candidates < k):
         ties = k - num_candidates
@@ -601,7 +627,8 @@ def _row_program_kernel(
             line_inside = line_columns < length
             line_keys = _order_keys(tl.load(src_row + (start + line_columns).to(tl.int64) * stride_col,
                                             mask=line_inside, other=0.0), line_inside)
-            taken, ties = _emit_ordered(line_keys, line_columns, bound, ties, taken, out_row, out_stride_col)
+            taken, ties = _emit_ordered(line_keys, line_columns, bound, ties, taken, out_row, out_stride_col,
+                                        pages, table_stride_col, block_size, SLOTS)
             line_first += STREAM_TILE
     elif num_candidates <= CANDIDATE_BLOCK:
         held = tl.arange(0, CANDIDATE_BLOCK)
@@ -612,7 +639,8 @@ def _row_program_kernel(
         if num_candidates > k:
             threshold, _ = _kth_largest(held_keys, k, k)
             ties = k - tl.sum((held_keys > threshold).to(tl.int32), axis=0)
-        taken, ties = _emit_ordered(held_keys, held_columns, threshold, ties, taken, out_row, out_stride_col)
+        taken, ties = _emit_ordered(held_keys, held_columns, threshold, ties, taken, out_row, out_stride_col, pages,
+                                    table_stride_col, block_size, SLOTS)
     else:
         threshold = row * 0 + NONE
         ties = row * 0
@@ -626,7 +654,8 @@ def _row_program_kernel(
             slot_keys = tl.load(cand_keys_row + slot_first + slot, mask=in_slots, other=NONE, cache_modifier=".cg")
             slot_columns = tl.load(cand_columns_row + slot_first + slot, mask=in_slots, other=0,
                                    cache_modifier=".cg")
-            taken, ties = _emit_ordered(slot_keys, slot_columns, threshold, ties, taken, out_row, out_stride_col)
+            taken, ties = _emit_ordered(slot_keys, slot_columns, threshold, ties, taken, out_row, out_stride_col,
+                                        pages, table_stride_col, block_size, SLOTS)
             slot_first += CANDIDATE_BLOCK
     one = tl.full([1], 0, tl.int32)
     _pad_rows(out_row + tl.zeros([1, 1], tl.int64), out_stride_col, one + taken, one == 0, k, PAD_BLOCK)
@@ -663,18 +692,27 @@ def _bounds_args(starts: torch.Tensor | None, ends: torch.Tensor | None, decode:
     return starts_arg, ends_arg, dict(HAS_STARTS=has_starts, ENDS_MODE=ends_mode)
 
 
-def _launch_rows(logits, k, bounds, out, next_n, bounds_flags, config):
+def _slot_args(slots, logits):
+    """Kernel arguments of the slot output: ``slots = (block_table, block_size, rows_per_request)`` or None."""
+    if slots is None:
+        return (logits, 0, 0, 1, 1), dict(SLOTS=False)
+    table, block_size, rows_per_request = slots
+    return (table, table.stride(0), table.stride(1), block_size, rows_per_request), dict(SLOTS=True)
+
+
+def _launch_rows(logits, k, bounds, out, next_n, bounds_flags, slot_args, config):
     num_rows, width = logits.shape
     block = max(16, _next_pow2(width))
     rows = min(16, max(1, config.row_elements // block))
     warps = max(1, min(config.row_warps, rows * block // 256))
     _topk_row_kernel[(triton.cdiv(num_rows, rows),)](
         logits, logits.stride(0), logits.stride(1), *bounds, out, out.stride(0), out.stride(1),
-        num_rows, width, k, next_n, ROWS=rows, BLOCK=block, PAD_BLOCK=_PAD_BLOCK, num_warps=warps, **bounds_flags,
+        num_rows, width, k, next_n, *slot_args[0], ROWS=rows, BLOCK=block, PAD_BLOCK=_PAD_BLOCK, num_warps=warps,
+        **bounds_flags, **slot_args[1],
     )
 
 
-def _launch_split(logits, k, bounds, out, next_n, bounds_flags, config):
+def _launch_split(logits, k, bounds, out, next_n, bounds_flags, slot_args, config):
     num_rows, width = logits.shape
     chunk = config.chunk
     num_chunks = triton.cdiv(width, chunk)
@@ -710,11 +748,12 @@ def _launch_split(logits, k, bounds, out, next_n, bounds_flags, config):
     )
     _split_emit_kernel[grid](
         *rows_args, out, out.stride(0), out.stride(1), state, state_stride, width, k, next_n, num_chunks,
-        CHUNK=chunk, FLAG_TILE=flag_tile, PAD_BLOCK=_PAD_BLOCK, num_warps=warps, **bounds_flags,
+        *slot_args[0], CHUNK=chunk, FLAG_TILE=flag_tile, PAD_BLOCK=_PAD_BLOCK, num_warps=warps, **bounds_flags,
+        **slot_args[1],
     )
 
 
-def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, config):
+def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args, config):
     num_rows, width = logits.shape
     stream_tile = config.stream_tile
     columns = triton.cdiv(width, stream_tile) * stream_tile
@@ -734,13 +773,13 @@ def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, config):
     cand_columns = torch.empty((num_rows, capacity), dtype=torch.int32, device=device)
     _row_program_kernel[(num_rows,)](
         logits, logits.stride(0), logits.stride(1), *bounds, out, out.stride(0), out.stride(1),
-        groups, cand_keys, cand_columns, capacity, width, k, next_n, enough,
+        groups, cand_keys, cand_columns, capacity, width, k, next_n, enough, *slot_args[0],
         GROUP=group, GROUP_TILE=group_tile, STREAM_TILE=stream_tile, CANDIDATE_BLOCK=candidate_block,
-        PAD_BLOCK=_PAD_BLOCK, num_warps=config.stream_warps, **bounds_flags,
+        PAD_BLOCK=_PAD_BLOCK, num_warps=config.stream_warps, **bounds_flags, **slot_args[1],
     )
 
 
-def _launch(logits, k, starts, ends, out, next_n, decode, config):
+def _launch(logits, k, starts, ends, out, next_n, decode, config, slots=None):
     num_rows, width = logits.shape
     if num_rows == 0:
         return out
@@ -751,7 +790,7 @@ def _launch(logits, k, starts, ends, out, next_n, decode, config):
         launch = _launch_row_programs
     else:
         launch = _launch_split
-    launch(logits, k, (starts_arg, ends_arg), out, next_n, bounds_flags, config)
+    launch(logits, k, (starts_arg, ends_arg), out, next_n, bounds_flags, _slot_args(slots, logits), config)
     return out
 
 
@@ -776,11 +815,15 @@ def topk_decode_triton(
     out: torch.Tensor,
     *,
     config: TopkConfig = DEFAULT_CONFIG,
+    slots: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
-    """Twin of ``reference.topk_decode``; row lengths are computed from ``seq_lens`` on the device."""
+    """Twin of ``reference.topk_decode``; row lengths are computed from ``seq_lens`` on the device. With
+    ``slots = (block_table, block_size)`` the rows' picks are written as cache slots (the twin of
+    ``reference.topk_decode`` followed by ``reference.indices_to_slots``), in the same launch."""
+    fused = None if slots is None else (*slots, next_n)
     if seq_lens.dim() == 2:
-        return _launch(logits, k, None, seq_lens.reshape(-1), out, 1, False, config)
-    return _launch(logits, k, None, seq_lens, out, next_n, True, config)
+        return _launch(logits, k, None, seq_lens.reshape(-1), out, 1, False, config, fused)
+    return _launch(logits, k, None, seq_lens, out, next_n, True, config, fused)
 
 
 def indices_to_slots_triton(
