@@ -1,9 +1,11 @@
 """Triton top-k kernels against the reference: bitwise equal outputs on adversarial rows, every path.
 
 The interpreter tests shrink the kernels' tuning (``TopkConfig``) so that tiny rows reach the split
-path (group maxima, candidate buffer in registers and in memory, chunked emit with look-back), the
-streaming row programs (lower bound with and without the early stop, candidates in registers and in
-memory, emit from the candidates or from the row) and the whole-row programs. GPU tests use the
+path (group maxima, exact or early-stopped lower bound, candidate buffer in registers and in memory,
+chunked emit with look-back), the streaming row programs (group maxima streamed in the program or from
+a launch of chunk programs, lower bound with and without the early stop, gather pieces with and without
+masks, candidates in registers and in memory, emit from the candidates or from the row) and the
+whole-row programs. GPU tests use the
 default tuning at realistic sizes, with each wide-row path forced in turn.
 """
 
@@ -25,15 +27,28 @@ POISON = -777
 # Widths above 16 take the split path: 16-column chunks, at most 16 group maxima per row (so groups of
 # 2, 4, 8 columns as rows widen), at most 8 candidates searched in registers.
 SPLIT = TopkConfig(row_block_max=16, row_program_rows=1 << 30, chunk=16, group_tile=16, candidate_block=8)
-# Widths above 16 take streaming row programs: 16-column steps, at most 16 group maxima, 8 candidates in
-# registers. STREAM_LOOSE stops the lower-bound search early (up to 4k maxima above it).
-STREAM = TopkConfig(row_block_max=16, row_program_rows=1, stream_tile=16, group_tile=16, candidate_block=8)
+# Widths above 16 take row programs: group maxima from 16-column chunk programs, at most 16 of them, 8
+# candidates in registers. STREAM_LOOSE streams the row in the program (16-column steps) and stops the
+# lower-bound search early (up to 4k maxima above it); STREAM_SCALAR streams too, with masked (scalar)
+# gather loads in every piece and no prefetch of the next one.
+STREAM = TopkConfig(row_block_max=16, row_program_rows=1, stream_tile=16, group_tile=16, candidate_block=8, chunk=16)
 STREAM_LOOSE = TopkConfig(row_block_max=16, row_program_rows=1, stream_tile=16, group_tile=16, candidate_block=8,
-                          bound_slack=3.0)
-WIDE = [SPLIT, STREAM, STREAM_LOOSE]
-WIDE_IDS = ["split", "stream", "stream_loose"]
+                          bound_slack=3.0, maxima_launch=False)
+STREAM_SCALAR = TopkConfig(row_block_max=16, row_program_rows=1, stream_tile=16, group_tile=16, candidate_block=8,
+                           maxima_launch=False, vector_gather=False, prefetch_gather=False)
+# The split path with its lower-bound search stopped early (up to 4k maxima above it) or exact.
+SPLIT_LOOSE = TopkConfig(row_block_max=16, row_program_rows=1 << 30, chunk=16, group_tile=16, candidate_block=8,
+                         bound_slack=3.0)
+SPLIT_EXACT = TopkConfig(row_block_max=16, row_program_rows=1 << 30, chunk=16, group_tile=16, candidate_block=8,
+                         split_early_bound=False)
+WIDE = [SPLIT, SPLIT_LOOSE, SPLIT_EXACT, STREAM, STREAM_LOOSE, STREAM_SCALAR]
+WIDE_IDS = ["split", "split_loose", "split_exact", "stream", "stream_loose", "stream_scalar"]
 GPU_SPLIT = TopkConfig(row_program_rows=1 << 30)
 GPU_STREAM = TopkConfig(row_program_rows=1)
+GPU_STREAM_IN_PROGRAM = TopkConfig(row_program_rows=1, maxima_launch=False)
+GPU_STREAM_V4 = TopkConfig(row_program_rows=1, maxima_launch=False, vector_gather=False, prefetch_gather=False)
+GPU_WIDE = [GPU_SPLIT, GPU_STREAM, GPU_STREAM_IN_PROGRAM, GPU_STREAM_V4]
+GPU_WIDE_IDS = ["split", "stream", "stream_in_program", "stream_v4"]
 ROW = TopkConfig()
 ONE_ROW = TopkConfig(row_elements=16)  # one row per whole-row program
 
@@ -282,7 +297,7 @@ def decode_lengths(num_rows, width, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [GPU_SPLIT, GPU_STREAM], ids=["split", "stream"])
+@pytest.mark.parametrize("config", GPU_WIDE, ids=GPU_WIDE_IDS)
 @pytest.mark.parametrize("name", sorted(ADVERSARIAL_GENERATORS))
 @pytest.mark.parametrize("width, num_rows", [(131072, 4), (1 << 20, 2)])
 def test_gpu_generators_long_rows(name, width, num_rows, config):
@@ -307,7 +322,7 @@ def test_gpu_generators_prefill_rows(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [GPU_SPLIT, GPU_STREAM], ids=["split", "stream"])
+@pytest.mark.parametrize("config", GPU_WIDE, ids=GPU_WIDE_IDS)
 @pytest.mark.parametrize("width", [8191, 8192, 8193, 12288, 16385, 40000])
 def test_gpu_widths_around_paths(width, config):
     logits = ADVERSARIAL_GENERATORS["relu_sum"]((6, width), width, "cuda")
@@ -326,7 +341,7 @@ def test_gpu_more_than_65535_rows(config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [GPU_SPLIT, GPU_STREAM], ids=["split", "stream"])
+@pytest.mark.parametrize("config", GPU_WIDE, ids=GPU_WIDE_IDS)
 def test_gpu_reruns_are_bitwise_equal(config):
     logits = torch.cat([ADVERSARIAL_GENERATORS["one_bin"]((4, 131072), 1, "cuda"),
                         torch.randn(4, 131072, device="cuda")])
@@ -349,7 +364,7 @@ def test_gpu_out_with_padded_rows_keeps_the_tail():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [GPU_SPLIT, GPU_STREAM], ids=["split", "stream"])
+@pytest.mark.parametrize("config", GPU_WIDE, ids=GPU_WIDE_IDS)
 def test_gpu_decode_slots_at_realistic_size(config):
     num_requests, next_n, width, k, block_size = 4, 2, 131072, 2048, 64
     logits = ADVERSARIAL_GENERATORS["relu_sum"]((num_requests * next_n, width), 5, "cuda")
@@ -364,7 +379,7 @@ def test_gpu_decode_slots_at_realistic_size(config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [GPU_SPLIT, GPU_STREAM], ids=["split", "stream"])
+@pytest.mark.parametrize("config", GPU_WIDE, ids=GPU_WIDE_IDS)
 def test_gpu_cuda_graph_replay_with_new_lengths(config):
     num_requests, next_n, width, k = 3, 2, 65536, 2048
     logits = torch.randn(num_requests * next_n, width, device="cuda")

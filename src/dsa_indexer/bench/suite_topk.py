@@ -29,6 +29,7 @@ from dsa_indexer.testing import count_topk_errors, one_bin_rows, relu_sum_rows
 
 ROTATION_BYTES = 256 << 20
 REP_MS = 20
+SWEEP_REP_MS = 10
 DECODE_L = 131072
 DECODE_ROWS = (1, 32, 64, 128)
 PREFILL_S = 8192
@@ -51,7 +52,7 @@ def _clean(values: torch.Tensor, starts: torch.Tensor | None, ends: torch.Tensor
     return values.masked_fill(outside, float("-inf"))
 
 
-def _cold_us(call, inputs: list[torch.Tensor]) -> float:
+def _cold_us(call, inputs: list[torch.Tensor], rep_ms: int = REP_MS) -> float:
     """Median graph-replay time of ``call(x)``, cycling through ``inputs``."""
     step = [0]
 
@@ -59,7 +60,7 @@ def _cold_us(call, inputs: list[torch.Tensor]) -> float:
         call(inputs[step[0] % len(inputs)])
         step[0] += 1
 
-    return harness.median_us(one, graph=True, rep_ms=REP_MS)
+    return harness.median_us(one, graph=True, rep_ms=rep_ms)
 
 
 def _measure(logits, k, starts, ends, valid_elements, ceilings):
@@ -107,18 +108,27 @@ def run(ceilings: dict[str, float]) -> list[dict]:
 
 def _sweep_configs() -> tuple[dict, dict]:
     """Decode and prefill variants timed by ``sweep`` (names -> ``TopkConfig``): wide rows on the split
-    path or on streaming row programs, prefill rows on whole-row programs of 4 or 8 warps."""
+    path (``split_v4``: exact lower bound, ``split``: early-stopped) or on row programs: ``v4`` streams
+    the row in the program and gathers with masked loads, ``vg`` gathers with unmasked loads; ``pf``
+    prefetches the next gather piece, ``max`` takes the group maxima from a launch of chunk programs,
+    ``w8`` runs 8-warp row programs, ``fine`` uses 16384 groups (8 columns each at 128K). Prefill rows
+    on whole-row programs. Each variant is timed with ``SWEEP_REP_MS`` of replays (so that one device
+    call holds the sweep)."""
     from dsa_indexer.ops.topk.triton import TopkConfig
 
+    every = 1 << 30
     decode = {
-        "split": TopkConfig(row_program_rows=1 << 30),
-        "stream16": TopkConfig(row_program_rows=1),
-        "stream8": TopkConfig(row_program_rows=1, stream_warps=8),
-        "stream16_t4096": TopkConfig(row_program_rows=1, stream_tile=4096),
-        "stream16_slack05": TopkConfig(row_program_rows=1, bound_slack=0.5),
-        "stream16_slack0": TopkConfig(row_program_rows=1, bound_slack=0.0),
+        "split_v4": TopkConfig(row_program_rows=every, split_early_bound=False),
+        "split": TopkConfig(row_program_rows=every),
+        "v4": TopkConfig(row_program_rows=1, maxima_launch=False, vector_gather=False, prefetch_gather=False),
+        "vg": TopkConfig(row_program_rows=1, maxima_launch=False, prefetch_gather=False),
+        "vg_pf": TopkConfig(row_program_rows=1, maxima_launch=False),
+        "vg_max": TopkConfig(row_program_rows=1, prefetch_gather=False),
+        "vg_max_pf": TopkConfig(row_program_rows=1),
+        "vg_max_pf_w8": TopkConfig(row_program_rows=1, stream_warps=8),
+        "vg_max_fine": TopkConfig(row_program_rows=1, prefetch_gather=False, group_tile=16384),
     }
-    prefill = {"whole_row": TopkConfig(), "whole_row8": TopkConfig(row_warps=8)}
+    prefill = {"whole_row": TopkConfig()}
     return decode, prefill
 
 
@@ -152,9 +162,11 @@ def sweep(out_path: str | None = None) -> None:
                 print(f"{label} {name}: NOT EXACT", flush=True)
                 continue
             times[name] = _cold_us(lambda x, c=config, o=out: kernels.topk_triton(x, k, None, ends, o, config=c),
-                                   inputs)
+                                   inputs, SWEEP_REP_MS)
         print(f"{label}: " + "  ".join(f"{n} {'-' if t is None else f'{t:.1f}'}" for n, t in times.items()), flush=True)
         records.append({"shape": label, "us": times})
+        if out_path:  # after every shape, so that a run stopped at its time limit keeps what it measured
+            Path(out_path).write_text(json.dumps({"environment": harness.environment(), "records": records}, indent=1))
         del inputs
 
     for data in DATA:

@@ -38,17 +38,22 @@ each picked position ``p`` instead of ``p`` (a gather from the block table, only
 Rows of width ``<= row_block_max``: a program holds ``rows_per_program`` whole windows in registers,
 finds each row's ``T`` (the rows share each round's reduction) and emits: one launch, no scratch.
 
-Wider rows, calls of at least ``row_program_rows`` rows (streaming row programs, one launch, no
-atomics): one program per row streams the row once (the next tile's loads in flight while the
-current one is reduced) and stores the maximum of each group of ``GROUP`` consecutive columns. Back
+Wider rows, calls of at least ``row_program_rows`` rows (row programs, two launches, no atomics):
+chunk programs (step 1 of the split path) store the maximum of each group of ``GROUP`` consecutive
+columns, so that a row's one pass over HBM is spread over many SMs; then one program per row does the
+rest. (``maxima_launch=False``, or ``chunk`` outside ``[GROUP, stream_tile]``: one launch, the row
+program streams the row itself, the next tile's loads in flight while the current one is reduced;
+≈ 18 µs per row of 128K on one SM, measured.) Back
 in registers, the maxima give a lower bound: the search for the k-th largest maximum stops as soon as
 at most ``enough = k + int(k * bound_slack)`` maxima reach its floor ``t``; then ``T >= t`` (k groups
 hold an entry ``>= t``) and the candidates are the entries ``>= t``, at most ``enough * GROUP``. If
 it never gets there, ``t`` is the exact k-th largest maximum and the candidates are the entries
 ``> t`` (fewer than k groups hold one, so at most ``(k - 1) * GROUP``). The program compacts the
 qualifying group ids (one scan), re-reads those groups (L2: the row was just streamed) and appends
-their candidates to a per-row buffer in column order (per piece of groups: one scan of per-group
-counts, in-group ranks within a warp). ``T`` is searched among the candidates (in registers up to
+their candidates to a per-row buffer in column order (per piece of ``stream_tile // GROUP`` groups:
+one scan of per-group counts, in-group ranks within a warp; the next piece's loads are in flight
+meanwhile; every piece but the last holds only whole groups inside the row, so its loads need no mask
+and are 16 bytes wide). ``T`` is searched among the candidates (in registers up to
 ``candidate_block``, else in memory) and the emit is one ordered compaction of the buffer: every
 entry ``>= T`` is a candidate. One case emits from the row instead: an exact, strict bound reached
 by fewer than k candidates, where ``T`` is the bound and its ties are not candidates.
@@ -57,19 +62,22 @@ Wider rows, fewer rows (split path, four launches, two full passes over the logi
 
 1. *Group maxima.* Programs own ``CHUNK`` columns of one row and store the maximum key of each group
    of ``GROUP`` consecutive columns (and clear their chunk's flag for step 4).
-2. *Lower bound* (one program per row). ``T_low`` = the ``k``-th largest group maximum (``NONE``
-   when fewer than ``k`` groups hold a selectable entry). ``T >= T_low``: the ``k`` groups whose maxima
-   are ``>= T_low`` give ``k`` distinct entries ``>= T_low``. At most ``k - 1`` groups have a maximum
-   ``> T_low``, so at most ``(k - 1) * GROUP`` entries are ``> T_low`` (when ``T_low = NONE`` the
-   candidates are the selectable entries of fewer than ``k`` groups: the same bound). ``GROUP`` is the
+2. *Lower bound* (one program per row), as in the row programs: the search for the ``k``-th largest
+   group maximum stops once at most ``enough`` maxima reach its floor ``T_low`` (candidates: the
+   entries ``>= T_low``, at most ``enough * GROUP``), else ``T_low`` is that maximum (``NONE`` when fewer
+   than ``k`` groups hold a selectable entry) and the candidates are the entries ``> T_low``: at most
+   ``k - 1`` groups have a maximum ``> T_low``, so at most ``(k - 1) * GROUP`` of them (when
+   ``T_low = NONE`` the candidates are the selectable entries of fewer than ``k`` groups: the same
+   bound). Either way ``T >= T_low`` (``k`` groups hold an entry ``>= T_low``). ``GROUP`` is the
    smallest power of two that keeps a row's groups within one register tile (``group_tile``); for
-   random data the candidates number about ``1.15 k``.
-3. *Candidates.* Programs read only the groups whose maximum is ``> T_low`` (the others cannot hold a
-   candidate), append their keys ``> T_low`` to the row's buffer (an atomic cursor; order does not
+   random data the candidates number about ``1.15 k`` (exact bound) to ``1.3 k`` (early stop).
+   ``split_early_bound=False`` always searches the exact maximum.
+3. *Candidates.* Programs read only the groups whose maximum reaches ``T_low`` (the others cannot hold
+   a candidate), append their candidates to the row's buffer (an atomic cursor; order does not
    matter; the bound above means it never overflows) and the last program of the row to arrive (an
-   atomic counter) finds ``T``: if fewer than ``k`` candidates exist, ``T = T_low`` and
-   ``k - #candidates`` ties are taken, else ``T`` is the ``k``-th largest candidate (every key ``>= T``
-   is a candidate) and ``k - #(candidates > T)`` ties are taken.
+   atomic counter) finds ``T``: if fewer than ``k`` candidates exist (only under the strict bound),
+   ``T = T_low`` and ``k - #candidates`` ties are taken, else ``T`` is the ``k``-th largest candidate
+   (every key ``>= T`` is a candidate) and ``k - #(candidates > T)`` ties are taken.
 4. *Emit.* Each program counts its keys ``> T`` and ``== T``, publishes both in its chunk's flag and
    sums the flags of the lower chunks of its row (decoupled look-back: a program waits only for
    programs of lower ids, which the hardware dispatches first, as CUB's single-pass scan assumes; under
@@ -79,7 +87,7 @@ Wider rows, fewer rows (split path, four launches, two full passes over the logi
 Step 3 walks the rows in reverse order so that it starts on the rows step 1 left in L2, step 4 in
 forward order for the same reason. All scratch comes from ``torch.empty`` in the wrappers (every word
 is written before it is read); nothing is read back to the host, so the launches are CUDA-graph
-capturable. Scratch per row: split path ``4 * (group tile + min((k - 1) * GROUP, width) + 8 + flags)``
+capturable. Scratch per row: split path ``4 * (group tile + min(max(enough, k - 1) * GROUP, width) + 8 + flags)``
 bytes; row programs ``4 * (2 * group tile + 2 * min(max(enough, k - 1) * GROUP, width))`` bytes.
 
 Strides: any logits strides (column stride 0 or > 1 included) and any ``out`` strides are honoured in
@@ -107,6 +115,7 @@ _NUM_CANDIDATES = tl.constexpr(2)
 _T_LOW = tl.constexpr(3)
 _THRESHOLD = tl.constexpr(4)
 _TIES = tl.constexpr(5)
+_INCLUSIVE = tl.constexpr(6)
 _FLAGS = tl.constexpr(8)
 _STATE_WORDS = 8
 
@@ -122,15 +131,24 @@ class TopkConfig:
     row_elements: register tile of a whole-row program: ``row_elements // tile width`` rows share a
         program (1 to 16; power of two).
     row_warps: most warps of a whole-row program (fewer for small tiles).
-    row_program_rows: wider rows take one streaming program per row when the call has at least this
-        many rows, else the split path.
-    stream_tile: columns per step of a streaming row program (power of two, at most 16384).
-    stream_warps: warps of a streaming row program.
-    bound_slack: a streaming row program's lower-bound search stops once at most
-        ``k + int(k * bound_slack)`` group maxima reach its floor.
-    chunk: columns per program on the split path (power of two, at most 16384).
+    row_program_rows: wider rows take one row program per row when the call has at least this many
+        rows, else the split path.
+    stream_tile: columns per streaming step of a row program, and per gather piece (power of two, at
+        most 16384).
+    stream_warps: warps of a row program.
+    bound_slack: the lower-bound search of row programs (and of the split path, see
+        ``split_early_bound``) stops once at most ``k + int(k * bound_slack)`` group maxima reach its floor.
+    maxima_launch: row programs take their group maxima from an earlier launch of ``chunk``-column
+        programs (the row's streaming spread over many SMs; needs ``GROUP <= chunk <= stream_tile``);
+        else they stream the row themselves.
+    vector_gather: row programs load the re-read groups without a mask (16-byte loads) in every gather
+        piece but the last.
+    prefetch_gather: row programs issue the next gather piece's loads before scanning the current one.
+    split_early_bound: the split path's lower-bound search stops early as the row programs' does (with
+        ``bound_slack``); else it finds the exact k-th largest group maximum.
+    chunk: columns per program on the split path and in the maxima launch (power of two, at most 16384).
     group_tile: most group maxima per row (at most 16384); ``None`` = ``clamp(4k, 1024, 8192)`` on the
-        split path, 8192 in streaming row programs.
+        split path, 8192 in row programs.
     candidate_block: candidates searched in registers; ``None`` = ``clamp(2k, 1024, 16384)``.
     split_warps: warps of the split-path chunk programs (the per-row lower-bound program uses 8).
     """
@@ -142,6 +160,10 @@ class TopkConfig:
     stream_tile: int = 8192
     stream_warps: int = 16
     bound_slack: float = 0.25
+    maxima_launch: bool = True
+    vector_gather: bool = True
+    prefetch_gather: bool = True
+    split_early_bound: bool = True
     chunk: int = 2048
     group_tile: int | None = None
     candidate_block: int | None = None
@@ -385,8 +407,11 @@ def _split_group_max_kernel(
     logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, group_max_ptr, state_ptr, state_stride,
     width, next_n, num_chunks,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr,
-    CHUNK: tl.constexpr, GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
+    CHUNK: tl.constexpr, GROUP: tl.constexpr, MAXIMA_STRIDE: tl.constexpr, CLEAR_FLAGS: tl.constexpr,
 ):
+    """Group maxima of chunks of ``CHUNK`` columns: ``group_max[row * MAXIMA_STRIDE + column // GROUP]`` for
+    the chunks up to the row's length (one chunk at least); with ``CLEAR_FLAGS``, the chunk's emit flag
+    (split path) is cleared too. Also the streaming pass of row programs of calls with few rows."""
     GROUPS_PER_CHUNK: tl.constexpr = CHUNK // GROUP
     pid = tl.program_id(0)
     row = pid // num_chunks
@@ -397,15 +422,20 @@ def _split_group_max_kernel(
         columns = chunk * CHUNK + group_ids[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [GROUPS_PER_CHUNK, GROUP]
         inside = columns < length
         src = logits_ptr + row.to(tl.int64) * stride_row + (start + columns).to(tl.int64) * stride_col
-        keys = _order_keys(tl.load(src, mask=inside, other=0.0), inside)  # [GROUPS_PER_CHUNK, GROUP]
-        group_row = group_max_ptr + row.to(tl.int64) * GROUP_TILE
+        if chunk < length // CHUNK:  # a whole chunk inside the row: no mask, so the loads can be 16 bytes wide
+            values = tl.load(src)
+        else:
+            values = tl.load(src, mask=inside, other=0.0)
+        keys = _order_keys(values, inside)  # [GROUPS_PER_CHUNK, GROUP]
+        group_row = group_max_ptr + row.to(tl.int64) * MAXIMA_STRIDE
         tl.store(group_row + chunk * GROUPS_PER_CHUNK + group_ids, tl.max(keys, axis=1))
-        tl.store(state_ptr + row.to(tl.int64) * state_stride + _FLAGS + chunk, 0)
+        if CLEAR_FLAGS:
+            tl.store(state_ptr + row.to(tl.int64) * state_stride + _FLAGS + chunk, 0)
 
 
-@triton.jit(do_not_specialize=["width", "k", "next_n"])
+@triton.jit(do_not_specialize=["width", "k", "next_n", "enough"])
 def _split_low_bound_kernel(
-    starts_ptr, ends_ptr, group_max_ptr, state_ptr, state_stride, width, k, next_n,
+    starts_ptr, ends_ptr, group_max_ptr, state_ptr, state_stride, width, k, next_n, enough,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr,
     GROUP_TILE: tl.constexpr,
 ):
@@ -415,10 +445,13 @@ def _split_low_bound_kernel(
     tile = tl.arange(0, GROUP_TILE)  # [GROUP_TILE]
     maxima = tl.load(group_max_ptr + row.to(tl.int64) * GROUP_TILE + tile, mask=tile < num_groups, other=NONE)
     t_low = row * 0 + NONE
+    inclusive = row * 0 + 1
     if tl.sum((maxima != NONE).to(tl.int32), axis=0) >= k:
-        t_low, _ = _kth_largest(maxima, k, k - 1)
+        t_low, reaching = _kth_largest(maxima, k, enough)
+        inclusive = (reaching <= enough).to(tl.int32)
     state_row = state_ptr + row.to(tl.int64) * state_stride
     tl.store(state_row + _T_LOW, t_low)
+    tl.store(state_row + _INCLUSIVE, inclusive)
     tl.store(state_row + _NUM_CANDIDATES, 0)
     tl.store(state_row + _ARRIVED, 0)
 
@@ -439,13 +472,14 @@ def _split_candidates_kernel(
     if chunk < row_chunks:
         state_row = state_ptr + row.to(tl.int64) * state_stride
         t_low = tl.load(state_row + _T_LOW)
+        inclusive = tl.load(state_row + _INCLUSIVE)
         group_ids = tl.arange(0, GROUPS_PER_CHUNK)  # [GROUPS_PER_CHUNK]
         maxima = tl.load(group_max_ptr + row.to(tl.int64) * GROUP_TILE + chunk * GROUPS_PER_CHUNK + group_ids)
         columns = chunk * CHUNK + group_ids[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [GROUPS_PER_CHUNK, GROUP]
-        needed = (columns < length) & (maxima[:, None] > t_low)
+        needed = (columns < length) & _reaches(maxima[:, None], t_low, inclusive)
         src = logits_ptr + row.to(tl.int64) * stride_row + (start + columns).to(tl.int64) * stride_col
         keys = _order_keys(tl.load(src, mask=needed, other=0.0), needed)  # [GROUPS_PER_CHUNK, GROUP]
-        is_candidate = (keys > t_low).to(tl.int32)
+        is_candidate = _reaches(keys, t_low, inclusive).to(tl.int32)
         per_group = tl.sum(is_candidate, axis=1)  # [GROUPS_PER_CHUNK]
         first = tl.atomic_add(state_row + _NUM_CANDIDATES, tl.sum(per_group, axis=0), sem="relaxed", scope="gpu")
         group_first = first + tl.cumsum(per_group, axis=0) - per_group  # [GROUPS_PER_CHUNK]
@@ -490,7 +524,11 @@ def _split_emit_kernel(
         columns = chunk * CHUNK + tl.arange(0, CHUNK)  # [CHUNK]
         inside = columns < length
         src = logits_ptr + row.to(tl.int64) * stride_row + (start + columns).to(tl.int64) * stride_col
-        keys = _order_keys(tl.load(src, mask=inside, other=0.0), inside)  # [CHUNK]
+        if chunk < length // CHUNK:  # a whole chunk inside the row: no mask, so the loads can be 16 bytes wide
+            values = tl.load(src)
+        else:
+            values = tl.load(src, mask=inside, other=0.0)
+        keys = _order_keys(values, inside)  # [CHUNK]
         greater = keys > threshold
         equal = (keys == threshold) & (keys != NONE)
         counts = greater.to(tl.int32) + (equal.to(tl.int32) << 16)  # [CHUNK]
@@ -537,13 +575,39 @@ def _emit_ordered(keys, columns, threshold, ties, base, out_row, out_stride_col,
     return base + (total & LOW_FIELD) + ties_taken, ties - ties_taken
 
 
+@triton.jit
+def _gather_piece(src_row, start, stride_col, ids, piece_first, num_qualifying, length, TILE_GROUPS: tl.constexpr,
+                  GROUP: tl.constexpr, VECTOR_GATHER: tl.constexpr):
+    """Logits ``[TILE_GROUPS, GROUP]`` of the groups ``ids`` (qualifying ids ``piece_first, ...``; slots
+    past ``num_qualifying`` read nothing and give 0). With ``VECTOR_GATHER``, a piece before the last
+    is loaded without a mask (16-byte loads): it holds only groups below the last qualifying one, so
+    every column of it lies inside the row (a qualifying group has a selectable entry)."""
+    columns = ids[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [TILE_GROUPS, GROUP]
+    pointers = src_row + (start + columns).to(tl.int64) * stride_col
+    in_piece = piece_first + tl.arange(0, TILE_GROUPS) < num_qualifying  # [TILE_GROUPS]
+    inside = in_piece[:, None] & (columns < length)
+    if VECTOR_GATHER:
+        if piece_first + TILE_GROUPS < num_qualifying:
+            values = tl.load(pointers)
+        else:
+            values = tl.load(pointers, mask=inside, other=0.0)
+    else:
+        values = tl.load(pointers, mask=inside, other=0.0)
+    return values
+
+
 @triton.jit(do_not_specialize=["width", "k", "next_n", "enough", "capacity", "block_size", "rows_per_request"])
 def _row_program_kernel(
     logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, out_ptr, out_stride_row, out_stride_col,
     groups_ptr, cand_keys_ptr, cand_columns_ptr, capacity, width, k, next_n, enough, table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
     STREAM_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr,
+    STREAM: tl.constexpr, VECTOR_GATHER: tl.constexpr, PREFETCH_GATHER: tl.constexpr,
 ):
+    """One program per row. ``STREAM``: the program computes the group maxima itself (else an earlier
+    launch of ``_split_group_max_kernel`` stored them). ``VECTOR_GATHER``: unmasked group loads in every
+    gather piece but the last. ``PREFETCH_GATHER``: the next gather piece's loads are in flight while
+    this one is scanned and stored."""
     TILE_GROUPS: tl.constexpr = STREAM_TILE // GROUP
     row = tl.program_id(0)
     start, length = _row_window(row, row >= 0, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
@@ -554,31 +618,33 @@ def _row_program_kernel(
     in_group = tl.arange(0, GROUP)[None, :]  # [1, GROUP]
     tile_columns = group_ids[:, None] * GROUP + in_group  # [TILE_GROUPS, GROUP]
 
-    # Stream the row once, keeping the next tile's loads in flight while this one is reduced. Full
-    # tiles are loaded under a mask that is uniform per tile (so the loads can be 16 bytes wide), the
-    # last partial tile under the row's length.
-    num_tiles = tl.cdiv(length, STREAM_TILE)
-    full_end = length // STREAM_TILE * STREAM_TILE
-    values = tl.load(src_row + (start + tile_columns).to(tl.int64) * stride_col, mask=tile_columns < full_end,
-                     other=0.0)
-    tile = num_tiles * 0
-    while tile < num_tiles:
-        columns = tile * STREAM_TILE + tile_columns
-        next_columns = columns + STREAM_TILE
-        next_values = tl.load(src_row + (start + next_columns).to(tl.int64) * stride_col,
-                              mask=next_columns < full_end, other=0.0)
-        if tile * STREAM_TILE == full_end:
-            values = tl.load(src_row + (start + columns).to(tl.int64) * stride_col, mask=columns < length, other=0.0)
-        keys = _order_keys(values, columns < length)
-        tl.store(maxima_row + tile * TILE_GROUPS + group_ids, tl.max(keys, axis=1))
-        values = next_values
-        tile += 1
-    tl.debug_barrier()
+    if STREAM:
+        # Stream the row once, keeping the next tile's loads in flight while this one is reduced. Full
+        # tiles are loaded under a mask that is uniform per tile (so the loads can be 16 bytes wide), the
+        # last partial tile under the row's length.
+        num_tiles = tl.cdiv(length, STREAM_TILE)
+        full_end = length // STREAM_TILE * STREAM_TILE
+        values = tl.load(src_row + (start + tile_columns).to(tl.int64) * stride_col, mask=tile_columns < full_end,
+                         other=0.0)
+        tile = num_tiles * 0
+        while tile < num_tiles:
+            columns = tile * STREAM_TILE + tile_columns
+            next_columns = columns + STREAM_TILE
+            next_values = tl.load(src_row + (start + next_columns).to(tl.int64) * stride_col,
+                                  mask=next_columns < full_end, other=0.0)
+            if tile * STREAM_TILE == full_end:
+                values = tl.load(src_row + (start + columns).to(tl.int64) * stride_col, mask=columns < length,
+                                 other=0.0)
+            keys = _order_keys(values, columns < length)
+            tl.store(maxima_row + tile * TILE_GROUPS + group_ids, tl.max(keys, axis=1))
+            values = next_values
+            tile += 1
+        tl.debug_barrier()
 
     # Lower bound: stop as soon as at most `enough` group maxima reach it (candidates >= bound), else
     # the exact k-th largest maximum (candidates > bound: fewer than k groups hold one).
     slots = tl.arange(0, GROUP_TILE)  # [GROUP_TILE]
-    maxima = tl.load(maxima_row + slots, mask=slots < num_tiles * TILE_GROUPS, other=NONE, cache_modifier=".cg")
+    maxima = tl.load(maxima_row + slots, mask=slots < tl.cdiv(length, GROUP), other=NONE, cache_modifier=".cg")
     bound = row * 0 + NONE
     inclusive = row * 0 + 1
     if tl.sum((maxima != NONE).to(tl.int32), axis=0) >= k:
@@ -595,14 +661,20 @@ def _row_program_kernel(
     num_candidates = row * 0
     piece_first = row * 0
     ids = tl.load(ids_row + group_ids, mask=group_ids < num_qualifying, other=0, cache_modifier=".cg")
+    values = _gather_piece(src_row, start, stride_col, ids, piece_first, num_qualifying, length, TILE_GROUPS,
+                           GROUP, VECTOR_GATHER)
+    next_ids = tl.load(ids_row + TILE_GROUPS + group_ids, mask=TILE_GROUPS + group_ids < num_qualifying, other=0,
+                       cache_modifier=".cg")
     while piece_first < num_qualifying:
-        in_piece = piece_first + group_ids < num_qualifying
+        next_first = piece_first + TILE_GROUPS
+        if PREFETCH_GATHER:
+            next_values = _gather_piece(src_row, start, stride_col, next_ids, next_first, num_qualifying, length,
+                                        TILE_GROUPS, GROUP, VECTOR_GATHER)
+        later = next_first + TILE_GROUPS + group_ids
+        later_ids = tl.load(ids_row + later, mask=later < num_qualifying, other=0, cache_modifier=".cg")
         columns = ids[:, None] * GROUP + in_group  # [TILE_GROUPS, GROUP]
-        next_piece = piece_first + TILE_GROUPS + group_ids
-        ids = tl.load(ids_row + next_piece, mask=next_piece < num_qualifying, other=0, cache_modifier=".cg")
-        inside = in_piece[:, None] & (columns < length)
-        keys = _order_keys(tl.load(src_row + (start + columns).to(tl.int64) * stride_col, mask=inside, other=0.0),
-                           inside)
+        inside = (piece_first + group_ids < num_qualifying)[:, None] & (columns < length)
+        keys = _order_keys(values, inside)
         is_candidate = _reaches(keys, bound, inclusive).to(tl.int32)
         per_group = tl.sum(is_candidate, axis=1)  # [TILE_GROUPS]
         group_first = num_candidates + tl.cumsum(per_group, axis=0) - per_group
@@ -610,7 +682,14 @@ def _row_program_kernel(
         tl.store(cand_keys_row + position, keys, mask=is_candidate != 0)
         tl.store(cand_columns_row + position, columns, mask=is_candidate != 0)
         num_candidates += tl.sum(per_group, axis=0)
-        piece_first += TILE_GROUPS
+        if PREFETCH_GATHER:
+            values = next_values
+        else:
+            values = _gather_piece(src_row, start, stride_col, next_ids, next_first, num_qualifying, length,
+                                   TILE_GROUPS, GROUP, VECTOR_GATHER)
+        ids = next_ids
+        next_ids = later_ids
+        piece_first = next_first
     tl.debug_barrier()
 
     # T and the ties, then the ordered emit: from the candidates, or from the row when T is the bound
@@ -724,7 +803,8 @@ def _launch_split(logits, k, bounds, out, next_n, bounds_flags, slot_args, confi
         raise ValueError(f"logits width {width} is too large for the top-k split path (chunk {chunk})")
     group_tile = _next_pow2(num_chunks * chunk // group)
     candidate_block = config.candidate_block or min(16384, max(1024, _next_pow2(2 * k)))
-    capacity = max(1, min((k - 1) * group, width))
+    enough = k + int(k * config.bound_slack) if config.split_early_bound else k - 1
+    capacity = max(1, min(max(enough, k - 1) * group, width))
     flag_tile = _next_pow2(num_chunks)
     state_stride = _STATE_WORDS + flag_tile
     device = logits.device
@@ -737,10 +817,10 @@ def _launch_split(logits, k, bounds, out, next_n, bounds_flags, slot_args, confi
     sizes = dict(CHUNK=chunk, GROUP=group, GROUP_TILE=group_tile)
     _split_group_max_kernel[grid](
         *rows_args, group_max, state, state_stride, width, next_n, num_chunks,
-        num_warps=warps, **sizes, **bounds_flags,
+        CHUNK=chunk, GROUP=group, MAXIMA_STRIDE=group_tile, CLEAR_FLAGS=True, num_warps=warps, **bounds_flags,
     )
     _split_low_bound_kernel[(num_rows,)](
-        *bounds, group_max, state, state_stride, width, k, next_n, num_warps=8, **sizes, **bounds_flags,
+        *bounds, group_max, state, state_stride, width, k, next_n, enough, num_warps=8, **sizes, **bounds_flags,
     )
     _split_candidates_kernel[grid](
         *rows_args, group_max, candidates, capacity, state, state_stride, width, k, next_n, num_rows, num_chunks,
@@ -771,11 +851,20 @@ def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args
     groups = torch.empty((num_rows, 2 * group_tile), dtype=torch.int32, device=device)
     cand_keys = torch.empty((num_rows, capacity), dtype=torch.int32, device=device)
     cand_columns = torch.empty((num_rows, capacity), dtype=torch.int32, device=device)
+    stream = not (config.maxima_launch and group <= config.chunk <= stream_tile)
+    if not stream:
+        num_chunks = triton.cdiv(width, config.chunk)
+        _split_group_max_kernel[(num_rows * num_chunks,)](
+            logits, logits.stride(0), logits.stride(1), *bounds, groups, groups, 0, width, next_n, num_chunks,
+            CHUNK=config.chunk, GROUP=group, MAXIMA_STRIDE=2 * group_tile, CLEAR_FLAGS=False,
+            num_warps=config.split_warps, **bounds_flags,
+        )
     _row_program_kernel[(num_rows,)](
         logits, logits.stride(0), logits.stride(1), *bounds, out, out.stride(0), out.stride(1),
         groups, cand_keys, cand_columns, capacity, width, k, next_n, enough, *slot_args[0],
         GROUP=group, GROUP_TILE=group_tile, STREAM_TILE=stream_tile, CANDIDATE_BLOCK=candidate_block,
-        PAD_BLOCK=_PAD_BLOCK, num_warps=config.stream_warps, **bounds_flags, **slot_args[1],
+        PAD_BLOCK=_PAD_BLOCK, STREAM=stream, VECTOR_GATHER=config.vector_gather,
+        PREFETCH_GATHER=config.prefetch_gather, num_warps=config.stream_warps, **bounds_flags, **slot_args[1],
     )
 
 
