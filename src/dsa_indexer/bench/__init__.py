@@ -78,7 +78,7 @@ def plot(rows: list[dict], path: Path) -> None:
     axis.axvline(100, color="black", linewidth=0.8)
     axis.set_xlabel("% of the floor (bandwidth or FP8 tensor-core bound, measured ceilings)")
     env = harness.environment()
-    axis.set_title(f"dsa-indexer on {env['gpu']} — torch {env['torch']}, triton {env['triton']}, {env['date']}")
+    axis.set_title(f"dsa-indexer on {env['gpu']}\ntorch {env['torch']}, triton {env['triton']}, {env['date']}", fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
