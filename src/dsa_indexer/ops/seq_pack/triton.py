@@ -16,6 +16,8 @@ plus an exclusive cumulative sum over ``BLOCK_R`` lengths, and moving to the nex
 lengths of the sequences left behind. The lengths are read on the device only: no host
 synchronisation, CUDA-graph capturable.
 
+One kernel (``_seq_copy_kernel``, direction a compile-time flag) does both:
+
 - pack: grid row ``(b, t)`` takes ragged row ``start[b] + t`` when ``t < lengths[b]`` and that row
   lies in ``[0, N)``, else the pad word (the reference's rule, so invalid lengths never read outside
   ``x``). Every grid row is written.
@@ -77,18 +79,21 @@ def _advance_prefix(lengths_ptr, num_seqs, prefix, first_seq, next_first_seq, BL
     return prefix + tl.sum(tl.load(lengths_ptr + local, mask=keep, other=0).to(tl.int64), axis=0)
 
 
-@triton.jit(do_not_specialize=["pad_word", "num_src_rows", "num_seqs", "max_len", "tiles_per_program"])
-def _pack_kernel(
-    src_ptr, lengths_ptr, dst_ptr, pad_word,
-    num_src_rows, num_seqs, max_len, width, tiles_per_program,
-    src_stride_row, src_stride_col,
-    dst_stride_seq, dst_stride_pos, dst_stride_col,
-    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, PREFIX_BLOCK: tl.constexpr,
+@triton.jit(do_not_specialize=["pad_word", "num_ragged_rows", "num_seqs", "max_len", "tiles_per_program"])
+def _seq_copy_kernel(
+    ragged_ptr, lengths_ptr, padded_ptr, pad_word,
+    num_ragged_rows, num_seqs, max_len, width, tiles_per_program,
+    ragged_stride_row, ragged_stride_col,
+    padded_stride_seq, padded_stride_pos, padded_stride_col,
+    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, PREFIX_BLOCK: tl.constexpr, PACK: tl.constexpr,
 ):
+    """Ragged rows ``[num_ragged_rows, width]`` <-> padded grid ``[num_seqs, max_len, width]``: ``PACK``
+    copies ragged -> padded (every grid row written, ``pad_word`` where no ragged row), else padded ->
+    ragged (valid rows only; ``pad_word`` unused)."""
     grid_rows = num_seqs.to(tl.int64) * max_len
     cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)  # [BLOCK_W]
     col_ok = cols < width
-    pad = pad_word.to(dst_ptr.dtype.element_ty)
+    pad = pad_word.to(padded_ptr.dtype.element_ty)
     first_tile = tl.program_id(0).to(tl.int64) * tiles_per_program
     first_seq = (first_tile * BLOCK_R) // max_len
     prefix = _length_prefix(lengths_ptr, first_seq, PREFIX_BLOCK)
@@ -99,45 +104,17 @@ def _pack_kernel(
         seq = rows // max_len
         pos = rows - seq * max_len
         start, length = _tile_sequence_starts(lengths_ptr, num_seqs, first_seq, seq, prefix, BLOCK_R)
-        src_row = start + pos  # [BLOCK_R]
-        valid = in_grid & (pos < length) & (src_row >= 0) & (src_row < num_src_rows)
-        src = src_ptr + src_row[:, None] * src_stride_row + cols[None, :] * src_stride_col  # [BLOCK_R, BLOCK_W]
-        words = tl.load(src, mask=valid[:, None] & col_ok[None, :], other=pad)  # [BLOCK_R, BLOCK_W]
-        dst = dst_ptr + (seq * dst_stride_seq + pos * dst_stride_pos)[:, None] + cols[None, :] * dst_stride_col
-        tl.store(dst, words, mask=in_grid[:, None] & col_ok[None, :])
-        next_first_seq = ((tile + 1) * BLOCK_R) // max_len
-        prefix = _advance_prefix(lengths_ptr, num_seqs, prefix, first_seq, next_first_seq, BLOCK_R)
-        first_seq = next_first_seq
-        tile += 1
-
-
-@triton.jit(do_not_specialize=["num_seqs", "max_len", "total", "tiles_per_program"])
-def _unpack_kernel(
-    src_ptr, lengths_ptr, dst_ptr,
-    num_seqs, max_len, total, width, tiles_per_program,
-    src_stride_seq, src_stride_pos, src_stride_col,
-    dst_stride_row, dst_stride_col,
-    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, PREFIX_BLOCK: tl.constexpr,
-):
-    grid_rows = num_seqs.to(tl.int64) * max_len
-    cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)  # [BLOCK_W]
-    col_ok = cols < width
-    first_tile = tl.program_id(0).to(tl.int64) * tiles_per_program
-    first_seq = (first_tile * BLOCK_R) // max_len
-    prefix = _length_prefix(lengths_ptr, first_seq, PREFIX_BLOCK)
-    tile = first_tile
-    while tile < first_tile + tiles_per_program:
-        rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R] grid rows b * L + t
-        in_grid = rows < grid_rows
-        seq = rows // max_len
-        pos = rows - seq * max_len
-        start, length = _tile_sequence_starts(lengths_ptr, num_seqs, first_seq, seq, prefix, BLOCK_R)
-        dst_row = start + pos  # [BLOCK_R]
-        valid = in_grid & (pos < length) & (dst_row >= 0) & (dst_row < total)
-        mask = valid[:, None] & col_ok[None, :]
-        src = src_ptr + (seq * src_stride_seq + pos * src_stride_pos)[:, None] + cols[None, :] * src_stride_col
-        words = tl.load(src, mask=mask)  # [BLOCK_R, BLOCK_W]
-        tl.store(dst_ptr + dst_row[:, None] * dst_stride_row + cols[None, :] * dst_stride_col, words, mask=mask)
+        ragged_row = start + pos  # [BLOCK_R]
+        valid = in_grid & (pos < length) & (ragged_row >= 0) & (ragged_row < num_ragged_rows)
+        ragged = ragged_ptr + ragged_row[:, None] * ragged_stride_row + cols[None, :] * ragged_stride_col
+        padded_row = seq * padded_stride_seq + pos * padded_stride_pos  # [BLOCK_R]
+        padded = padded_ptr + padded_row[:, None] + cols[None, :] * padded_stride_col
+        valid_words = valid[:, None] & col_ok[None, :]  # [BLOCK_R, BLOCK_W]
+        if PACK:
+            words = tl.load(ragged, mask=valid_words, other=pad)
+            tl.store(padded, words, mask=in_grid[:, None] & col_ok[None, :])
+        else:
+            tl.store(ragged, tl.load(padded, mask=valid_words), mask=valid_words)
         next_first_seq = ((tile + 1) * BLOCK_R) // max_len
         prefix = _advance_prefix(lengths_ptr, num_seqs, prefix, first_seq, next_first_seq, BLOCK_R)
         first_seq = next_first_seq
@@ -216,12 +193,12 @@ def pack_seq_triton(
     width = target.shape[-1]
     block_r, block_w, tiles_per_program, row_programs, width_programs = _launch_shape(
         num_seqs * max_len, width, target.element_size())
-    _pack_kernel[(row_programs, width_programs)](
+    _seq_copy_kernel[(row_programs, width_programs)](
         src, lengths, target, _pad_word(pad_value, x.dtype, target.dtype),
         x.shape[0], num_seqs, max_len, width, tiles_per_program,
         src.stride(0), src.stride(1),
         target.stride(0), target.stride(1), target.stride(2),
-        BLOCK_R=block_r, BLOCK_W=block_w, PREFIX_BLOCK=_PREFIX_BLOCK, num_warps=8,
+        BLOCK_R=block_r, BLOCK_W=block_w, PREFIX_BLOCK=_PREFIX_BLOCK, PACK=True, num_warps=8,
     )
     if dst is None:
         as_bits(out).copy_(target.view(as_bits(out).dtype).view(out.shape))
@@ -249,12 +226,12 @@ def unpack_seq_triton(
     width = target.shape[-1]
     block_r, block_w, tiles_per_program, row_programs, width_programs = _launch_shape(
         num_seqs * max_len, width, target.element_size())
-    _unpack_kernel[(row_programs, width_programs)](
-        src, lengths, target,
-        num_seqs, max_len, total, width, tiles_per_program,
-        src.stride(0), src.stride(1), src.stride(2),
+    _seq_copy_kernel[(row_programs, width_programs)](
+        target, lengths, src, 0,
+        total, num_seqs, max_len, width, tiles_per_program,
         target.stride(0), target.stride(1),
-        BLOCK_R=block_r, BLOCK_W=block_w, PREFIX_BLOCK=_PREFIX_BLOCK, num_warps=8,
+        src.stride(0), src.stride(1), src.stride(2),
+        BLOCK_R=block_r, BLOCK_W=block_w, PREFIX_BLOCK=_PREFIX_BLOCK, PACK=False, num_warps=8,
     )
     if dst is None:
         as_bits(out).copy_(target.view(as_bits(out).dtype).view(out.shape))
