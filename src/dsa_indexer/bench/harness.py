@@ -26,6 +26,25 @@ def median_us(fn, *, graph: bool = False, warmup_ms: int = 25, rep_ms: int = 200
     return ms * 1e3
 
 
+def cold_graph_us(fn, reps: int = 100) -> float:
+    """Median µs of CUDA-graph replays of ``fn``, each after a 256 MB memset that evicts the L2."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        flush.zero_()
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    times = sorted(start.elapsed_time(end) for start, end in events)
+    return times[reps // 2] * 1e3
+
+
 def measure_ceilings() -> dict[str, float]:
     """Copy and read bandwidth (TB/s) and FP8 matmul rate (TFLOP/s) of this GPU, now."""
     n = 1 << 30

@@ -60,25 +60,6 @@ def _relu_head_sum(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor) -> torch.T
     return torch.cat(rows)
 
 
-def _cold_graph_us(fn, reps: int = 100) -> float:
-    """Median µs of CUDA-graph replays of ``fn``, each after a 256 MB memset that evicts the L2."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, end in events:
-        flush.zero_()
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    times = sorted(start.elapsed_time(end) for start, end in events)
-    return times[reps // 2] * 1e3
-
-
 def _check(result: torch.Tensor, truth: torch.Tensor, expected: torch.Tensor, fmt: str, what: str) -> dict:
     """Both tiers; a kernel that misses the reference tier is not timed. The truth tier measures the
     format's quantisation error on these random inputs and is recorded with its verdict."""
@@ -154,7 +135,7 @@ def _decode_rows(fmt: str, ceilings: dict[str, float], gen: torch.Generator) -> 
         checks = _decode_check(args, q, weights, keys, checked, next_n)
         del q, weights, keys
         out = torch.empty((batch * next_n, length), device="cuda")
-        us = _cold_graph_us(lambda: kernels.paged_mqa_logits_triton(*args, True, out))
+        us = harness.cold_graph_us(lambda: kernels.paged_mqa_logits_triton(*args, True, out))
         eager_us = harness.median_us(lambda: kernels.paged_mqa_logits_triton(*args, True, out))
         torch_us = harness.median_us(lambda: reference.paged_mqa_logits(*args, True, out), warmup_ms=1, rep_ms=50)
         moved = batch * length * bytes_per_key + batch * next_n * length * 4
@@ -206,7 +187,7 @@ def _prefill_rows(fmt: str, ceilings: dict[str, float], gen: torch.Generator) ->
         checks = _prefill_check(args, q, weights, k, fmt)
         del q, weights, k
         out = torch.empty((num_rows, num_keys), device="cuda")
-        us = _cold_graph_us(lambda: kernels.mqa_logits_triton(*args, False, out), reps=20)
+        us = harness.cold_graph_us(lambda: kernels.mqa_logits_triton(*args, False, out), reps=20)
         eager_us = harness.median_us(lambda: kernels.mqa_logits_triton(*args, False, out))
         torch_us = harness.median_us(lambda: reference.mqa_logits(*args, False, out), warmup_ms=1, rep_ms=50)
         pairs = int((args[6] - args[5]).sum())
@@ -292,7 +273,7 @@ def sweep(out_dir: str | None = None) -> None:
                     call = lambda: baseline(*args, True, out)  # noqa: E731
                 else:
                     call = lambda: kernels.paged_mqa_logits_triton(*args, True, out, **kwargs)  # noqa: E731
-                us = _cold_graph_us(call, reps=50)
+                us = harness.cold_graph_us(call, reps=50)
                 try:
                     diff = calc_diff(out, expected)
                 except AssertionError as error:  # -inf masks differ

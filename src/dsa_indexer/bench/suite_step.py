@@ -21,23 +21,6 @@ SHAPES = [(32, 131072, 2, 2048, "fp8"), (32, 131072, 2, 2048, "mxfp4"), (32, 131
 BYTES_PER_KEY = {"fp8": 132, "mxfp4": 68}
 
 
-def _cold_graph_us(fn, reps: int = 100) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, end in events:
-        flush.zero_()
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    return sorted(start.elapsed_time(end) for start, end in events)[reps // 2] * 1e3
-
-
 def _inputs(batch: int, length: int, next_n: int, fmt: str, gen: torch.Generator):
     pages = length // PAGE
     cache = dsa.IndexerKCache(batch * pages, block_size=PAGE, head_dim=DIM, fmt=fmt, device="cuda")
@@ -88,9 +71,9 @@ def run(ceilings: dict[str, float]) -> list[dict]:
         expected = dsa.topk_decode(logits, lens, next_n, k, backend="reference")
         if not torch.equal(picks, expected):
             raise AssertionError(f"decode step {fmt} B={batch} L={length} next_n={next_n}: top-k differs from the reference")
-        step_us = _cold_graph_us(step)
-        logits_us = _cold_graph_us(logits_step)
-        topk_us = _cold_graph_us(topk_step)
+        step_us = harness.cold_graph_us(step)
+        logits_us = harness.cold_graph_us(logits_step)
+        topk_us = harness.cold_graph_us(topk_step)
         valid = int(lens.sum())
         moved = batch * length * BYTES_PER_KEY[fmt] + batch * next_n * length * 4 + valid * 4
         rows.append(harness.record(

@@ -52,6 +52,13 @@ def _clean(values: torch.Tensor, starts: torch.Tensor | None, ends: torch.Tensor
     return values.masked_fill(outside, float("-inf"))
 
 
+def _decode_rows(data: str, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clean decode logits ``[num_rows, DECODE_L]`` and their lengths, uniform in ``[0.8 L, L]``."""
+    lengths = torch.randint(int(0.8 * DECODE_L), DECODE_L + 1, (num_rows,),
+                            generator=torch.Generator().manual_seed(num_rows), dtype=torch.int32).cuda()
+    return _clean(_values(data, (num_rows, DECODE_L), num_rows), None, lengths), lengths
+
+
 def _cold_us(call, inputs: list[torch.Tensor], rep_ms: int = REP_MS) -> float:
     """Median graph-replay time of ``call(x)``, cycling through ``inputs``."""
     step = [0]
@@ -87,9 +94,7 @@ def run(ceilings: dict[str, float]) -> list[dict]:
     rows = []
     for data in DATA:
         for num_rows in DECODE_ROWS:
-            lengths = torch.randint(int(0.8 * DECODE_L), DECODE_L + 1, (num_rows,),
-                                    generator=torch.Generator().manual_seed(num_rows), dtype=torch.int32).cuda()
-            logits = _clean(_values(data, (num_rows, DECODE_L), num_rows), None, lengths)
+            logits, lengths = _decode_rows(data, num_rows)
             for k in (2048, 512):
                 us, floor_us, tbs, torch_us, warm = _measure(logits, k, None, lengths, int(lengths.sum()), ceilings)
                 rows.append(harness.record("topk", {"rows": num_rows, "L": DECODE_L, "k": k, "data": data}, us,
@@ -171,9 +176,7 @@ def sweep(out_path: str | None = None) -> None:
 
     for data in DATA:
         for num_rows in DECODE_ROWS:
-            lengths = torch.randint(int(0.8 * DECODE_L), DECODE_L + 1, (num_rows,),
-                                    generator=torch.Generator().manual_seed(num_rows), dtype=torch.int32).cuda()
-            logits = _clean(_values(data, (num_rows, DECODE_L), num_rows), None, lengths)
+            logits, lengths = _decode_rows(data, num_rows)
             for k in (2048, 512):
                 time_configs(f"decode R={num_rows} k={k} {data}", logits, k, lengths, decode_configs)
             del logits

@@ -375,7 +375,8 @@ def _pad_rows(out_ptrs, out_stride_col, first, valid, k, PAD_BLOCK: tl.constexpr
 @triton.jit(do_not_specialize=["num_rows", "width", "k", "next_n", "block_size", "rows_per_request"])
 def _topk_row_kernel(
     logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, out_ptr, out_stride_row, out_stride_col,
-    num_rows, width, k, next_n, table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request,
+    num_rows, width, k, next_n,
+    table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
     PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr,
 ):
@@ -508,7 +509,8 @@ def _split_candidates_kernel(
 @triton.jit(do_not_specialize=["width", "k", "next_n", "num_chunks", "block_size", "rows_per_request"])
 def _split_emit_kernel(
     logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, out_ptr, out_stride_row, out_stride_col,
-    state_ptr, state_stride, width, k, next_n, num_chunks, table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request,
+    state_ptr, state_stride, width, k, next_n, num_chunks,
+    table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, CHUNK: tl.constexpr, FLAG_TILE: tl.constexpr,
     PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr,
 ):
@@ -599,7 +601,8 @@ def _gather_piece(src_row, start, stride_col, ids, piece_first, num_qualifying, 
 @triton.jit(do_not_specialize=["width", "k", "next_n", "enough", "capacity", "block_size", "rows_per_request"])
 def _row_program_kernel(
     logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, out_ptr, out_stride_row, out_stride_col,
-    groups_ptr, cand_keys_ptr, cand_columns_ptr, capacity, width, k, next_n, enough, table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request,
+    groups_ptr, cand_keys_ptr, cand_columns_ptr, capacity, width, k, next_n, enough,
+    table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
     STREAM_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr,
     STREAM: tl.constexpr, VECTOR_GATHER: tl.constexpr, PREFETCH_GATHER: tl.constexpr,
