@@ -110,3 +110,38 @@ def value_checks_enabled() -> bool:
     if os.environ.get(SKIP_VALUE_CHECKS_ENV, "0") == "1":
         return False
     return not (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
+
+
+def first_true(mask: torch.Tensor) -> int:
+    """Index of the first True entry of a 1-D mask known to hold one (error paths only)."""
+    return int(torch.nonzero(mask)[0, 0])
+
+
+def check_row_windows(
+    starts: torch.Tensor | None,
+    ends: torch.Tensor | None,
+    limit: int,
+    *,
+    names: tuple[str, str] = ("starts", "ends"),
+    limit_name: str = "the logits width",
+) -> None:
+    """``0 <= starts <= ends <= limit`` entry by entry (None: ``0`` and ``limit``); one host
+    synchronisation. ``names`` and ``limit_name`` are the caller's words for the error messages."""
+    start_name, end_name = names
+    lower = starts if starts is not None else torch.zeros_like(ends)
+    upper = ends if ends is not None else torch.full_like(starts, limit)
+    negative, crossed, too_long = lower < 0, lower > upper, upper > limit
+    if not any(torch.stack((negative.any(), crossed.any(), too_long.any())).tolist()):
+        return
+    if bool(negative.any()):
+        entry = first_true(negative)
+        raise ValueError(f"{start_name} must be >= 0, got {start_name}[{entry}] = {int(lower[entry])}")
+    if bool(too_long.any()):
+        entry = first_true(too_long)
+        raise ValueError(f"{end_name} must be <= {limit_name} {limit}, got {end_name}[{entry}] = {int(upper[entry])}")
+    entry = first_true(crossed)
+    defaults = f" (defaults: {start_name} 0, {end_name} {limit})" if starts is None or ends is None else ""
+    raise ValueError(
+        f"{start_name} must be <= {end_name}{defaults}, got {start_name}[{entry}] = {int(lower[entry])} > "
+        f"{end_name}[{entry}] = {int(upper[entry])}"
+    )

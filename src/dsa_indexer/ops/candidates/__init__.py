@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ... import backend as _backend
-from ..._validation import check_positive_int, check_same_device, check_tensor, value_checks_enabled
+from ..._validation import check_positive_int, check_row_windows, check_same_device, check_tensor, value_checks_enabled
 from .reference import apply_candidate_mask_reference, select_candidate_blocks_reference
 
 __all__ = ["apply_candidate_mask", "select_candidate_blocks"]
@@ -40,35 +40,16 @@ def _check_bound(name: str, bounds, num_rows: int, row_repeat: int) -> None:
         )
 
 
-def _first_true(mask: torch.Tensor) -> int:
-    """Index of the first True entry of a 1-D mask known to hold one (error path only)."""
-    return int(torch.nonzero(mask)[0, 0])
-
-
 def _check_bounds(starts, ends, num_rows: int, row_repeat: int) -> None:
     if starts is not None:
         _check_bound("starts", starts, num_rows, row_repeat)
     _check_bound("ends", ends, num_rows, row_repeat)
 
 
-def _check_bound_values(starts, ends, num_rows: int, row_repeat: int, width: int) -> None:
+def _check_used_windows(starts, ends, num_rows: int, row_repeat: int, width: int) -> None:
     """``0 <= starts <= ends <= width`` on the entries that rows use (one host synchronisation)."""
     used = -(-num_rows // row_repeat)
-    upper = ends[:used]
-    lower = torch.zeros_like(upper) if starts is None else starts[:used]
-    negative, crossed, too_long = lower < 0, lower > upper, upper > width
-    if not any(torch.stack((negative.any(), crossed.any(), too_long.any())).tolist()):
-        return
-    if bool(negative.any()):
-        entry = _first_true(negative)
-        raise ValueError(f"starts must be >= 0, got starts[{entry}] = {int(lower[entry])}")
-    if bool(too_long.any()):
-        entry = _first_true(too_long)
-        raise ValueError(f"ends must be <= the logits width {width}, got ends[{entry}] = {int(upper[entry])}")
-    entry = _first_true(crossed)
-    raise ValueError(
-        f"starts must be <= ends, got starts[{entry}] = {int(lower[entry])} > ends[{entry}] = {int(upper[entry])}"
-    )
+    check_row_windows(None if starts is None else starts[:used], ends[:used], width)
 
 
 def select_candidate_blocks(
@@ -114,7 +95,7 @@ def select_candidate_blocks(
         check_tensor("out", out, dtype=torch.int32, shape=(logits.shape[0], num_blocks_k))
     check_same_device(logits=logits, starts=starts, ends=ends, out=out)
     if value_checks_enabled():
-        _check_bound_values(starts, ends, logits.shape[0], row_repeat, logits.shape[1])
+        _check_used_windows(starts, ends, logits.shape[0], row_repeat, logits.shape[1])
     impl = _backend.dispatch(
         select_candidate_blocks_reference,
         _select_candidate_blocks_triton if _backend.triton_available() else None,
@@ -154,7 +135,7 @@ def apply_candidate_mask(
     check_tensor("candidate_blocks", candidate_blocks, dtype=torch.int32, shape=(logits.shape[0], None))
     check_same_device(logits=logits, starts=starts, ends=ends, candidate_blocks=candidate_blocks)
     if value_checks_enabled():
-        _check_bound_values(starts, ends, logits.shape[0], row_repeat, logits.shape[1])
+        _check_used_windows(starts, ends, logits.shape[0], row_repeat, logits.shape[1])
     impl = _backend.dispatch(
         apply_candidate_mask_reference,
         _apply_candidate_mask_triton if _backend.triton_available() else None,

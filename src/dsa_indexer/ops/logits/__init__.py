@@ -17,6 +17,7 @@ from ... import backend as _backend
 from ..._validation import (
     check_index_tensor,
     check_positive_int,
+    check_row_windows,
     check_same_device,
     check_tensor,
     value_checks_enabled,
@@ -73,20 +74,6 @@ def _prepare_out(out, rows: int, columns: int, device: torch.device) -> torch.Te
     if rows > 1 and out.stride(0) < columns:
         raise ValueError(f"out must have a row stride >= {columns} (its width), got strides {out.stride()}")
     return out
-
-
-def _check_key_ranges(ks: torch.Tensor, ke: torch.Tensor, num_keys: int) -> None:
-    """``0 <= ks <= ke <= num_keys`` elementwise, with one host synchronisation."""
-    violations = torch.stack([(ks < 0).any(), (ks > ke).any(), (ke > num_keys).any()]).tolist()
-    if violations[0]:
-        row = int(torch.nonzero(ks < 0)[0, 0])
-        raise ValueError(f"ks must be >= 0, got ks[{row}] = {int(ks[row])}")
-    if violations[1]:
-        row = int(torch.nonzero(ks > ke)[0, 0])
-        raise ValueError(f"ks must be <= ke, got ks[{row}] = {int(ks[row])} > ke[{row}] = {int(ke[row])}")
-    if violations[2]:
-        row = int(torch.nonzero(ke > num_keys)[0, 0])
-        raise ValueError(f"ke must be <= the number of keys {num_keys}, got ke[{row}] = {int(ke[row])}")
 
 
 def mqa_logits(
@@ -152,7 +139,7 @@ def mqa_logits(
         reference.mqa_logits, _mqa_logits_triton if _backend.triton_available() else None, backend, q.device
     )
     if value_checks_enabled():
-        _check_key_ranges(ks, ke, num_keys)
+        check_row_windows(ks, ke, num_keys, names=("ks", "ke"), limit_name="the number of keys")
     out = _prepare_out(out, num_rows, num_keys, q.device)
     return implementation(q, q_scale, k, k_scale, weights, ks, ke, clean, out)
 

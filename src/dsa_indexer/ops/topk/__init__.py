@@ -11,7 +11,14 @@ from __future__ import annotations
 import torch
 
 from ... import backend as _backend
-from ..._validation import check_positive_int, check_same_device, check_tensor, value_checks_enabled
+from ..._validation import (
+    check_positive_int,
+    check_row_windows,
+    check_same_device,
+    check_tensor,
+    first_true,
+    value_checks_enabled,
+)
 from . import reference
 
 __all__ = ["indices_to_slots", "topk", "topk_decode", "topk_decode_slots"]
@@ -46,36 +53,9 @@ def _triton_or_none(kernel):
     return kernel if _backend.triton_available() else None
 
 
-def _first_true_row(mask: torch.Tensor) -> int:
-    """Index of the first True entry of a 1-D mask known to hold one (error path only)."""
-    return int(torch.nonzero(mask)[0, 0])
-
-
 def _check_out(out: torch.Tensor | None, num_rows: int, k: int, device: torch.device) -> None:
     if out is not None:
         check_tensor("out", out, dtype=torch.int32, shape=(num_rows, k), device=device)
-
-
-def _check_bounds(starts: torch.Tensor | None, ends: torch.Tensor | None, width: int) -> None:
-    """``0 <= starts <= ends <= width`` row by row (one host synchronisation)."""
-    lower = starts if starts is not None else torch.zeros_like(ends)
-    upper = ends if ends is not None else torch.full_like(starts, width)
-    negative = lower < 0
-    too_long = upper > width
-    crossed = lower > upper
-    if not bool((negative | too_long | crossed).any()):
-        return
-    if bool(negative.any()):
-        row = _first_true_row(negative)
-        raise ValueError(f"starts must be >= 0, got starts[{row}] = {int(lower[row])}")
-    if bool(too_long.any()):
-        row = _first_true_row(too_long)
-        raise ValueError(f"ends must be <= the logits width {width}, got ends[{row}] = {int(upper[row])}")
-    row = _first_true_row(crossed)
-    raise ValueError(
-        f"starts must be <= ends (defaults: starts 0, ends {width}), got starts[{row}] = {int(lower[row])} > "
-        f"ends[{row}] = {int(upper[row])}"
-    )
 
 
 def _check_decode_rows(logits, seq_lens, next_n: int, k: int, out) -> None:
@@ -98,7 +78,7 @@ def _check_decode_rows(logits, seq_lens, next_n: int, k: int, out) -> None:
     flat_lens = seq_lens.reshape(-1)
     out_of_range = (flat_lens < 0) | (flat_lens > width)
     if value_checks_enabled() and bool(out_of_range.any()):
-        position = _first_true_row(out_of_range)
+        position = first_true(out_of_range)
         raise ValueError(
             f"seq_lens must lie in [0, {width}] (the logits width), "
             f"got {int(flat_lens[position])} at flat position {position}"
@@ -138,7 +118,7 @@ def topk(
     check_same_device(logits=logits, starts=starts, ends=ends, out=out)
     _check_out(out, num_rows, k, logits.device)
     if (starts is not None or ends is not None) and value_checks_enabled():
-        _check_bounds(starts, ends, width)
+        check_row_windows(starts, ends, width)
     implementation = _backend.dispatch(reference.topk, _triton_or_none(_topk_triton), backend, logits.device)
     if out is None:
         out = torch.empty((num_rows, k), dtype=torch.int32, device=logits.device)
@@ -208,7 +188,7 @@ def indices_to_slots(
     bad_request = (row_to_request < 0) | (row_to_request >= num_requests)
     if value_checks_enabled() and bool(bad_index.any() | bad_request.any()):
         if bool(bad_request.any()):
-            row = _first_true_row(bad_request)
+            row = first_true(bad_request)
             raise ValueError(
                 f"row_to_request must lie in [0, {num_requests}) (rows of block_table), "
                 f"got row_to_request[{row}] = {int(row_to_request[row])}"
@@ -257,7 +237,7 @@ def topk_decode_slots(
         visible = reference.decode_row_ends(seq_lens, next_n)
         too_long = visible.to(torch.int64) > max_blocks * block_size
         if bool(too_long.any()):
-            row = _first_true_row(too_long)
+            row = first_true(too_long)
             raise ValueError(
                 f"block_table holds max_blocks * block_size = {max_blocks * block_size} positions, but row {row} "
                 f"sees {int(visible[row])}"
