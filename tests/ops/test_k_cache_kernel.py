@@ -16,7 +16,7 @@ from dsa_indexer.backend import ENV_VAR
 from dsa_indexer.cache import IndexerKCache
 from dsa_indexer.ops.k_cache import gather_k, insert_k
 
-pytest.importorskip("triton")
+pytest.importorskip("triton", reason="Triton kernel tests need triton (make test installs it)")
 
 from dsa_indexer.ops.k_cache import triton as k_kernels  # noqa: E402  (needs triton)
 

@@ -17,8 +17,8 @@ from dsa_indexer.formats import e2m1_codes, fp8_scales, mxfp4_exponents
 from dsa_indexer.ops.q_quant import rope_quant_q
 from dsa_indexer.ops.q_quant.reference import rope_quant_q_reference
 
-triton = pytest.importorskip("triton")
-tl = pytest.importorskip("triton.language")
+triton = pytest.importorskip("triton", reason="Triton kernel tests need triton (make test installs it)")
+tl = triton.language
 
 from dsa_indexer.ops.q_quant import triton as q_kernels  # noqa: E402  (needs triton)
 
