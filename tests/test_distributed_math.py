@@ -254,19 +254,29 @@ def test_select_global_topk_rejects_bad_arguments_without_writing(overrides, err
     assert torch.equal(out, before)
 
 
-def test_select_global_topk_kernel_path_equals_reference(kernel_device):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "sort_then_topk"])
+@pytest.mark.parametrize("candidates, k", [(48, 12), (48, 1), (37, 37), (20, 29), (1, 1)])
+def test_select_global_topk_kernel_path_equals_reference(kernel_device, monkeypatch, fused, candidates, k):
+    from dsa_indexer import _distributed_triton
     from dsa_indexer.testing import few_distinct_rows
 
-    gen = torch.Generator().manual_seed(9)
-    rows, candidates, k = 5, 48, 12
+    if not fused:  # rows wider than the fused kernel's limit take the sort + top-k path
+        monkeypatch.setattr(_distributed_triton, "SELECT_MAX_CANDIDATES", candidates - 1)
+    gen = torch.Generator().manual_seed(9 + candidates + k)
+    rows = 6
     scores = few_distinct_rows((rows, candidates), gen)
     scores[0, :5] = float("nan")
     scores[1, 3:9] = float("-inf")
+    scores[4, ::2] = -0.0
+    scores[4, 1::2] = 0.0
     ids = torch.stack([torch.randperm(1000, generator=gen)[:candidates] for _ in range(rows)]).to(torch.int64)
     ids[2, ::3] = -1
     ids[3, :40] = -1
+    ids[5, ::4] = 2**31
     expected = select_global_topk(scores, ids, k, backend="reference")
-    got = select_global_topk(scores.to(kernel_device), ids.to(kernel_device), k, backend="triton")
+    out = torch.full((rows, k), -777, dtype=torch.int32, device=kernel_device)
+    got = select_global_topk(scores.to(kernel_device), ids.to(kernel_device), k, out=out, backend="triton")
+    assert got is out
     assert torch.equal(got.cpu(), expected)
 
 
