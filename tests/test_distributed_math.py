@@ -254,14 +254,10 @@ def test_select_global_topk_rejects_bad_arguments_without_writing(overrides, err
     assert torch.equal(out, before)
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "sort_then_topk"])
 @pytest.mark.parametrize("candidates, k", [(48, 12), (48, 1), (37, 37), (20, 29), (1, 1)])
-def test_select_global_topk_kernel_path_equals_reference(kernel_device, monkeypatch, fused, candidates, k):
-    from dsa_indexer import _distributed_triton
+def test_select_global_topk_kernel_path_equals_reference(kernel_device, candidates, k):
     from dsa_indexer.testing import few_distinct_rows
 
-    if not fused:  # rows wider than the fused kernel's limit take the sort + top-k path
-        monkeypatch.setattr(_distributed_triton, "SELECT_MAX_CANDIDATES", candidates - 1)
     gen = torch.Generator().manual_seed(9 + candidates + k)
     rows = 6
     scores = few_distinct_rows((rows, candidates), gen)

@@ -7,8 +7,7 @@ its own shard, then the exact merge turns the local top-k into the global one:
 1. ``pack_local_candidates``: each rank's local top-k as ``(score, global id)``;
 2. an ``all_gather`` along dim 1 (equal-size tensors) gives every rank the ``W * k`` candidates;
 3. ``select_global_topk``: the top k of those under the §6 order (score descending, global id
-   ascending), output ascending. The Triton path is one launch: a program per row sorts its
-   candidates by id (so that position order is id order) and selects in registers.
+   ascending), output ascending.
 
 A key in the global top-k has fewer than k keys above it globally, hence fewer than k on its own
 rank, so it is in its rank's local top-k: the merge equals a top-k over the whole row. The local
@@ -194,27 +193,17 @@ def _select_global_topk_reference(
     return out.copy_(top_ids_ascending(keys, global_ids, k))
 
 
-def _select_global_topk_triton(
+def _select_global_topk_by_id_order(
     scores: torch.Tensor, global_ids: torch.Tensor, k: int, out: torch.Tensor | None
 ) -> torch.Tensor:
-    """The selection on the device, graph-capturable (no host reads): one fused launch for rows of up to
-    ``SELECT_MAX_CANDIDATES`` candidates (``W * k``), else torch's sort by id and the Triton top-k."""
-    from ._distributed_triton import SELECT_MAX_CANDIDATES, select_global_topk_triton
-
-    if out is None:
-        out = torch.empty((scores.shape[0], k), dtype=torch.int32, device=scores.device)
-    if scores.shape[1] <= SELECT_MAX_CANDIDATES:
-        return select_global_topk_triton(scores, global_ids, k, out)
-    return _select_global_topk_by_id_order(scores, global_ids, k, out)
-
-
-def _select_global_topk_by_id_order(
-    scores: torch.Tensor, global_ids: torch.Tensor, k: int, out: torch.Tensor
-) -> torch.Tensor:
-    """The selection through the Triton top-k: candidates sorted by id become columns, so the top-k's
-    tie rule (lower column) is the merge's (lower id) and its ascending columns are ascending ids."""
+    """The same selection through the Triton top-k: candidates sorted by id become columns, so the
+    top-k's tie rule (lower column) is the merge's (lower id) and its ascending columns are ascending
+    ids. Everything stays on the device (no host reads), so it is graph-capturable."""
     from .ops.topk import topk
 
+    num_rows = scores.shape[0]
+    if out is None:
+        out = torch.empty((num_rows, k), dtype=torch.int32, device=scores.device)
     valid_id = (global_ids >= 0) & (global_ids <= _MAX_GLOBAL_ID)
     ordered_ids, order = torch.where(valid_id, global_ids, _MAX_GLOBAL_ID + 1).sort(dim=1, stable=True)
     ordered_scores = torch.where(valid_id, scores, float("-inf")).gather(1, order)
@@ -251,7 +240,7 @@ def select_global_topk(
     if out is not None:
         check_tensor("out", out, dtype=torch.int32, shape=(scores.shape[0], k))
     check_same_device(scores=scores, global_ids=global_ids, out=out)
-    triton_impl = _select_global_topk_triton if _backend.triton_available() else None
+    triton_impl = _select_global_topk_by_id_order if _backend.triton_available() else None
     impl = _backend.dispatch(_select_global_topk_reference, triton_impl, backend, scores.device)
     return impl(scores, global_ids, k, out)
 
