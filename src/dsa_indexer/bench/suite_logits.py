@@ -214,7 +214,8 @@ def run(ceilings: dict[str, float]) -> list[dict]:
 # ``paged_mqa_logits_triton``; "baseline" is the previous kernel when ``dsa_indexer.ops.logits._baseline``
 # exists, a snapshot kept only for a measuring run).
 SWEEP_CASES = [
-    ("mxfp4", 32, 131072, 1), ("mxfp4", 128, 32768, 2), ("mxfp4", 32, 32768, 1), ("mxfp4", 1, 131072, 1),
+    ("mxfp4", 32, 131072, 1), ("mxfp4", 128, 32768, 2), ("mxfp4", 32, 32768, 1), ("mxfp4", 32, 131072, 2),
+    ("mxfp4", 1, 131072, 1),
     ("fp8", 32, 131072, 2), ("fp8", 128, 32768, 2), ("fp8", 1, 131072, 2), ("fp8", 32, 32768, 1),
 ]
 SWEEP_VARIANTS = {
@@ -222,16 +223,18 @@ SWEEP_VARIANTS = {
         "baseline": None,
         "default": {},
         "rows1": {"config": (128, 4, 3, 8, 2, 16, None, 1)},
-        "rows1-k64": {"config": (64, 4, 3, 8, 4, 32, None, 1)},
-        "stages4": {"config": (128, 4, 4, 8, 2, 16, None, 4)},
+        "stages5": {"config": (128, 4, 5, 8, 2, 16, None, 4)},
+        "stages7": {"config": (128, 4, 7, 8, 2, 16, None, 4)},
+        "k64-stages7": {"config": (64, 4, 7, 8, 4, 32, None, 4)},
+        "k64-stages9": {"config": (64, 4, 9, 8, 4, 32, None, 4)},
     },
     "mxfp4": {
         "baseline": None,
         "default": {},
-        "triton-expand": {"expand_ptx": False},
-        "stages4": {"config": (64, 4, 4, 8, 4, 32, None, 4)},
-        "per-sm16": {"config": (64, 4, 3, 16, 4, 32, None, 4)},
-        "rows1": {"config": (64, 4, 3, 8, 4, 32, None, 1)},
+        "stages5": {"config": (64, 4, 5, 8, 4, 32, None, 4)},
+        "stages7": {"config": (64, 4, 7, 8, 4, 32, None, 4)},
+        "stages9": {"config": (64, 4, 9, 8, 4, 32, None, 4)},
+        "stages7-rows1": {"config": (64, 4, 7, 8, 4, 32, None, 1)},
     },
 }
 
@@ -244,28 +247,36 @@ def _baseline_kernel():
     return _baseline.paged_mqa_logits_triton
 
 
-def sweep(out_dir: str | None = None) -> None:
+def sweep(out_dir: str | None = None, formats=("mxfp4", "fp8"), variants=None, compile_only: bool = False) -> None:
     """Cold-L2 graph-replay µs of each decode variant on each sweep shape, with its calc_diff against
     the default variant's output (checked against the reference by ``run`` and the tests); prints a table
-    last and writes ``logits_sweep.json`` to ``out_dir`` when given."""
+    last and writes ``logits_sweep.json`` to ``out_dir`` when given. ``variants`` (names) restricts the
+    variants; ``compile_only`` runs each once and times nothing (fills Triton's cache, e.g. in parallel
+    processes ahead of the timing one)."""
     import json
     import os
 
-    ceilings = harness.measure_ceilings()
+    ceilings = None if compile_only else harness.measure_ceilings()
     baseline = _baseline_kernel()
     gen = torch.Generator().manual_seed(1)
     rows = []
-    for fmt in ("mxfp4", "fp8"):
+    for fmt in formats:
         cache = _decode_pool(fmt, 32 * 2048 + 64)
         for case_fmt, batch, length, next_n in SWEEP_CASES:
             if case_fmt != fmt:
                 continue
             _, _, _, _, args = _decode_case(cache, batch, length, next_n, gen)
             moved = batch * length * (132 if fmt == "fp8" else 68) + batch * next_n * length * 4
-            floor_us = moved / (ceilings["read_tbs"] * 1e6)
+            floor_us = None if compile_only else moved / (ceilings["read_tbs"] * 1e6)
             expected = torch.empty((batch * next_n, length), device="cuda")
             kernels.paged_mqa_logits_triton(*args, True, expected)
             for name, kwargs in SWEEP_VARIANTS[fmt].items():
+                if variants is not None and name not in variants:
+                    continue
+                if compile_only:
+                    if kwargs:
+                        kernels.paged_mqa_logits_triton(*args, True, torch.empty_like(expected), **kwargs)
+                    continue
                 if kwargs is None and baseline is None:
                     continue
                 out = torch.empty_like(expected)
@@ -285,6 +296,8 @@ def sweep(out_dir: str | None = None) -> None:
                 print(row, flush=True)
         del cache
         torch.cuda.empty_cache()
+    if compile_only:
+        return
     if out_dir:
         with open(os.path.join(out_dir, "logits_sweep.json"), "w") as f:
             json.dump({"ceilings": ceilings, "environment": harness.environment(), "rows": rows}, f, indent=1)
@@ -295,9 +308,23 @@ def sweep(out_dir: str | None = None) -> None:
               f"{row['pct_of_floor']:8.1f} {row['bits_equal_default']}")
 
 
+def _main(argv: list[str]) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m dsa_indexer.bench.suite_logits",
+                                     description="decode variant sweep (the full suite runs through dsa-indexer bench)")
+    parser.add_argument("command", choices=["sweep"])
+    parser.add_argument("out_dir", nargs="?")
+    parser.add_argument("--fmt", choices=["mxfp4", "fp8"], action="append", help="key formats (default: both)")
+    parser.add_argument("--variants", help="comma-separated variant names (default: all)")
+    parser.add_argument("--compile-only", action="store_true", help="run each variant once, time nothing")
+    args = parser.parse_args(argv)
+    variants = args.variants.split(",") if args.variants else None
+    unknown = set(variants or ()) - {name for table in SWEEP_VARIANTS.values() for name in table}
+    if unknown:
+        parser.error(f"unknown variants: {sorted(unknown)}")
+    sweep(args.out_dir, tuple(args.fmt or ("mxfp4", "fp8")), variants, args.compile_only)
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["sweep"] and len(sys.argv) <= 3:
-        sweep(sys.argv[2] if len(sys.argv) == 3 else None)
-    else:
-        sys.exit("usage: python -m dsa_indexer.bench.suite_logits sweep [OUT_DIR]   "
-                 "(the full suite runs through dsa-indexer bench)")
+    _main(sys.argv[1:])

@@ -475,7 +475,10 @@ _PREFILL_INTERPRETER_CONFIG = (16, 32, 4, 1, None)
 # (BLOCK_K, num_warps, num_stages, programs per SM aimed at, key tiles per split min/max, register cap,
 # draft rows per program at most: a power of two) of the decode kernel on GPUs by key format, and on the
 # interpreter. MXFP4 tiles are 64 keys: at 128 (4 warps) the expanded keys reach the tensor cores through a
-# byte-wise shared-memory relayout (~500 extra instructions a tile).
+# byte-wise shared-memory relayout (~500 extra instructions a tile). MXFP4 key bytes come one cp.async
+# buffer per two stages past the first three (SASS, Triton 3.6): 3-4 stages keep one buffer, loaded one tile
+# ahead and awaited at the top of the next tile (the load latency exposed every tile); 5-6 stages two
+# tiles ahead, 7-8 three, 9 four; registers stay at 96 (next_n = 1).
 DECODE_CONFIG = {"fp8": (128, 4, 3, 8, 2, 16, None, 4), "mxfp4": (64, 4, 3, 8, 4, 32, None, 4)}
 _DECODE_INTERPRETER_CONFIG = (16, 4, 1, 2, 1, 2, None, 4)
 
