@@ -1,4 +1,5 @@
-"""Triton select_candidate_blocks / apply_candidate_mask against the PyTorch reference, bit for bit.
+"""Triton select_candidate_blocks / apply_candidate_mask (and indices_to_slots, benchmarked with them)
+against the PyTorch reference, bit for bit, default kernels and every variant.
 
 Runs on CUDA (scripts/gpu-check) or on Triton's CPU interpreter (TRITON_INTERPRET=1, tiny shapes).
 """
@@ -9,7 +10,10 @@ import pytest
 import torch
 
 from dsa_indexer.ops.candidates import apply_candidate_mask, select_candidate_blocks
+from dsa_indexer.ops.candidates import triton as candidates_triton
 from dsa_indexer.ops.candidates.triton import apply_candidate_mask_triton, select_candidate_blocks_triton
+from dsa_indexer.ops.topk.reference import indices_to_slots as indices_to_slots_reference
+from dsa_indexer.ops.topk.triton import indices_to_slots_triton
 
 NEG_INF = float("-inf")
 GARBAGE = (float("nan"), 1e30, float("inf"), -1e30)
@@ -283,3 +287,92 @@ def test_cuda_graph_replay_follows_new_bounds():
         expected_masked = logits.clone()
         apply_candidate_mask(expected_masked, starts, ends, expected, 8, backend="reference")
         assert torch.equal(masked.view(torch.int32), expected_masked.view(torch.int32))
+
+
+VARIANTS = [dict(vector=True), dict(register_select=True), dict(vector=True, register_select=True, keys_tile=64)]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=["vector", "register", "both_small_tiles"])
+@pytest.mark.parametrize("data", ["ties", "nan_and_neg_inf"])
+def test_select_variants_match_reference(kernel_device, variant, data):
+    # Starts at multiples of 4 (the 16-byte path) and not; rows long enough for interior tiles.
+    logits, _, ends, _ = case(6, 300, 7, data, device=kernel_device)
+    starts = torch.tensor([0, 4, 8, 3, 100, 61, 0], dtype=torch.int32, device=kernel_device)
+    ends = torch.maximum(ends, starts).clone()
+    ends[0], ends[1], ends[2] = 300, 297, 8
+    for num_blocks_k in (5, 40):
+        expected = select_candidate_blocks(logits, starts, ends, num_blocks_k, 8, backend="reference")
+        actual = select_candidate_blocks_triton(logits, starts, ends, num_blocks_k, 8, 1, **variant)
+        assert torch.equal(actual, expected)
+    expected = select_candidate_blocks(logits, None, ends, 9, 4, row_repeat=2, backend="reference")
+    assert torch.equal(select_candidate_blocks_triton(logits, None, ends, 9, 4, 2, **variant), expected)
+
+
+@pytest.mark.parametrize("block_size,tile", [(8, 64), (4, 32), (12, 128), (8, 4096)])
+def test_mask_vector_variant_matches_reference(kernel_device, block_size, tile):
+    logits, _, _, generator = case(6, 400, block_size, "nan_and_neg_inf", device=kernel_device)
+    starts = torch.tensor([0, 4, 12, 3, 200, 400], dtype=torch.int32, device=kernel_device)
+    ends = torch.tensor([400, 397, 300, 399, 400, 400], dtype=torch.int32, device=kernel_device)
+    candidate_blocks = torch.randint(-1, 400 // block_size + 2, (6, 20), generator=generator, dtype=torch.int32)
+    candidate_blocks = candidate_blocks.to(kernel_device)
+    expected = logits.clone()
+    apply_candidate_mask(expected, starts, ends, candidate_blocks, block_size, backend="reference")
+    apply_candidate_mask_triton(logits, starts, ends, candidate_blocks, block_size, 1, vector=True, tile=tile)
+    assert torch.equal(logits.view(torch.int32), expected.view(torch.int32))
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(aligned_rows=True), dict(aligned_rows=True, block=64, num_warps=2)])
+@pytest.mark.parametrize("k", [128, 130, 8])
+def test_indices_to_slots_variants_match_reference(kernel_device, variant, k):
+    generator = torch.Generator().manual_seed(k)
+    num_rows, pages, block_size = 6, 9, 16
+    indices = torch.randint(-1, pages * block_size, (num_rows, k), generator=generator, dtype=torch.int32)
+    table = torch.randperm(3 * pages, generator=generator).to(torch.int32).view(3, pages)
+    row_to_request = torch.tensor([0, 0, 1, 2, 2, 1], dtype=torch.int32)
+    expected = indices_to_slots_reference(indices, table, block_size, row_to_request)
+    args = [t.to(kernel_device) for t in (indices, table)]
+    actual = indices_to_slots_triton(args[0], args[1], block_size, row_to_request.to(kernel_device), **variant)
+    assert torch.equal(actual.cpu(), expected)
+    strided = torch.full((num_rows, k + 3), -5, dtype=torch.int32, device=kernel_device)[:, 3:]
+    strided.copy_(args[0])
+    actual = indices_to_slots_triton(strided, args[1], block_size, row_to_request.to(kernel_device), **variant)
+    assert torch.equal(actual.cpu(), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("data", ["random", "close"])
+def test_v41_shapes_variants(data):
+    generator = torch.Generator().manual_seed(4)
+    num_rows, width = 16, 131072
+    starts = torch.randint(0, 1024, (num_rows,), generator=generator, dtype=torch.int32) * 4
+    starts[1::2] += 1
+    ends = width - torch.randint(0, 4096, (num_rows,), generator=generator, dtype=torch.int32)
+    logits = garbage_outside(make_logits(num_rows, width, generator, data), starts, ends, 1).cuda()
+    starts, ends = starts.cuda(), ends.cuda()
+    expected = select_candidate_blocks(logits, starts, ends, 2048, 8, backend="reference")
+    actual = select_candidate_blocks_triton(logits, starts, ends, 2048, 8, 1, vector=True, register_select=True)
+    assert torch.equal(actual, expected)
+    for warps in (16, 32):
+        out = torch.empty_like(expected)
+        keys = candidates_triton.block_keys(logits, starts, ends, 8, 1, vector=True)
+        candidates_triton.select_from_keys(keys, starts, ends, 2048, 8, 1, out, register_select=True, warps=warps)
+        assert torch.equal(out, expected)
+    masked = logits.clone()
+    apply_candidate_mask(masked, starts, ends, expected, 8, backend="reference")
+    for tile in (4096, 8192):
+        again = logits.clone()
+        apply_candidate_mask_triton(again, starts, ends, expected, 8, 1, vector=True, tile=tile)
+        assert torch.equal(again.view(torch.int32), masked.view(torch.int32))
+
+
+@pytest.mark.gpu
+def test_indices_to_slots_variants_at_bench_shape():
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    indices = torch.randint(-1, 65536, (512, 2048), device="cuda", generator=generator, dtype=torch.int32)
+    table = torch.randperm(8 * 1024, device="cuda", generator=generator).to(torch.int32).view(8, 1024)
+    row_to_request = torch.arange(512, device="cuda", dtype=torch.int32) // 64
+    expected = indices_to_slots_reference(indices, table, 64, row_to_request)
+    for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8)):
+        actual = indices_to_slots_triton(indices, table, 64, row_to_request, block=block, num_warps=warps,
+                                         aligned_rows=True)
+        assert torch.equal(actual, expected)

@@ -199,6 +199,34 @@ def test_insert_launch_knobs_do_not_change_results(kernel_device, block_tokens, 
 
 
 
+# Every MXFP4 tile layout the insert wrapper can be told to use (explicitly, whatever the defaults).
+MXFP4_LAYOUTS = {
+    "block_per_thread": dict(row_major_loads=False, row_major_stores=False),
+    "row_major_loads": dict(row_major_loads=True, row_major_stores=False),
+    "row_major_stores": dict(row_major_loads=False, row_major_stores=True),
+    "row_major_both": dict(row_major_loads=True, row_major_stores=True),
+}
+
+
+def insert_mxfp4_layout(poisoned: PoisonedCache, k, slots, layout: str) -> None:
+    """Insert with the kernel in ``layout`` into ``poisoned``, with the reference into a twin; storages must match."""
+    twin = poisoned.twin()
+    k_kernels.insert_k_triton(k, poisoned.cache, slots, scale_fmt="ue8m0", amax_floor=1e-4, **MXFP4_LAYOUTS[layout])
+    insert_k(k, twin.cache, slots, backend="reference")
+    assert torch.equal(poisoned.storage, twin.storage), \
+        f"bytes differ at {(poisoned.storage != twin.storage).nonzero().flatten()[:8].tolist()}"
+
+
+@pytest.mark.parametrize("layout", list(MXFP4_LAYOUTS))
+@pytest.mark.parametrize("block_size", [64, 16, 1])
+def test_insert_mxfp4_layouts_match_reference(kernel_device, block_size, layout):
+    poisoned = PoisonedCache(max(2, 80 // block_size), block_size, "mxfp4", device=kernel_device)
+    k = torch.cat((edge_rows(torch.bfloat16), random_k(33, seed=14))).to(kernel_device)
+    slots = random_slots(poisoned, 45, seed=block_size + 1).to(kernel_device)
+    insert_mxfp4_layout(poisoned, strided_rows(k, "element_strided" if block_size == 16 else "contiguous"), slots,
+                        layout)
+
+
 def random_filled_cache(num_blocks, block_size, fmt, *, device, seed) -> PoisonedCache:
     """A poisoned cache whose slot bytes are random (gather is a copy: any bytes will do)."""
     poisoned = PoisonedCache(num_blocks, block_size, fmt, device=device)
@@ -361,6 +389,18 @@ def test_large_insert_gather_and_reruns_are_bitwise_equal(kernel_device, fmt):
         got = gather_k(poisoned.cache, table, cu, out=poisoned_outputs(poisoned.cache, rows, kernel_device),
                        backend="triton")
         assert_same_bytes(got, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", list(MXFP4_LAYOUTS))
+def test_large_mxfp4_insert_in_every_layout(kernel_device, layout):
+    block_size, num_blocks = 64, 2048
+    poisoned = PoisonedCache(num_blocks, block_size, "mxfp4", device=kernel_device)
+    gen = torch.Generator().manual_seed(24)
+    pages = torch.randperm(num_blocks, generator=gen)
+    slots = (pages[:, None] * block_size + torch.arange(block_size)).flatten()[: 100_000].to(kernel_device)
+    slots[::89] = -1
+    insert_mxfp4_layout(poisoned, random_k(slots.numel(), seed=25).to(kernel_device), slots, layout)
 
 
 @pytest.mark.gpu

@@ -1,11 +1,12 @@
-"""Gluon warp-specialised FP8 decode logits (``ops/logits/gluon_decode.py``) against the PyTorch reference.
+"""Gluon warp-specialised FP8 decode logits (``ops/logits/gluon_decode.py``) and the decode-kernel dispatch.
 
 Tier (DESIGN.md §11): calc_diff < 5e-6 against the reference on the same quantised inputs with the ``-inf``
 masks equal (the head sum runs in another order than the reference's), the same tier against the Triton
 kernel, and 20 reruns with identical bits. Outputs go through padded row strides of a poisoned allocation
 (the padding keeps its poison; with ``clean=False`` only the valid entries are written), and the paged
 cache sits in a 0xFF-poisoned allocation (e4m3 NaN), so a read of a byte the kernel should not use shows.
-Gluon kernels do not run under the Triton interpreter: every test here needs a CUDA GPU with wgmma.
+Gluon kernels do not run under the Triton interpreter: those tests need a CUDA GPU with wgmma (sm_90); the
+dispatch rule's tests run everywhere.
 """
 
 from __future__ import annotations
@@ -15,16 +16,26 @@ import torch
 
 from dsa_indexer import backend
 from dsa_indexer.testing import calc_diff
-from test_logits_kernel import NEG_INF, POISON, TIER, DecodeInputs, decode_inputs, run_decode
+from test_logits_kernel import FORCE_UPCAST_ENV, NEG_INF, POISON, TIER, DecodeInputs, decode_inputs, run_decode
+
+try:
+    from dsa_indexer.ops.logits.gluon_decode import GLUON_SWEEP_CONFIGS
+except ImportError:  # a Triton without Gluon: the GPU tests skip, the dispatch takes Triton
+    GLUON_SWEEP_CONFIGS = {}
 
 _HOPPER = (not backend.interpreter_enabled() and torch.cuda.is_available()
-           and torch.cuda.get_device_capability()[0] >= 9)
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not _HOPPER,
-                       reason="Gluon kernels cannot run under the Triton interpreter; they need a CUDA GPU with "
-                              "wgmma (sm_90+): run scripts/gpu-check on an H100/H200"),
-]
+           and torch.cuda.get_device_capability()[0] == 9)
+needs_hopper = pytest.mark.skipif(
+    not _HOPPER, reason="Gluon kernels cannot run under the Triton interpreter; they need a CUDA GPU with wgmma "
+                        "(sm_90): run scripts/gpu-check on an H100/H200")
+
+
+@pytest.fixture(autouse=True)
+def _no_overrides(monkeypatch):
+    from dsa_indexer.ops.logits import DECODE_KERNEL_ENV
+
+    monkeypatch.delenv(DECODE_KERNEL_ENV, raising=False)
+    monkeypatch.delenv(FORCE_UPCAST_ENV, raising=False)
 
 
 def run_gluon(inputs: DecodeInputs, clean: bool, pad: int, **kwargs) -> torch.Tensor:
@@ -64,6 +75,8 @@ def check_gluon(inputs: DecodeInputs, clean: bool, pad: int = 8, **kwargs) -> to
 REQUEST_LENGTHS = [0, 1, 63, 64, 65, 4999, 12345]
 
 
+@pytest.mark.gpu
+@needs_hopper
 @pytest.mark.parametrize("clean", [True, False])
 @pytest.mark.parametrize("next_n, lens", [(1, "1d"), (2, "1d"), (2, "2d"), (3, "2d"), (4, "1d")])
 def test_gluon_decode_matches_reference_gpu(kernel_device, next_n, lens, clean):
@@ -72,12 +85,16 @@ def test_gluon_decode_matches_reference_gpu(kernel_device, next_n, lens, clean):
     check_gluon(inputs, clean)
 
 
+@pytest.mark.gpu
+@needs_hopper
 @pytest.mark.parametrize("next_n", [1, 2])
 def test_gluon_decode_single_request_long_context_gpu(kernel_device, next_n):
     inputs = decode_inputs("fp8", [40001], next_n, kernel_device, heads=64, block_size=64, extra_width=70, seed=41)
     check_gluon(inputs, clean=True)
 
 
+@pytest.mark.gpu
+@needs_hopper
 def test_gluon_decode_small_pages_heads_and_dim_gpu(kernel_device):
     """Pages smaller than a key tile (one table entry per key), 3 heads (padded to 16), D = 64."""
     inputs = decode_inputs("fp8", [[13, 0], [700, 701], [0, 40]], 2, kernel_device, heads=3, dim=64, block_size=16,
@@ -86,6 +103,8 @@ def test_gluon_decode_small_pages_heads_and_dim_gpu(kernel_device):
     check_gluon(inputs, clean=False)
 
 
+@pytest.mark.gpu
+@needs_hopper
 def test_gluon_decode_one_row_per_program_gpu(kernel_device):
     """The benchmark's ``gluon-rows1`` configuration (one draft row per program) matches the reference."""
     from dsa_indexer.ops.logits.gluon_decode import GLUON_DECODE_CONFIG
@@ -96,8 +115,100 @@ def test_gluon_decode_one_row_per_program_gpu(kernel_device):
     check_gluon(inputs, clean=True, config=config)
 
 
+@pytest.mark.gpu
+@needs_hopper
 def test_gluon_decode_empty_rows_write_minus_inf_gpu(kernel_device):
     inputs = decode_inputs("fp8", [0, 0], 2, kernel_device, heads=64, block_size=64, extra_width=100, seed=44)
     result = run_gluon(inputs, True, 3)
     assert (result[:, :100] == NEG_INF).all() and (result[:, 100:] == POISON).all()
     assert (run_gluon(inputs, False, 3) == POISON).all()
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("variant", ["persist1", *sorted(GLUON_SWEEP_CONFIGS)])
+@pytest.mark.parametrize("next_n", [1, 2])
+def test_gluon_decode_sweep_configs_give_the_default_bits_gpu(kernel_device, variant, next_n):
+    """Every configuration the benchmark sweep times matches the reference and gives the default's bits
+    (each draft row has its own accumulator whatever the schedule). ``persist1``: one persistent program
+    per SM, so each program runs many work items (empty ones too) through the same ring and query slots."""
+    from dsa_indexer.ops.logits.gluon_decode import GLUON_DECODE_CONFIG
+
+    config = GLUON_SWEEP_CONFIGS.get(variant, GLUON_DECODE_CONFIG[:8] + (1,))
+    lengths = [[max(0, n - 7 * t) for t in range(next_n)] for n in REQUEST_LENGTHS + [0, 3000, 64 * 50]]
+    inputs = decode_inputs("fp8", lengths, next_n, kernel_device, heads=64, block_size=64, seed=45)
+    result = check_gluon(inputs, clean=True, config=config)
+    assert torch.equal(result.view(torch.int32), run_gluon(inputs, True, 8).view(torch.int32))
+    if variant == "persist1":
+        check_gluon(inputs, clean=False, config=config)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("persistent", [False, True])
+def test_gluon_decode_replays_in_a_cuda_graph_with_changed_lengths_gpu(kernel_device, persistent):
+    """The launcher reads nothing back to the host: captured once, replayed after the lengths change in
+    place, it matches the reference on the new values."""
+    from dsa_indexer.ops.logits.gluon_decode import GLUON_DECODE_CONFIG, paged_mqa_logits_gluon
+
+    config = GLUON_DECODE_CONFIG[:8] + (1 if persistent else 0,)
+    inputs = decode_inputs("fp8", [[900, 901], [0, 64], [300, 17]], 2, kernel_device, heads=64, block_size=64,
+                           seed=46)
+    out = torch.full((6, inputs.max_context_len), POISON, device=kernel_device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_mqa_logits_gluon(*inputs.args(), True, out, config=config)
+    inputs.context_lens.copy_(torch.tensor([[5, 640], [63, 0], [300, 299]], dtype=torch.int32))
+    graph.replay()
+    assert calc_diff(out, run_decode(inputs, "reference", True, 0)) < TIER
+
+
+def test_gluon_decode_rule_by_work_size():
+    """Draft rows go to the Gluon kernel from 64K keys, one row from 2M keys (measured crossovers)."""
+    gluon_decode = pytest.importorskip("dsa_indexer.ops.logits.gluon_decode")
+    preferred = gluon_decode.gluon_decode_preferred
+    assert preferred(32, 2, 131072) and preferred(128, 2, 32768) and preferred(1, 2, 131072)
+    assert preferred(32, 4, 32768) and not preferred(1, 2, 4096)
+    assert preferred(32, 1, 131072) and preferred(128, 1, 32768) and preferred(16, 1, 131072)
+    assert not preferred(32, 1, 32768) and not preferred(1, 1, 131072)
+
+
+def test_decode_kernel_is_triton_off_hopper_and_when_forced(monkeypatch):
+    """CPU tensors, the interpreter and MXFP4 caches always take the Triton kernel; the environment
+    switch is validated."""
+    from dsa_indexer.ops.logits import DECODE_KERNEL_ENV, decode_kernel
+
+    inputs = decode_inputs("fp8", [40], 2, "cpu", heads=4, block_size=64)
+    assert decode_kernel(inputs.q, inputs.cache, 1 << 30) == "triton"
+    monkeypatch.setenv(DECODE_KERNEL_ENV, "gluon")
+    assert decode_kernel(inputs.q, inputs.cache, 1 << 30) == "triton"
+    monkeypatch.setenv(DECODE_KERNEL_ENV, "cuda")
+    with pytest.raises(ValueError, match=DECODE_KERNEL_ENV):
+        decode_kernel(inputs.q, inputs.cache, 1 << 30)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_decode_kernel_dispatch_on_hopper_gpu(kernel_device, monkeypatch):
+    """``auto`` follows the rule; ``gluon``/``triton`` force it; MXFP4 and the upcast path stay on Triton;
+    the public op runs the chosen kernel (same bits as calling it directly)."""
+    from dsa_indexer.ops.logits import DECODE_KERNEL_ENV, decode_kernel
+
+    fp8 = decode_inputs("fp8", [3000, 0], 2, kernel_device, heads=64, block_size=64, seed=47)
+    mxfp4 = decode_inputs("mxfp4", [3000, 0], 2, kernel_device, heads=64, block_size=64, seed=47)
+    assert decode_kernel(fp8.q, fp8.cache, 1 << 20) == "gluon"
+    assert decode_kernel(fp8.q, fp8.cache, 1024) == "triton"
+    assert decode_kernel(fp8.q[:, :1], fp8.cache, 1 << 20) == "gluon"  # 2 x 1M keys
+    assert decode_kernel(fp8.q[:, :1], fp8.cache, 1 << 19) == "triton"
+    assert decode_kernel(mxfp4.q, mxfp4.cache, 1 << 20) == "triton"
+    monkeypatch.setenv(DECODE_KERNEL_ENV, "gluon")
+    assert decode_kernel(fp8.q, fp8.cache, 1024) == "gluon"
+    assert decode_kernel(mxfp4.q, mxfp4.cache, 1024) == "triton"
+    forced = run_decode(fp8, "triton", True, 8)
+    assert torch.equal(forced[:, :fp8.max_context_len].view(torch.int32),
+                       run_gluon(fp8, True, 8)[:, :fp8.max_context_len].view(torch.int32))
+    monkeypatch.setenv(FORCE_UPCAST_ENV, "1")
+    assert decode_kernel(fp8.q, fp8.cache, 1 << 20) == "triton"
+    monkeypatch.setenv(DECODE_KERNEL_ENV, "triton")
+    monkeypatch.delenv(FORCE_UPCAST_ENV)
+    assert decode_kernel(fp8.q, fp8.cache, 1 << 20) == "triton"

@@ -188,6 +188,35 @@ def test_launch_knobs_do_not_change_results(kernel_device, fmt, block_heads, num
     assert_same_results(got, rope_quant_q_reference(q, positions, cos_sin, weights, 0.1, 0.3, **options))
 
 
+# Every MXFP4 tile layout and rounding the wrapper can be told to use (explicitly, whatever the defaults).
+MXFP4_VARIANTS = {
+    "block_per_thread": dict(row_major_loads=False, row_major_stores=False, packed_bf16=False),
+    "row_major_loads": dict(row_major_loads=True, row_major_stores=False, packed_bf16=False),
+    "row_major_stores": dict(row_major_loads=False, row_major_stores=True, packed_bf16=False),
+    "row_major_both": dict(row_major_loads=True, row_major_stores=True, packed_bf16=False),
+    "packed_bf16": dict(row_major_loads=False, row_major_stores=False, packed_bf16=True),
+    "row_major_stores_packed_bf16": dict(row_major_loads=False, row_major_stores=True, packed_bf16=True),
+}
+
+
+@pytest.mark.parametrize("variant", list(MXFP4_VARIANTS))
+@pytest.mark.parametrize("rope_position", ["first", "trailing"])
+@pytest.mark.parametrize("rope_style", ["neox", "interleaved"])
+def test_mxfp4_variants_match_reference(kernel_device, rope_style, rope_position, variant):
+    options = dict(rope_style=rope_style, rope_position=rope_position, fmt="mxfp4")
+    heads = edge_q(128, torch.bfloat16)
+    q = heads.unsqueeze(0).repeat(3, 1, 1)
+    cos_sin = torch.tensor([[1.0] * 32 + [0.0] * 32, [0.0] * 32 + [1.0] * 32, [0.6] * 32 + [-0.8] * 32])
+    edge_inputs = [q, torch.tensor([0, 1, 2]), cos_sin, torch.randn(3, heads.shape[0]).to(torch.bfloat16)]
+    cases = [[t.to(kernel_device) for t in edge_inputs]]
+    cases += [make_inputs(3, 5, head_dim, rope_dim, device=kernel_device, seed=seed)
+              for seed, (head_dim, rope_dim) in enumerate([(96, 32), (192, 128), (160, 96)])]
+    for q, positions, cos_sin, weights in cases:
+        got = q_kernels.rope_quant_q_triton(q, positions, cos_sin, weights, 0.1, 0.3, **options,
+                                            **MXFP4_VARIANTS[variant])
+        assert_same_results(got, rope_quant_q_reference(q, positions, cos_sin, weights, 0.1, 0.3, **options))
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 def test_no_tokens(kernel_device, fmt):
     q, positions, cos_sin, weights = make_inputs(0, 4, 128, 64, device=kernel_device, seed=0)
@@ -313,6 +342,17 @@ def test_realistic_shapes_and_reruns_are_bitwise_equal(kernel_device, fmt, rope_
         again = rope_quant_q(q, positions, cos_sin, weights, 128**-0.5, num_heads**-0.5, backend="triton", **options)
         for a, b in zip(first, again):
             assert (a is None and b is None) or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(MXFP4_VARIANTS))
+@pytest.mark.parametrize("rope_style, rope_position", [("interleaved", "trailing"), ("neox", "first")])
+def test_mxfp4_variants_at_realistic_shapes(kernel_device, rope_style, rope_position, variant):
+    q, positions, cos_sin, weights = make_inputs(2048, 64, 128, 64, device=kernel_device, seed=14, max_pos=8192)
+    options = dict(rope_style=rope_style, rope_position=rope_position, fmt="mxfp4")
+    got = q_kernels.rope_quant_q_triton(q, positions, cos_sin, weights, 128**-0.5, 0.125, **options,
+                                        **MXFP4_VARIANTS[variant])
+    assert_same_results(got, rope_quant_q_reference(q, positions, cos_sin, weights, 128**-0.5, 0.125, **options))
 
 
 @pytest.mark.gpu

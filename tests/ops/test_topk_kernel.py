@@ -4,8 +4,8 @@ The interpreter tests shrink the kernels' tuning (``TopkConfig``) so that tiny r
 path (group maxima, exact or early-stopped lower bound, candidate buffer in registers and in memory,
 chunked emit with look-back), the streaming row programs (group maxima streamed in the program or from
 a launch of chunk programs, lower bound with and without the early stop, gather pieces with and without
-masks, candidates in registers and in memory, emit from the candidates or from the row) and the
-whole-row programs. GPU tests use the
+masks, candidates in registers and in memory, emit from the candidates or from the row; or gathered by
+a launch of one program per piece) and the whole-row programs. GPU tests use the
 default tuning at realistic sizes, with each wide-row path forced in turn.
 """
 
@@ -43,16 +43,32 @@ SPLIT_LOOSE = TopkConfig(row_block_max=16, row_program_rows=1 << 30, chunk=16, g
                          bound_slack=3.0)
 SPLIT_EXACT = TopkConfig(row_block_max=16, row_program_rows=1 << 30, chunk=16, group_tile=16, candidate_block=8,
                          split_early_bound=False)
-WIDE = [SPLIT, SPLIT_LOOSE, SPLIT_EXACT, STREAM, STREAM_LOOSE, STREAM_SCALAR]
-WIDE_IDS = ["split", "split_loose", "split_exact", "stream", "stream_loose", "stream_scalar"]
+# Row programs with a gather launch (one program per gather piece of 2 groups; the last one emits), with
+# the exact and the early-stopped lower bound.
+PIECES = TopkConfig(row_block_max=16, row_program_rows=1, stream_tile=16, group_tile=16, candidate_block=8, chunk=16,
+                    gather_launch=True)
+PIECES_LOOSE = TopkConfig(row_block_max=16, row_program_rows=1, stream_tile=16, group_tile=16, candidate_block=8,
+                          chunk=16, gather_launch=True, bound_slack=3.0)
+WIDE = [SPLIT, SPLIT_LOOSE, SPLIT_EXACT, STREAM, STREAM_LOOSE, STREAM_SCALAR, PIECES, PIECES_LOOSE]
+WIDE_IDS = ["split", "split_loose", "split_exact", "stream", "stream_loose", "stream_scalar", "pieces", "pieces_loose"]
 GPU_SPLIT = TopkConfig(row_program_rows=1 << 30)
 GPU_STREAM = TopkConfig(row_program_rows=1)
 GPU_STREAM_IN_PROGRAM = TopkConfig(row_program_rows=1, maxima_launch=False)
 GPU_STREAM_V4 = TopkConfig(row_program_rows=1, maxima_launch=False, vector_gather=False, prefetch_gather=False)
-GPU_WIDE = [GPU_SPLIT, GPU_STREAM, GPU_STREAM_IN_PROGRAM, GPU_STREAM_V4]
-GPU_WIDE_IDS = ["split", "stream", "stream_in_program", "stream_v4"]
+GPU_STREAM_W8 = TopkConfig(row_program_rows=1, stream_warps=8)
+GPU_PIECES = TopkConfig(row_program_rows=1, gather_launch=True)
+GPU_PIECES_W8 = TopkConfig(row_program_rows=1, gather_launch=True, stream_warps=8, stream_tile=4096)
+GPU_WIDE = [GPU_SPLIT, GPU_STREAM, GPU_STREAM_IN_PROGRAM, GPU_STREAM_V4, GPU_STREAM_W8, GPU_PIECES, GPU_PIECES_W8]
+GPU_WIDE_IDS = ["split", "stream", "stream_in_program", "stream_v4", "stream_w8", "pieces", "pieces_w8"]
 ROW = TopkConfig()
 ONE_ROW = TopkConfig(row_elements=16)  # one row per whole-row program
+# Whole-row programs with the probing search, the direct copy of short all-selectable rows and narrower
+# tiles for narrow programs (ROW_PROBE_WIDE: one row of up to 64 columns per program, tiles of 64/32/16).
+ROW_PROBE = TopkConfig(row_search="probe", row_copy_short=True, row_tiles=3)
+ROW_PROBE_WIDE = TopkConfig(row_search="probe", row_copy_short=True, row_tiles=3, row_elements=64)
+ROW_PROBE_ONLY = TopkConfig(row_search="probe")
+ROWS_FAST = [ROW_PROBE, ROW_PROBE_WIDE, ROW_PROBE_ONLY]
+ROWS_FAST_IDS = ["row_probe", "row_probe_wide", "row_probe_only"]
 
 
 @pytest.fixture(autouse=True)
@@ -99,6 +115,19 @@ def test_generators_row_path(kernel_device, name):
     for k in (1, 9, 41):
         assert_same(logits, k)
         assert_same(garbage, k, starts, ends, ONE_ROW if k == 9 else ROW)
+
+
+@pytest.mark.parametrize("config", ROWS_FAST, ids=ROWS_FAST_IDS)
+@pytest.mark.parametrize("name", sorted(ADVERSARIAL_GENERATORS))
+def test_generators_rows_fast(kernel_device, name, config):
+    # Probing search, short-row copy and narrower tiles: rows of 64 columns cut to lengths across the tiles.
+    logits = ADVERSARIAL_GENERATORS[name]((6, 64), 13, kernel_device)
+    ends = torch.tensor([64, 33, 32, 17, 9, 0], dtype=torch.int32, device=kernel_device)
+    starts = torch.tensor([0, 1, 0, 0, 2, 0], dtype=torch.int32, device=kernel_device)
+    garbage = with_garbage_past_ends(logits, ends, starts=starts)
+    for k in (1, 5, 9, 31, 70):
+        assert_same(logits, k, None, None, config)
+        assert_same(garbage, k, starts, ends, config)
 
 
 @pytest.mark.parametrize("config", WIDE, ids=WIDE_IDS)
@@ -165,6 +194,8 @@ def test_lengths_around_row_thresholds(kernel_device, k):
     logits = with_garbage_past_ends(tie_heavy(len(lengths), 32, k, kernel_device), ends)
     assert_same(logits, k, starts, ends)
     assert_same(logits, k, None, ends, ONE_ROW)
+    for config in ROWS_FAST:
+        assert_same(logits, k, starts, ends, config)
 
 
 def test_value_order_details(kernel_device):
@@ -172,7 +203,7 @@ def test_value_order_details(kernel_device):
     row = [0.0, -0.0, math.inf, -math.inf, math.nan, 1e-45, -1e-45, 3.4e38, -3.4e38, 0.0, -0.0, -math.nan]
     logits = torch.tensor([row, row[::-1]], dtype=torch.float32, device=kernel_device)
     tiny = dict(row_block_max=8, chunk=8, stream_tile=8, group_tile=8, candidate_block=8)
-    for config in (ROW, TopkConfig(row_program_rows=3, **tiny), TopkConfig(row_program_rows=1, **tiny)):
+    for config in (ROW, ROW_PROBE, TopkConfig(row_program_rows=3, **tiny), TopkConfig(row_program_rows=1, **tiny)):
         for k in (1, 2, 3, 5, 8, 12):
             assert_same(logits, k, None, None, config)
 
@@ -232,8 +263,9 @@ def slot_table(num_requests, width, block_size, seed, device):
     return order.view(num_requests, pages).to(torch.int32).to(device)
 
 
-@pytest.mark.parametrize("config", [ROW, ONE_ROW, SPLIT, STREAM, STREAM_LOOSE],
-                         ids=["row", "one_row", "split", "stream", "stream_loose"])
+@pytest.mark.parametrize("config", [ROW, ONE_ROW, ROW_PROBE, ROW_PROBE_WIDE, SPLIT, STREAM, STREAM_LOOSE, PIECES],
+                         ids=["row", "one_row", "row_probe", "row_probe_wide", "split", "stream", "stream_loose",
+                              "pieces"])
 def test_decode_slots_equal_positions_mapped(kernel_device, config):
     # Fused slot output = indices_to_slots(topk_decode(...)) on every path, 1-D and 2-D lengths, the
     # output row stride wider than k (columns past k stay poison).
@@ -312,15 +344,36 @@ def test_gpu_generators_long_rows(name, width, num_rows, config):
     assert_same(logits, 2048, None, None, config)
 
 
+GPU_ROWS = [ROW, TopkConfig(row_search="probe"), TopkConfig(row_search="probe", row_copy_short=True, row_tiles=3),
+            TopkConfig(row_search="probe", row_copy_short=True, row_tiles=3, row_warps=8)]
+GPU_ROWS_IDS = ["rows", "rows_probe", "rows_probe_copy_tiles", "rows_probe_copy_tiles_w8"]
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", GPU_ROWS, ids=GPU_ROWS_IDS)
 @pytest.mark.parametrize("name", sorted(ADVERSARIAL_GENERATORS))
-def test_gpu_generators_prefill_rows(name):
+def test_gpu_generators_prefill_rows(name, config):
     width = 8192
     logits = ADVERSARIAL_GENERATORS[name]((64, width), 22, "cuda")
     ends = torch.linspace(1, width, 64).to(torch.int32).cuda()
     starts = (ends // 3).to(torch.int32)
-    got = assert_same(with_garbage_past_ends(logits, ends, starts=starts), 2048, starts, ends)
-    assert count_topk_errors(logits, got, 2048, starts=starts, ends=ends) == 0
+    for k in (2048, 512):
+        got = assert_same(with_garbage_past_ends(logits, ends, starts=starts), k, starts, ends, config)
+        assert count_topk_errors(logits, got, k, starts=starts, ends=ends) == 0
+        assert_same(logits, k, None, torch.arange(1, 65, dtype=torch.int32, device="cuda") * 128, config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", GPU_ROWS, ids=GPU_ROWS_IDS)
+def test_gpu_causal_prefill_rows(config):
+    # The rows of a causal prompt (row i has i + 1 columns), clean and with NaN/-inf inside the windows.
+    width = 4096
+    ends = torch.arange(1, width + 1, dtype=torch.int32, device="cuda")
+    for name in ("relu_sum", "one_bin", "nonfinite", "few_distinct"):
+        logits = ADVERSARIAL_GENERATORS[name]((width, width), 23, "cuda")
+        for k in (2048, 512):
+            assert_same(logits, k, None, ends, config)
+    assert_same(torch.randn(width, width, device="cuda"), 2048, None, ends, config)
 
 
 @pytest.mark.gpu

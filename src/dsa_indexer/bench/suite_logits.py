@@ -215,7 +215,7 @@ def run(ceilings: dict[str, float]) -> list[dict]:
 # exists, a snapshot kept only for a measuring run).
 SWEEP_CASES = [
     ("mxfp4", 32, 131072, 1), ("mxfp4", 128, 32768, 2), ("mxfp4", 32, 32768, 1), ("mxfp4", 32, 131072, 2),
-    ("mxfp4", 1, 131072, 1),
+    ("mxfp4", 1, 131072, 1), ("mxfp4", 128, 131072, 1), ("mxfp4", 128, 131072, 2),
     ("fp8", 32, 131072, 2), ("fp8", 128, 32768, 2), ("fp8", 1, 131072, 2), ("fp8", 32, 32768, 1),
 ]
 SWEEP_VARIANTS = {
@@ -231,10 +231,22 @@ SWEEP_VARIANTS = {
     "mxfp4": {
         "baseline": None,
         "default": {},
+        "stages3": {"config": (64, 4, 3, 8, 4, 32, None, 4)},
         "stages5": {"config": (64, 4, 5, 8, 4, 32, None, 4)},
-        "stages7": {"config": (64, 4, 7, 8, 4, 32, None, 4)},
-        "stages9": {"config": (64, 4, 9, 8, 4, 32, None, 4)},
-        "stages7-rows1": {"config": (64, 4, 7, 8, 4, 32, None, 1)},
+    },
+}
+# Gluon warp-specialised MXFP4 decode (``paged_mqa_logits_gluon_mxfp4``): name -> its ``config`` (fields of
+# ``GLUON_MXFP4_DECODE_CONFIG``: stages, programs/SM aimed at, tiles/split min/max, rows/program, producer
+# warps, producer registers, launch register cap, next tile expanded under the wgmma) and the draft-row
+# counts it is timed at.
+GLUON_SWEEP_VARIANTS = {
+    "mxfp4": {
+        "gluon": {"config": (4, 8, 2, 32, 2, 4, 40, 80, 0), "next_n": (1, 2)},
+        "gluon-ahead": {"config": (4, 8, 2, 32, 2, 4, 40, 80, 1), "next_n": (1,)},
+        "gluon-regs128": {"config": (4, 8, 2, 32, 2, 4, 40, 128, 0), "next_n": (1, 2)},
+        "gluon-regs64": {"config": (4, 8, 2, 32, 2, 4, 24, 64, 0), "next_n": (1,)},
+        "gluon-stages8": {"config": (8, 8, 2, 32, 2, 4, 40, 80, 0), "next_n": (1, 2)},
+        "gluon-rows1": {"config": (4, 8, 2, 32, 1, 4, 40, 64, 0), "next_n": (2,)},
     },
 }
 
@@ -245,6 +257,33 @@ def _baseline_kernel():
     except ImportError:
         return None
     return _baseline.paged_mqa_logits_triton
+
+
+def _sweep_calls(fmt: str, next_n: int, baseline):
+    """(name, function of ``(args, out)`` running the variant on a case, or None when unavailable)
+    for the Triton variants, then the Gluon ones that apply to ``next_n``."""
+    import functools
+
+    calls = []
+    for name, kwargs in SWEEP_VARIANTS[fmt].items():
+        if kwargs is None:
+            calls.append((name, None if baseline is None else lambda args, out: baseline(*args, True, out)))
+        else:
+            calls.append((name, functools.partial(_triton_variant, kwargs=kwargs)))
+    for name, spec in GLUON_SWEEP_VARIANTS.get(fmt, {}).items():
+        if next_n in spec["next_n"]:
+            calls.append((name, functools.partial(_gluon_variant, config=spec["config"])))
+    return calls
+
+
+def _triton_variant(args, out, *, kwargs):
+    return kernels.paged_mqa_logits_triton(*args, True, out, **kwargs)
+
+
+def _gluon_variant(args, out, *, config):
+    from dsa_indexer.ops.logits.gluon_decode_mxfp4 import paged_mqa_logits_gluon_mxfp4
+
+    return paged_mqa_logits_gluon_mxfp4(*args, True, out, config=config)
 
 
 def sweep(out_dir: str | None = None, formats=("mxfp4", "fp8"), variants=None, compile_only: bool = False) -> None:
@@ -261,7 +300,7 @@ def sweep(out_dir: str | None = None, formats=("mxfp4", "fp8"), variants=None, c
     gen = torch.Generator().manual_seed(1)
     rows = []
     for fmt in formats:
-        cache = _decode_pool(fmt, 32 * 2048 + 64)
+        cache = _decode_pool(fmt, max(b * n for f, b, n, _ in SWEEP_CASES if f == fmt) // PAGE + 64)
         for case_fmt, batch, length, next_n in SWEEP_CASES:
             if case_fmt != fmt:
                 continue
@@ -270,20 +309,17 @@ def sweep(out_dir: str | None = None, formats=("mxfp4", "fp8"), variants=None, c
             floor_us = None if compile_only else moved / (ceilings["read_tbs"] * 1e6)
             expected = torch.empty((batch * next_n, length), device="cuda")
             kernels.paged_mqa_logits_triton(*args, True, expected)
-            for name, kwargs in SWEEP_VARIANTS[fmt].items():
+            for name, call_with in _sweep_calls(fmt, next_n, baseline):
                 if variants is not None and name not in variants:
                     continue
                 if compile_only:
-                    if kwargs:
-                        kernels.paged_mqa_logits_triton(*args, True, torch.empty_like(expected), **kwargs)
+                    if name != "baseline":
+                        call_with(args, torch.empty_like(expected))
                     continue
-                if kwargs is None and baseline is None:
+                if call_with is None:
                     continue
                 out = torch.empty_like(expected)
-                if kwargs is None:
-                    call = lambda: baseline(*args, True, out)  # noqa: E731
-                else:
-                    call = lambda: kernels.paged_mqa_logits_triton(*args, True, out, **kwargs)  # noqa: E731
+                call = lambda: call_with(args, out)  # noqa: E731
                 us = harness.cold_graph_us(call, reps=50)
                 try:
                     diff = calc_diff(out, expected)
@@ -320,7 +356,8 @@ def _main(argv: list[str]) -> None:
     parser.add_argument("--compile-only", action="store_true", help="run each variant once, time nothing")
     args = parser.parse_args(argv)
     variants = args.variants.split(",") if args.variants else None
-    unknown = set(variants or ()) - {name for table in SWEEP_VARIANTS.values() for name in table}
+    known = {name for tables in (SWEEP_VARIANTS, GLUON_SWEEP_VARIANTS) for table in tables.values() for name in table}
+    unknown = set(variants or ()) - known
     if unknown:
         parser.error(f"unknown variants: {sorted(unknown)}")
     sweep(args.out_dir, tuple(args.fmt or ("mxfp4", "fp8")), variants, args.compile_only)

@@ -18,9 +18,22 @@ the host, which would put a CPU round trip inside the timed region).
   contexts in pages of 64 (a 1 MiB block table, L2-resident): reads the int32 indices (about 3% of
   them -1 padding) and writes the int32 slots, 256 MiB in all; the table and the row-to-request map
   are counted once.
+
+Candidate and slot records carry three times: ``us`` (cold-L2 event time of one call, host launch
+included: at R 64 the host's launch cost of the three launches exceeds the GPU time, so this number
+is the host's), ``graph_us`` (warm CUDA-graph replays) and ``cold_graph_us`` (one graph replay after
+a 256 MB memset that evicts the L2): the last is the honest figure for these capturable ops.
+
+``python -m dsa_indexer.bench.suite_seq_candidates sweep [OUT_DIR]`` times the kernel variants
+(keyword arguments of the Triton functions) against the current defaults in one process.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import sys
+import time
 
 import torch
 
@@ -56,6 +69,18 @@ def _row(op, shape, us, num_bytes, ceilings, torch_us, **extra):
 def _timed(fn) -> tuple[float, float]:
     """(cold-L2 event time, CUDA-graph replay time) in µs: the second leaves out the host's launch cost."""
     return harness.median_us(fn), harness.median_us(fn, graph=True)
+
+
+def _host_us(fn, calls: int = 50) -> float:
+    """Host time per call of ``fn`` in µs (launches only, the GPU is not waited for within the loop)."""
+    fn()
+    torch.cuda.synchronize()
+    begin = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - begin
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
 
 
 def _bench_seq_pack(ceilings, generator) -> list[dict]:
@@ -96,7 +121,9 @@ def _bench_candidates(ceilings, generator, num_rows: int, *, with_torch: bool, s
 
     us, graph_us = _timed(lambda: select(candidates_triton.select_candidate_blocks_triton))
     ref = harness.median_us(lambda: select(select_candidate_blocks_reference)) if with_torch else None
-    rows.append(_row("select_candidate_blocks", shape, us, select_bytes, ceilings, ref, graph_us=round(graph_us, 2)))
+    cold = harness.cold_graph_us(lambda: select(candidates_triton.select_candidate_blocks_triton))
+    rows.append(_row("select_candidate_blocks", shape, us, select_bytes, ceilings, ref, graph_us=round(graph_us, 2),
+                     cold_graph_us=round(cold, 2)))
     if stages:
         keys = candidates_triton.block_keys(logits, starts, ends, block_size, 1)
         us = harness.median_us(lambda: candidates_triton.block_keys(logits, starts, ends, block_size, 1))
@@ -112,7 +139,10 @@ def _bench_candidates(ceilings, generator, num_rows: int, *, with_torch: bool, s
 
     us, graph_us = _timed(lambda: mask(candidates_triton.apply_candidate_mask_triton))
     ref = harness.median_us(lambda: mask(apply_candidate_mask_reference)) if with_torch else None
-    rows.append(_row("apply_candidate_mask", shape, us, mask_bytes, ceilings, ref, graph_us=round(graph_us, 2)))
+    cold = harness.cold_graph_us(lambda: mask(candidates_triton.apply_candidate_mask_triton))
+    host = _host_us(lambda: mask(candidates_triton.apply_candidate_mask_triton))
+    rows.append(_row("apply_candidate_mask", shape, us, mask_bytes, ceilings, ref, graph_us=round(graph_us, 2),
+                     cold_graph_us=round(cold, 2), host_us=round(host, 2)))
     return rows
 
 
@@ -131,8 +161,10 @@ def _bench_indices_to_slots(ceilings, generator) -> list[dict]:
     moved = 2 * indices.numel() * 4 + table.numel() * 4 + row_to_request.numel() * 4
     shape = {"R": num_rows, "k": k, "B": num_requests, "pages": pages, "block": block_size}
     us, graph_us = _timed(lambda: indices_to_slots_triton(*args))
+    cold = harness.cold_graph_us(lambda: indices_to_slots_triton(*args))
     ref = harness.median_us(lambda: indices_to_slots_reference(*args))
-    return [_row("indices_to_slots", shape, us, moved, ceilings, ref, graph_us=round(graph_us, 2))]
+    return [_row("indices_to_slots", shape, us, moved, ceilings, ref, graph_us=round(graph_us, 2),
+                 cold_graph_us=round(cold, 2))]
 
 
 def run(ceilings: dict[str, float]) -> list[dict]:
@@ -142,3 +174,148 @@ def run(ceilings: dict[str, float]) -> list[dict]:
     rows += _bench_candidates(ceilings, generator, 64, with_torch=False, stages=True)
     rows += _bench_indices_to_slots(ceilings, generator)
     return rows
+
+
+SELECT_VARIANTS = {
+    "default": {},
+    "vector": dict(vector=True),
+    "register16": dict(register_select=True),
+    "vector+register16": dict(vector=True, register_select=True),
+}
+RADIX_VARIANTS = {"default": {}, "register16": dict(register_select=True, warps=16),
+                  "register32": dict(register_select=True, warps=32)}
+MASK_VARIANTS = {"default": {}, "vector": dict(vector=True), "vector_tile8192": dict(vector=True, tile=8192),
+                 "vector_tile2048": dict(vector=True, tile=2048)}
+SLOT_VARIANTS = {
+    "default": {},
+    "aligned_1024x4": dict(aligned_rows=True),
+    "aligned_2048x4": dict(aligned_rows=True, block=2048),
+    "aligned_2048x8": dict(aligned_rows=True, block=2048, num_warps=8),
+    "aligned_4096x8": dict(aligned_rows=True, block=4096, num_warps=8),
+}
+
+
+def _sweep_slots(record, generator, num_rows: int = 16384, k: int = 2048) -> None:
+    """indices_to_slots variants on the suite's shape."""
+    num_requests, context, page = 256, 65536, 64
+    indices = torch.randint(0, context, (num_rows, k), device="cuda", generator=generator, dtype=torch.int32)
+    indices = torch.where(torch.rand((num_rows, k), device="cuda", generator=generator) < 0.03, -1, indices)
+    table = torch.randperm(num_requests * context // page, device="cuda", generator=generator).to(torch.int32)
+    table = table.view(num_requests, context // page)
+    row_to_request = torch.arange(num_rows, device="cuda", dtype=torch.int32) // (num_rows // num_requests)
+    slots = indices_to_slots_triton(indices, table, page, row_to_request)
+    moved = 2 * indices.numel() * 4 + table.numel() * 4 + row_to_request.numel() * 4
+    for name, kwargs in SLOT_VARIANTS.items():
+        def to_slots(kwargs=kwargs):
+            return indices_to_slots_triton(indices, table, page, row_to_request, **kwargs)
+        record("indices_to_slots", num_rows, name, to_slots, moved, torch.equal(to_slots(), slots))
+
+
+def _sweep_candidates(record, generator, num_rows: int, width: int = 131072, num_blocks_k: int = 2048) -> None:
+    """select / its two stages / mask variants on the suite's candidate shape with ``num_rows`` rows."""
+    block_size = 8
+    logits = torch.randn(num_rows, width, device="cuda", generator=generator)
+    starts = torch.zeros(num_rows, dtype=torch.int32, device="cuda")
+    ends = torch.full((num_rows,), width, dtype=torch.int32, device="cuda")
+    out = torch.empty((num_rows, num_blocks_k), dtype=torch.int32, device="cuda")
+    select_bytes = num_rows * width * 4 + num_rows * num_blocks_k * 4
+    chosen = candidates_triton.select_candidate_blocks_triton(logits, starts, ends, num_blocks_k, block_size, 1)
+    for name, kwargs in SELECT_VARIANTS.items():
+        def select(kwargs=kwargs):
+            return candidates_triton.select_candidate_blocks_triton(logits, starts, ends, num_blocks_k, block_size,
+                                                                    1, out, **kwargs)
+        same = torch.equal(select().clone(), chosen)
+        record("select", num_rows, name, select, select_bytes, same)
+    keys_bytes = num_rows * width * 4 + num_rows * (width // block_size) * 4
+    keys = candidates_triton.block_keys(logits, starts, ends, block_size, 1)
+    for name in ("default", "vector"):
+        def stage_keys(vector=name == "vector"):
+            return candidates_triton.block_keys(logits, starts, ends, block_size, 1, vector=vector)
+        record("select/keys", num_rows, name, stage_keys, keys_bytes, torch.equal(stage_keys(), keys), graph=False)
+    for name, kwargs in RADIX_VARIANTS.items():
+        def stage_select(kwargs=kwargs):
+            return candidates_triton.select_from_keys(keys, starts, ends, num_blocks_k, block_size, 1, out,
+                                                      **kwargs)
+        same = torch.equal(stage_select().clone(), chosen)
+        record("select/radix", num_rows, name, stage_select, keys.numel() * 4, same, graph=False)
+    mask_bytes = (num_rows * width - num_rows * num_blocks_k * block_size) * 4 + chosen.numel() * 4
+    expected = logits.clone()
+    candidates_triton.apply_candidate_mask_triton(expected, starts, ends, chosen, block_size, 1)
+    for name, kwargs in MASK_VARIANTS.items():
+        def mask(kwargs=kwargs):
+            candidates_triton.apply_candidate_mask_triton(logits, starts, ends, chosen, block_size, 1, **kwargs)
+        mask()
+        same = torch.equal(logits.view(torch.int32), expected.view(torch.int32))
+        record("mask", num_rows, name, mask, mask_bytes, same, host=True)
+
+
+def sweep(out_dir: str | None, quick: bool = False) -> list[dict]:
+    """Time every variant against the default on the suite's shapes; each checked bit-equal to the default.
+    Rows: op, R, variant, event / warm-graph / cold-graph µs, % of the copy floor (on the cold-graph time)."""
+    rep = 60 if quick else 120
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    copy_tbs = 2 * n / harness.median_us(lambda: dst.copy_(src)) / 1e6
+    del src, dst
+    torch.cuda.empty_cache()
+    rows: list[dict] = []
+
+    def record(op, num_rows, variant, fn, num_bytes, same, *, graph=True, host=False):
+        us = harness.median_us(fn, rep_ms=rep)
+        graph_us = harness.median_us(fn, graph=True, rep_ms=rep) if graph and not quick else None
+        cold = harness.cold_graph_us(fn, reps=30) if graph else None
+        best = cold if cold is not None else us
+        row = {"op": op, "R": num_rows, "variant": variant, "us": round(us, 2),
+               "graph_us": None if graph_us is None else round(graph_us, 2),
+               "cold_graph_us": None if cold is None else round(cold, 2),
+               "floor_us": round(num_bytes / (copy_tbs * 1e6), 2),
+               "pct_of_floor": round(100 * num_bytes / (copy_tbs * 1e6) / best, 1), "same_as_default": same}
+        if host:
+            row["host_us"] = round(_host_us(fn), 2)
+        rows.append(row)
+        print(row, flush=True)
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    # The issue's shapes first: the lead's time cap may cut the tail.
+    _sweep_candidates(record, generator, 512)
+    torch.cuda.empty_cache()
+    _sweep_slots(record, generator)
+    _sweep_candidates(record, generator, 64)
+    if out_dir:
+        with open(os.path.join(out_dir, "cand_sweep.json"), "w") as f:
+            json.dump({"copy_tbs": copy_tbs, "environment": harness.environment(), "rows": rows}, f, indent=1)
+    lines = [f"copy {copy_tbs:.2f} TB/s; % of floor from the cold-graph time (event time where no graph)",
+             f"{'op':17} {'R':>6} {'variant':18} {'event us':>9} {'graph us':>9} {'cold g us':>9} {'floor':>7} "
+             f"{'%':>6} {'host us':>8} same"]
+    for row in rows:
+        def cell(value):
+            return f"{value:9.1f}" if value is not None else f"{'-':>9}"
+        host = row.get("host_us")
+        host_cell = f"{host:8.1f}" if host is not None else f"{'-':>8}"
+        lines.append(f"{row['op']:17} {row['R']:6} {row['variant']:18} {cell(row['us'])} {cell(row['graph_us'])} "
+                     f"{cell(row['cold_graph_us'])} {row['floor_us']:7.1f} {row['pct_of_floor']:6.1f} "
+                     f"{host_cell} {row['same_as_default']}")
+    table_text = "\n".join(lines)
+    if out_dir:
+        with open(os.path.join(out_dir, "cand_sweep.txt"), "w") as f:
+            f.write(table_text + "\n")
+    print(table_text, flush=True)
+    return rows
+
+
+def _main(argv: list[str]) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m dsa_indexer.bench.suite_seq_candidates",
+                                     description="candidate / slot variant sweep (the suite runs through "
+                                                 "dsa-indexer bench)")
+    parser.add_argument("command", choices=["sweep"])
+    parser.add_argument("out_dir", nargs="?")
+    parser.add_argument("--quick", action="store_true", help="shorter timing loops")
+    args = parser.parse_args(argv)
+    sweep(args.out_dir, args.quick)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])

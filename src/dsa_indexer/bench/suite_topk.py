@@ -201,9 +201,186 @@ def sweep(out_path: str | None = None) -> None:
         print(f"| {record['shape']} | " + " | ".join("" if c is None else f"{c:.1f}" for c in cells) + " |")
 
 
+def _decode_sweep_plan() -> tuple[dict, list]:
+    """Decode variants of ``sweep_decode`` (names -> ``TopkConfig``) and its cells ``(data, rows, k, names)``.
+    ``split``: the split path at every R; ``rows``: row programs (maxima launch, vector + prefetched gather:
+    the default from ``row_program_rows`` on); ``rows_w8``: 8 warps; ``rows_t16k``: gather pieces of 16384
+    columns without prefetch; ``probe_bound`` / ``probe_gather``: row programs stopped after the lower bound
+    (and the compaction of the group ids) / after the gather (timing only: the output is incomplete, not
+    checked); ``pieces``: gather launch (one program per gather piece, the row's last one searches T and
+    emits); ``pieces_w8_t4k``: the same with 8 warps and pieces of 4096 columns."""
+    from dsa_indexer.ops.topk.triton import TopkConfig
+
+    every = 1 << 30
+    configs = {
+        "split": TopkConfig(row_program_rows=every),
+        "rows": TopkConfig(row_program_rows=1),
+        "rows_w8": TopkConfig(row_program_rows=1, stream_warps=8),
+        "rows_t16k": TopkConfig(row_program_rows=1, stream_tile=16384, prefetch_gather=False),
+        "probe_bound": TopkConfig(row_program_rows=1, row_stages=1),
+        "probe_gather": TopkConfig(row_program_rows=1, row_stages=2),
+        "pieces": TopkConfig(row_program_rows=1, gather_launch=True),
+        "pieces_w8_t4k": TopkConfig(row_program_rows=1, gather_launch=True, stream_warps=8, stream_tile=4096),
+    }
+    full = list(configs)
+    crossover = ["split", "rows", "rows_w8", "pieces", "pieces_w8_t4k"]
+    skewed = ["split", "rows", "rows_w8", "pieces"]
+    cells = []
+    for num_rows in (1, 8, 16, 24, 32, 64, 128):
+        for k in (2048, 512):
+            cells.append(("random", num_rows, k, full if num_rows in (1, 32, 128) else crossover))
+    for data in ("relu_sum", "one_bin"):
+        for num_rows in (1, 32, 128):
+            for k in (2048, 512):
+                cells.append((data, num_rows, k, skewed))
+    return configs, cells
+
+
+def sweep_decode(out_path: str | None = None, warm: str | None = None) -> None:
+    """Cold µs of the decode variants of ``_decode_sweep_plan`` (``python -m dsa_indexer.bench.suite_topk
+    sweep_decode [OUT_JSON]``), each checked bitwise against the reference first (probes excepted); a table
+    last, with ``base`` = the committed default (split path below ``row_program_rows``, else row programs).
+    ``warm="i/n"`` only compiles the i-th of n shares of the variants (two rows, both k), to run beside
+    the tests in parallel processes that fill Triton's cache."""
+    import json
+
+    from dsa_indexer.ops.topk import triton as kernels
+
+    configs, cells = _decode_sweep_plan()
+    if warm is not None:
+        share, shares = (int(x) for x in warm.split("/"))
+        logits, lengths = _decode_rows("random", 2)
+        for name in list(configs)[share::shares]:
+            for k in (2048, 512):
+                out = torch.empty((2, k), dtype=torch.int32, device="cuda")
+                kernels.topk_triton(logits, k, None, lengths, out, config=configs[name])
+        torch.cuda.synchronize()
+        return
+    records = []
+    loaded = {}
+    for data, num_rows, k, names in cells:
+        if (data, num_rows) not in loaded:
+            loaded.clear()
+            torch.cuda.empty_cache()
+            logits, lengths = _decode_rows(data, num_rows)
+            copies = max(2, -(-ROTATION_BYTES // logits.numel() // 4))
+            loaded[(data, num_rows)] = (logits, lengths, [logits] + [logits.clone() for _ in range(copies - 1)])
+        logits, lengths, inputs = loaded[(data, num_rows)]
+        expected = reference.topk(logits, k, None, lengths, torch.empty((num_rows, k), dtype=torch.int32,
+                                                                          device="cuda"))
+        times = {}
+        for name in names:
+            config = configs[name]
+            out = torch.empty((num_rows, k), dtype=torch.int32, device="cuda")
+            times[name] = None
+            try:
+                got = kernels.topk_triton(logits, k, None, lengths, out, config=config)
+                exact = name.startswith("probe") or torch.equal(got, expected)
+            except Exception as error:  # a variant that fails to build must not stop the sweep
+                print(f"{data} R={num_rows} k={k} {name}: FAILED {error!r}", flush=True)
+                continue
+            if not exact:
+                print(f"{data} R={num_rows} k={k} {name}: NOT EXACT", flush=True)
+                continue
+            times[name] = _cold_us(lambda x, c=config, o=out: kernels.topk_triton(x, k, None, lengths, o, config=c),
+                                   inputs, 5)
+        times["base"] = times.get("rows" if num_rows >= kernels.DEFAULT_CONFIG.row_program_rows else "split")
+        label = f"{data} R={num_rows} k={k}"
+        print(f"{label}: " + "  ".join(f"{n} {'-' if t is None else f'{t:.1f}'}" for n, t in times.items()), flush=True)
+        records.append({"shape": label, "us": times})
+        if out_path:  # after every shape, so that a run stopped at its time limit keeps what it measured
+            Path(out_path).write_text(json.dumps({"environment": harness.environment(), "records": records}, indent=1))
+    for name in ("_row_program_kernel", "_row_pieces_kernel"):
+        for cache in getattr(kernels, name).device_caches.values():
+            for compiled in cache[0].values():
+                print(f"{name}: warps={compiled.metadata.num_warps} regs={compiled.n_regs} spills={compiled.n_spills}")
+    names = ["base"] + list(configs)
+    print("\n| shape | " + " | ".join(names) + " |")
+    print("| --- |" + " ---: |" * len(names))
+    for record in records:
+        cells_us = [record["us"].get(n) for n in names]
+        print(f"| {record['shape']} | " + " | ".join("" if c is None else f"{c:.1f}" for c in cells_us) + " |")
+
+
+def _prefill_row_configs() -> dict:
+    """Whole-row (prefill) variants timed by ``sweep_prefill``: ``base`` the committed one-bit search;
+    ``probe`` the probing search; ``copy`` the direct copy of short all-selectable rows; ``tiles`` narrower
+    register tiles for narrow programs; ``w8`` 8-warp programs."""
+    from dsa_indexer.ops.topk.triton import TopkConfig
+
+    fast = dict(row_search="probe", row_copy_short=True, row_tiles=3)
+    return {
+        "base": TopkConfig(),
+        "copy_tiles": TopkConfig(row_copy_short=True, row_tiles=3),
+        "probe": TopkConfig(row_search="probe"),
+        "probe_copy": TopkConfig(row_search="probe", row_copy_short=True),
+        "probe_copy_tiles": TopkConfig(**fast),
+        "probe_copy_tiles_w8": TopkConfig(**fast, row_warps=8),
+    }
+
+
+def sweep_prefill(out_path: str | None = None, rep_ms: int = 5) -> None:
+    """Cold µs of ``_prefill_row_configs`` on causal prefill rows (``python -m dsa_indexer.bench.suite_topk
+    sweep_prefill [json]``): the 8K prompt (row i has i + 1 columns; random and one_bin, k = 2048 and 512) and
+    S = 2048 query rows over SKV = 8K / 32K keys (row i has SKV - S + i + 1 columns; 32K rows are wider than
+    the whole-row kernel: only ``base``, the default path). Each cell is checked bitwise first; table last."""
+    import json
+
+    from dsa_indexer.ops.topk import triton as kernels
+
+    configs = _prefill_row_configs()
+    records = []
+    shapes = [(f"causal 8K k={k} {data}", data, PREFILL_S, PREFILL_S, k)
+              for data in ("random", "one_bin") for k in (2048, 512)]
+    shapes += [(f"S=2048 SKV={skv // 1024}K k=2048 random", "random", 2048, skv, 2048) for skv in (8192, 32768)]
+    for label, data, num_rows, width, k in shapes:
+        ends = torch.arange(width - num_rows + 1, width + 1, dtype=torch.int32, device="cuda")
+        logits = _clean(_values(data, (num_rows, width), 7), None, ends)
+        expected = reference.topk(logits, k, None, ends, torch.empty((num_rows, k), dtype=torch.int32, device="cuda"))
+        copies = max(2, -(-ROTATION_BYTES // logits.numel() // 4))
+        inputs = [logits] + [logits.clone() for _ in range(copies - 1)]
+        times = {}
+        for name, config in (configs if width <= 8192 else {"base": configs["base"]}).items():
+            out = torch.empty((num_rows, k), dtype=torch.int32, device="cuda")
+            times[name] = None
+            try:
+                exact = torch.equal(kernels.topk_triton(logits, k, None, ends, out, config=config), expected)
+            except Exception as error:  # a variant that fails to build must not stop the sweep
+                print(f"{label} {name}: FAILED {error!r}", flush=True)
+                continue
+            if not exact:
+                print(f"{label} {name}: NOT EXACT", flush=True)
+                continue
+            times[name] = _cold_us(lambda x, c=config, o=out: kernels.topk_triton(x, k, None, ends, o, config=c),
+                                   inputs, rep_ms)
+        print(f"{label}: " + "  ".join(f"{n} {'-' if t is None else f'{t:.1f}'}" for n, t in times.items()), flush=True)
+        records.append({"shape": label, "us": times})
+        if out_path:
+            Path(out_path).write_text(json.dumps({"environment": harness.environment(), "records": records}, indent=1))
+        del inputs, logits
+        torch.cuda.empty_cache()
+    for cache in kernels._topk_row_kernel.device_caches.values():
+        for compiled in cache[0].values():
+            print(f"_topk_row_kernel: warps={compiled.metadata.num_warps} regs={compiled.n_regs} "
+                  f"spills={compiled.n_spills}")
+    names = list(configs)
+    print("\n| shape | " + " | ".join(names) + " |")
+    print("| --- |" + " ---: |" * len(names))
+    for record in records:
+        cells = [record["us"].get(n) for n in names]
+        print(f"| {record['shape']} | " + " | ".join("" if c is None else f"{c:.1f}" for c in cells) + " |")
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["sweep"] and len(sys.argv) <= 3:
         sweep(sys.argv[2] if len(sys.argv) == 3 else None)
+    elif sys.argv[1:2] == ["sweep_decode"] and len(sys.argv) <= 4:
+        warm = next((a.split("=", 1)[1] for a in sys.argv[2:] if a.startswith("--warm=")), None)
+        paths = [a for a in sys.argv[2:] if not a.startswith("--warm=")]
+        sweep_decode(paths[0] if paths else None, warm)
+    elif sys.argv[1:2] == ["sweep_prefill"] and len(sys.argv) <= 3:
+        sweep_prefill(sys.argv[2] if len(sys.argv) == 3 else None)
     else:
-        sys.exit("usage: python -m dsa_indexer.bench.suite_topk sweep [OUT_JSON]   "
+        sys.exit("usage: python -m dsa_indexer.bench.suite_topk sweep [OUT_JSON]"
+                 " | sweep_decode [OUT_JSON] [--warm=I/N]   "
                  "(the full suite runs through dsa-indexer bench)")

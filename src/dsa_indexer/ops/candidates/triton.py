@@ -26,11 +26,22 @@
    instructions per 32 keys for 8 bits), so this kernel is issue-bound: the candidate compaction
    keeps the later passes to the keys of one bin.
 
+``_register_select_kernel`` (variant ``register_select``, rows of at most ``_REGISTER_SELECT_KEYS``
+keys) replaces the radix kernel: the row's keys sit in registers and the k-th best key is found by a
+32-step bisection of the key range (a compare and a block-wide count per key and step, no ballot
+histogram), then one ordered compaction as above.
+
 ``apply_candidate_mask`` runs ``_candidate_flags_kernel`` (one byte per block and row, set for every
 listed id in ``[0, row blocks)``, in a zeroed scratch) and ``_mask_kernel``, whose programs (about
 ``_TARGET_PROGRAMS`` in all, a few per row) walk the row's tiles and store ``-inf`` on every column
 outside ``[starts, ends)`` or in an unlisted block. It never reads the logits: kept entries are
 untouched, and the masked ones are written without being read.
+
+Variant ``vector`` of the block-keys and mask kernels: tiles wholly inside a row whose start is a
+multiple of 4 (unit column stride) take a second, unmasked path whose addresses the compiler can
+prove 16-byte aligned (``(start // 4) * 4``), so they load / store 16 bytes per instruction; other
+tiles keep the masked scalar path. The variants are keyword arguments of the host functions, their
+defaults the module constants ``_KEYS_VECTOR``, ``_REGISTER_SELECT`` and ``_MASK_VECTOR``.
 
 Loops whose trip count is a run-time value are ``while`` loops: Triton's CPU interpreter (with
 numpy 2) cannot turn a run-time bound into a Python ``range``. No host synchronisation anywhere:
@@ -49,6 +60,12 @@ _MASK_TILE = 4096
 _RADIX_BITS = 8
 _TARGET_PROGRAMS = 1024
 _SELECT_MAX_REGISTERS = 128  # two selection programs of 8 warps per SM (uncapped, ptxas takes 165: one)
+# Variants (issue 4, run 4), off by default until measured; each is also a keyword argument.
+_KEYS_VECTOR = False  # 16-byte loads in the block-keys pass on aligned interior tiles
+_REGISTER_SELECT = False  # bisection select with the row's keys in registers (rows of <= _REGISTER_SELECT_KEYS)
+_REGISTER_SELECT_KEYS = 16384
+_REGISTER_SELECT_WARPS = 16
+_MASK_VECTOR = False  # 16-byte stores in the mask kernel on aligned interior tiles
 
 
 @triton.jit
@@ -79,20 +96,38 @@ def _block_keys_kernel(
     logits_ptr, starts_ptr, ends_ptr, keys_ptr,
     row_repeat, stride_row, stride_col, keys_stride,
     HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_J: tl.constexpr,
+    VECTOR: tl.constexpr,
 ):
+    """``VECTOR`` (only with unit column stride): a tile wholly inside a row whose start is a multiple
+    of 4 is read unmasked from a base the compiler knows to be 4-aligned, i.e. with 16-byte loads;
+    other tiles take the masked scalar path."""
     row = tl.program_id(0).to(tl.int64)
     start, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS)
     num_blocks = (length + BLOCK_SIZE - 1) // BLOCK_SIZE
-    blocks = tl.program_id(1).to(tl.int64) * BLOCK_NB + tl.arange(0, BLOCK_NB)  # [BLOCK_NB]
+    first_block = tl.program_id(1).to(tl.int64) * BLOCK_NB
+    blocks = first_block + tl.arange(0, BLOCK_NB)  # [BLOCK_NB]
     best = tl.full([BLOCK_NB], float("-inf"), tl.float32)
     row_ptr = logits_ptr + row * stride_row
-    for first in tl.static_range(0, BLOCK_SIZE, BLOCK_J):
-        inner = first + tl.arange(0, BLOCK_J)  # [BLOCK_J]
-        pos = blocks[:, None] * BLOCK_SIZE + inner[None, :]  # [BLOCK_NB, BLOCK_J] row-relative
-        ok = (inner[None, :] < BLOCK_SIZE) & (pos < length)
-        values = tl.load(row_ptr + (start + pos) * stride_col, mask=ok, other=float("-inf"))
-        values = tl.where(values != values, float("-inf"), values)
-        best = tl.maximum(best, tl.max(values, axis=1))
+    if VECTOR and (start % 4 == 0) and ((first_block + BLOCK_NB) * BLOCK_SIZE <= length):
+        aligned_start = (start // 4) * 4  # == start; the product tells the compiler it is 4-aligned
+        for first in tl.static_range(0, BLOCK_SIZE, BLOCK_J):
+            inner = first + tl.arange(0, BLOCK_J)  # [BLOCK_J]
+            pos = blocks[:, None] * BLOCK_SIZE + inner[None, :]  # [BLOCK_NB, BLOCK_J] row-relative
+            if BLOCK_J <= BLOCK_SIZE - first:
+                values = tl.load(row_ptr + aligned_start + pos)
+            else:
+                values = tl.load(row_ptr + aligned_start + pos, mask=(inner < BLOCK_SIZE)[None, :],
+                                 other=float("-inf"))
+            values = tl.where(values != values, float("-inf"), values)
+            best = tl.maximum(best, tl.max(values, axis=1))
+    else:
+        for first in tl.static_range(0, BLOCK_SIZE, BLOCK_J):
+            inner = first + tl.arange(0, BLOCK_J)  # [BLOCK_J]
+            pos = blocks[:, None] * BLOCK_SIZE + inner[None, :]  # [BLOCK_NB, BLOCK_J] row-relative
+            ok = (inner[None, :] < BLOCK_SIZE) & (pos < length)
+            values = tl.load(row_ptr + (start + pos) * stride_col, mask=ok, other=float("-inf"))
+            values = tl.where(values != values, float("-inf"), values)
+            best = tl.maximum(best, tl.max(values, axis=1))
     bits = best.to(tl.uint32, bitcast=True)  # [BLOCK_NB]
     bits = tl.where(bits == 0x80000000, 0, bits)
     key = tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
@@ -179,6 +214,59 @@ def _select_kernel(
         first += CHUNK
 
 
+@triton.jit(do_not_specialize=["row_repeat", "num_blocks_k"])
+def _register_select_kernel(
+    keys_ptr, starts_ptr, ends_ptr, out_ptr,
+    row_repeat, num_blocks_k, keys_stride, out_stride_row, out_stride_col,
+    HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROW_KEYS: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """One program per row holds the row's ``ROW_KEYS >= num_blocks`` keys in registers and finds the
+    key ``T`` of the k-th best block by bisection over the 32-bit key range: 32 steps of one compare
+    and one block-wide count per key, no histogram. ``T`` is the largest key with at least ``taken``
+    keys ``>= T``; every key above ``T`` is chosen, then the first ``taken - count(keys > T)`` keys
+    equal to ``T`` in id order (the reference's (score desc, id asc) order). The ordered compaction
+    reloads the keys in chunks of ``CHUNK`` (from L1/L2) to keep the scans' registers out of the
+    bisection's; the ids come out ascending, the rest of the row is -1."""
+    row = tl.program_id(0).to(tl.int64)
+    _, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS)
+    num_blocks = (length + BLOCK_SIZE - 1) // BLOCK_SIZE
+    row_keys = keys_ptr + row * keys_stride
+    idx = tl.arange(0, ROW_KEYS)  # [ROW_KEYS] block ids
+    keys = tl.load(row_keys + idx, mask=idx < num_blocks, other=0).to(tl.uint32, bitcast=True)
+    taken = tl.minimum(tl.sum((keys != 0).to(tl.int32), axis=0).to(tl.int64), num_blocks_k)
+    # Invariant: count(keys >= low) >= taken > count(keys >= high); key 0 counts nothing.
+    low = num_blocks * 0 + 1
+    high = num_blocks * 0 + (1 << 32)
+    for _ in range(32):
+        middle = (low + high) // 2
+        enough = tl.sum((keys >= middle.to(tl.uint32)).to(tl.int32), axis=0) >= taken
+        low = tl.where(enough, middle, low)
+        high = tl.where(enough, high, middle)
+    threshold = low.to(tl.uint32)
+    remaining = taken - tl.sum((keys > threshold).to(tl.int32), axis=0)
+    out_row = out_ptr + row * out_stride_row
+    lanes = tl.arange(0, CHUNK)  # [CHUNK]
+    written = num_blocks * 0
+    ties_seen = num_blocks * 0
+    first = num_blocks * 0
+    while (first < num_blocks) & (written < taken):
+        chunk_idx = first + lanes  # [CHUNK]
+        chunk = tl.load(row_keys + chunk_idx, mask=chunk_idx < num_blocks, other=0).to(tl.uint32, bitcast=True)
+        tie = (chunk != 0) & (chunk == threshold)
+        tie_rank = ties_seen + tl.cumsum(tie.to(tl.int32), axis=0) - tie.to(tl.int32)
+        pick = (chunk != 0) & ((chunk > threshold) | (tie & (tie_rank < remaining)))
+        slot = written + tl.cumsum(pick.to(tl.int32), axis=0) - pick.to(tl.int32)
+        tl.store(out_row + slot * out_stride_col, chunk_idx.to(tl.int32), mask=pick)
+        written += tl.sum(pick.to(tl.int32), axis=0)
+        ties_seen += tl.sum(tie.to(tl.int32), axis=0)
+        first += CHUNK
+    first = taken
+    while first < num_blocks_k:
+        pad = first + lanes  # [CHUNK]
+        tl.store(out_row + pad * out_stride_col, tl.full([CHUNK], -1, tl.int32), mask=pad < num_blocks_k)
+        first += CHUNK
+
+
 @triton.jit(do_not_specialize=["row_repeat", "num_candidates"])
 def _candidate_flags_kernel(
     candidates_ptr, starts_ptr, ends_ptr, flags_ptr,
@@ -200,6 +288,7 @@ def _mask_kernel(
     logits_ptr, starts_ptr, ends_ptr, flags_ptr,
     row_repeat, width, programs_per_row, span_blocks, stride_row, stride_col, flags_stride,
     HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_J: tl.constexpr,
+    VECTOR: tl.constexpr,
 ):
     """Blocks are numbered relative to the row start, from ``-ceil(start / BLOCK_SIZE)`` up to
     ``span_blocks`` of them, so the tiles also cover the columns before ``start`` and after ``end``.
@@ -208,6 +297,10 @@ def _mask_kernel(
     block is unlisted or the column is at or past ``end``: the kept part of a listed block is the part
     before ``end``, and blocks outside the row are never listed. Columns are int32 (below 2**31;
     only the address is 64-bit), which keeps the per-element work to two compares and the store.
+
+    ``VECTOR`` (only with unit column stride and ``BLOCK_SIZE % 4 == 0``): a tile wholly inside a row
+    whose start is a multiple of 4 stores with the block's flag alone as mask, constant over aligned
+    groups of 4 columns from a base the compiler knows to be 4-aligned, i.e. 16-byte stores.
     """
     row = tl.program_id(0).to(tl.int64)
     start64, length64 = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS)
@@ -220,18 +313,32 @@ def _mask_kernel(
     width_u = width.to(tl.uint32)
     inner = tl.arange(0, BLOCK_J)  # [BLOCK_J]
     tile = tl.program_id(1)
+    aligned = start % 4 == 0
+    aligned_start = (start // 4) * 4  # == start when aligned; the product tells the compiler so
     while tile * BLOCK_NB < span_blocks:
-        blocks = lowest + tile * BLOCK_NB + tl.arange(0, BLOCK_NB)  # [BLOCK_NB] int32
-        in_row = (blocks >= 0) & (blocks < num_blocks)
-        unlisted = tl.load(flags_row + blocks, mask=in_row, other=0) == 0  # [BLOCK_NB]
-        first = start + blocks * BLOCK_SIZE  # [BLOCK_NB] first column of each block
-        for j in tl.static_range(0, BLOCK_SIZE, BLOCK_J):
-            offset = j + inner  # [BLOCK_J]
-            column = first[:, None] + offset[None, :]  # [BLOCK_NB, BLOCK_J]
-            masked = ((column.to(tl.uint32) < width_u) & (unlisted[:, None] | (column >= end))
-                      & (offset < BLOCK_SIZE)[None, :])
-            tl.store(row_ptr + column.to(tl.int64) * stride_col,
-                     tl.full([BLOCK_NB, BLOCK_J], float("-inf"), tl.float32), mask=masked)
+        first_block = lowest + tile * BLOCK_NB
+        blocks = first_block + tl.arange(0, BLOCK_NB)  # [BLOCK_NB] int32
+        if VECTOR and aligned and (first_block >= 0) and ((first_block + BLOCK_NB) * BLOCK_SIZE <= end - start):
+            unlisted = tl.load(flags_row + blocks) == 0  # [BLOCK_NB]
+            for j in tl.static_range(0, BLOCK_SIZE, BLOCK_J):
+                offset = j + inner  # [BLOCK_J]
+                column = aligned_start + blocks[:, None] * BLOCK_SIZE + offset[None, :]  # [BLOCK_NB, BLOCK_J]
+                minus_inf = tl.full([BLOCK_NB, BLOCK_J], float("-inf"), tl.float32)
+                if BLOCK_J <= BLOCK_SIZE - j:
+                    tl.store(row_ptr + column, minus_inf, mask=unlisted[:, None].broadcast_to(BLOCK_NB, BLOCK_J))
+                else:
+                    tl.store(row_ptr + column, minus_inf, mask=unlisted[:, None] & (offset < BLOCK_SIZE)[None, :])
+        else:
+            in_row = (blocks >= 0) & (blocks < num_blocks)
+            unlisted = tl.load(flags_row + blocks, mask=in_row, other=0) == 0  # [BLOCK_NB]
+            first = start + blocks * BLOCK_SIZE  # [BLOCK_NB] first column of each block
+            for j in tl.static_range(0, BLOCK_SIZE, BLOCK_J):
+                offset = j + inner  # [BLOCK_J]
+                column = first[:, None] + offset[None, :]  # [BLOCK_NB, BLOCK_J]
+                masked = ((column.to(tl.uint32) < width_u) & (unlisted[:, None] | (column >= end))
+                          & (offset < BLOCK_SIZE)[None, :])
+                tl.store(row_ptr + column.to(tl.int64) * stride_col,
+                         tl.full([BLOCK_NB, BLOCK_J], float("-inf"), tl.float32), mask=masked)
         tile += programs_per_row
 
 
@@ -251,28 +358,45 @@ def _programs_per_row(num_rows: int, tiles: int) -> int:
 
 
 def block_keys(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.Tensor, block_size: int,
-               row_repeat: int) -> torch.Tensor:
-    """First stage: int32 block keys ``[R, max(ceil(C / block_size), 1)]``."""
+               row_repeat: int, *, vector: bool | None = None, tile: int = _KEYS_TILE) -> torch.Tensor:
+    """First stage: int32 block keys ``[R, max(ceil(C / block_size), 1)]``. ``vector`` (default
+    ``_KEYS_VECTOR``) enables the 16-byte-load path (used only with a unit column stride); ``tile`` is
+    the positions per program."""
     num_rows, width = logits.shape
     max_blocks = triton.cdiv(width, block_size)
     keys = torch.empty((num_rows, max(max_blocks, 1)), dtype=torch.int32, device=logits.device)
     if num_rows and max_blocks:
+        vector = (_KEYS_VECTOR if vector is None else vector) and logits.stride(1) == 1
         starts_arg, has_starts = _bounds_args(starts, ends)
-        block_nb, block_j = _tiles(block_size, _KEYS_TILE)
+        block_nb, block_j = _tiles(block_size, tile)
         block_nb = min(block_nb, triton.next_power_of_2(max_blocks))
         _block_keys_kernel[(num_rows, triton.cdiv(max_blocks, block_nb))](
             logits, starts_arg, ends, keys,
             row_repeat, logits.stride(0), logits.stride(1), keys.stride(0),
-            HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_NB=block_nb, BLOCK_J=block_j, num_warps=8,
+            HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_NB=block_nb, BLOCK_J=block_j, VECTOR=vector,
+            num_warps=8,
         )
     return keys
 
 
 def select_from_keys(keys: torch.Tensor, starts: torch.Tensor | None, ends: torch.Tensor, num_blocks_k: int,
-                     block_size: int, row_repeat: int, out: torch.Tensor) -> torch.Tensor:
-    """Second stage: the ``num_blocks_k`` best block ids of each row of ``keys`` into ``out``."""
+                     block_size: int, row_repeat: int, out: torch.Tensor, *,
+                     register_select: bool | None = None, warps: int = _REGISTER_SELECT_WARPS) -> torch.Tensor:
+    """Second stage: the ``num_blocks_k`` best block ids of each row of ``keys`` into ``out``.
+    ``register_select`` (default ``_REGISTER_SELECT``) picks the bisection kernel for rows of at most
+    ``_REGISTER_SELECT_KEYS`` keys (``warps`` warps per row), else the radix kernel runs."""
     if out.shape[0]:
         starts_arg, has_starts = _bounds_args(starts, ends)
+        register_select = _REGISTER_SELECT if register_select is None else register_select
+        row_keys = triton.next_power_of_2(keys.shape[1])
+        if register_select and row_keys <= _REGISTER_SELECT_KEYS:
+            _register_select_kernel[(out.shape[0],)](
+                keys, starts_arg, ends, out,
+                row_repeat, num_blocks_k, keys.stride(0), out.stride(0), out.stride(1),
+                HAS_STARTS=has_starts, BLOCK_SIZE=block_size, ROW_KEYS=row_keys, CHUNK=min(row_keys, _SELECT_CHUNK),
+                num_warps=max(1, min(warps, row_keys // 256)),
+            )
+            return out
         candidates = torch.empty_like(keys)
         _select_kernel[(out.shape[0],)](
             keys, candidates, starts_arg, ends, out,
@@ -291,12 +415,18 @@ def select_candidate_blocks_triton(
     block_size: int,
     row_repeat: int,
     out: torch.Tensor | None = None,
+    *,
+    vector: bool | None = None,
+    register_select: bool | None = None,
+    keys_tile: int = _KEYS_TILE,
 ) -> torch.Tensor:
-    """Triton twin of ``select_candidate_blocks_reference``."""
+    """Triton twin of ``select_candidate_blocks_reference``; the keyword arguments pick variants
+    (see ``block_keys`` and ``select_from_keys``)."""
     if out is None:
         out = torch.empty((logits.shape[0], num_blocks_k), dtype=torch.int32, device=logits.device)
-    keys = block_keys(logits, starts, ends, block_size, row_repeat)
-    return select_from_keys(keys, starts, ends, num_blocks_k, block_size, row_repeat, out)
+    keys = block_keys(logits, starts, ends, block_size, row_repeat, vector=vector, tile=keys_tile)
+    return select_from_keys(keys, starts, ends, num_blocks_k, block_size, row_repeat, out,
+                            register_select=register_select)
 
 
 def apply_candidate_mask_triton(
@@ -306,11 +436,17 @@ def apply_candidate_mask_triton(
     candidate_blocks: torch.Tensor,
     block_size: int,
     row_repeat: int,
+    *,
+    vector: bool | None = None,
+    tile: int = _MASK_TILE,
 ) -> None:
-    """Triton twin of ``apply_candidate_mask_reference`` (in place)."""
+    """Triton twin of ``apply_candidate_mask_reference`` (in place). ``vector`` (default
+    ``_MASK_VECTOR``) enables the 16-byte-store path (unit column stride, ``block_size % 4 == 0``);
+    ``tile`` is the positions per mask tile."""
     num_rows, width = logits.shape
     if num_rows == 0 or width == 0:
         return
+    vector = (_MASK_VECTOR if vector is None else vector) and logits.stride(1) == 1 and block_size % 4 == 0
     starts_arg, has_starts = _bounds_args(starts, ends)
     max_blocks = triton.cdiv(width, block_size)
     flags = torch.zeros((num_rows, max_blocks), dtype=torch.int8, device=logits.device)
@@ -322,11 +458,12 @@ def apply_candidate_mask_triton(
             row_repeat, num_candidates, candidate_blocks.stride(0), candidate_blocks.stride(1), flags.stride(0),
             HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_K=block_k, num_warps=4,
         )
-    block_nb, block_j = _tiles(block_size, _MASK_TILE)
+    block_nb, block_j = _tiles(block_size, tile)
     block_nb = min(block_nb, triton.next_power_of_2(max_blocks + 1))
     programs = _programs_per_row(num_rows, triton.cdiv(max_blocks + 1, block_nb))
     _mask_kernel[(num_rows, programs)](
         logits, starts_arg, ends, flags,
         row_repeat, width, programs, max_blocks + 1, logits.stride(0), logits.stride(1), flags.stride(0),
-        HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_NB=block_nb, BLOCK_J=block_j, num_warps=8,
+        HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_NB=block_nb, BLOCK_J=block_j, VECTOR=vector,
+        num_warps=8,
     )

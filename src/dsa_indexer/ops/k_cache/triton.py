@@ -6,7 +6,9 @@ Quantisation uses the exact helpers of ``ops.q_quant.triton`` (bit-exact with ``
 The cache's block size and head dim are compile-time constants (one compile per cache configuration),
 so slot arithmetic is shifts and multiplies rather than 64-bit division. MXFP4 rows are loaded as
 ``load_pairs`` tiles: each thread holds one whole 32-dim block of one row (four 16-byte loads), so
-the block amax needs no shuffles and the packed bytes leave from the layout they were computed in.
+the block amax needs no shuffles; by default the packed bytes leave from the layout they were computed
+in. ``row_major_loads`` / ``row_major_stores`` load or store through row-major tiles instead
+(``load_pairs``, ``store_mxfp4_rows``).
 
 ``gather_k`` runs one program per ``BLOCK_ROWS`` destination rows, over the destination's whole row
 capacity; a program whose first row is at or past ``cu_seq_lens[-1]`` does nothing, so the grid needs
@@ -24,10 +26,15 @@ import triton.language as tl
 from ...backend import interpreter_enabled
 from ...cache import IndexerKCache
 from ...formats import FP8_MAX
-from ..q_quant.triton import (e4m3_bytes, finite_amax, fp8_scale_exponent, load_pairs, mxfp4_pack_pairs, pair_index,
-                              pow2)
+from ..q_quant.triton import (e4m3_bytes, finite_amax, fp8_scale_exponent, load_pairs, mxfp4_pack_pairs, pow2,
+                              store_mxfp4_rows)
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
+
+# MXFP4 tiles the insert wrapper uses unless told (block per thread, or row-major: ``load_pairs``,
+# ``store_mxfp4_rows``).
+INSERT_MXFP4_ROW_MAJOR_LOADS = False
+INSERT_MXFP4_ROW_MAJOR_STORES = False
 
 __all__ = ["gather_k_triton", "insert_k_triton"]
 
@@ -38,7 +45,8 @@ def _insert_k_kernel(
     num_tokens, stride_kt, stride_kd, stride_slots,
     page_stride, amax_floor,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MXFP4: tl.constexpr,
-    UE8M0: tl.constexpr, BLOCK_T: tl.constexpr, INTERPRETER: tl.constexpr,
+    UE8M0: tl.constexpr, BLOCK_T: tl.constexpr, ROW_MAJOR_LOADS: tl.constexpr, ROW_MAJOR_STORES: tl.constexpr,
+    INTERPRETER: tl.constexpr,
 ):
     """One program: rows ``[program_id(0) * BLOCK_T, +BLOCK_T)`` of ``k``; rows with a negative slot write nothing."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
@@ -49,15 +57,10 @@ def _insert_k_kernel(
     if MXFP4:
         nb: tl.constexpr = BLOCK_D // 32
         k_rows = k_ptr + rows * stride_kt  # [BLOCK_T]
-        even, odd = load_pairs(k_rows, 0, stride_kd, write, HEAD_DIM // 2, nb)  # [BLOCK_T, NB, 4, 4] each
+        even, odd = load_pairs(k_rows, 0, stride_kd, write, HEAD_DIM // 2, nb, ROW_MAJOR_LOADS)  # [BLOCK_T, NB, 4, 4]
         packed, scales = mxfp4_pack_pairs(even, odd, INTERPRETER)  # [BLOCK_T, NB, 4, 4], [BLOCK_T, NB]
-        pair = pair_index(nb)  # [1, NB, 4, 4]
-        rows_out = page + token * (HEAD_DIM // 2)  # [BLOCK_T]
-        tl.store(rows_out[:, None, None, None] + pair, packed,
-                 mask=write[:, None, None, None] & (pair < HEAD_DIM // 2))
-        block = tl.arange(0, nb)
-        scale_rows = page + BLOCK_SIZE * (HEAD_DIM // 2) + token * (HEAD_DIM // 32)  # [BLOCK_T]
-        tl.store(scale_rows[:, None] + block[None, :], scales, mask=write[:, None] & (block < HEAD_DIM // 32)[None, :])
+        store_mxfp4_rows(page + token * (HEAD_DIM // 2), page + BLOCK_SIZE * (HEAD_DIM // 2) + token * (HEAD_DIM // 32),
+                         write, packed, scales, HEAD_DIM, ROW_MAJOR_STORES)
     else:
         dim = tl.arange(0, BLOCK_D)
         dim_ok = dim < HEAD_DIM
@@ -134,20 +137,26 @@ def insert_k_triton(
     amax_floor: float,
     block_tokens: int = 32,
     num_warps: int = 4,
+    row_major_loads: bool | None = None,
+    row_major_stores: bool | None = None,
 ) -> None:
-    """Triton twin of ``insert_k_reference``; ``block_tokens`` (a power of two) and ``num_warps`` tune the launch.
+    """Triton twin of ``insert_k_reference``; ``block_tokens`` (a power of two) and ``num_warps`` tune the launch,
+    and for MXFP4 ``row_major_loads`` / ``row_major_stores`` (defaults: the ``INSERT_MXFP4_*`` module constants).
 
     Rows sharing a slot are written in no promised order. No host synchronisation.
     """
     num_tokens = k.shape[0]
     if num_tokens == 0:
         return
+    mxfp4 = cache.fmt == "mxfp4"
     _insert_k_kernel[(triton.cdiv(num_tokens, block_tokens),)](
         k, slot_mapping, cache.buffer,
         num_tokens, k.stride(0), k.stride(1), slot_mapping.stride(0),
         cache.page_stride, amax_floor,
         BLOCK_SIZE=cache.block_size, HEAD_DIM=cache.head_dim, BLOCK_D=triton.next_power_of_2(cache.head_dim),
-        MXFP4=cache.fmt == "mxfp4", UE8M0=scale_fmt == "ue8m0", BLOCK_T=block_tokens,
+        MXFP4=mxfp4, UE8M0=scale_fmt == "ue8m0", BLOCK_T=block_tokens,
+        ROW_MAJOR_LOADS=mxfp4 and (INSERT_MXFP4_ROW_MAJOR_LOADS if row_major_loads is None else row_major_loads),
+        ROW_MAJOR_STORES=mxfp4 and (INSERT_MXFP4_ROW_MAJOR_STORES if row_major_stores is None else row_major_stores),
         INTERPRETER=interpreter_enabled(),
         num_warps=num_warps, enable_fp_fusion=False,
     )

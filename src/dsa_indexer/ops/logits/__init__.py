@@ -7,9 +7,15 @@ bytes per 32 elements for Q and K). Every tensor of a call must agree on it.
 Some checks need the values of device tensors (``ks``/``ke`` against the key count, context lengths
 against the output width and block table, the block-table entries that will be read); each op does
 them with one vectorised reduction and a single host synchronisation before anything is written.
+
+FP8 paged decode on Hopper has two GPU kernels, chosen per call from host integers (``decode_kernel``):
+the Gluon warp-specialised one (``gluon_decode.py``) where it is faster, the Triton one otherwise.
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 
@@ -26,7 +32,7 @@ from ...cache import IndexerKCache
 from ...formats import FP8_DTYPE, MXFP4_BLOCK
 from . import reference
 
-__all__ = ["mqa_logits", "paged_mqa_logits"]
+__all__ = ["mqa_logits", "paged_mqa_logits", "decode_kernel", "DECODE_KERNEL_ENV"]
 
 
 def _mqa_logits_triton(*args, **kwargs):
@@ -35,10 +41,55 @@ def _mqa_logits_triton(*args, **kwargs):
     return mqa_logits_triton(*args, **kwargs)
 
 
-def _paged_mqa_logits_triton(*args, **kwargs):
+# Which GPU kernel runs FP8 paged decode: "auto" (the rule below), "gluon" (wherever the Gluon kernel can
+# run: FP8, CUDA capability 9.x, e4m3 dots) or "triton". For tests and benchmarks.
+DECODE_KERNEL_ENV = "DSA_INDEXER_DECODE_KERNEL"
+DECODE_KERNELS = ("auto", "gluon", "triton")
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_importable() -> bool:
+    try:
+        from . import gluon_decode  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def decode_kernel(q: torch.Tensor, cache: IndexerKCache, max_context_len: int) -> str:
+    """``"gluon"`` or ``"triton"``: the kernel the triton backend runs for this paged decode call.
+
+    The Gluon (warp-specialised, wgmma) kernel needs FP8 keys, a CUDA GPU of capability 9.x (Hopper's
+    wgmma), e4m3 dots (not the upcast path) and an importable Gluon; under ``auto`` it also has to win
+    (``gluon_decode.gluon_decode_preferred``, host integers only). ``DSA_INDEXER_DECODE_KERNEL`` forces
+    either (``gluon`` falls back to Triton where the Gluon kernel cannot run)."""
+    choice = os.environ.get(DECODE_KERNEL_ENV) or "auto"
+    if choice not in DECODE_KERNELS:
+        raise ValueError(f"environment variable {DECODE_KERNEL_ENV} must be one of {DECODE_KERNELS}, got {choice!r}")
+    if choice == "triton" or cache.fmt != "fp8" or q.device.type != "cuda" or _backend.interpreter_enabled():
+        return "triton"
+    from .triton import _capability, _device_index, use_upcast
+
+    if _capability(_device_index(q.device))[0] != 9 or use_upcast(q.device) or not _gluon_importable():
+        return "triton"
+    if choice == "gluon":
+        return "gluon"
+    from .gluon_decode import gluon_decode_preferred
+
+    batch, next_n = q.shape[:2]
+    return "gluon" if gluon_decode_preferred(batch, next_n, max_context_len) else "triton"
+
+
+def _paged_mqa_logits_triton(q, q_scale, cache, weights, context_lens, block_table, max_context_len, clean, out):
+    if decode_kernel(q, cache, max_context_len) == "gluon":
+        from .gluon_decode import paged_mqa_logits_gluon
+
+        return paged_mqa_logits_gluon(q, q_scale, cache, weights, context_lens, block_table, max_context_len,
+                                      clean, out)
     from .triton import paged_mqa_logits_triton
 
-    return paged_mqa_logits_triton(*args, **kwargs)
+    return paged_mqa_logits_triton(q, q_scale, cache, weights, context_lens, block_table, max_context_len, clean,
+                                   out)
 
 
 def _key_format(q) -> str:

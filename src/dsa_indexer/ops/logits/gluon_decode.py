@@ -1,13 +1,16 @@
 """Gluon (warp-specialised) FP8 paged decode logits: the twin of ``paged_mqa_logits_triton`` for fmt fp8.
 
-Same contract and grid as the Triton kernel (``triton.py``): programs over (request, group of ``ROWS``
-draft rows, split of ``TILES * BLOCK_K`` positions), one key tile of ``BLOCK_K = 64`` positions at a
-time (one wgmma M tile). What changes is who waits for what:
+Same contract and work items as the Triton kernel (``triton.py``): (request, group of ``ROWS`` draft rows,
+split of ``TILES * BLOCK_K`` positions), one key tile of ``BLOCK_K = 64`` positions at a time (one wgmma M
+tile). A program runs one work item, or, persistent, items ``pid, pid + programs, ...`` (a few programs
+per SM), so that the next item's first loads overlap this item's last tiles instead of a new program's
+prologue (lengths, block table, first keys: dependent cold reads). What changes is who waits for what:
 
-- A producer partition (``PRODUCER_WARPS`` warps, few registers) copies the group's queries once, then,
-  per key tile, the block-table entries (one tile ahead, in registers), the ``[64, D]`` e4m3 keys and
-  their 64 fp32 scales with cp.async into a ``NUM_STAGES`` shared-memory ring. Each copy signals a
-  per-stage ``ready`` mbarrier (every producer thread arrives when its own copies land); the
+- A producer partition (``PRODUCER_WARPS`` warps, few registers) copies each item's queries into a
+  query slot (two slots when persistent, handed back through ``query_empty``), then, per key tile, the
+  block-table entries (one tile ahead, in registers), the ``[64, D]`` e4m3 keys and their 64 fp32 scales
+  with cp.async into a ``NUM_STAGES`` shared-memory ring whose use count runs on across items. Each copy
+  signals a per-stage ``ready`` mbarrier (every producer thread arrives when its own copies land); the
   consumer hands the stage back through an ``empty`` mbarrier.
 - The consumer (one warpgroup, the default partition) never waits for memory once the ring is ahead:
   per tile it issues one asynchronous ``[64 keys, D] x [D, BLOCK_H heads]`` wgmma per draft row (keys on
@@ -20,7 +23,8 @@ The head sum of a row is the reduction over axis 1 of its own ``[64, BLOCK_H]`` 
 Triton kernel reduces a ``[BLOCK_K, ROWS, BLOCK_H]`` view of one stacked accumulator); results agree
 with the reference to fp32 rounding (DESIGN.md §11) and one kernel always returns the same bits.
 
-Gluon does not run under the Triton interpreter: this path needs a CUDA GPU with wgmma (sm_90+).
+Gluon does not run under the Triton interpreter: this path needs a CUDA GPU with wgmma (sm_90); the
+dispatch (``ops/logits/__init__.py``) sends FP8 decode here where ``gluon_decode_preferred`` says it wins.
 """
 
 from __future__ import annotations
@@ -39,16 +43,36 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ...cache import IndexerKCache
 from ...formats import FP8_DTYPE
-from .triton import _split_tiles
+from .triton import _device_index, _num_sms, _split_tiles
 
-__all__ = ["paged_mqa_logits_gluon", "GLUON_DECODE_CONFIG"]
+__all__ = ["paged_mqa_logits_gluon", "gluon_decode_preferred", "GLUON_DECODE_CONFIG"]
 
 BLOCK_K = gl.constexpr(64)  # positions per key tile: one wgmma M tile
-# (cp.async ring stages, programs per SM aimed at, key tiles per split min/max, draft rows per program at
-# most (1 or 2), producer warps, producer registers per thread, register cap per thread at launch). Warp
-# specialisation rounds the warps up to whole warpgroups (4 consumer + 4 producer = 256 threads), so the
-# cap decides the programs per SM: 128 gives two.
-GLUON_DECODE_CONFIG = (4, 8, 2, 32, 2, 4, 40, 128)
+# (cp.async ring stages, work items per SM aimed at, key tiles per split min/max, draft rows per program at
+# most (1 or 2), producer warps, producer registers per thread, register cap per thread at launch,
+# persistent programs per SM: 0 = one program per work item). Warp specialisation rounds the warps up to
+# whole warpgroups (4 consumer + 4 producer = 256 threads), so the cap decides the programs per SM: 128
+# gives two, 80 three, 64 four (the consumer gets 2 * cap - producer registers).
+GLUON_DECODE_CONFIG = (4, 8, 2, 32, 2, 4, 40, 128, 0)
+# The configuration for next_n = 1 (one accumulator: fewer registers, so more programs per SM fit).
+GLUON_DECODE_CONFIG_ONE_ROW = GLUON_DECODE_CONFIG
+# Candidates timed by the benchmark sweep (each is tested against the reference and the default's bits).
+# Consumer registers: 216 at cap 128 / producer 40, 128 at cap 80 / producer 32 (no spills at next_n = 2),
+# 104 at cap 64 / producer 24 (no spills at next_n = 1 only). Shared memory per program at next_n = 2:
+# ~50 KB, ~67 KB with two query slots (persistent), +8.4 KB a stage.
+GLUON_SWEEP_CONFIGS = {
+    "cta3": (4, 8, 2, 32, 2, 4, 32, 80, 0),
+    "persist2": (4, 8, 2, 32, 2, 4, 40, 128, 2),
+    "persist2-s6": (6, 8, 2, 32, 2, 4, 40, 128, 2),
+    "persist3": (4, 8, 2, 32, 2, 4, 32, 80, 3),
+    "persist3-fine": (4, 16, 1, 32, 2, 4, 32, 80, 3),
+    "persist3-rows1": (4, 16, 1, 32, 1, 4, 32, 80, 3),
+    "persist4-one-row": (4, 8, 2, 32, 1, 4, 24, 64, 4),
+}
+# Smallest ``batch * max_context_len`` the dispatch sends to the Gluon kernel, by draft rows (see
+# ``gluon_decode_preferred``).
+GLUON_MIN_KEYS_ONE_ROW = 1 << 21
+GLUON_MIN_KEYS_DRAFT_ROWS = 1 << 16
 
 
 @gluon.jit
@@ -60,72 +84,110 @@ def _row_length(lens_ptr, stride_lb, stride_lt, request, t, next_n, one_d):
 
 
 @gluon.jit
-def _producer(q_ptr, stride_qb, stride_qt, stride_qh, values_ptr, cache_ptr, page_units, table_row,
-              key_ring, scale_ring, query_smem, ready, empty, query_ready,
-              request, t0, next_n, split_start, read_end, num_tiles,
+def _work_item(lens_ptr, stride_lb, stride_lt, work, next_n, one_d, max_context_len, num_splits, num_groups,
+               ROWS: gl.constexpr, TILES: gl.constexpr):
+    """Work item ``work`` (request, split, row group fastest, as in the Triton kernel's program ids): the
+    request, its first draft row ``t0``, the rows' lengths, the split ``[split_start, split_end)``, where
+    reading stops (``read_end``: the longer row's length inside the split) and the tiles read."""
+    request_split = work // num_groups
+    split = request_split % num_splits
+    request = request_split // num_splits
+    t0 = (work % num_groups) * ROWS
+    length0 = _row_length(lens_ptr, stride_lb, stride_lt, request, t0, next_n, one_d)
+    if ROWS == 2:
+        length1 = _row_length(lens_ptr, stride_lb, stride_lt, request, t0 + 1, next_n, one_d)
+        extent = gl.maximum(length0, length1)
+    else:
+        length1 = length0
+        extent = length0
+    split_start = split * (TILES * BLOCK_K)
+    split_end = gl.minimum(split_start + TILES * BLOCK_K, max_context_len)
+    read_end = gl.minimum(split_end, extent)
+    num_tiles = (gl.maximum(read_end - split_start, 0) + BLOCK_K - 1) // BLOCK_K
+    return request, t0, length0, length1, split_start, split_end, read_end, num_tiles
+
+
+@gluon.jit
+def _producer(q_ptr, stride_qb, stride_qt, stride_qh, values_ptr, cache_ptr, page_units, table_ptr, stride_tb,
+              lens_ptr, stride_lb, stride_lt, key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty,
+              next_n, one_d, max_context_len, num_splits, num_groups, num_works,
               HEADS: gl.constexpr, BLOCK_H: gl.constexpr, DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-              ROWS: gl.constexpr, NUM_STAGES: gl.constexpr, COPY_ALIGN: gl.constexpr, COPY_LAYOUT: gl.constexpr,
-              SCALE_LAYOUT: gl.constexpr):
-    """Queries ``[ROWS, BLOCK_H, DIM]`` once, then per tile ``[BLOCK_K, DIM]`` keys and ``[BLOCK_K]`` scales
-    into the ring (positions ``>= read_end`` are zero-filled). Pages start every ``page_units * COPY_ALIGN``
-    bytes, and the cache is ``COPY_ALIGN``-byte aligned: the copies move ``COPY_ALIGN`` bytes (16 or 4) each."""
+              ROWS: gl.constexpr, TILES: gl.constexpr, NUM_STAGES: gl.constexpr, QUERY_SLOTS: gl.constexpr,
+              COPY_ALIGN: gl.constexpr, COPY_LAYOUT: gl.constexpr, SCALE_LAYOUT: gl.constexpr):
+    """Per work item of this program: the group's queries ``[ROWS, BLOCK_H, DIM]`` into a query slot, then
+    per tile ``[BLOCK_K, DIM]`` keys and ``[BLOCK_K]`` scales into the ring (positions ``>= read_end`` are
+    zero-filled). The ring's use count runs on across work items, so the next item's first tiles load
+    while the consumer still works on this one. Pages start every ``page_units * COPY_ALIGN`` bytes, and the
+    cache is ``COPY_ALIGN``-byte aligned: the copies move ``COPY_ALIGN`` bytes (16 or 4) each."""
     head = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, COPY_LAYOUT))
     dim = gl.arange(0, DIM, layout=gl.SliceLayout(0, COPY_LAYOUT))
-    for r in gl.static_range(ROWS):
-        t = t0 + r
-        query_rows = q_ptr + request.to(gl.int64) * stride_qb + t * stride_qt + head * stride_qh  # [BLOCK_H]
-        async_copy.async_copy_global_to_shared(query_smem.index(r), query_rows[:, None] + dim[None, :],
-                                               mask=((head < HEADS) & (t < next_n))[:, None])
-    async_copy.mbarrier_arrive(query_ready, increment_count=False)
-
     key = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, COPY_LAYOUT))
     scale_key = gl.arange(0, BLOCK_K, layout=SCALE_LAYOUT)
-    if BLOCK_SIZE % BLOCK_K == 0:
-        # A tile lies in one page: one block-table entry per tile, loaded a tile ahead (its latency hides
-        # under this tile's wait and copies).
-        next_page = gl.load(table_row + split_start // BLOCK_SIZE, mask=split_start < read_end, other=0)
-        for tile in range(num_tiles):
-            stage = tile % NUM_STAGES
-            tile_start = split_start + tile * BLOCK_K
-            page_start = next_page.to(gl.int64) * page_units * COPY_ALIGN
-            ahead = tile_start + BLOCK_K
-            next_page = gl.load(table_row + ahead // BLOCK_SIZE, mask=ahead < read_end, other=0)
-            # A fresh barrier has completed no phase; waiting on parity 1 passes, so the first round is free.
-            mbarrier.wait(empty.index(stage), ((tile // NUM_STAGES) & 1) ^ 1)
-            slot = tile_start % BLOCK_SIZE + key  # [BLOCK_K]
-            key_ptrs = values_ptr + page_start + slot[:, None] * DIM + dim[None, :]
-            scale_slot = tile_start % BLOCK_SIZE + scale_key
-            scale_ptrs = (cache_ptr + page_start + BLOCK_SIZE * DIM + scale_slot * 4).to(gl.pointer_type(gl.float32))
-            if COPY_ALIGN == 4:  # the cache guarantees 4-byte alignment; the compiler cannot see it
-                key_ptrs = gl.multiple_of(key_ptrs, [4, 4])
-                scale_ptrs = gl.multiple_of(scale_ptrs, [4])
-            async_copy.async_copy_global_to_shared(key_ring.index(stage), key_ptrs,
-                                                   mask=(tile_start + key < read_end)[:, None])
-            async_copy.async_copy_global_to_shared(scale_ring.index(stage), scale_ptrs,
-                                                   mask=tile_start + scale_key < read_end)
-            async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
-    else:
-        for tile in range(num_tiles):
-            stage = tile % NUM_STAGES
-            positions = split_start + tile * BLOCK_K + key  # [BLOCK_K]
-            live = positions < read_end
-            page = gl.load(table_row + positions.to(gl.uint32) // BLOCK_SIZE, mask=live, other=0)
-            scale_positions = split_start + tile * BLOCK_K + scale_key
-            scale_live = scale_positions < read_end
-            scale_page = gl.load(table_row + scale_positions.to(gl.uint32) // BLOCK_SIZE, mask=scale_live, other=0)
-            mbarrier.wait(empty.index(stage), ((tile // NUM_STAGES) & 1) ^ 1)
-            slot = (positions.to(gl.uint32) % BLOCK_SIZE).to(gl.int32)
-            key_rows = values_ptr + page.to(gl.int64) * page_units * COPY_ALIGN + slot * DIM  # [BLOCK_K]
-            key_ptrs = key_rows[:, None] + dim[None, :]
-            scale_slot = (scale_positions.to(gl.uint32) % BLOCK_SIZE).to(gl.int32)
-            scale_bytes = scale_page.to(gl.int64) * page_units * COPY_ALIGN + BLOCK_SIZE * DIM + scale_slot * 4
-            scale_ptrs = (cache_ptr + scale_bytes).to(gl.pointer_type(gl.float32))
-            if COPY_ALIGN == 4:
-                key_ptrs = gl.multiple_of(key_ptrs, [4, 4])
-                scale_ptrs = gl.multiple_of(scale_ptrs, [4])
-            async_copy.async_copy_global_to_shared(key_ring.index(stage), key_ptrs, mask=live[:, None])
-            async_copy.async_copy_global_to_shared(scale_ring.index(stage), scale_ptrs, mask=scale_live)
-            async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
+    uses = 0  # ring stages filled so far (over all work items)
+    done = 0  # work items done by this program
+    for work in range(gl.program_id(0), num_works, gl.num_programs(0)):
+        request, t0, _, _, split_start, _, read_end, num_tiles = _work_item(
+            lens_ptr, stride_lb, stride_lt, work, next_n, one_d, max_context_len, num_splits, num_groups, ROWS, TILES)
+        table_row = table_ptr + request.to(gl.int64) * stride_tb
+        query_slot = done % QUERY_SLOTS
+        # A fresh barrier has completed no phase; waiting on parity 1 passes, so the first round is free.
+        mbarrier.wait(query_empty.index(query_slot), ((done // QUERY_SLOTS) & 1) ^ 1)
+        for r in gl.static_range(ROWS):
+            t = t0 + r
+            query_rows = q_ptr + request.to(gl.int64) * stride_qb + t * stride_qt + head * stride_qh  # [BLOCK_H]
+            async_copy.async_copy_global_to_shared(query_ring.index(query_slot * ROWS + r),
+                                                   query_rows[:, None] + dim[None, :],
+                                                   mask=((head < HEADS) & (t < next_n))[:, None])
+        async_copy.mbarrier_arrive(query_ready.index(query_slot), increment_count=False)
+        if BLOCK_SIZE % BLOCK_K == 0:
+            # A tile lies in one page: one block-table entry per tile, loaded a tile ahead (its latency hides
+            # under this tile's wait and copies).
+            next_page = gl.load(table_row + split_start // BLOCK_SIZE, mask=split_start < read_end, other=0)
+            for tile in range(num_tiles):
+                stage = (uses + tile) % NUM_STAGES
+                tile_start = split_start + tile * BLOCK_K
+                page_start = next_page.to(gl.int64) * page_units * COPY_ALIGN
+                ahead = tile_start + BLOCK_K
+                next_page = gl.load(table_row + ahead // BLOCK_SIZE, mask=ahead < read_end, other=0)
+                mbarrier.wait(empty.index(stage), (((uses + tile) // NUM_STAGES) & 1) ^ 1)
+                slot = tile_start % BLOCK_SIZE + key  # [BLOCK_K]
+                key_ptrs = values_ptr + page_start + slot[:, None] * DIM + dim[None, :]
+                scale_slot = tile_start % BLOCK_SIZE + scale_key
+                scale_ptrs = (cache_ptr + page_start + BLOCK_SIZE * DIM + scale_slot * 4).to(
+                    gl.pointer_type(gl.float32))
+                if COPY_ALIGN == 4:  # the cache guarantees 4-byte alignment; the compiler cannot see it
+                    key_ptrs = gl.multiple_of(key_ptrs, [4, 4])
+                    scale_ptrs = gl.multiple_of(scale_ptrs, [4])
+                async_copy.async_copy_global_to_shared(key_ring.index(stage), key_ptrs,
+                                                       mask=(tile_start + key < read_end)[:, None])
+                async_copy.async_copy_global_to_shared(scale_ring.index(stage), scale_ptrs,
+                                                       mask=tile_start + scale_key < read_end)
+                async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
+        else:
+            for tile in range(num_tiles):
+                stage = (uses + tile) % NUM_STAGES
+                positions = split_start + tile * BLOCK_K + key  # [BLOCK_K]
+                live = positions < read_end
+                page = gl.load(table_row + positions.to(gl.uint32) // BLOCK_SIZE, mask=live, other=0)
+                scale_positions = split_start + tile * BLOCK_K + scale_key
+                scale_live = scale_positions < read_end
+                scale_page = gl.load(table_row + scale_positions.to(gl.uint32) // BLOCK_SIZE, mask=scale_live,
+                                     other=0)
+                mbarrier.wait(empty.index(stage), (((uses + tile) // NUM_STAGES) & 1) ^ 1)
+                slot = (positions.to(gl.uint32) % BLOCK_SIZE).to(gl.int32)
+                key_rows = values_ptr + page.to(gl.int64) * page_units * COPY_ALIGN + slot * DIM  # [BLOCK_K]
+                key_ptrs = key_rows[:, None] + dim[None, :]
+                scale_slot = (scale_positions.to(gl.uint32) % BLOCK_SIZE).to(gl.int32)
+                scale_bytes = scale_page.to(gl.int64) * page_units * COPY_ALIGN + BLOCK_SIZE * DIM + scale_slot * 4
+                scale_ptrs = (cache_ptr + scale_bytes).to(gl.pointer_type(gl.float32))
+                if COPY_ALIGN == 4:
+                    key_ptrs = gl.multiple_of(key_ptrs, [4, 4])
+                    scale_ptrs = gl.multiple_of(scale_ptrs, [4])
+                async_copy.async_copy_global_to_shared(key_ring.index(stage), key_ptrs, mask=live[:, None])
+                async_copy.async_copy_global_to_shared(scale_ring.index(stage), scale_ptrs, mask=scale_live)
+                async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
+        uses += num_tiles
+        done += 1
 
 
 @gluon.jit
@@ -140,61 +202,77 @@ def _store_row(acc, half_w, key_mul, out_row, positions, live, length, present, 
 
 
 @gluon.jit
-def _consumer(w_ptr, stride_wr, stride_wh, out_ptr, stride_or,
-              key_ring, scale_ring, query_smem, ready, empty, query_ready,
-              request, t0, next_n, length0, length1, split_start, split_end, read_end, num_tiles,
-              HEADS: gl.constexpr, BLOCK_H: gl.constexpr, ROWS: gl.constexpr, NUM_STAGES: gl.constexpr,
-              CLEAN: gl.constexpr):
-    """Per tile: one async wgmma per row, row 0's epilogue under row 1's wgmma; then the ``-inf`` tail."""
+def _consumer(w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_lb, stride_lt,
+              key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty,
+              next_n, one_d, max_context_len, num_splits, num_groups, num_works,
+              HEADS: gl.constexpr, BLOCK_H: gl.constexpr, ROWS: gl.constexpr, TILES: gl.constexpr,
+              NUM_STAGES: gl.constexpr, QUERY_SLOTS: gl.constexpr, CLEAN: gl.constexpr):
+    """Per work item, per tile: one async wgmma per row, row 0's epilogue under row 1's wgmma; then the
+    item's ``-inf`` tail. Query slot and ring stages go back to the producer as soon as they are read."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_H, 32])
     head = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, mma_layout))
     key = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, mma_layout))
-    first_row = request.to(gl.int64) * next_n + t0
-    present0 = t0 < next_n
-    present1 = t0 + 1 < next_n
-    half_w0 = gl.load(w_ptr + first_row * stride_wr + head * stride_wh, mask=(head < HEADS) & present0,
-                      other=0.0) * 0.5  # [BLOCK_H]
-    out_row0 = out_ptr + first_row * stride_or
-    if ROWS == 2:
-        half_w1 = gl.load(w_ptr + (first_row + 1) * stride_wr + head * stride_wh, mask=(head < HEADS) & present1,
-                          other=0.0) * 0.5
-        out_row1 = out_row0 + stride_or
     zero = gl.zeros([BLOCK_K, BLOCK_H], gl.float32, layout=mma_layout)
-    mbarrier.wait(query_ready, 0)
-    for tile in range(num_tiles):
-        stage = tile % NUM_STAGES
-        mbarrier.wait(ready.index(stage), (tile // NUM_STAGES) & 1)
-        fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async one
-        keys = key_ring.index(stage)
-        acc0 = warpgroup_mma(keys, query_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+    uses = 0  # ring stages consumed so far (over all work items)
+    done = 0  # work items done by this program
+    for work in range(gl.program_id(0), num_works, gl.num_programs(0)):
+        request, t0, length0, length1, split_start, split_end, read_end, num_tiles = _work_item(
+            lens_ptr, stride_lb, stride_lt, work, next_n, one_d, max_context_len, num_splits, num_groups, ROWS, TILES)
+        first_row = request.to(gl.int64) * next_n + t0
+        present0 = t0 < next_n
+        present1 = t0 + 1 < next_n
+        half_w0 = gl.load(w_ptr + first_row * stride_wr + head * stride_wh, mask=(head < HEADS) & present0,
+                          other=0.0) * 0.5  # [BLOCK_H]
+        out_row0 = out_ptr + first_row * stride_or
         if ROWS == 2:
-            acc1 = warpgroup_mma(keys, query_smem.index(1).permute((1, 0)), zero, use_acc=False, is_async=True)
-        key_mul = scale_ring.index(stage).load(gl.SliceLayout(1, mma_layout))  # [BLOCK_K]
-        positions = split_start + tile * BLOCK_K + key
-        live = positions < read_end
-        if ROWS == 2:
-            acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
-            _store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
-            acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
-            gl.thread_barrier()  # every warp is past its reads of this stage
-            mbarrier.arrive(empty.index(stage), count=1)
-            _store_row(acc1, half_w1, key_mul, out_row1, positions, live, length1, present1, CLEAN)
-        else:
-            acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, ))
-            gl.thread_barrier()
-            mbarrier.arrive(empty.index(stage), count=1)
-            _store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
-    if CLEAN:
-        masked = gl.full([BLOCK_K], float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma_layout))
-        for first in range(gl.maximum(split_start, read_end), split_end, BLOCK_K):
-            positions = first + key
-            gl.store(out_row0 + positions, masked, mask=(positions < split_end) & present0)
+            half_w1 = gl.load(w_ptr + (first_row + 1) * stride_wr + head * stride_wh,
+                              mask=(head < HEADS) & present1, other=0.0) * 0.5
+            out_row1 = out_row0 + stride_or
+        query_slot = done % QUERY_SLOTS
+        mbarrier.wait(query_ready.index(query_slot), (done // QUERY_SLOTS) & 1)
+        for tile in range(num_tiles):
+            stage = (uses + tile) % NUM_STAGES
+            mbarrier.wait(ready.index(stage), ((uses + tile) // NUM_STAGES) & 1)
+            fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async one
+            keys = key_ring.index(stage)
+            acc0 = warpgroup_mma(keys, query_ring.index(query_slot * ROWS).permute((1, 0)), zero, use_acc=False,
+                                 is_async=True)
             if ROWS == 2:
-                gl.store(out_row1 + positions, masked, mask=(positions < split_end) & present1)
+                acc1 = warpgroup_mma(keys, query_ring.index(query_slot * ROWS + 1).permute((1, 0)), zero,
+                                     use_acc=False, is_async=True)
+            key_mul = scale_ring.index(stage).load(gl.SliceLayout(1, mma_layout))  # [BLOCK_K]
+            positions = split_start + tile * BLOCK_K + key
+            live = positions < read_end
+            if ROWS == 2:
+                acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
+                _store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
+                acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
+                gl.thread_barrier()  # every warp is past its reads of this stage
+                mbarrier.arrive(empty.index(stage), count=1)
+                _store_row(acc1, half_w1, key_mul, out_row1, positions, live, length1, present1, CLEAN)
+            else:
+                acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, ))
+                gl.thread_barrier()
+                mbarrier.arrive(empty.index(stage), count=1)
+                _store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
+        # Every wgmma of this item has been waited for. The barrier also keeps a warp from falling a whole
+        # item behind (an item without tiles has no other): a slot is refilled only after every warp has
+        # passed its wait for the current fill, so no wait can see the parity of a later fill.
+        gl.thread_barrier()
+        mbarrier.arrive(query_empty.index(query_slot), count=1)
+        if CLEAN:
+            masked = gl.full([BLOCK_K], float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma_layout))
+            for first in range(gl.maximum(split_start, read_end), split_end, BLOCK_K):
+                positions = first + key
+                gl.store(out_row0 + positions, masked, mask=(positions < split_end) & present0)
+                if ROWS == 2:
+                    gl.store(out_row1 + positions, masked, mask=(positions < split_end) & present1)
+        uses += num_tiles
+        done += 1
 
 
-@gluon.jit(do_not_specialize=["next_n", "one_d", "max_context_len", "num_splits", "num_groups"])
+@gluon.jit(do_not_specialize=["next_n", "one_d", "max_context_len", "num_splits", "num_groups", "num_works"])
 def _paged_mqa_logits_ws_kernel(
     q_ptr, stride_qb, stride_qt, stride_qh,
     w_ptr, stride_wr, stride_wh,
@@ -202,59 +280,47 @@ def _paged_mqa_logits_ws_kernel(
     lens_ptr, stride_lb, stride_lt,
     table_ptr, stride_tb,
     out_ptr, stride_or,
-    next_n, one_d, max_context_len, num_splits, num_groups,
+    next_n, one_d, max_context_len, num_splits, num_groups, num_works,
     HEADS: gl.constexpr, BLOCK_H: gl.constexpr, DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-    ROWS: gl.constexpr, TILES: gl.constexpr, NUM_STAGES: gl.constexpr, CLEAN: gl.constexpr,
-    PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, COPY_ALIGN: gl.constexpr,
+    ROWS: gl.constexpr, TILES: gl.constexpr, NUM_STAGES: gl.constexpr, QUERY_SLOTS: gl.constexpr,
+    CLEAN: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, COPY_ALIGN: gl.constexpr,
     KEY_SMEM_LAYOUT: gl.constexpr, COPY_LAYOUT: gl.constexpr, SCALE_LAYOUT: gl.constexpr,
 ):
-    """Draft rows ``[t0, t0 + ROWS)`` of one request over one split of ``TILES * BLOCK_K`` positions
-    (program ids: request, split, row group fastest, as in the Triton kernel)."""
-    pid = gl.program_id(0)
-    request_split = pid // num_groups
-    split = request_split % num_splits
-    request = request_split // num_splits
-    t0 = (pid % num_groups) * ROWS
-    length0 = _row_length(lens_ptr, stride_lb, stride_lt, request, t0, next_n, one_d)
-    length1 = _row_length(lens_ptr, stride_lb, stride_lt, request, t0 + 1, next_n, one_d)
-    if ROWS == 2:
-        extent = gl.maximum(length0, length1)
-    else:
-        extent = length0
-    split_start = split * (TILES * BLOCK_K)
-    split_end = gl.minimum(split_start + TILES * BLOCK_K, max_context_len)
-    read_end = gl.minimum(split_end, extent)
-    num_tiles = (gl.maximum(read_end - split_start, 0) + BLOCK_K - 1) // BLOCK_K
-    table_row = table_ptr + request.to(gl.int64) * stride_tb
-
+    """Work items ``pid, pid + programs, ...`` of ``num_works`` (draft rows ``[t0, t0 + ROWS)`` of one
+    request over one split of ``TILES * BLOCK_K`` positions each; one item per program unless persistent)."""
     key_ring = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_K, DIM], KEY_SMEM_LAYOUT)
     scale_ring = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_K],
                                            gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    query_smem = gl.allocate_shared_memory(gl.float8e4nv, [ROWS, BLOCK_H, DIM], KEY_SMEM_LAYOUT)
+    query_ring = gl.allocate_shared_memory(gl.float8e4nv, [QUERY_SLOTS * ROWS, BLOCK_H, DIM], KEY_SMEM_LAYOUT)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    query_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    query_ready = gl.allocate_shared_memory(gl.int64, [QUERY_SLOTS, 1], mbarrier.MBarrierLayout())
+    query_empty = gl.allocate_shared_memory(gl.int64, [QUERY_SLOTS, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(s), count=32 * PRODUCER_WARPS)
         mbarrier.init(empty.index(s), count=1)
-    mbarrier.init(query_ready, count=32 * PRODUCER_WARPS)
+    for s in gl.static_range(QUERY_SLOTS):
+        mbarrier.init(query_ready.index(s), count=32 * PRODUCER_WARPS)
+        mbarrier.init(query_empty.index(s), count=1)
 
     gl.warp_specialize([
-        (_consumer, (w_ptr, stride_wr, stride_wh, out_ptr, stride_or,
-                     key_ring, scale_ring, query_smem, ready, empty, query_ready,
-                     request, t0, next_n, length0, length1, split_start, split_end, read_end, num_tiles,
-                     HEADS, BLOCK_H, ROWS, NUM_STAGES, CLEAN)),
-        (_producer, (q_ptr, stride_qb, stride_qt, stride_qh, values_ptr, cache_ptr, page_units, table_row,
-                     key_ring, scale_ring, query_smem, ready, empty, query_ready,
-                     request, t0, next_n, split_start, read_end, num_tiles,
-                     HEADS, BLOCK_H, DIM, BLOCK_SIZE, ROWS, NUM_STAGES, COPY_ALIGN, COPY_LAYOUT, SCALE_LAYOUT)),
+        (_consumer, (w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_lb, stride_lt,
+                     key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty,
+                     next_n, one_d, max_context_len, num_splits, num_groups, num_works,
+                     HEADS, BLOCK_H, ROWS, TILES, NUM_STAGES, QUERY_SLOTS, CLEAN)),
+        (_producer, (q_ptr, stride_qb, stride_qt, stride_qh, values_ptr, cache_ptr, page_units, table_ptr, stride_tb,
+                     lens_ptr, stride_lb, stride_lt, key_ring, scale_ring, query_ring, ready, empty, query_ready,
+                     query_empty, next_n, one_d, max_context_len, num_splits, num_groups, num_works,
+                     HEADS, BLOCK_H, DIM, BLOCK_SIZE, ROWS, TILES, NUM_STAGES, QUERY_SLOTS, COPY_ALIGN, COPY_LAYOUT,
+                     SCALE_LAYOUT)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
 def kernel_constants(heads: int, dim: int, block_size: int, rows: int, tiles: int, clean: bool, copy_align: int,
-                     config: tuple[int, int, int, int, int, int, int, int | None]) -> dict:
-    """The kernel's compile-time arguments (launcher and ahead-of-time compilation share them)."""
-    num_stages, _, _, _, _, producer_warps, producer_regs, _ = config
+                     config: tuple, query_slots: int = 1) -> dict:
+    """The kernel's compile-time arguments (launcher and ahead-of-time compilation share them); ``config``
+    is a ``GLUON_DECODE_CONFIG``-like tuple, ``query_slots`` 2 when a program runs several work items."""
+    num_stages, producer_warps, producer_regs = config[0], config[5], config[6]
     if dim & (dim - 1) or not 32 <= dim <= 512:
         raise ValueError(f"the Gluon decode kernel needs a power-of-two head_dim in [32, 512], got {dim}")
     if heads > 128:
@@ -262,13 +328,21 @@ def kernel_constants(heads: int, dim: int, block_size: int, rows: int, tiles: in
     lanes_per_row = dim // 16
     return dict(
         HEADS=heads, BLOCK_H=max(16, triton.next_power_of_2(heads)), DIM=dim, BLOCK_SIZE=block_size, ROWS=rows,
-        TILES=tiles, NUM_STAGES=num_stages, CLEAN=clean, PRODUCER_WARPS=producer_warps, PRODUCER_REGS=producer_regs,
-        COPY_ALIGN=copy_align,
+        TILES=tiles, NUM_STAGES=num_stages, QUERY_SLOTS=query_slots, CLEAN=clean, PRODUCER_WARPS=producer_warps,
+        PRODUCER_REGS=producer_regs, COPY_ALIGN=copy_align,
         KEY_SMEM_LAYOUT=gl.NVMMASharedLayout(swizzle_byte_width=min(128, dim), element_bitwidth=8, rank=2),
         COPY_LAYOUT=gl.BlockedLayout([1, 16], [32 // lanes_per_row, lanes_per_row], [producer_warps, 1], [1, 0])
         if lanes_per_row <= 32 else None,
         SCALE_LAYOUT=gl.BlockedLayout([1], [32], [producer_warps], [0]),
     )
+
+
+def gluon_decode_preferred(batch: int, next_n: int, max_context_len: int) -> bool:
+    """Whether the Gluon kernel beats the Triton one for this call (host integers only). Measured (H200,
+    cold-L2 graph replays): draft rows (``next_n >= 2``) from B = 1, L = 128K up (1.04-1.3x); one row from
+    4M keys up (1.04-1.05x), slower at 1M keys and at B = 1 (latency of the short splits)."""
+    keys = batch * max_context_len
+    return keys >= (GLUON_MIN_KEYS_ONE_ROW if next_n == 1 else GLUON_MIN_KEYS_DRAFT_ROWS)
 
 
 def paged_mqa_logits_gluon(
@@ -282,10 +356,11 @@ def paged_mqa_logits_gluon(
     clean: bool,
     out: torch.Tensor,
     *,
-    config: tuple[int, int, int, int, int, int, int, int | None] | None = None,
+    config: tuple | None = None,
 ) -> torch.Tensor:
     """Gluon twin of ``paged_mqa_logits_triton`` for FP8 caches (same arguments, validated by the public
-    wrapper; CUDA with sm_90+ only). ``config`` overrides ``GLUON_DECODE_CONFIG`` (benchmarks)."""
+    wrapper; CUDA with sm_90 only). ``config`` overrides ``GLUON_DECODE_CONFIG`` (benchmarks; an 8-entry
+    tuple means one work item per program)."""
     if cache.fmt != "fp8" or q_scale is not None:
         raise ValueError(f"the Gluon decode kernel takes FP8 caches only, got fmt {cache.fmt!r}")
     batch, next_n = q.shape[:2]
@@ -296,29 +371,34 @@ def paged_mqa_logits_gluon(
         if clean:
             out.fill_(float("-inf"))
         return out
-    config = config or GLUON_DECODE_CONFIG
-    _, per_sm, lo, hi, max_rows, _, _, maxnreg = config
+    config = config or (GLUON_DECODE_CONFIG_ONE_ROW if next_n == 1 else GLUON_DECODE_CONFIG)
+    per_sm, lo, hi, max_rows, maxnreg = config[1], config[2], config[3], config[4], config[7]
+    persistent_per_sm = config[8] if len(config) > 8 else 0
     rows = 1 if min(next_n, max_rows) == 1 else 2
     num_groups = triton.cdiv(next_n, rows)
     key_tiles = triton.cdiv(max_context_len, BLOCK_K)
     tiles = _split_tiles(batch * num_groups, key_tiles, q.device, per_sm, lo, hi)
-    num_splits = triton.cdiv(key_tiles, tiles)
+    num_works = batch * num_groups * triton.cdiv(key_tiles, tiles)
+    programs = num_works
+    if persistent_per_sm:
+        programs = min(num_works, persistent_per_sm * _num_sms(_device_index(q.device)))
     buffer = cache.buffer
     # 16-byte copies when the cache allows them; the cache guarantees 4-byte alignment (cp.async's minimum).
     copy_align = 16 if buffer.data_ptr() % 16 == 0 and cache.page_stride % 16 == 0 else 4
-    constants = kernel_constants(heads, cache.head_dim, cache.block_size, rows, tiles, clean, copy_align, config)
+    constants = kernel_constants(heads, cache.head_dim, cache.block_size, rows, tiles, clean, copy_align, config,
+                                 query_slots=1 if programs == num_works else 2)
     q_values = q
     if q.data_ptr() % 16 or q.stride(3) != 1 or any(stride % 16 for stride in q.stride()[:3]):
         q_values = q.clone(memory_format=torch.contiguous_format)  # 16-byte cp.async of each query row
     one_d = context_lens.dim() == 1
-    _paged_mqa_logits_ws_kernel[(batch * num_groups * num_splits,)](
+    _paged_mqa_logits_ws_kernel[(programs,)](
         q_values, q_values.stride(0), q_values.stride(1), q_values.stride(2),
         weights, weights.stride(0), weights.stride(1),
         buffer.view(FP8_DTYPE), buffer, cache.page_stride // copy_align,
         context_lens, context_lens.stride(0), 0 if one_d else context_lens.stride(1),
         block_table, block_table.stride(0),
         out, out.stride(0),
-        next_n, int(one_d), max_context_len, num_splits, num_groups,
+        next_n, int(one_d), max_context_len, triton.cdiv(key_tiles, tiles), num_groups, num_works,
         **constants, num_warps=4, maxnreg=maxnreg,
     )
     return out

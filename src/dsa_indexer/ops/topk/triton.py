@@ -37,6 +37,9 @@ each picked position ``p`` instead of ``p`` (a gather from the block table, only
 
 Rows of width ``<= row_block_max``: a program holds ``rows_per_program`` whole windows in registers,
 finds each row's ``T`` (the rows share each round's reduction) and emits: one launch, no scratch.
+Options (``TopkConfig``): the probing search (``_kth_largest_rows_probing``: two probes per round and a
+bracket snapped to the nearest keys, ≈ 3–9 rounds instead of ≈ 10–32), a direct copy for programs whose
+rows are all selectable and at most k wide, and narrower register tiles for programs of narrow rows.
 
 Wider rows, calls of at least ``row_program_rows`` rows (row programs, two launches, no atomics):
 chunk programs (step 1 of the split path) store the maximum of each group of ``GROUP`` consecutive
@@ -57,6 +60,11 @@ and are 16 bytes wide). ``T`` is searched among the candidates (in registers up 
 ``candidate_block``, else in memory) and the emit is one ordered compaction of the buffer: every
 entry ``>= T`` is a candidate. One case emits from the row instead: an exact, strict bound reached
 by fewer than k candidates, where ``T`` is the bound and its ties are not candidates.
+With ``gather_launch`` the row program stops after the compaction (its bound, kind and number of
+qualifying groups go to a per-row state) and a third launch runs one program per gather piece: each
+stores its piece's candidates in column order in a region of its own, and the row's last piece program
+to finish (an acq_rel arrival counter) maps candidate positions to slots across the regions, searches
+``T`` and emits as above. The pieces of a row then run on different SMs instead of one after another.
 
 Wider rows, fewer rows (split path, four launches, two full passes over the logits plus a partial one):
 
@@ -118,6 +126,13 @@ _TIES = tl.constexpr(5)
 _INCLUSIVE = tl.constexpr(6)
 _FLAGS = tl.constexpr(8)
 _STATE_WORDS = 8
+# Per-row state words of row programs with a gather launch, then one candidate count per gather piece.
+_PIECE_BOUND = tl.constexpr(0)
+_PIECE_INCLUSIVE = tl.constexpr(1)
+_PIECE_QUALIFYING = tl.constexpr(2)
+_PIECE_ARRIVED = tl.constexpr(3)
+_PIECE_COUNTS = tl.constexpr(4)
+_PIECE_STATE_WORDS = 4
 
 _PAD_BLOCK = 1024
 _SLOT_BLOCK = 1024
@@ -131,6 +146,12 @@ class TopkConfig:
     row_elements: register tile of a whole-row program: ``row_elements // tile width`` rows share a
         program (1 to 16; power of two).
     row_warps: most warps of a whole-row program (fewer for small tiles).
+    row_search: ``"bisect"``: whole-row programs find ``T`` one bit per round; ``"probe"``: two probes per
+        round (an interpolated guess and the key midpoint) and the bracket snapped to the nearest keys.
+    row_copy_short: whole-row programs whose rows are all selectable and at most k wide store the columns
+        directly (no search, no prefix sum).
+    row_tiles: register tiles a whole-row program may use, halving from the widest: a program whose rows
+        fit in a narrower tile takes it (1 to 3).
     row_program_rows: wider rows take one row program per row when the call has at least this many
         rows, else the split path.
     stream_tile: columns per streaming step of a row program, and per gather piece (power of two, at
@@ -146,6 +167,11 @@ class TopkConfig:
     prefetch_gather: row programs issue the next gather piece's loads before scanning the current one.
     split_early_bound: the split path's lower-bound search stops early as the row programs' does (with
         ``bound_slack``); else it finds the exact k-th largest group maximum.
+    gather_launch: row programs stop after compacting the qualifying group ids; a launch of one program
+        per gather piece (``stream_tile // GROUP`` groups) appends the candidates, and the row's last piece
+        program to finish finds ``T`` and emits.
+    row_stages: timing probe, 3 in use: 1 stops row programs after the lower bound and the compaction of
+        the qualifying group ids, 2 after the gather (the output is then incomplete).
     chunk: columns per program on the split path and in the maxima launch (power of two, at most 16384).
     group_tile: most group maxima per row (at most 16384); ``None`` = ``clamp(4k, 1024, 8192)`` on the
         split path, 8192 in row programs.
@@ -156,6 +182,9 @@ class TopkConfig:
     row_block_max: int = 8192
     row_elements: int = 8192
     row_warps: int = 4
+    row_search: str = "bisect"
+    row_copy_short: bool = False
+    row_tiles: int = 1
     row_program_rows: int = 32
     stream_tile: int = 8192
     stream_warps: int = 16
@@ -164,6 +193,8 @@ class TopkConfig:
     vector_gather: bool = True
     prefetch_gather: bool = True
     split_early_bound: bool = True
+    gather_launch: bool = False
+    row_stages: int = 3
     chunk: int = 2048
     group_tile: int | None = None
     candidate_block: int | None = None
@@ -372,35 +403,157 @@ def _pad_rows(out_ptrs, out_stride_col, first, valid, k, PAD_BLOCK: tl.constexpr
         block += PAD_BLOCK
 
 
+@triton.jit
+def _row_stats_combine(count0, lo0, hi0, count1, lo1, hi1):
+    return count0 + count1, tl.minimum(lo0, lo1), tl.maximum(hi0, hi1)
+
+
+@triton.jit
+def _probe_combine(counts0, above0, below0, counts1, above1, below1):
+    return counts0 + counts1, tl.minimum(above0, above1), tl.minimum(below0, below1)
+
+
+@triton.jit
+def _key_bits(keys):
+    """fp32 bit patterns of order keys (``_order_keys``'s map is its own inverse on selectable keys)."""
+    return keys ^ ((keys >> 31) & KEY_MAX)
+
+
+@triton.jit
+def _kth_largest_rows_probing(keys, k, active, reaching, lo, hi):
+    """Per row of ``keys [ROWS, BLOCK]`` where ``active`` (others: NONE): the k-th largest key or a ``t``
+    that exactly k keys reach (the same selection, see ``_kth_largest_rows``). ``reaching``, ``lo``, ``hi``
+    [ROWS]: the number of selectable keys, the smallest selectable key and the largest key.
+
+    The bracket ``[a, b)`` keeps ``ca = #(keys >= a) >= k > cb = #(keys >= b)``, from ``[lo, hi + 1)``.
+    A round counts two probes inside it in one reduction: the linear interpolation of the fp32 values of
+    ``a`` and ``b`` at rank ``k + 1/2`` (few rounds on smooth data) and the key midpoint (at least halves
+    the bracket: at most 32 rounds). The same reduction finds the smallest key ``>= a`` and the largest
+    key ``< b`` (unsigned minima of the differences), and the bracket snaps to them: no key lies between,
+    so a bracket around one distinct key (a plateau of ties) closes at once. The search ends when
+    ``ca == k`` or ``b == a + 1`` (then ``a`` is the k-th largest key)."""
+    a = lo
+    b = hi + 1  # hi <= key(+inf) < KEY_MAX
+    ca = tl.where(active, reaching, k)
+    cb = ca * 0
+    running = (ca > k) & (b.to(tl.int64) - a > 1)
+    while tl.max(running.to(tl.int32), axis=0) > 0:
+        low_bits = _key_bits(a)
+        high_bits = _key_bits(b)
+        finite = ((low_bits & KEY_MAX) < INF_BITS) & ((high_bits & KEY_MAX) < INF_BITS)
+        fraction = ((ca - k).to(tl.float32) - 0.5) / (ca - cb).to(tl.float32)
+        guess = (low_bits.to(tl.float32, bitcast=True) * (1.0 - fraction)
+                 + high_bits.to(tl.float32, bitcast=True) * fraction)
+        middle = ((a.to(tl.int64) + b) >> 1).to(tl.int32)
+        first = tl.where(finite, tl.minimum(tl.maximum(_key_bits(guess.to(tl.int32, bitcast=True)), a + 1), b - 1),
+                         middle)
+        probes = (keys >= first[:, None]).to(tl.int32) + ((keys >= middle[:, None]).to(tl.int32) << 16)
+        above = (keys - a[:, None]).to(tl.uint32, bitcast=True)
+        below = ((b - 1)[:, None] - keys).to(tl.uint32, bitcast=True)
+        packed, above_min, below_min = tl.reduce((probes, above, below), 1, _probe_combine)  # [ROWS] each
+        new_a = a + above_min.to(tl.int32, bitcast=True)
+        new_b = b - below_min.to(tl.int32, bitcast=True)
+        new_ca = ca
+        new_cb = cb
+        first_count = packed & LOW_FIELD
+        middle_count = packed >> 16
+        raise_first = (first_count >= k) & (first > new_a)
+        new_a = tl.where(raise_first, first, new_a)
+        new_ca = tl.where(raise_first, first_count, new_ca)
+        lower_first = (first_count < k) & (first < new_b)
+        new_b = tl.where(lower_first, first, new_b)
+        new_cb = tl.where(lower_first, first_count, new_cb)
+        raise_middle = (middle_count >= k) & (middle > new_a)
+        new_a = tl.where(raise_middle, middle, new_a)
+        new_ca = tl.where(raise_middle, middle_count, new_ca)
+        lower_middle = (middle_count < k) & (middle < new_b)
+        new_b = tl.where(lower_middle, middle, new_b)
+        new_cb = tl.where(lower_middle, middle_count, new_cb)
+        a = tl.where(running, new_a, a)
+        b = tl.where(running, new_b, b)
+        ca = tl.where(running, new_ca, ca)
+        cb = tl.where(running, new_cb, cb)
+        running = running & (ca > k) & (b.to(tl.int64) - a > 1)
+    return tl.where(active, a, NONE)
+
+
+@triton.jit
+def _select_rows(logits_ptr, stride_row, stride_col, rows, valid, start, length, out_ptr, out_stride_row,
+                 out_stride_col, k, table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request,
+                 BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr, PROBE_SEARCH: tl.constexpr,
+                 COPY_SHORT: tl.constexpr):
+    """Top-k of the windows ``[start, start + length)`` (``length <= BLOCK``) of ``rows`` [ROWS] into ``out``."""
+    columns = tl.arange(0, BLOCK)[None, :]  # [1, BLOCK] window-relative
+    inside = columns < length[:, None]  # [ROWS, BLOCK]
+    src = logits_ptr + rows.to(tl.int64)[:, None] * stride_row + (start[:, None] + columns).to(tl.int64) * stride_col
+    keys = _order_keys(tl.load(src, mask=inside, other=0.0), inside)  # [ROWS, BLOCK]
+    is_selectable = (keys != NONE).to(tl.int32)
+    if PROBE_SEARCH:
+        selectable, lo, hi = tl.reduce((is_selectable, tl.where(keys != NONE, keys, KEY_MAX), keys), 1,
+                                       _row_stats_combine)  # [ROWS] each
+    else:
+        selectable = tl.sum(is_selectable, axis=1)  # [ROWS]
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * out_stride_row  # [ROWS, 1]
+    pages = _page_rows(table_ptr, table_stride_row, rows, rows_per_request, SLOTS)[:, None]  # [ROWS, 1]
+    copy = False
+    if COPY_SHORT:  # every row all selectable and at most k wide: the picks are the columns themselves
+        copy = tl.min(((selectable == length) & (length <= k)).to(tl.int32), axis=0) > 0
+    if copy:
+        if SLOTS:
+            page = tl.load(pages + (columns // block_size).to(tl.int64) * table_stride_col, mask=inside, other=0)
+            written = page * block_size + columns % block_size
+        else:
+            written = tl.broadcast_to(columns, [rows.shape[0], BLOCK])
+        tl.store(out_ptrs + columns.to(tl.int64) * out_stride_col, written, mask=inside)
+        taken = length
+    else:
+        searching = selectable > k
+        if PROBE_SEARCH:
+            threshold = _kth_largest_rows_probing(keys, k, searching, selectable, lo, hi)  # [ROWS]
+        else:
+            threshold = _kth_largest_rows(keys, k, searching, selectable)  # [ROWS]
+        greater = keys > threshold[:, None]
+        equal = (keys == threshold[:, None]) & (keys != NONE)
+        counts = greater.to(tl.int32) + (equal.to(tl.int32) << 16)  # [ROWS, BLOCK]
+        totals = tl.sum(counts, axis=1)  # [ROWS]
+        ties = tl.where(searching, k - (totals & LOW_FIELD), 0)
+        _emit_taken(counts, greater, equal, tl.broadcast_to(columns, [rows.shape[0], BLOCK]), ties[:, None], 0,
+                    out_ptrs, out_stride_col, pages, table_stride_col, block_size, 1, SLOTS)
+        taken = (totals & LOW_FIELD) + tl.minimum(totals >> 16, ties)
+    _pad_rows(out_ptrs, out_stride_col, taken, valid, k, PAD_BLOCK)
+
+
 @triton.jit(do_not_specialize=["num_rows", "width", "k", "next_n", "block_size", "rows_per_request"])
 def _topk_row_kernel(
     logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, out_ptr, out_stride_row, out_stride_col,
     num_rows, width, k, next_n,
     table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-    PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr,
+    PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr, PROBE_SEARCH: tl.constexpr, COPY_SHORT: tl.constexpr,
+    TILES: tl.constexpr,
 ):
+    """``ROWS`` whole rows per program. ``TILES`` > 1: a program whose windows all fit in ``BLOCK // 2``
+    (``TILES`` = 3: ``BLOCK // 4``) takes that narrower register tile (fewer keys per thread per round)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
     valid = rows < num_rows
     start, length = _row_window(rows, valid, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
-    columns = tl.arange(0, BLOCK)[None, :]  # [1, BLOCK] window-relative
-    inside = columns < length[:, None]  # [ROWS, BLOCK]
-    src = logits_ptr + rows.to(tl.int64)[:, None] * stride_row + (start[:, None] + columns).to(tl.int64) * stride_col
-    keys = _order_keys(tl.load(src, mask=inside, other=0.0), inside)  # [ROWS, BLOCK]
-    selectable = tl.sum((keys != NONE).to(tl.int32), axis=1)  # [ROWS]
-    searching = selectable > k
-    threshold = _kth_largest_rows(keys, k, searching, selectable)  # [ROWS]
-    greater = keys > threshold[:, None]
-    equal = (keys == threshold[:, None]) & (keys != NONE)
-    counts = greater.to(tl.int32) + (equal.to(tl.int32) << 16)  # [ROWS, BLOCK]
-    totals = tl.sum(counts, axis=1)  # [ROWS]
-    ties = tl.where(searching, k - (totals & LOW_FIELD), 0)
-    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * out_stride_row  # [ROWS, 1]
-    pages = _page_rows(table_ptr, table_stride_row, rows, rows_per_request, SLOTS)[:, None]  # [ROWS, 1]
-    _emit_taken(counts, greater, equal, tl.broadcast_to(columns, [ROWS, BLOCK]), ties[:, None], 0, out_ptrs,
-                out_stride_col, pages, table_stride_col, block_size, 1, SLOTS)
-    taken = (totals & LOW_FIELD) + tl.minimum(totals >> 16, ties)
-    _pad_rows(out_ptrs, out_stride_col, taken, valid, k, PAD_BLOCK)
+    args = (logits_ptr, stride_row, stride_col, rows, valid, start, length, out_ptr, out_stride_row,
+            out_stride_col, k, table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request)
+    widest = tl.max(length, axis=0)
+    if TILES == 1:
+        _select_rows(*args, BLOCK, PAD_BLOCK, SLOTS, PROBE_SEARCH, COPY_SHORT)
+    elif TILES == 2:
+        if widest <= BLOCK // 2:
+            _select_rows(*args, BLOCK // 2, PAD_BLOCK, SLOTS, PROBE_SEARCH, COPY_SHORT)
+        else:
+            _select_rows(*args, BLOCK, PAD_BLOCK, SLOTS, PROBE_SEARCH, COPY_SHORT)
+    else:
+        if widest <= BLOCK // 4:
+            _select_rows(*args, BLOCK // 4, PAD_BLOCK, SLOTS, PROBE_SEARCH, COPY_SHORT)
+        elif widest <= BLOCK // 2:
+            _select_rows(*args, BLOCK // 2, PAD_BLOCK, SLOTS, PROBE_SEARCH, COPY_SHORT)
+        else:
+            _select_rows(*args, BLOCK, PAD_BLOCK, SLOTS, PROBE_SEARCH, COPY_SHORT)
 
 
 @triton.jit(do_not_specialize=["width", "next_n", "num_chunks"])
@@ -598,19 +751,79 @@ def _gather_piece(src_row, start, stride_col, ids, piece_first, num_qualifying, 
     return values
 
 
+@triton.jit
+def _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusive, num_candidates, held_slots,
+                     cand_keys_row, cand_columns_row, out_ptr, out_stride_row, out_stride_col, table_ptr,
+                     table_stride_row, table_stride_col, block_size, rows_per_request, STREAM_TILE: tl.constexpr,
+                     CANDIDATE_BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr):
+    """The end of a row program: ``T`` among the ``num_candidates`` candidates (keys and columns, in
+    column order; the j-th at buffer slot ``held_slots[j]`` when they fit in ``CANDIDATE_BLOCK``, else at
+    slot j) of the ``bound``, then the ordered emit of the row's k picks and the padding."""
+    # T and the ties, then the ordered emit: from the candidates, or from the row when T is the bound
+    # itself and its ties (not candidates) are taken.
+    out_row = out_ptr + row.to(tl.int64) * out_stride_row
+    pages = _page_rows(table_ptr, table_stride_row, row, rows_per_request, SLOTS)
+    taken = row * 0
+    if (inclusive == 0) & (num_candidates < k):
+        ties = k - num_candidates
+        line = tl.arange(0, STREAM_TILE)
+        line_first = row * 0
+        while line_first < length:
+            line_columns = line_first + line
+            line_inside = line_columns < length
+            line_keys = _order_keys(tl.load(src_row + (start + line_columns).to(tl.int64) * stride_col,
+                                            mask=line_inside, other=0.0), line_inside)
+            taken, ties = _emit_ordered(line_keys, line_columns, bound, ties, taken, out_row, out_stride_col,
+                                        pages, table_stride_col, block_size, SLOTS)
+            line_first += STREAM_TILE
+    elif num_candidates <= CANDIDATE_BLOCK:
+        held = tl.arange(0, CANDIDATE_BLOCK) < num_candidates
+        held_keys = tl.load(cand_keys_row + held_slots, mask=held, other=NONE, cache_modifier=".cg")
+        held_columns = tl.load(cand_columns_row + held_slots, mask=held, other=0, cache_modifier=".cg")
+        threshold = row * 0 + NONE
+        ties = row * 0
+        if num_candidates > k:
+            threshold, _ = _kth_largest(held_keys, k, k)
+            ties = k - tl.sum((held_keys > threshold).to(tl.int32), axis=0)
+        taken, ties = _emit_ordered(held_keys, held_columns, threshold, ties, taken, out_row, out_stride_col, pages,
+                                    table_stride_col, block_size, SLOTS)
+    else:
+        threshold = row * 0 + NONE
+        ties = row * 0
+        if num_candidates > k:
+            threshold = _kth_largest_in_memory(cand_keys_row, num_candidates, k, CANDIDATE_BLOCK)
+            ties = k - _count_above_in_memory(cand_keys_row, num_candidates, threshold, CANDIDATE_BLOCK)
+        slot = tl.arange(0, CANDIDATE_BLOCK)
+        slot_first = row * 0
+        while slot_first < num_candidates:
+            in_slots = slot_first + slot < num_candidates
+            slot_keys = tl.load(cand_keys_row + slot_first + slot, mask=in_slots, other=NONE, cache_modifier=".cg")
+            slot_columns = tl.load(cand_columns_row + slot_first + slot, mask=in_slots, other=0,
+                                   cache_modifier=".cg")
+            taken, ties = _emit_ordered(slot_keys, slot_columns, threshold, ties, taken, out_row, out_stride_col,
+                                        pages, table_stride_col, block_size, SLOTS)
+            slot_first += CANDIDATE_BLOCK
+    one = tl.full([1], 0, tl.int32)
+    _pad_rows(out_row + tl.zeros([1, 1], tl.int64), out_stride_col, one + taken, one == 0, k, PAD_BLOCK)
+
+
 @triton.jit(do_not_specialize=["width", "k", "next_n", "enough", "capacity", "block_size", "rows_per_request"])
 def _row_program_kernel(
     logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, out_ptr, out_stride_row, out_stride_col,
-    groups_ptr, cand_keys_ptr, cand_columns_ptr, capacity, width, k, next_n, enough,
+    groups_ptr, cand_keys_ptr, cand_columns_ptr, capacity, state_ptr, state_stride, width, k, next_n, enough,
     table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
     STREAM_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr,
-    STREAM: tl.constexpr, VECTOR_GATHER: tl.constexpr, PREFETCH_GATHER: tl.constexpr,
+    STREAM: tl.constexpr, VECTOR_GATHER: tl.constexpr, PREFETCH_GATHER: tl.constexpr, STAGES: tl.constexpr,
+    STORE_STATE: tl.constexpr,
 ):
     """One program per row. ``STREAM``: the program computes the group maxima itself (else an earlier
     launch of ``_split_group_max_kernel`` stored them). ``VECTOR_GATHER``: unmasked group loads in every
     gather piece but the last. ``PREFETCH_GATHER``: the next gather piece's loads are in flight while
-    this one is scanned and stored."""
+    this one is scanned and stored. ``STAGES`` (``TopkConfig.row_stages``): 1 stops after the compaction
+    of the qualifying group ids, 2 after the gather, 3 runs everything. ``STORE_STATE`` (gather launch):
+    the bound, its kind and the number of qualifying groups go to the row's state words at
+    ``state_ptr + row * state_stride`` for ``_row_pieces_kernel``."""
     TILE_GROUPS: tl.constexpr = STREAM_TILE // GROUP
     row = tl.program_id(0)
     start, length = _row_window(row, row >= 0, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
@@ -656,110 +869,177 @@ def _row_program_kernel(
     qualifies = _reaches(maxima, bound, inclusive).to(tl.int32)
     num_qualifying = tl.sum(qualifies, axis=0)
     tl.store(ids_row + tl.cumsum(qualifies, axis=0) - 1, slots, mask=qualifies != 0)
-    tl.debug_barrier()
+    if STORE_STATE:
+        state_row = state_ptr + row.to(tl.int64) * state_stride
+        tl.store(state_row + _PIECE_BOUND, bound)
+        tl.store(state_row + _PIECE_INCLUSIVE, inclusive)
+        tl.store(state_row + _PIECE_QUALIFYING, num_qualifying)
+        tl.store(state_row + _PIECE_ARRIVED, 0)
+    if STAGES >= 2:
+        tl.debug_barrier()
 
-    # Candidates of the qualifying groups, in column order (groups ascending, then columns in a group).
-    cand_keys_row = cand_keys_ptr + row.to(tl.int64) * capacity
-    cand_columns_row = cand_columns_ptr + row.to(tl.int64) * capacity
-    num_candidates = row * 0
-    piece_first = row * 0
-    ids = tl.load(ids_row + group_ids, mask=group_ids < num_qualifying, other=0, cache_modifier=".cg")
-    values = _gather_piece(src_row, start, stride_col, ids, piece_first, num_qualifying, length, TILE_GROUPS,
-                           GROUP, VECTOR_GATHER)
-    next_ids = tl.load(ids_row + TILE_GROUPS + group_ids, mask=TILE_GROUPS + group_ids < num_qualifying, other=0,
-                       cache_modifier=".cg")
-    while piece_first < num_qualifying:
-        next_first = piece_first + TILE_GROUPS
-        if PREFETCH_GATHER:
-            next_values = _gather_piece(src_row, start, stride_col, next_ids, next_first, num_qualifying, length,
-                                        TILE_GROUPS, GROUP, VECTOR_GATHER)
-        later = next_first + TILE_GROUPS + group_ids
-        later_ids = tl.load(ids_row + later, mask=later < num_qualifying, other=0, cache_modifier=".cg")
-        columns = ids[:, None] * GROUP + in_group  # [TILE_GROUPS, GROUP]
+        # Candidates of the qualifying groups, in column order (groups ascending, then columns in a group).
+        cand_keys_row = cand_keys_ptr + row.to(tl.int64) * capacity
+        cand_columns_row = cand_columns_ptr + row.to(tl.int64) * capacity
+        num_candidates = row * 0
+        piece_first = row * 0
+        ids = tl.load(ids_row + group_ids, mask=group_ids < num_qualifying, other=0, cache_modifier=".cg")
+        values = _gather_piece(src_row, start, stride_col, ids, piece_first, num_qualifying, length, TILE_GROUPS,
+                               GROUP, VECTOR_GATHER)
+        next_ids = tl.load(ids_row + TILE_GROUPS + group_ids, mask=TILE_GROUPS + group_ids < num_qualifying, other=0,
+                           cache_modifier=".cg")
+        while piece_first < num_qualifying:
+            next_first = piece_first + TILE_GROUPS
+            if PREFETCH_GATHER:
+                next_values = _gather_piece(src_row, start, stride_col, next_ids, next_first, num_qualifying, length,
+                                            TILE_GROUPS, GROUP, VECTOR_GATHER)
+            later = next_first + TILE_GROUPS + group_ids
+            later_ids = tl.load(ids_row + later, mask=later < num_qualifying, other=0, cache_modifier=".cg")
+            columns = ids[:, None] * GROUP + in_group  # [TILE_GROUPS, GROUP]
+            inside = (piece_first + group_ids < num_qualifying)[:, None] & (columns < length)
+            keys = _order_keys(values, inside)
+            is_candidate = _reaches(keys, bound, inclusive).to(tl.int32)
+            per_group = tl.sum(is_candidate, axis=1)  # [TILE_GROUPS]
+            group_first = num_candidates + tl.cumsum(per_group, axis=0) - per_group
+            position = group_first[:, None] + tl.cumsum(is_candidate, axis=1) - 1
+            tl.store(cand_keys_row + position, keys, mask=is_candidate != 0)
+            tl.store(cand_columns_row + position, columns, mask=is_candidate != 0)
+            num_candidates += tl.sum(per_group, axis=0)
+            if PREFETCH_GATHER:
+                values = next_values
+            else:
+                values = _gather_piece(src_row, start, stride_col, next_ids, next_first, num_qualifying, length,
+                                       TILE_GROUPS, GROUP, VECTOR_GATHER)
+            ids = next_ids
+            next_ids = later_ids
+            piece_first = next_first
+        tl.debug_barrier()
+
+    if STAGES >= 3:
+        held = tl.arange(0, CANDIDATE_BLOCK)
+        _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusive, num_candidates, held,
+                         cand_keys_row, cand_columns_row, out_ptr, out_stride_row, out_stride_col, table_ptr,
+                         table_stride_row, table_stride_col, block_size, rows_per_request, STREAM_TILE,
+                         CANDIDATE_BLOCK, PAD_BLOCK, SLOTS)
+
+
+@triton.jit(do_not_specialize=["width", "k", "next_n", "state_stride", "piece_capacity", "flat_capacity",
+                               "block_size", "rows_per_request"])
+def _row_pieces_kernel(
+    logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, out_ptr, out_stride_row, out_stride_col,
+    groups_ptr, state_ptr, state_stride, cand_keys_ptr, cand_columns_ptr, piece_capacity, flat_keys_ptr,
+    flat_columns_ptr, flat_capacity, width, k, next_n,
+    table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request,
+    HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
+    STREAM_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, MAX_PIECES: tl.constexpr, PAD_BLOCK: tl.constexpr,
+    SLOTS: tl.constexpr,
+):
+    """Gather launch of row programs: program ``row * MAX_PIECES + piece`` re-reads the qualifying groups
+    ``[piece * TILE_GROUPS, (piece + 1) * TILE_GROUPS)`` of its row (ids and bound from the row program
+    stage before) and stores their candidates in column order at slots ``[0, count)`` of the piece's own
+    region (``piece_capacity`` slots), and ``count`` in the row's state. The row's last piece program to
+    finish (an acq_rel arrival counter) maps the candidates' positions to slots across the pieces (in
+    registers; above ``CANDIDATE_BLOCK`` they are first copied to one contiguous buffer) and runs
+    ``_select_and_emit``. A row without qualifying groups still runs piece 0 (nothing gathered), which pads."""
+    TILE_GROUPS: tl.constexpr = STREAM_TILE // GROUP
+    pid = tl.program_id(0)
+    row = pid // MAX_PIECES
+    piece = pid % MAX_PIECES
+    start, length = _row_window(row, row >= 0, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
+    state_row = state_ptr + row.to(tl.int64) * state_stride
+    num_qualifying = tl.load(state_row + _PIECE_QUALIFYING)
+    num_pieces = tl.maximum(tl.cdiv(num_qualifying, TILE_GROUPS), 1)
+    if piece < num_pieces:
+        bound = tl.load(state_row + _PIECE_BOUND)
+        inclusive = tl.load(state_row + _PIECE_INCLUSIVE)
+        src_row = logits_ptr + row.to(tl.int64) * stride_row
+        ids_row = groups_ptr + row.to(tl.int64) * (2 * GROUP_TILE) + GROUP_TILE
+        group_ids = tl.arange(0, TILE_GROUPS)  # [TILE_GROUPS]
+        piece_first = piece * TILE_GROUPS
+        ids = tl.load(ids_row + piece_first + group_ids, mask=piece_first + group_ids < num_qualifying, other=0)
+        values = _gather_piece(src_row, start, stride_col, ids, piece_first, num_qualifying, length, TILE_GROUPS,
+                               GROUP, True)
+        columns = ids[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [TILE_GROUPS, GROUP]
         inside = (piece_first + group_ids < num_qualifying)[:, None] & (columns < length)
         keys = _order_keys(values, inside)
         is_candidate = _reaches(keys, bound, inclusive).to(tl.int32)
         per_group = tl.sum(is_candidate, axis=1)  # [TILE_GROUPS]
-        group_first = num_candidates + tl.cumsum(per_group, axis=0) - per_group
-        position = group_first[:, None] + tl.cumsum(is_candidate, axis=1) - 1
-        tl.store(cand_keys_row + position, keys, mask=is_candidate != 0)
-        tl.store(cand_columns_row + position, columns, mask=is_candidate != 0)
-        num_candidates += tl.sum(per_group, axis=0)
-        if PREFETCH_GATHER:
-            values = next_values
-        else:
-            values = _gather_piece(src_row, start, stride_col, next_ids, next_first, num_qualifying, length,
-                                   TILE_GROUPS, GROUP, VECTOR_GATHER)
-        ids = next_ids
-        next_ids = later_ids
-        piece_first = next_first
-    tl.debug_barrier()
-
-    # T and the ties, then the ordered emit: from the candidates, or from the row when T is the bound
-    # itself and its ties (not candidates) are taken.
-    out_row = out_ptr + row.to(tl.int64) * out_stride_row
-    pages = _page_rows(table_ptr, table_stride_row, row, rows_per_request, SLOTS)
-    taken = row * 0
-    if (inclusive == 0) & (num_candidates < k):
-        ties = k - num_candidates
-        line = tl.arange(0, STREAM_TILE)
-        line_first = row * 0
-        while line_first < length:
-            line_columns = line_first + line
-            line_inside = line_columns < length
-            line_keys = _order_keys(tl.load(src_row + (start + line_columns).to(tl.int64) * stride_col,
-                                            mask=line_inside, other=0.0), line_inside)
-            taken, ties = _emit_ordered(line_keys, line_columns, bound, ties, taken, out_row, out_stride_col,
-                                        pages, table_stride_col, block_size, SLOTS)
-            line_first += STREAM_TILE
-    elif num_candidates <= CANDIDATE_BLOCK:
-        held = tl.arange(0, CANDIDATE_BLOCK)
-        held_keys = tl.load(cand_keys_row + held, mask=held < num_candidates, other=NONE, cache_modifier=".cg")
-        held_columns = tl.load(cand_columns_row + held, mask=held < num_candidates, other=0, cache_modifier=".cg")
-        threshold = row * 0 + NONE
-        ties = row * 0
-        if num_candidates > k:
-            threshold, _ = _kth_largest(held_keys, k, k)
-            ties = k - tl.sum((held_keys > threshold).to(tl.int32), axis=0)
-        taken, ties = _emit_ordered(held_keys, held_columns, threshold, ties, taken, out_row, out_stride_col, pages,
-                                    table_stride_col, block_size, SLOTS)
-    else:
-        threshold = row * 0 + NONE
-        ties = row * 0
-        if num_candidates > k:
-            threshold = _kth_largest_in_memory(cand_keys_row, num_candidates, k, CANDIDATE_BLOCK)
-            ties = k - _count_above_in_memory(cand_keys_row, num_candidates, threshold, CANDIDATE_BLOCK)
-        slot = tl.arange(0, CANDIDATE_BLOCK)
-        slot_first = row * 0
-        while slot_first < num_candidates:
-            in_slots = slot_first + slot < num_candidates
-            slot_keys = tl.load(cand_keys_row + slot_first + slot, mask=in_slots, other=NONE, cache_modifier=".cg")
-            slot_columns = tl.load(cand_columns_row + slot_first + slot, mask=in_slots, other=0,
-                                   cache_modifier=".cg")
-            taken, ties = _emit_ordered(slot_keys, slot_columns, threshold, ties, taken, out_row, out_stride_col,
-                                        pages, table_stride_col, block_size, SLOTS)
-            slot_first += CANDIDATE_BLOCK
-    one = tl.full([1], 0, tl.int32)
-    _pad_rows(out_row + tl.zeros([1, 1], tl.int64), out_stride_col, one + taken, one == 0, k, PAD_BLOCK)
+        position = (tl.cumsum(per_group, axis=0) - per_group)[:, None] + tl.cumsum(is_candidate, axis=1) - 1
+        region = row.to(tl.int64) * MAX_PIECES * piece_capacity + piece * piece_capacity
+        tl.store(cand_keys_ptr + region + position, keys, mask=is_candidate != 0)
+        tl.store(cand_columns_ptr + region + position, columns, mask=is_candidate != 0)
+        tl.store(state_row + _PIECE_COUNTS + piece, tl.sum(per_group, axis=0))
+        tl.debug_barrier()
+        arrived = tl.atomic_add(state_row + _PIECE_ARRIVED, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_pieces - 1:
+            # Candidate j of the row (pieces in order) lies in the piece p whose counts before it sum to
+            # at most j: slot p * piece_capacity + j - (counts before p).
+            keys_row = cand_keys_ptr + row.to(tl.int64) * MAX_PIECES * piece_capacity
+            columns_row = cand_columns_ptr + row.to(tl.int64) * MAX_PIECES * piece_capacity
+            held = tl.arange(0, CANDIDATE_BLOCK)
+            held_slots = held
+            before = row * 0
+            for other in tl.static_range(MAX_PIECES):
+                count = tl.load(state_row + _PIECE_COUNTS + other, mask=other < num_pieces, other=0,
+                                cache_modifier=".cg")
+                in_other = (held >= before) & (held < before + count)
+                held_slots = tl.where(in_other, other * piece_capacity + held - before, held_slots)
+                before += count
+            num_candidates = before
+            if num_candidates > CANDIDATE_BLOCK:
+                flat_keys_row = flat_keys_ptr + row.to(tl.int64) * flat_capacity
+                flat_columns_row = flat_columns_ptr + row.to(tl.int64) * flat_capacity
+                copy = tl.arange(0, STREAM_TILE)
+                copied = row * 0
+                for other in tl.static_range(MAX_PIECES):
+                    count = tl.load(state_row + _PIECE_COUNTS + other, mask=other < num_pieces, other=0,
+                                    cache_modifier=".cg")
+                    moving = copy < count
+                    tl.store(flat_keys_row + copied + copy,
+                             tl.load(keys_row + other * piece_capacity + copy, mask=moving, cache_modifier=".cg"),
+                             mask=moving)
+                    tl.store(flat_columns_row + copied + copy,
+                             tl.load(columns_row + other * piece_capacity + copy, mask=moving, cache_modifier=".cg"),
+                             mask=moving)
+                    copied += count
+                tl.debug_barrier()
+                keys_row = flat_keys_row
+                columns_row = flat_columns_row
+            _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusive, num_candidates,
+                             held_slots, keys_row, columns_row, out_ptr, out_stride_row, out_stride_col, table_ptr,
+                             table_stride_row, table_stride_col, block_size, rows_per_request, STREAM_TILE,
+                             CANDIDATE_BLOCK, PAD_BLOCK, SLOTS)
 
 
 @triton.jit(do_not_specialize=["k", "block_size"])
 def _indices_to_slots_kernel(
     indices_ptr, idx_stride_row, idx_stride_col, table_ptr, table_stride_row, table_stride_col,
-    request_ptr, out_ptr, k, block_size, BLOCK: tl.constexpr,
+    request_ptr, out_ptr, k, block_size, BLOCK: tl.constexpr, ALIGNED_ROWS: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    """Grid ``(R, cdiv(k, BLOCK))``. ``ALIGNED_ROWS`` (``k % 4 == 0``): programs whose ``BLOCK``
+    positions all lie inside the row run unmasked, with the output row offset written as a multiple
+    of 4 the compiler can see, so indices and slots move as 16-byte loads and stores."""
+    row = tl.program_id(0).to(tl.int64)
     position = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
-    in_row = position < k
-    index = tl.load(indices_ptr + row.to(tl.int64) * idx_stride_row + position.to(tl.int64) * idx_stride_col,
-                    mask=in_row, other=-1)  # [BLOCK]
-    valid = in_row & (index >= 0)
+    index_row = indices_ptr + row * idx_stride_row
+    table_row = table_ptr + tl.load(request_ptr + row).to(tl.int64) * table_stride_row
+    if ALIGNED_ROWS and ((tl.program_id(1) + 1) * BLOCK <= k):
+        index = tl.load(index_row + position.to(tl.int64) * idx_stride_col)  # [BLOCK]
+        slot = _slot_of(index, index >= 0, table_row, table_stride_col, block_size)
+        tl.store(out_ptr + row * ((k // 4) * 4) + position, slot)
+    else:
+        in_row = position < k
+        index = tl.load(index_row + position.to(tl.int64) * idx_stride_col, mask=in_row, other=-1)  # [BLOCK]
+        slot = _slot_of(index, in_row & (index >= 0), table_row, table_stride_col, block_size)
+        tl.store(out_ptr + row * k + position, slot, mask=in_row)
+
+
+@triton.jit
+def _slot_of(index, valid, table_row, table_stride_col, block_size):
+    """int32 cache slot of each request-local position ``index`` (``-1`` where not ``valid``)."""
     local = tl.maximum(index, 0).to(tl.int64)
-    request = tl.load(request_ptr + row).to(tl.int64)
-    page = tl.load(table_ptr + request * table_stride_row + (local // block_size) * table_stride_col,
-                   mask=valid, other=0).to(tl.int64)  # [BLOCK]
-    slot = page * block_size + local % block_size
-    tl.store(out_ptr + row.to(tl.int64) * k + position, tl.where(valid, slot, -1).to(tl.int32), mask=in_row)
+    page = tl.load(table_row + (local // block_size) * table_stride_col, mask=valid, other=0).to(tl.int64)
+    return tl.where(valid, page * block_size + local % block_size, -1).to(tl.int32)
 
 
 def _next_pow2(n: int) -> int:
@@ -787,9 +1067,13 @@ def _launch_rows(logits, k, bounds, out, next_n, bounds_flags, slot_args, config
     block = max(16, _next_pow2(width))
     rows = min(16, max(1, config.row_elements // block))
     warps = max(1, min(config.row_warps, rows * block // 256))
+    tiles = max(1, min(config.row_tiles, 3))
+    while tiles > 1 and block >> (tiles - 1) < 16:
+        tiles -= 1
     _topk_row_kernel[(triton.cdiv(num_rows, rows),)](
         logits, logits.stride(0), logits.stride(1), *bounds, out, out.stride(0), out.stride(1),
-        num_rows, width, k, next_n, *slot_args[0], ROWS=rows, BLOCK=block, PAD_BLOCK=_PAD_BLOCK, num_warps=warps,
+        num_rows, width, k, next_n, *slot_args[0], ROWS=rows, BLOCK=block, PAD_BLOCK=_PAD_BLOCK,
+        PROBE_SEARCH=config.row_search == "probe", COPY_SHORT=config.row_copy_short, TILES=tiles, num_warps=warps,
         **bounds_flags, **slot_args[1],
     )
 
@@ -852,9 +1136,17 @@ def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args
     candidate_block = config.candidate_block or min(16384, max(1024, _next_pow2(2 * k)))
     device = logits.device
     groups = torch.empty((num_rows, 2 * group_tile), dtype=torch.int32, device=device)
-    cand_keys = torch.empty((num_rows, capacity), dtype=torch.int32, device=device)
-    cand_columns = torch.empty((num_rows, capacity), dtype=torch.int32, device=device)
     stream = not (config.maxima_launch and group <= config.chunk <= stream_tile)
+    pieces = config.gather_launch and config.row_stages >= 2
+    if pieces:
+        # Each gather piece has its own candidate region of stream_tile slots.
+        max_pieces = triton.cdiv(min(max(enough, k - 1), group_tile), stream_tile // group)
+        state = torch.empty((num_rows, _PIECE_STATE_WORDS + max_pieces), dtype=torch.int32, device=device)
+        cand_keys = torch.empty((num_rows, max_pieces * stream_tile), dtype=torch.int32, device=device)
+    else:
+        state = groups
+        cand_keys = torch.empty((num_rows, capacity), dtype=torch.int32, device=device)
+    cand_columns = torch.empty_like(cand_keys)
     if not stream:
         num_chunks = triton.cdiv(width, config.chunk)
         _split_group_max_kernel[(num_rows * num_chunks,)](
@@ -864,11 +1156,23 @@ def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args
         )
     _row_program_kernel[(num_rows,)](
         logits, logits.stride(0), logits.stride(1), *bounds, out, out.stride(0), out.stride(1),
-        groups, cand_keys, cand_columns, capacity, width, k, next_n, enough, *slot_args[0],
+        groups, cand_keys, cand_columns, capacity, state, state.stride(0), width, k, next_n, enough, *slot_args[0],
         GROUP=group, GROUP_TILE=group_tile, STREAM_TILE=stream_tile, CANDIDATE_BLOCK=candidate_block,
         PAD_BLOCK=_PAD_BLOCK, STREAM=stream, VECTOR_GATHER=config.vector_gather,
-        PREFETCH_GATHER=config.prefetch_gather, num_warps=config.stream_warps, **bounds_flags, **slot_args[1],
+        PREFETCH_GATHER=config.prefetch_gather, STAGES=1 if pieces else config.row_stages, STORE_STATE=pieces,
+        num_warps=config.stream_warps, **bounds_flags, **slot_args[1],
     )
+    if pieces:
+        flat_keys = torch.empty((num_rows, capacity), dtype=torch.int32, device=device)
+        flat_columns = torch.empty_like(flat_keys)
+        _row_pieces_kernel[(num_rows * max_pieces,)](
+            logits, logits.stride(0), logits.stride(1), *bounds, out, out.stride(0), out.stride(1),
+            groups, state, state.stride(0), cand_keys, cand_columns, stream_tile, flat_keys, flat_columns, capacity,
+            width, k, next_n, *slot_args[0],
+            GROUP=group, GROUP_TILE=group_tile, STREAM_TILE=stream_tile, CANDIDATE_BLOCK=candidate_block,
+            MAX_PIECES=max_pieces, PAD_BLOCK=_PAD_BLOCK, num_warps=config.stream_warps, **bounds_flags,
+            **slot_args[1],
+        )
 
 
 def _launch(logits, k, starts, ends, out, next_n, decode, config, slots=None):
@@ -919,15 +1223,19 @@ def topk_decode_triton(
 
 
 def indices_to_slots_triton(
-    indices: torch.Tensor, block_table: torch.Tensor, block_size: int, row_to_request: torch.Tensor
+    indices: torch.Tensor, block_table: torch.Tensor, block_size: int, row_to_request: torch.Tensor, *,
+    block: int = _SLOT_BLOCK, num_warps: int = 4, aligned_rows: bool = False,
 ) -> torch.Tensor:
-    """Twin of ``reference.indices_to_slots``: ``block_table[request, p // bs] * bs + p % bs``, ``-1`` kept."""
+    """Twin of ``reference.indices_to_slots``: ``block_table[request, p // bs] * bs + p % bs``, ``-1`` kept.
+    Variants: ``block`` positions per program, ``num_warps``, ``aligned_rows`` (16-byte slot stores
+    when ``k % 4 == 0``)."""
     num_rows, k = indices.shape
     slots = torch.empty((num_rows, k), dtype=torch.int32, device=indices.device)
     if num_rows == 0 or k == 0:
         return slots
-    _indices_to_slots_kernel[(num_rows, triton.cdiv(k, _SLOT_BLOCK))](
+    _indices_to_slots_kernel[(num_rows, triton.cdiv(k, block))](
         indices, indices.stride(0), indices.stride(1), block_table, block_table.stride(0), block_table.stride(1),
-        row_to_request.contiguous(), slots, k, block_size, BLOCK=_SLOT_BLOCK, num_warps=4,
+        row_to_request.contiguous(), slots, k, block_size, BLOCK=block, ALIGNED_ROWS=aligned_rows and k % 4 == 0,
+        num_warps=num_warps,
     )
     return slots

@@ -1,0 +1,386 @@
+"""Gluon (warp-specialised) MXFP4 paged decode logits: the twin of ``paged_mqa_logits_triton`` for fmt mxfp4.
+
+Same contract, grid and arithmetic as the Triton kernel (``triton.py``, module docstring: MXFP4, the PTX
+expansion and ``_dot_order``): programs over (request, group of ``ROWS`` draft rows, split of
+``TILES * BLOCK_K`` positions), one key tile of ``BLOCK_K = 64`` positions at a time. What changes is who
+waits for what:
+
+- A producer partition (``PRODUCER_WARPS`` warps, few registers) copies, per key tile, the block-table
+  entries (one tile ahead, in registers), the ``[64, D/2]`` packed e2m1 bytes and the 64 ue8m0 scale
+  words (``D/32 = 4`` bytes a key, one 32-bit word) with cp.async into a ``NUM_STAGES`` shared-memory
+  ring; each copy signals a per-stage ``ready`` mbarrier and the consumer hands the stage back through
+  an ``empty`` one.
+- The consumer (one warpgroup, the default partition) loads the group's de-interleaved e4m3 queries
+  once into shared memory in ``_dot_order`` (the wgmma B operand, heads on N), then per tile reads the
+  stage into registers and releases it at once (the keys never go back to shared memory), builds each
+  (key, block) 8-entry e4m3 table and expands the packed words with the Triton kernel's inline PTX
+  (same instructions, same bits), and feeds the expanded ``[64 keys, D]`` tile to wgmma as the register
+  A operand. The packed bytes are read in a layout where each thread holds, for its two accumulator rows,
+  the 16 bytes of scale block ``lane % 4``: after the expansion that is exactly the thread's share of
+  the A operand in ``_dot_order`` (the layout conversion is a register renaming, asserted at compile
+  time). One async wgmma chain per draft row (K = 128: the even half then the odd half, the Triton
+  kernel's two half-depth dots in the same order), row 0's epilogue under row 1's wgmma.
+- Several programs share an SM (the register cap decides how many), so one program's expansion and
+  epilogue overlap another's wgmma, and the copies run ahead in the ring.
+
+The head sum of a row is the reduction over axis 1 of its own ``[64, BLOCK_H]`` accumulator, with the
+per-key ``2**e_max`` applied after it, as in the FP8 Gluon kernel (``gluon_decode._store_row``); results
+agree with the reference to fp32 rounding (DESIGN.md §11) and one kernel always returns the same bits.
+
+Gluon does not run under the Triton interpreter: this path needs a CUDA GPU with wgmma (sm_90+), and
+``head_dim == 128`` (four scale blocks: one per lane of a quad in the wgmma register operand).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from ...cache import IndexerKCache
+from ...formats import FP8_DTYPE
+from .gluon_decode import _row_length, _store_row
+from .triton import _E2M1_EXPAND_ASM, _E4M3_TABLE_ASM, _mxfp4_rows, _split_tiles
+
+__all__ = ["paged_mqa_logits_gluon_mxfp4", "GLUON_MXFP4_DECODE_CONFIG"]
+
+BLOCK_K = gl.constexpr(64)  # positions per key tile: one wgmma M tile
+DIM = gl.constexpr(128)  # head_dim this kernel takes: D/32 = 4 scale blocks, one per lane of a quad
+# (cp.async ring stages, programs per SM aimed at, key tiles per split min/max, draft rows per program at
+# most (1 or 2), producer warps, producer registers per thread, register cap per thread at launch, expand
+# the next tile under this tile's wgmma: 0/1). Warp specialisation rounds the warps up to whole warpgroups
+# (4 consumer + 4 producer = 256 threads), so the cap decides the programs per SM: 128 gives two (consumer
+# 216 registers), 80 three (consumer 120), 64 four (consumer 104 with 24 producer registers).
+GLUON_MXFP4_DECODE_CONFIG = (4, 8, 2, 32, 2, 4, 40, 80, 0)
+
+
+@gluon.jit
+def _producer(values_ptr, cache_ptr, page_units, table_row, key_ring, scale_ring, ready, empty,
+              split_start, read_end, num_fills,
+              BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr, COPY_ALIGN: gl.constexpr,
+              COPY_LAYOUT: gl.constexpr, SCALE_LAYOUT: gl.constexpr):
+    """Per tile ``[BLOCK_K, D/2]`` packed bytes and ``[BLOCK_K]`` scale words into the ring, ``num_fills``
+    tiles (positions ``>= read_end`` are zero-filled: code 0 in a block of exponent 0 expands to +0). Pages start every
+    ``page_units * COPY_ALIGN`` bytes and the cache is ``COPY_ALIGN``-byte aligned: the copies move
+    ``COPY_ALIGN`` bytes (16 or 4) each."""
+    key = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, COPY_LAYOUT))
+    byte = gl.arange(0, DIM // 2, layout=gl.SliceLayout(0, COPY_LAYOUT))
+    scale_key = gl.arange(0, BLOCK_K, layout=SCALE_LAYOUT)
+    scale_base = BLOCK_SIZE * (DIM // 2)  # the page's scale words follow its packed bytes
+    if BLOCK_SIZE % BLOCK_K == 0:
+        # A tile lies in one page: one block-table entry per tile, loaded a tile ahead.
+        next_page = gl.load(table_row + split_start // BLOCK_SIZE, mask=split_start < read_end, other=0)
+        for tile in range(num_fills):
+            stage = tile % NUM_STAGES
+            tile_start = split_start + tile * BLOCK_K
+            page_start = next_page.to(gl.int64) * page_units * COPY_ALIGN
+            ahead = tile_start + BLOCK_K
+            next_page = gl.load(table_row + ahead // BLOCK_SIZE, mask=ahead < read_end, other=0)
+            # A fresh barrier has completed no phase; waiting on parity 1 passes, so the first round is free.
+            mbarrier.wait(empty.index(stage), ((tile // NUM_STAGES) & 1) ^ 1)
+            slot = tile_start % BLOCK_SIZE + key  # [BLOCK_K]
+            key_ptrs = values_ptr + page_start + slot[:, None] * (DIM // 2) + byte[None, :]
+            scale_slot = tile_start % BLOCK_SIZE + scale_key
+            scale_ptrs = (cache_ptr + page_start + scale_base + scale_slot * 4).to(gl.pointer_type(gl.int32))
+            if COPY_ALIGN == 4:  # the cache guarantees 4-byte alignment; the compiler cannot see it
+                key_ptrs = gl.multiple_of(key_ptrs, [4, 4])
+                scale_ptrs = gl.multiple_of(scale_ptrs, [4])
+            async_copy.async_copy_global_to_shared(key_ring.index(stage), key_ptrs,
+                                                   mask=(tile_start + key < read_end)[:, None])
+            async_copy.async_copy_global_to_shared(scale_ring.index(stage), scale_ptrs,
+                                                   mask=tile_start + scale_key < read_end)
+            async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
+    else:
+        for tile in range(num_fills):
+            stage = tile % NUM_STAGES
+            positions = split_start + tile * BLOCK_K + key  # [BLOCK_K]
+            live = positions < read_end
+            page = gl.load(table_row + positions.to(gl.uint32) // BLOCK_SIZE, mask=live, other=0)
+            scale_positions = split_start + tile * BLOCK_K + scale_key
+            scale_live = scale_positions < read_end
+            scale_page = gl.load(table_row + scale_positions.to(gl.uint32) // BLOCK_SIZE, mask=scale_live, other=0)
+            mbarrier.wait(empty.index(stage), ((tile // NUM_STAGES) & 1) ^ 1)
+            slot = (positions.to(gl.uint32) % BLOCK_SIZE).to(gl.int32)
+            key_rows = values_ptr + page.to(gl.int64) * page_units * COPY_ALIGN + slot * (DIM // 2)  # [BLOCK_K]
+            key_ptrs = key_rows[:, None] + byte[None, :]
+            scale_slot = (scale_positions.to(gl.uint32) % BLOCK_SIZE).to(gl.int32)
+            scale_bytes = scale_page.to(gl.int64) * page_units * COPY_ALIGN + scale_base + scale_slot * 4
+            scale_ptrs = (cache_ptr + scale_bytes).to(gl.pointer_type(gl.int32))
+            if COPY_ALIGN == 4:
+                key_ptrs = gl.multiple_of(key_ptrs, [4, 4])
+                scale_ptrs = gl.multiple_of(scale_ptrs, [4])
+            async_copy.async_copy_global_to_shared(key_ring.index(stage), key_ptrs, mask=live[:, None])
+            async_copy.async_copy_global_to_shared(scale_ring.index(stage), scale_ptrs, mask=scale_live)
+            async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
+
+
+@gluon.jit
+def _load_queries(q_ptr, stride_qb, stride_qt, stride_qh, query_smem, request, t0, next_n,
+                  HEADS: gl.constexpr, BLOCK_H: gl.constexpr, ROWS: gl.constexpr, QUERY_LAYOUT: gl.constexpr):
+    """De-interleaved e4m3 queries ``[ROWS, BLOCK_H, D]`` -> shared memory in ``_dot_order`` (position
+    ``16i + 4b + j`` of each half holds half element ``16b + 4i + j``), zero for absent heads and rows."""
+    head = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QUERY_LAYOUT))
+    position = gl.arange(0, DIM, layout=gl.SliceLayout(0, QUERY_LAYOUT))
+    within = position % (DIM // 2)
+    source = (position // (DIM // 2)) * (DIM // 2) + 16 * ((within // 4) % 4) + 4 * (within // 16) + within % 4
+    for r in gl.static_range(ROWS):
+        t = t0 + r
+        rows = q_ptr + request.to(gl.int64) * stride_qb + t * stride_qt + head * stride_qh  # [BLOCK_H]
+        values = gl.load(rows[:, None] + source[None, :], mask=((head < HEADS) & (t < next_n))[:, None], other=0.0)
+        query_smem.index(r).store(values)
+
+
+@gluon.jit
+def _expand_tile(key_ring, scale_ring, stage, ROW_BYTES_LAYOUT: gl.constexpr, PACKED_LAYOUT: gl.constexpr,
+                 A_LAYOUT: gl.constexpr, ROW_LAYOUT: gl.constexpr):
+    """One stage's packed keys -> (e4m3 ``[BLOCK_K, D]`` in the wgmma A register layout, contraction in
+    ``_dot_order``: even half then odd half; fp32 ``[BLOCK_K]`` ``2**e_max`` per key in ``ROW_LAYOUT``)."""
+    block_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, PACKED_LAYOUT))  # [BLOCK_K, 4 blocks]
+    # Byte 16q + 4k + j of a key row (block q, word k, byte j) read as [key, k, q, j]: a thread's 16 bytes
+    # of one block and row are contiguous (one 16-byte shared load), its block is its lane's index in the quad.
+    packed = key_ring.index(stage).load(ROW_BYTES_LAYOUT)  # [BLOCK_K, D/2]
+    packed = gl.permute(gl.reshape(packed, [BLOCK_K, 4, 4, 4]), (0, 2, 1, 3))
+    packed = gl.convert_layout(packed, PACKED_LAYOUT, assert_trivial=True)
+    words = scale_ring.index(stage).load(gl.SliceLayout(1, block_layout))  # [BLOCK_K] ue8m0 x4 (block b: byte b)
+    block = gl.arange(0, 4, layout=gl.SliceLayout(0, block_layout))
+    exponents = (words[:, None] >> (8 * block[None, :])) & 0xFF  # [BLOCK_K, 4]: this lane's block only
+    top = gl.max(exponents, axis=1)  # [BLOCK_K]
+    # The Triton path's block multiplier 2**(14 + e_b - e_max) as fp16 exponent field (0: block dropped).
+    scale_pair = gl.maximum(29 - (top[:, None] - exponents), 0) * 0x04000400  # fp16x2 bits
+    table_low, table_high = gl.inline_asm_elementwise(
+        _E4M3_TABLE_ASM, "=r,=r,r", [scale_pair], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+    even, odd = gl.inline_asm_elementwise(
+        _E2M1_EXPAND_ASM, "=r,=r,r,r,r,r,r,r,r,r,r",
+        [packed, gl.expand_dims(gl.expand_dims(table_low, 1), 3), gl.expand_dims(gl.expand_dims(table_high, 1), 3)],
+        dtype=(gl.float8e4nv, gl.float8e4nv), is_pure=True, pack=4)  # [BLOCK_K, 4 k, 4 q, 4 j] each
+    # Column 64h + 16k + 4q + j of the A operand: half h, word k of block q, byte j.
+    keys = gl.reshape(gl.permute(gl.join(even, odd), (0, 4, 1, 2, 3)), [BLOCK_K, DIM])
+    keys = gl.convert_layout(keys, A_LAYOUT, assert_trivial=True)
+    key_mul = gl.convert_layout((top << 23).to(gl.float32, bitcast=True), ROW_LAYOUT, assert_trivial=True)
+    return keys, key_mul
+
+
+@gluon.jit
+def _take_tile(key_ring, scale_ring, ready, empty, tile, NUM_STAGES: gl.constexpr, ROW_BYTES_LAYOUT: gl.constexpr,
+               PACKED_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, ROW_LAYOUT: gl.constexpr):
+    """Wait for ``tile``'s stage, expand it into registers (``_expand_tile``) and hand the stage back."""
+    stage = tile % NUM_STAGES
+    mbarrier.wait(ready.index(stage), (tile // NUM_STAGES) & 1)
+    keys, key_mul = _expand_tile(key_ring, scale_ring, stage, ROW_BYTES_LAYOUT, PACKED_LAYOUT, A_LAYOUT, ROW_LAYOUT)
+    gl.thread_barrier()  # every warp has its bytes of this stage in registers
+    mbarrier.arrive(empty.index(stage), count=1)
+    return keys, key_mul
+
+
+@gluon.jit
+def _consumer(q_ptr, stride_qb, stride_qt, stride_qh, w_ptr, stride_wr, stride_wh, out_ptr, stride_or,
+              key_ring, scale_ring, query_smem, ready, empty,
+              request, t0, next_n, length0, length1, split_start, split_end, read_end, num_tiles,
+              HEADS: gl.constexpr, BLOCK_H: gl.constexpr, ROWS: gl.constexpr, NUM_STAGES: gl.constexpr,
+              CLEAN: gl.constexpr, AHEAD: gl.constexpr, ROW_BYTES_LAYOUT: gl.constexpr,
+              PACKED_LAYOUT: gl.constexpr, QUERY_LAYOUT: gl.constexpr):
+    """Queries once; per tile: expand, one async wgmma per row, row 0's epilogue under row 1's wgmma;
+    then the ``-inf`` tail."""
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_H, 32])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=4)
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    _load_queries(q_ptr, stride_qb, stride_qt, stride_qh, query_smem, request, t0, next_n,
+                  HEADS, BLOCK_H, ROWS, QUERY_LAYOUT)
+    fence_async_shared()  # generic-proxy stores, read by wgmma through the async proxy
+    gl.thread_barrier()
+    head = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, mma_layout))
+    key = gl.arange(0, BLOCK_K, layout=row_layout)
+    first_row = request.to(gl.int64) * next_n + t0
+    present0 = t0 < next_n
+    present1 = t0 + 1 < next_n
+    half_w0 = gl.load(w_ptr + first_row * stride_wr + head * stride_wh, mask=(head < HEADS) & present0,
+                      other=0.0) * 0.5  # [BLOCK_H]
+    out_row0 = out_ptr + first_row * stride_or
+    if ROWS == 2:
+        half_w1 = gl.load(w_ptr + (first_row + 1) * stride_wr + head * stride_wh, mask=(head < HEADS) & present1,
+                          other=0.0) * 0.5
+        out_row1 = out_row0 + stride_or
+    zero = gl.zeros([BLOCK_K, BLOCK_H], gl.float32, layout=mma_layout)
+    if AHEAD:
+        keys, key_mul = _take_tile(key_ring, scale_ring, ready, empty, 0, NUM_STAGES, ROW_BYTES_LAYOUT, PACKED_LAYOUT,
+                                   a_layout, row_layout)
+    for tile in range(num_tiles):
+        if not AHEAD:
+            keys, key_mul = _take_tile(key_ring, scale_ring, ready, empty, tile, NUM_STAGES, ROW_BYTES_LAYOUT,
+                                       PACKED_LAYOUT, a_layout, row_layout)
+        acc0 = warpgroup_mma(keys, query_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+        if ROWS == 2:
+            acc1 = warpgroup_mma(keys, query_smem.index(1).permute((1, 0)), zero, use_acc=False, is_async=True)
+        if AHEAD:  # the next tile's expansion under this tile's wgmma
+            next_keys, next_key_mul = _take_tile(key_ring, scale_ring, ready, empty, tile + 1, NUM_STAGES,
+                                                 ROW_BYTES_LAYOUT, PACKED_LAYOUT, a_layout, row_layout)
+        positions = split_start + tile * BLOCK_K + key
+        live = positions < read_end
+        if ROWS == 2:
+            acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
+            _store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
+            acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
+            _store_row(acc1, half_w1, key_mul, out_row1, positions, live, length1, present1, CLEAN)
+        else:
+            acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, ))
+            _store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
+        if AHEAD:
+            keys = next_keys
+            key_mul = next_key_mul
+    if CLEAN:
+        masked = gl.full([BLOCK_K], float("-inf"), gl.float32, layout=row_layout)
+        for first in range(gl.maximum(split_start, read_end), split_end, BLOCK_K):
+            positions = first + key
+            gl.store(out_row0 + positions, masked, mask=(positions < split_end) & present0)
+            if ROWS == 2:
+                gl.store(out_row1 + positions, masked, mask=(positions < split_end) & present1)
+
+
+@gluon.jit(do_not_specialize=["next_n", "one_d", "max_context_len", "num_splits", "num_groups"])
+def _paged_mqa_logits_mxfp4_ws_kernel(
+    q_ptr, stride_qb, stride_qt, stride_qh,
+    w_ptr, stride_wr, stride_wh,
+    values_ptr, cache_ptr, page_units,
+    lens_ptr, stride_lb, stride_lt,
+    table_ptr, stride_tb,
+    out_ptr, stride_or,
+    next_n, one_d, max_context_len, num_splits, num_groups,
+    HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+    ROWS: gl.constexpr, TILES: gl.constexpr, NUM_STAGES: gl.constexpr, CLEAN: gl.constexpr, AHEAD: gl.constexpr,
+    PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, COPY_ALIGN: gl.constexpr,
+    QUERY_SMEM_LAYOUT: gl.constexpr, COPY_LAYOUT: gl.constexpr, SCALE_LAYOUT: gl.constexpr,
+    ROW_BYTES_LAYOUT: gl.constexpr, PACKED_LAYOUT: gl.constexpr, QUERY_LAYOUT: gl.constexpr,
+):
+    """Draft rows ``[t0, t0 + ROWS)`` of one request over one split of ``TILES * BLOCK_K`` positions
+    (program ids: request, split, row group fastest, as in the Triton kernel)."""
+    pid = gl.program_id(0)
+    request_split = pid // num_groups
+    split = request_split % num_splits
+    request = request_split // num_splits
+    t0 = (pid % num_groups) * ROWS
+    length0 = _row_length(lens_ptr, stride_lb, stride_lt, request, t0, next_n, one_d)
+    length1 = _row_length(lens_ptr, stride_lb, stride_lt, request, t0 + 1, next_n, one_d)
+    if ROWS == 2:
+        extent = gl.maximum(length0, length1)
+    else:
+        extent = length0
+    split_start = split * (TILES * BLOCK_K)
+    split_end = gl.minimum(split_start + TILES * BLOCK_K, max_context_len)
+    read_end = gl.minimum(split_end, extent)
+    num_tiles = (gl.maximum(read_end - split_start, 0) + BLOCK_K - 1) // BLOCK_K
+    table_row = table_ptr + request.to(gl.int64) * stride_tb
+
+    key_ring = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, BLOCK_K, DIM // 2],
+                                         gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    scale_ring = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, BLOCK_K], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    query_smem = gl.allocate_shared_memory(gl.float8e4nv, [ROWS, BLOCK_H, DIM], QUERY_SMEM_LAYOUT)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(s), count=32 * PRODUCER_WARPS)
+        mbarrier.init(empty.index(s), count=1)
+
+    gl.warp_specialize([
+        (_consumer, (q_ptr, stride_qb, stride_qt, stride_qh, w_ptr, stride_wr, stride_wh, out_ptr, stride_or,
+                     key_ring, scale_ring, query_smem, ready, empty,
+                     request, t0, next_n, length0, length1, split_start, split_end, read_end, num_tiles,
+                     HEADS, BLOCK_H, ROWS, NUM_STAGES, CLEAN, AHEAD, ROW_BYTES_LAYOUT, PACKED_LAYOUT,
+                     QUERY_LAYOUT)),
+        (_producer, (values_ptr, cache_ptr, page_units, table_row, key_ring, scale_ring, ready, empty,
+                     split_start, read_end, num_tiles + AHEAD,
+                     BLOCK_SIZE, NUM_STAGES, COPY_ALIGN, COPY_LAYOUT, SCALE_LAYOUT)),
+    ], [PRODUCER_WARPS], [PRODUCER_REGS])
+
+
+def kernel_constants(heads: int, block_size: int, rows: int, tiles: int, clean: bool, copy_align: int,
+                     config: tuple[int, int, int, int, int, int, int, int | None, int]) -> dict:
+    """The kernel's compile-time arguments (launcher and ahead-of-time compilation share them)."""
+    num_stages, _, _, _, _, producer_warps, producer_regs, _, ahead = config
+    if heads > 128:
+        raise ValueError(f"the Gluon MXFP4 decode kernel takes at most 128 heads, got {heads}")
+    lanes_per_row = (DIM.value // 2) // copy_align  # copy_align bytes a thread, a packed row is D/2 bytes
+    return dict(
+        HEADS=heads, BLOCK_H=max(16, triton.next_power_of_2(heads)), BLOCK_SIZE=block_size, ROWS=rows,
+        TILES=tiles, NUM_STAGES=num_stages, CLEAN=clean, AHEAD=int(ahead), PRODUCER_WARPS=producer_warps,
+        PRODUCER_REGS=producer_regs, COPY_ALIGN=copy_align,
+        QUERY_SMEM_LAYOUT=gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2),
+        COPY_LAYOUT=gl.BlockedLayout([1, copy_align], [32 // lanes_per_row, lanes_per_row], [producer_warps, 1],
+                                     [1, 0]),
+        SCALE_LAYOUT=gl.BlockedLayout([1], [32], [producer_warps], [0]),
+        # [key, byte 16q + 4k + j of its row]: the same distribution before the reshape to PACKED_LAYOUT.
+        ROW_BYTES_LAYOUT=gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]], lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BLOCK_K.value, DIM.value // 2]),
+        # [key, word k, block q, byte j]: bytes and words in registers (byte fastest: one packed word per
+        # four registers), q on lane % 4, keys on lane / 4, register 16 (+8) and the warps as in the
+        # wgmma accumulator and A operand.
+        PACKED_LAYOUT=gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 1, 0, 0], [0, 2, 0, 0], [8, 0, 0, 0]],
+            lane_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+            warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[BLOCK_K.value, 4, 4, 4]),
+        QUERY_LAYOUT=gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0]),
+    )
+
+
+def paged_mqa_logits_gluon_mxfp4(
+    q: torch.Tensor,
+    q_scale: torch.Tensor | None,
+    cache: IndexerKCache,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    max_context_len: int,
+    clean: bool,
+    out: torch.Tensor,
+    *,
+    config: tuple[int, int, int, int, int, int, int, int | None, int] | None = None,
+) -> torch.Tensor:
+    """Gluon twin of ``paged_mqa_logits_triton`` for MXFP4 caches with ``head_dim == 128`` (same arguments,
+    validated by the public wrapper; CUDA with sm_90+ only). ``config`` overrides
+    ``GLUON_MXFP4_DECODE_CONFIG`` (benchmarks)."""
+    if cache.fmt != "mxfp4" or q_scale is None:
+        raise ValueError(f"the Gluon MXFP4 decode kernel takes MXFP4 caches only, got fmt {cache.fmt!r}")
+    if cache.head_dim != DIM.value:
+        raise ValueError(f"the Gluon MXFP4 decode kernel needs head_dim {DIM.value}, got {cache.head_dim}")
+    batch, next_n = q.shape[:2]
+    heads = weights.shape[1]
+    if batch == 0 or max_context_len == 0:
+        return out
+    if cache.num_blocks == 0 or block_table.shape[1] == 0:
+        if clean:
+            out.fill_(float("-inf"))
+        return out
+    q_values, q_mul = _mxfp4_rows(q, q_scale, FP8_DTYPE)  # [B, next_n, H, D] de-interleaved e4m3
+    w = weights * q_mul.view(batch * next_n, heads)
+    config = config or GLUON_MXFP4_DECODE_CONFIG
+    _, per_sm, lo, hi, max_rows, _, _, maxnreg, _ = config
+    rows = 1 if min(next_n, max_rows) == 1 else 2
+    num_groups = triton.cdiv(next_n, rows)
+    key_tiles = triton.cdiv(max_context_len, BLOCK_K)
+    tiles = _split_tiles(batch * num_groups, key_tiles, q.device, per_sm, lo, hi)
+    num_splits = triton.cdiv(key_tiles, tiles)
+    buffer = cache.buffer
+    # 16-byte copies when the cache allows them; the cache guarantees 4-byte alignment (cp.async's minimum).
+    copy_align = 16 if buffer.data_ptr() % 16 == 0 and cache.page_stride % 16 == 0 else 4
+    constants = kernel_constants(heads, cache.block_size, rows, tiles, clean, copy_align, config)
+    one_d = context_lens.dim() == 1
+    _paged_mqa_logits_mxfp4_ws_kernel[(batch * num_groups * num_splits,)](
+        q_values, q_values.stride(0), q_values.stride(1), q_values.stride(2),
+        w, w.stride(0), w.stride(1),
+        buffer, buffer, cache.page_stride // copy_align,
+        context_lens, context_lens.stride(0), 0 if one_d else context_lens.stride(1),
+        block_table, block_table.stride(0),
+        out, out.stride(0),
+        next_n, int(one_d), max_context_len, num_splits, num_groups,
+        **constants, num_warps=4, maxnreg=maxnreg,
+    )
+    return out

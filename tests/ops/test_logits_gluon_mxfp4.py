@@ -1,0 +1,155 @@
+"""Gluon warp-specialised MXFP4 decode logits (``ops/logits/gluon_decode_mxfp4.py``) against the reference
+and the Triton MXFP4 kernel.
+
+Tiers (DESIGN.md §11): calc_diff < 5e-6 against the PyTorch reference on the same quantised inputs with
+the ``-inf`` masks equal; the same bits as the Triton kernel (``paged_mqa_logits_triton``) wherever both
+sum a row's heads in the same order (64 heads and at most 2 draft rows: the expansion, the contraction
+order and the per-row head sum are the same instructions); 20 reruns with identical bits. Outputs go
+through padded row strides of a poisoned allocation (the padding keeps its poison; with ``clean=False``
+only the valid entries are written), and the paged cache sits in a 0xFF-poisoned allocation with a padded page stride, so a read of
+a byte the kernel should not use shows (and the copies fall back to 4 bytes; one test also runs the
+16-byte path on an aligned copy of the cache).
+Gluon kernels do not run under the Triton interpreter: every test here needs a CUDA GPU with wgmma.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsa_indexer import backend
+from dsa_indexer.cache import IndexerKCache
+from dsa_indexer.testing import calc_diff
+from test_logits_kernel import NEG_INF, POISON, TIER, DecodeInputs, decode_inputs, run_decode
+
+_HOPPER = (not backend.interpreter_enabled() and torch.cuda.is_available()
+           and torch.cuda.get_device_capability()[0] >= 9)
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _HOPPER,
+                       reason="Gluon kernels cannot run under the Triton interpreter; they need a CUDA GPU with "
+                              "wgmma (sm_90+): run scripts/gpu-check on an H100/H200"),
+]
+
+REQUEST_LENGTHS = [0, 1, 63, 64, 65, 4999, 12345]
+
+
+def run_gluon(inputs: DecodeInputs, clean: bool, pad: int, **kwargs) -> torch.Tensor:
+    """The Gluon launcher into a poisoned ``[rows, width + pad]`` allocation; returns the allocation."""
+    from dsa_indexer.ops.logits.gluon_decode_mxfp4 import paged_mqa_logits_gluon_mxfp4
+
+    rows = inputs.q.shape[0] * inputs.q.shape[1]
+    storage = torch.full((rows, inputs.max_context_len + pad), POISON, device=inputs.q.device)
+    paged_mqa_logits_gluon_mxfp4(*inputs.args(), clean, storage[:, : inputs.max_context_len], **kwargs)
+    return storage
+
+
+def check_gluon(inputs: DecodeInputs, clean: bool, same_bits_as_triton: bool, pad: int = 8,
+                **kwargs) -> torch.Tensor:
+    """Reference tier (and the Triton kernel's bits when ``same_bits_as_triton``), padding kept, nothing
+    written outside the valid entries when not ``clean``; 20 reruns bitwise. Returns the first result."""
+    from dsa_indexer.ops.logits.triton import paged_mqa_logits_triton
+
+    width = inputs.max_context_len
+    expected = run_decode(inputs, "reference", True, pad)[:, :width]
+    result = run_gluon(inputs, clean, pad, **kwargs)
+    assert (result[:, width:] == POISON).all(), "padded row stride was written"
+    got = result[:, :width]
+    triton_out = torch.full_like(expected, POISON)
+    paged_mqa_logits_triton(*inputs.args(), clean, triton_out)
+    if clean:
+        assert calc_diff(got, expected) < TIER
+    else:
+        valid = expected != NEG_INF
+        assert calc_diff(got[valid], expected[valid]) < TIER
+        assert (got[~valid] == POISON).all(), "clean=False wrote outside the valid ranges"
+    if same_bits_as_triton:
+        assert torch.equal(got.view(torch.int32), triton_out.view(torch.int32)), "bits differ from the Triton kernel"
+    else:
+        valid = expected != NEG_INF
+        assert calc_diff(got[valid], triton_out[valid]) < TIER
+    for _ in range(20):
+        assert torch.equal(run_gluon(inputs, clean, pad, **kwargs).view(torch.int32), result.view(torch.int32))
+    return result
+
+
+@pytest.mark.parametrize("clean", [True, False])
+@pytest.mark.parametrize("next_n, lens", [(1, "1d"), (2, "1d"), (2, "2d"), (3, "2d"), (4, "1d")])
+def test_gluon_mxfp4_decode_matches_reference_and_triton_gpu(kernel_device, next_n, lens, clean):
+    lengths = REQUEST_LENGTHS if lens == "1d" else [[max(0, n - 7 * t) for t in range(next_n)] for n in REQUEST_LENGTHS]
+    inputs = decode_inputs("mxfp4", lengths, next_n, kernel_device, heads=64, block_size=64, seed=51 + next_n)
+    # next_n > 2: the Triton kernel stacks 4 rows into one [64, 256] accumulator (another head-sum tile).
+    check_gluon(inputs, clean, same_bits_as_triton=next_n <= 2)
+
+
+@pytest.mark.parametrize("next_n", [1, 2])
+def test_gluon_mxfp4_decode_block_exponent_spreads_gpu(kernel_device, next_n):
+    """Random packed bytes (every code, both signs) and block exponents spread over 0..60 (exact, rounded
+    and dropped blocks), as in the Triton PTX-expansion test: the Triton kernel's bits."""
+    inputs = decode_inputs("mxfp4", [0, 1, 65, 700, 3001], next_n, kernel_device, heads=64, block_size=64, seed=61)
+    gen = torch.Generator(device=kernel_device).manual_seed(62)
+    values, scales = inputs.cache.values_view(), inputs.cache.scales_view()
+    values.copy_(torch.randint(0, 256, values.shape, generator=gen, device=kernel_device, dtype=torch.uint8))
+    scales.copy_(torch.randint(70, 131, scales.shape, generator=gen, device=kernel_device, dtype=torch.uint8))
+    check_gluon(inputs, True, same_bits_as_triton=True)
+
+
+@pytest.mark.parametrize("next_n", [1, 2])
+def test_gluon_mxfp4_decode_aligned_cache_uses_16_byte_copies_gpu(kernel_device, next_n):
+    """A 16-byte aligned cache with an unpadded page stride (the 16-byte copy path) gives the bits of
+    the same pages in the poisoned, padded cache (the 4-byte path)."""
+    lengths = [[max(0, n - 5 * t) for t in range(next_n)] for n in REQUEST_LENGTHS]
+    inputs = decode_inputs("mxfp4", lengths, next_n, kernel_device, heads=64, block_size=64, seed=63)
+    cache = inputs.cache
+    aligned = IndexerKCache(cache.num_blocks, block_size=cache.block_size, head_dim=cache.head_dim, fmt="mxfp4",
+                            buffer=cache.buffer.contiguous())
+    assert aligned.buffer.data_ptr() % 16 == 0 and aligned.page_stride % 16 == 0 and cache.page_stride % 16
+    aligned_inputs = DecodeInputs(inputs.q, inputs.q_scale, aligned, inputs.weights, inputs.context_lens,
+                                  inputs.block_table, inputs.max_context_len)
+    result = check_gluon(aligned_inputs, True, same_bits_as_triton=True)
+    assert torch.equal(result.view(torch.int32), run_gluon(inputs, True, 8).view(torch.int32))
+
+
+@pytest.mark.parametrize("next_n", [1, 2])
+def test_gluon_mxfp4_decode_single_request_long_context_gpu(kernel_device, next_n):
+    inputs = decode_inputs("mxfp4", [40001], next_n, kernel_device, heads=64, block_size=64, extra_width=70, seed=64)
+    check_gluon(inputs, True, same_bits_as_triton=True)
+
+
+def test_gluon_mxfp4_decode_small_pages_and_heads_gpu(kernel_device):
+    """Pages smaller than a key tile (one table entry per key), 3 heads (padded to 16): reference tier."""
+    inputs = decode_inputs("mxfp4", [[13, 0], [700, 701], [0, 40]], 2, kernel_device, heads=3, block_size=16,
+                           seed=65)
+    check_gluon(inputs, True, same_bits_as_triton=False)
+    check_gluon(inputs, False, same_bits_as_triton=False)
+
+
+def _sweep_configs() -> list[str]:
+    from dsa_indexer.bench.suite_logits import GLUON_SWEEP_VARIANTS
+
+    return sorted(GLUON_SWEEP_VARIANTS["mxfp4"])
+
+
+@pytest.mark.parametrize("next_n", [1, 2])
+@pytest.mark.parametrize("variant", _sweep_configs())
+def test_gluon_mxfp4_decode_sweep_variants_gpu(kernel_device, variant, next_n):
+    """Every configuration the benchmark sweep times matches the reference and the Triton kernel's bits
+    (next_n = 2: one program per row gives the same per-row sums)."""
+    from dsa_indexer.bench.suite_logits import GLUON_SWEEP_VARIANTS
+
+    lengths = [[max(0, n - 7 * t) for t in range(next_n)] for n in REQUEST_LENGTHS]
+    inputs = decode_inputs("mxfp4", lengths, next_n, kernel_device, heads=64, block_size=64, seed=66)
+    check_gluon(inputs, True, same_bits_as_triton=True, config=GLUON_SWEEP_VARIANTS["mxfp4"][variant]["config"])
+
+
+def test_gluon_mxfp4_decode_empty_rows_write_minus_inf_gpu(kernel_device):
+    inputs = decode_inputs("mxfp4", [0, 0], 2, kernel_device, heads=64, block_size=64, extra_width=100, seed=67)
+    result = run_gluon(inputs, True, 3)
+    assert (result[:, :100] == NEG_INF).all() and (result[:, 100:] == POISON).all()
+    assert (run_gluon(inputs, False, 3) == POISON).all()
+
+
+def test_gluon_mxfp4_decode_rejects_other_head_dims_gpu(kernel_device):
+    inputs = decode_inputs("mxfp4", [40], 1, kernel_device, heads=64, dim=64, block_size=64, seed=68)
+    with pytest.raises(ValueError, match="head_dim 128"):
+        run_gluon(inputs, True, 0)
