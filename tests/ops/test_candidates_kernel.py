@@ -289,10 +289,17 @@ def test_cuda_graph_replay_follows_new_bounds():
         assert torch.equal(masked.view(torch.int32), expected_masked.view(torch.int32))
 
 
-VARIANTS = [dict(vector=True), dict(register_select=True), dict(vector=True, register_select=True, keys_tile=64)]
+VARIANTS = {
+    "scalar_keys": dict(vector=False),
+    "register": dict(register_select=True),
+    "both_small_tiles": dict(vector=True, register_select=True, keys_tile=64),
+    "radix_4_warps": dict(radix_warps=4),
+    "split_histogram": dict(split_histogram=True),
+    "split_histogram_4_warps": dict(split_histogram=True, radix_warps=4, radix_chunk=2048),
+}
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=["vector", "register", "both_small_tiles"])
+@pytest.mark.parametrize("variant", VARIANTS.values(), ids=VARIANTS.keys())
 @pytest.mark.parametrize("data", ["ties", "nan_and_neg_inf"])
 def test_select_variants_match_reference(kernel_device, variant, data):
     # Starts at multiples of 4 (the 16-byte path) and not; rows long enough for interior tiles.
@@ -308,8 +315,20 @@ def test_select_variants_match_reference(kernel_device, variant, data):
     assert torch.equal(select_candidate_blocks_triton(logits, None, ends, 9, 4, 2, **variant), expected)
 
 
+MASK_VARIANTS = {
+    "scalar": dict(vector=False),
+    "vector": dict(vector=True),
+    "fused_flags": dict(fused_flags=True),
+    "fused_flags_scalar": dict(fused_flags=True, vector=False),
+    "streaming_16_warps": dict(streaming=True, warps=16),
+    "rewrite_kept": dict(rewrite_kept=True),
+    "fused_rewrite_kept": dict(fused_flags=True, rewrite_kept=True),
+}
+
+
+@pytest.mark.parametrize("variant", MASK_VARIANTS.values(), ids=MASK_VARIANTS.keys())
 @pytest.mark.parametrize("block_size,tile", [(8, 64), (4, 32), (12, 128), (8, 4096)])
-def test_mask_vector_variant_matches_reference(kernel_device, block_size, tile):
+def test_mask_variants_match_reference(kernel_device, variant, block_size, tile):
     logits, _, _, generator = case(6, 400, block_size, "nan_and_neg_inf", device=kernel_device)
     starts = torch.tensor([0, 4, 12, 3, 200, 400], dtype=torch.int32, device=kernel_device)
     ends = torch.tensor([400, 397, 300, 399, 400, 400], dtype=torch.int32, device=kernel_device)
@@ -317,11 +336,24 @@ def test_mask_vector_variant_matches_reference(kernel_device, block_size, tile):
     candidate_blocks = candidate_blocks.to(kernel_device)
     expected = logits.clone()
     apply_candidate_mask(expected, starts, ends, candidate_blocks, block_size, backend="reference")
-    apply_candidate_mask_triton(logits, starts, ends, candidate_blocks, block_size, 1, vector=True, tile=tile)
+    apply_candidate_mask_triton(logits, starts, ends, candidate_blocks, block_size, 1, tile=tile, **variant)
     assert torch.equal(logits.view(torch.int32), expected.view(torch.int32))
 
 
-@pytest.mark.parametrize("variant", [dict(), dict(aligned_rows=True), dict(aligned_rows=True, block=64, num_warps=2)])
+@pytest.mark.parametrize("row_repeat,with_starts", [(1, True), (2, False)])
+def test_mask_fused_flags_strided_candidates_and_row_repeat(kernel_device, row_repeat, with_starts):
+    # Column-major ids with -1, other negatives, duplicates and ids past the row; rows sharing bounds.
+    logits, starts, ends, generator = case(6, 60, 3, "random", row_repeat=row_repeat, with_starts=with_starts,
+                                           device=kernel_device)
+    candidate_blocks = torch.randint(-2, 60 // 4 + 3, (6, 9), generator=generator, dtype=torch.int32)
+    candidate_blocks = candidate_blocks.t().contiguous().t().to(kernel_device)
+    expected = logits.clone()
+    apply_candidate_mask(expected, starts, ends, candidate_blocks, 4, row_repeat=row_repeat, backend="reference")
+    apply_candidate_mask_triton(logits, starts, ends, candidate_blocks, 4, row_repeat, fused_flags=True)
+    assert torch.equal(logits.view(torch.int32), expected.view(torch.int32))
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(aligned_rows=False, block=1024), dict(block=64, num_warps=2)])
 @pytest.mark.parametrize("k", [128, 130, 8])
 def test_indices_to_slots_variants_match_reference(kernel_device, variant, k):
     generator = torch.Generator().manual_seed(k)
@@ -339,9 +371,8 @@ def test_indices_to_slots_variants_match_reference(kernel_device, variant, k):
     assert torch.equal(actual.cpu(), expected)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("data", ["random", "close"])
-def test_v41_shapes_variants(data):
+def v41_case(data):
+    """16 rows of the V4.1 shape, starts alternately multiples of 4 and not, and their reference top-2048."""
     generator = torch.Generator().manual_seed(4)
     num_rows, width = 16, 131072
     starts = torch.randint(0, 1024, (num_rows,), generator=generator, dtype=torch.int32) * 4
@@ -349,20 +380,38 @@ def test_v41_shapes_variants(data):
     ends = width - torch.randint(0, 4096, (num_rows,), generator=generator, dtype=torch.int32)
     logits = garbage_outside(make_logits(num_rows, width, generator, data), starts, ends, 1).cuda()
     starts, ends = starts.cuda(), ends.cuda()
-    expected = select_candidate_blocks(logits, starts, ends, 2048, 8, backend="reference")
-    actual = select_candidate_blocks_triton(logits, starts, ends, 2048, 8, 1, vector=True, register_select=True)
-    assert torch.equal(actual, expected)
-    for warps in (16, 32):
-        out = torch.empty_like(expected)
-        keys = candidates_triton.block_keys(logits, starts, ends, 8, 1, vector=True)
-        candidates_triton.select_from_keys(keys, starts, ends, 2048, 8, 1, out, register_select=True, warps=warps)
-        assert torch.equal(out, expected)
-    masked = logits.clone()
-    apply_candidate_mask(masked, starts, ends, expected, 8, backend="reference")
-    for tile in (4096, 8192):
-        again = logits.clone()
-        apply_candidate_mask_triton(again, starts, ends, expected, 8, 1, vector=True, tile=tile)
-        assert torch.equal(again.view(torch.int32), masked.view(torch.int32))
+    return logits, starts, ends, select_candidate_blocks(logits, starts, ends, 2048, 8, backend="reference")
+
+
+V41_SELECT_VARIANTS = {**VARIANTS, "register_32_warps": dict(register_select=True, warps=32)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", V41_SELECT_VARIANTS.values(), ids=V41_SELECT_VARIANTS.keys())
+@pytest.mark.parametrize("data", ["random", "close"])
+def test_v41_shapes_select_variants(data, variant):
+    logits, starts, ends, expected = v41_case(data)
+    keys = candidates_triton.block_keys(logits, starts, ends, 8, 1, vector=variant.get("vector"),
+                                        tile=variant.get("keys_tile", candidates_triton._KEYS_TILE))
+    stage = {name: value for name, value in variant.items() if name not in ("vector", "keys_tile")}
+    out = torch.empty_like(expected)
+    candidates_triton.select_from_keys(keys, starts, ends, 2048, 8, 1, out, **stage)
+    assert torch.equal(out, expected)
+
+
+V41_MASK_VARIANTS = {**MASK_VARIANTS, "tile_4096": dict(tile=4096), "tile_8192": dict(tile=8192),
+                     "fused_flags_16_warps": dict(fused_flags=True, warps=16),
+                     "fused_flags_streaming": dict(fused_flags=True, streaming=True)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", V41_MASK_VARIANTS.values(), ids=V41_MASK_VARIANTS.keys())
+def test_v41_shapes_mask_variants(variant):
+    logits, starts, ends, chosen = v41_case("random")
+    expected = logits.clone()
+    apply_candidate_mask(expected, starts, ends, chosen, 8, backend="reference")
+    apply_candidate_mask_triton(logits, starts, ends, chosen, 8, 1, **variant)
+    assert torch.equal(logits.view(torch.int32), expected.view(torch.int32))
 
 
 @pytest.mark.gpu
@@ -372,7 +421,7 @@ def test_indices_to_slots_variants_at_bench_shape():
     table = torch.randperm(8 * 1024, device="cuda", generator=generator).to(torch.int32).view(8, 1024)
     row_to_request = torch.arange(512, device="cuda", dtype=torch.int32) // 64
     expected = indices_to_slots_reference(indices, table, 64, row_to_request)
-    for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8)):
+    for block, warps, aligned in ((1024, 4, False), (1024, 4, True), (2048, 4, True), (2048, 8, True)):
         actual = indices_to_slots_triton(indices, table, 64, row_to_request, block=block, num_warps=warps,
-                                         aligned_rows=True)
+                                         aligned_rows=aligned)
         assert torch.equal(actual, expected)

@@ -145,6 +145,20 @@ def test_gluon_decode_sweep_configs_give_the_default_bits_gpu(kernel_device, var
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("variant, next_n", [("persist4-early", 1), ("persist2-early", 2), ("persist2-early", 3)])
+def test_gluon_decode_early_table_reads_stay_inside_the_table_gpu(kernel_device, variant, next_n):
+    """An output wider than the block table (splits that start past its last column) and short requests
+    beside a long one (first entries past a request's length are garbage ids): the early first-entry read
+    is masked by the table's width and never used for an item without tiles."""
+    lengths = [[max(0, n - 7 * t) for t in range(next_n)] for n in (40001, 0, 65, 3000)]
+    inputs = decode_inputs("fp8", lengths, next_n, kernel_device, heads=64, block_size=64, extra_width=5000,
+                           seed=49)
+    check_gluon(inputs, clean=True, config=GLUON_SWEEP_CONFIGS[variant])
+    check_gluon(inputs, clean=False, config=GLUON_SWEEP_CONFIGS[variant])
+
+
+@pytest.mark.gpu
+@needs_hopper
 @pytest.mark.parametrize("persistent", [False, True])
 def test_gluon_decode_replays_in_a_cuda_graph_with_changed_lengths_gpu(kernel_device, persistent):
     """The launcher reads nothing back to the host: captured once, replayed after the lengths change in
@@ -164,24 +178,51 @@ def test_gluon_decode_replays_in_a_cuda_graph_with_changed_lengths_gpu(kernel_de
 
 
 def test_gluon_decode_rule_by_work_size():
-    """Draft rows go to the Gluon kernel from 64K keys, one row from 2M keys (measured crossovers)."""
+    """FP8: draft rows go to the Gluon kernel from 64K keys, one row from 1M keys (measured crossovers);
+    MXFP4 from 1M keys."""
     gluon_decode = pytest.importorskip("dsa_indexer.ops.logits.gluon_decode")
     preferred = gluon_decode.gluon_decode_preferred
     assert preferred(32, 2, 131072) and preferred(128, 2, 32768) and preferred(1, 2, 131072)
     assert preferred(32, 4, 32768) and not preferred(1, 2, 4096)
-    assert preferred(32, 1, 131072) and preferred(128, 1, 32768) and preferred(16, 1, 131072)
-    assert not preferred(32, 1, 32768) and not preferred(1, 1, 131072)
+    assert preferred(32, 1, 131072) and preferred(128, 1, 32768) and preferred(32, 1, 32768)
+    assert not preferred(1, 1, 131072) and not preferred(4, 1, 131072)
+    mxfp4 = pytest.importorskip("dsa_indexer.ops.logits.gluon_decode_mxfp4").gluon_mxfp4_decode_preferred
+    assert mxfp4(32, 1, 32768) and mxfp4(32, 2, 32768) and mxfp4(128, 2, 131072)
+    assert not mxfp4(1, 1, 131072) and not mxfp4(1, 2, 131072)
+
+
+def test_gluon_decode_config_by_work_size():
+    """The FP8 launcher's default configuration: the one-row one at next_n = 1, with draft rows the
+    three-programs-per-SM one from 4M keys, the persistent one below; each is one of the swept (and
+    tested) configurations. MXFP4: the one-row configuration at next_n = 1."""
+    gluon_decode = pytest.importorskip("dsa_indexer.ops.logits.gluon_decode")
+    config = gluon_decode.gluon_decode_config
+    for batch, length in [(1, 131072), (32, 32768), (128, 131072)]:
+        assert config(batch, 1, length) == gluon_decode.GLUON_DECODE_CONFIG_ONE_ROW == (4, 8, 2, 32, 1, 4, 24, 64, 4)
+    for batch, length, next_n in [(32, 131072, 2), (128, 32768, 2), (128, 131072, 2), (32, 131072, 4)]:
+        assert config(batch, next_n, length) == gluon_decode.GLUON_DECODE_CONFIG == (4, 8, 2, 32, 2, 4, 32, 80, 0)
+    for batch, length, next_n in [(32, 32768, 2), (32, 32768, 4), (1, 131072, 2), (2, 1024, 3)]:
+        assert config(batch, next_n, length) == gluon_decode.GLUON_DECODE_CONFIG_SMALL
+    assert gluon_decode.GLUON_DECODE_CONFIG_SMALL == (4, 8, 2, 32, 2, 4, 40, 128, 2)
+    defaults = {gluon_decode.GLUON_DECODE_CONFIG, gluon_decode.GLUON_DECODE_CONFIG_SMALL,
+                gluon_decode.GLUON_DECODE_CONFIG_ONE_ROW}
+    assert defaults <= set(GLUON_SWEEP_CONFIGS.values())
+    mxfp4 = pytest.importorskip("dsa_indexer.ops.logits.gluon_decode_mxfp4")
+    assert mxfp4.GLUON_MXFP4_DECODE_CONFIG_ONE_ROW == (4, 8, 2, 32, 2, 4, 24, 64, 0)
+    assert mxfp4.GLUON_MXFP4_DECODE_CONFIG == (4, 8, 2, 32, 2, 4, 40, 80, 0)
 
 
 def test_decode_kernel_is_triton_off_hopper_and_when_forced(monkeypatch):
-    """CPU tensors, the interpreter and MXFP4 caches always take the Triton kernel; the environment
-    switch is validated."""
+    """CPU tensors and the interpreter always take the Triton kernel; the environment switch is
+    validated."""
     from dsa_indexer.ops.logits import DECODE_KERNEL_ENV, decode_kernel
 
-    inputs = decode_inputs("fp8", [40], 2, "cpu", heads=4, block_size=64)
-    assert decode_kernel(inputs.q, inputs.cache, 1 << 30) == "triton"
-    monkeypatch.setenv(DECODE_KERNEL_ENV, "gluon")
-    assert decode_kernel(inputs.q, inputs.cache, 1 << 30) == "triton"
+    for fmt in ("fp8", "mxfp4"):
+        inputs = decode_inputs(fmt, [40], 2, "cpu", heads=4, block_size=64)
+        monkeypatch.delenv(DECODE_KERNEL_ENV, raising=False)
+        assert decode_kernel(inputs.q, inputs.cache, 1 << 30) == "triton"
+        monkeypatch.setenv(DECODE_KERNEL_ENV, "gluon")
+        assert decode_kernel(inputs.q, inputs.cache, 1 << 30) == "triton"
     monkeypatch.setenv(DECODE_KERNEL_ENV, "cuda")
     with pytest.raises(ValueError, match=DECODE_KERNEL_ENV):
         decode_kernel(inputs.q, inputs.cache, 1 << 30)
@@ -190,25 +231,37 @@ def test_decode_kernel_is_triton_off_hopper_and_when_forced(monkeypatch):
 @pytest.mark.gpu
 @needs_hopper
 def test_decode_kernel_dispatch_on_hopper_gpu(kernel_device, monkeypatch):
-    """``auto`` follows the rule; ``gluon``/``triton`` force it; MXFP4 and the upcast path stay on Triton;
-    the public op runs the chosen kernel (same bits as calling it directly)."""
+    """``auto`` follows the rule for both formats; ``gluon``/``triton`` force it; the upcast path and shapes
+    a Gluon kernel does not take stay on Triton; the public op runs the chosen kernel (same bits as calling
+    it directly)."""
     from dsa_indexer.ops.logits import DECODE_KERNEL_ENV, decode_kernel
+    from dsa_indexer.ops.logits.gluon_decode_mxfp4 import paged_mqa_logits_gluon_mxfp4
 
     fp8 = decode_inputs("fp8", [3000, 0], 2, kernel_device, heads=64, block_size=64, seed=47)
     mxfp4 = decode_inputs("mxfp4", [3000, 0], 2, kernel_device, heads=64, block_size=64, seed=47)
+    mxfp4_d64 = decode_inputs("mxfp4", [300], 1, kernel_device, heads=64, dim=64, block_size=64, seed=48)
     assert decode_kernel(fp8.q, fp8.cache, 1 << 20) == "gluon"
     assert decode_kernel(fp8.q, fp8.cache, 1024) == "triton"
-    assert decode_kernel(fp8.q[:, :1], fp8.cache, 1 << 20) == "gluon"  # 2 x 1M keys
-    assert decode_kernel(fp8.q[:, :1], fp8.cache, 1 << 19) == "triton"
-    assert decode_kernel(mxfp4.q, mxfp4.cache, 1 << 20) == "triton"
+    assert decode_kernel(fp8.q[:, :1], fp8.cache, 1 << 19) == "gluon"  # 2 x 512K keys
+    assert decode_kernel(fp8.q[:, :1], fp8.cache, 1 << 18) == "triton"
+    assert decode_kernel(mxfp4.q, mxfp4.cache, 1 << 19) == "gluon"
+    assert decode_kernel(mxfp4.q[:, :1], mxfp4.cache, 1 << 19) == "gluon"
+    assert decode_kernel(mxfp4.q, mxfp4.cache, 1 << 18) == "triton"
     monkeypatch.setenv(DECODE_KERNEL_ENV, "gluon")
     assert decode_kernel(fp8.q, fp8.cache, 1024) == "gluon"
-    assert decode_kernel(mxfp4.q, mxfp4.cache, 1024) == "triton"
+    assert decode_kernel(mxfp4.q, mxfp4.cache, 1024) == "gluon"
+    assert decode_kernel(mxfp4_d64.q, mxfp4_d64.cache, 1 << 30) == "triton"
     forced = run_decode(fp8, "triton", True, 8)
     assert torch.equal(forced[:, :fp8.max_context_len].view(torch.int32),
                        run_gluon(fp8, True, 8)[:, :fp8.max_context_len].view(torch.int32))
+    width = mxfp4.max_context_len
+    direct = torch.full((4, width), POISON, device=kernel_device)
+    paged_mqa_logits_gluon_mxfp4(*mxfp4.args(), True, direct)
+    assert torch.equal(run_decode(mxfp4, "triton", True, 8)[:, :width].view(torch.int32), direct.view(torch.int32))
     monkeypatch.setenv(FORCE_UPCAST_ENV, "1")
     assert decode_kernel(fp8.q, fp8.cache, 1 << 20) == "triton"
+    assert decode_kernel(mxfp4.q, mxfp4.cache, 1 << 20) == "triton"
     monkeypatch.setenv(DECODE_KERNEL_ENV, "triton")
     monkeypatch.delenv(FORCE_UPCAST_ENV)
     assert decode_kernel(fp8.q, fp8.cache, 1 << 20) == "triton"
+    assert decode_kernel(mxfp4.q, mxfp4.cache, 1 << 20) == "triton"

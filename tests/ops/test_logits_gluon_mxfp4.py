@@ -142,6 +142,28 @@ def test_gluon_mxfp4_decode_sweep_variants_gpu(kernel_device, variant, next_n):
     check_gluon(inputs, True, same_bits_as_triton=True, config=GLUON_SWEEP_VARIANTS["mxfp4"][variant]["config"])
 
 
+@pytest.mark.parametrize("case", ["tile_counts", "not_clean", "long", "small_pages"])
+@pytest.mark.parametrize("variant", ["gluon-ahead", "gluon-ahead-regs64"])
+def test_gluon_mxfp4_decode_one_row_pipeline_gpu(kernel_device, variant, case):
+    """The one-row pipeline (epilogue a tile behind, tiles in pairs, zero-filled tiles past the split):
+    odd and even tile counts and empty splits, clean or not, one long request (the Triton kernel's bits);
+    pages smaller than a tile with 3 heads (reference tier)."""
+    from dsa_indexer.bench.suite_logits import GLUON_SWEEP_VARIANTS
+
+    config = GLUON_SWEEP_VARIANTS["mxfp4"][variant]["config"]
+    if case == "small_pages":
+        inputs = decode_inputs("mxfp4", [13, 0, 700, 40], 1, kernel_device, heads=3, block_size=16, seed=71)
+        check_gluon(inputs, True, same_bits_as_triton=False, config=config)
+        check_gluon(inputs, False, same_bits_as_triton=False, config=config)
+    elif case == "long":
+        inputs = decode_inputs("mxfp4", [40001], 1, kernel_device, heads=64, block_size=64, extra_width=70, seed=70)
+        check_gluon(inputs, True, same_bits_as_triton=True, config=config)
+    else:
+        inputs = decode_inputs("mxfp4", REQUEST_LENGTHS + [128, 129, 191, 192], 1, kernel_device, heads=64,
+                               block_size=64, seed=69)
+        check_gluon(inputs, case == "tile_counts", same_bits_as_triton=True, config=config)
+
+
 def test_gluon_mxfp4_decode_empty_rows_write_minus_inf_gpu(kernel_device):
     inputs = decode_inputs("mxfp4", [0, 0], 2, kernel_device, heads=64, block_size=64, extra_width=100, seed=67)
     result = run_gluon(inputs, True, 3)

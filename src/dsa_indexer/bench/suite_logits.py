@@ -3,8 +3,13 @@
 Shapes: H=64 heads, D=128, 64-token pages.
 - Decode: B in {32, 128} x L in {32K, 128K} x next_n in {1, 2}, plus B=1, L=128K; every request at length L
   with ``context_lens [B, next_n] = [L - 1, L]`` (next_n = 2) or ``[L]``, pages randomly permuted in one
-  pool, ``clean=True``. Floor: the cache bytes read (132 B/key FP8, 68 B/key MXFP4, per request) plus the
-  fp32 logits written, at the read bandwidth measured in the same run. Times are cold-L2 medians of CUDA
+  pool, ``clean=True``. The timed call is the one the library makes (the Triton backend's per-call choice of
+  the Gluon or the Triton kernel, recorded as ``kernel`` with its ``config``). Floor: the larger of two
+  bounds (``decode_floor``; the row records both and which one binds, ``bound``): the cache bytes read
+  (132 B/key FP8, 68 B/key MXFP4, per request) plus the fp32 logits written, at the read bandwidth
+  measured in the same run; and the tensor work, 2·H·D flops per (row, key), at the FP8 matmul rate
+  measured in the same run (Hopper has no FP4 tensor cores: MXFP4 keys are expanded to e4m3, so the MMA
+  work is FP8's, and at next_n = 2 it exceeds the byte time for MXFP4). Times are cold-L2 medians of CUDA
   graph replays (a 256 MB memset before each replay, outside the timed region): an engine replays decode
   as a graph, and eager timing here measured the host's Triton launch path (20-80 µs) as much as the
   kernels at the small shapes. The eager ``do_bench`` median is recorded beside it (``eager_us``).
@@ -110,11 +115,12 @@ def _decode_case(cache: IndexerKCache, batch: int, length: int, next_n: int, gen
     return q, weights, keys, checked, (q_stored, q_scale, cache, w, context_lens, table, length)
 
 
-def _decode_check(args, q, weights, keys, checked, next_n):
+def _decode_check(args, q, weights, keys, checked, next_n, decode=kernels.paged_mqa_logits_triton):
+    """Both tiers for ``decode`` (a function of the decode arguments, ``clean`` and ``out``)."""
     q_stored, q_scale, cache, w, context_lens, table, length = args
     fmt = cache.fmt
     out = torch.empty((q_stored.shape[0] * next_n, length), device="cuda")
-    kernels.paged_mqa_logits_triton(*args, True, out)
+    decode(*args, True, out)
     rows = torch.tensor([b * next_n + t for b in checked for t in range(next_n)], device="cuda")
     idx = torch.tensor(checked, device="cuda")
     sub_args = (q_stored[idx], None if q_scale is None else q_scale[idx], cache, w[rows], context_lens[idx], table[idx],
@@ -126,24 +132,63 @@ def _decode_check(args, q, weights, keys, checked, next_n):
     return _check(out[rows], truth, expected, fmt, f"decode {fmt} {tuple(q_stored.shape[:2])} L={length}")
 
 
+def decode_floor(fmt: str, batch: int, length: int, next_n: int, ceilings: dict[str, float]) -> dict:
+    """The decode floor of every request at length ``length``: ``floor_us`` = max(bytes moved / read
+    bandwidth, MMA flops / FP8 matmul rate), both ceilings measured in the same run, with both bounds
+    (``byte_floor_us``, ``tensor_floor_us``), which binds (``bound``: "memory" or "tensor") and the bytes
+    moved. MXFP4 keys are expanded to e4m3 before the MMA (no FP4 tensor cores on Hopper), so both formats
+    do FP8's 2·H·D flops per (row, key)."""
+    moved = batch * length * (132 if fmt == "fp8" else 68) + batch * next_n * length * 4
+    byte_us = moved / (ceilings["read_tbs"] * 1e6)
+    tensor_us = 2 * HEADS * DIM * batch * next_n * length / (ceilings["fp8_tflops"] * 1e6)
+    return {"floor_us": max(byte_us, tensor_us), "byte_floor_us": byte_us, "tensor_floor_us": tensor_us,
+            "bound": "memory" if byte_us >= tensor_us else "tensor", "moved": moved}
+
+
+def _dispatched_decode(args) -> tuple[str, list]:
+    """The kernel the library runs for these decode arguments (``"gluon"`` or ``"triton"``) and its
+    configuration tuple."""
+    from dsa_indexer.ops.logits import decode_kernel
+
+    q, cache, length = args[0], args[2], args[6]
+    batch, next_n = q.shape[:2]
+    kernel = decode_kernel(q, cache, length)
+    if kernel == "triton":
+        return kernel, list(kernels.DECODE_CONFIG[cache.fmt])
+    if cache.fmt == "fp8":
+        from dsa_indexer.ops.logits.gluon_decode import gluon_decode_config
+
+        return kernel, list(gluon_decode_config(batch, next_n, length))
+    from dsa_indexer.ops.logits import gluon_decode_mxfp4
+
+    config = (gluon_decode_mxfp4.GLUON_MXFP4_DECODE_CONFIG_ONE_ROW if next_n == 1
+              else gluon_decode_mxfp4.GLUON_MXFP4_DECODE_CONFIG)
+    return kernel, list(config)
+
+
 def _decode_rows(fmt: str, ceilings: dict[str, float], gen: torch.Generator) -> list[dict]:
-    bytes_per_key = 132 if fmt == "fp8" else 68
+    from dsa_indexer.ops.logits import _paged_mqa_logits_triton as dispatched  # the backend's call, validated
+
     cache = _decode_pool(fmt, max(b * length for b, length, _ in DECODE_SHAPES) // PAGE + 64)
     rows = []
     for batch, length, next_n in DECODE_SHAPES:
         q, weights, keys, checked, args = _decode_case(cache, batch, length, next_n, gen)
-        checks = _decode_check(args, q, weights, keys, checked, next_n)
+        checks = _decode_check(args, q, weights, keys, checked, next_n, dispatched)
         del q, weights, keys
         out = torch.empty((batch * next_n, length), device="cuda")
-        us = harness.cold_graph_us(lambda: kernels.paged_mqa_logits_triton(*args, True, out))
-        eager_us = harness.median_us(lambda: kernels.paged_mqa_logits_triton(*args, True, out))
+        us = harness.cold_graph_us(lambda: dispatched(*args, True, out))
+        eager_us = harness.median_us(lambda: dispatched(*args, True, out))
+        triton_us = harness.cold_graph_us(lambda: kernels.paged_mqa_logits_triton(*args, True, out))
         torch_us = harness.median_us(lambda: reference.paged_mqa_logits(*args, True, out), warmup_ms=1, rep_ms=50)
-        moved = batch * length * bytes_per_key + batch * next_n * length * 4
+        floor = decode_floor(fmt, batch, length, next_n, ceilings)
+        kernel, config = _dispatched_decode(args)
         rows.append(harness.record(
             "paged_mqa_logits", {"B": batch, "L": length, "next_n": next_n, "fmt": fmt}, us,
-            moved / (ceilings["read_tbs"] * 1e6), tbs=moved / us / 1e6,
-            tflops=2 * HEADS * DIM * batch * next_n * length / us / 1e6, baselines={"torch": torch_us},
-            eager_us=round(eager_us, 2), config=list(kernels.DECODE_CONFIG[fmt]), **checks,
+            floor["floor_us"], tbs=floor["moved"] / us / 1e6,
+            tflops=2 * HEADS * DIM * batch * next_n * length / us / 1e6,
+            baselines={"torch": torch_us, "triton_kernel": triton_us}, eager_us=round(eager_us, 2),
+            bound=floor["bound"], byte_floor_us=round(floor["byte_floor_us"], 2),
+            tensor_floor_us=round(floor["tensor_floor_us"], 2), kernel=kernel, config=config, **checks,
         ))
     del cache
     torch.cuda.empty_cache()
@@ -237,12 +282,13 @@ SWEEP_VARIANTS = {
 }
 # Gluon warp-specialised MXFP4 decode (``paged_mqa_logits_gluon_mxfp4``): name -> its ``config`` (fields of
 # ``GLUON_MXFP4_DECODE_CONFIG``: stages, programs/SM aimed at, tiles/split min/max, rows/program, producer
-# warps, producer registers, launch register cap, next tile expanded under the wgmma) and the draft-row
-# counts it is timed at.
+# warps, producer registers, launch register cap, one-row pipeline with the epilogue a tile behind) and the
+# draft-row counts it is timed at.
 GLUON_SWEEP_VARIANTS = {
     "mxfp4": {
         "gluon": {"config": (4, 8, 2, 32, 2, 4, 40, 80, 0), "next_n": (1, 2)},
         "gluon-ahead": {"config": (4, 8, 2, 32, 2, 4, 40, 80, 1), "next_n": (1,)},
+        "gluon-ahead-regs64": {"config": (4, 8, 2, 32, 2, 4, 24, 64, 1), "next_n": (1,)},
         "gluon-regs128": {"config": (4, 8, 2, 32, 2, 4, 40, 128, 0), "next_n": (1, 2)},
         "gluon-regs64": {"config": (4, 8, 2, 32, 2, 4, 24, 64, 0), "next_n": (1,)},
         "gluon-stages8": {"config": (8, 8, 2, 32, 2, 4, 40, 80, 0), "next_n": (1, 2)},
@@ -305,8 +351,7 @@ def sweep(out_dir: str | None = None, formats=("mxfp4", "fp8"), variants=None, c
             if case_fmt != fmt:
                 continue
             _, _, _, _, args = _decode_case(cache, batch, length, next_n, gen)
-            moved = batch * length * (132 if fmt == "fp8" else 68) + batch * next_n * length * 4
-            floor_us = None if compile_only else moved / (ceilings["read_tbs"] * 1e6)
+            floor_us = None if compile_only else decode_floor(fmt, batch, length, next_n, ceilings)["floor_us"]
             expected = torch.empty((batch * next_n, length), device="cuda")
             kernels.paged_mqa_logits_triton(*args, True, expected)
             for name, call_with in _sweep_calls(fmt, next_n, baseline):

@@ -20,25 +20,25 @@ from dsa_indexer.ops.k_cache.triton import gather_k_triton, insert_k_triton
 from dsa_indexer.ops.q_quant.reference import rope_quant_q_reference
 from dsa_indexer.ops.q_quant.triton import rope_quant_q_triton
 
-# Launch variants per format; the first of each list is the wrapper's default (MXFP4 tiles and rounding:
-# the ``ROPE_MXFP4_*`` / ``INSERT_MXFP4_*`` constants). Variants measured slower in earlier runs
-# (benchmarks/NOTES_quant_cache.md) are left out to keep the sweep short.
+# Launch variants per format; the first of each list is the wrapper's default (MXFP4 tiles, rounding, hints:
+# the ``ROPE_MXFP4_*`` / ``INSERT_MXFP4_*`` constants), the second for MXFP4 the v3 baseline (block-per-thread
+# stores). Variants measured slower in earlier runs (benchmarks/NOTES_quant_cache.md) are left out.
 ROPE_VARIANTS = {
     "fp8": [dict(block_heads=64, num_warps=8), dict(block_heads=32, num_warps=4)],
     "mxfp4": [dict(block_heads=64, num_warps=4),
-              dict(block_heads=64, num_warps=4, row_major_stores=True),
-              dict(block_heads=64, num_warps=4, row_major_loads=True),
-              dict(block_heads=64, num_warps=4, row_major_loads=True, row_major_stores=True),
-              dict(block_heads=64, num_warps=4, row_major_stores=True, packed_bf16=True)],
+              dict(block_heads=64, num_warps=4, row_major_stores=False, packed_bf16=False),
+              dict(block_heads=64, num_warps=4, pass_loads_first=True),
+              dict(block_heads=64, num_warps=2),
+              dict(block_heads=64, num_warps=4, streaming=True),
+              dict(block_heads=64, num_warps=4, pass_loads_first=True, streaming=True)],
 }
 INSERT_VARIANTS = {
     "fp8": [dict(block_tokens=32, num_warps=4)],
-    "mxfp4": [dict(block_tokens=32, num_warps=4),
-              dict(block_tokens=32, num_warps=4, row_major_stores=True),
-              dict(block_tokens=32, num_warps=4, row_major_loads=True),
-              dict(block_tokens=32, num_warps=4, row_major_loads=True, row_major_stores=True),
-              dict(block_tokens=64, num_warps=4, row_major_stores=True),
-              dict(block_tokens=32, num_warps=2, row_major_stores=True)],
+    "mxfp4": [dict(block_tokens=32, num_warps=2),
+              dict(block_tokens=32, num_warps=4, row_major_stores=False),
+              dict(block_tokens=32, num_warps=2, k_before_slots=True),
+              dict(block_tokens=32, num_warps=2, streaming=True),
+              dict(block_tokens=32, num_warps=2, k_before_slots=True, streaming=True)],
 }
 GATHER_VARIANTS = [dict(block_rows=64, num_warps=4)]
 
@@ -47,9 +47,10 @@ _SHORT_KNOBS = {"block_heads": "heads", "block_tokens": "tokens", "block_rows": 
 
 
 def variant_label(record: dict) -> str:
-    """``heads=64,warps=4,row_major_stores`` (flags named when set), `` *`` for the wrapper's default."""
-    parts = [key if value is True else f"{_SHORT_KNOBS.get(key, key)}={value}"
-             for key, value in record["variant"].items() if value is not False]
+    """``heads=64,warps=4,streaming,no_row_major_stores`` (flags named when given: ``no_`` when turned off),
+    `` *`` for the wrapper's default."""
+    parts = [key if value is True else f"no_{key}" if value is False else f"{_SHORT_KNOBS.get(key, key)}={value}"
+             for key, value in record["variant"].items()]
     return ",".join(parts) + (" *" if record["default"] else "")
 
 

@@ -303,36 +303,43 @@ def sweep_decode(out_path: str | None = None, warm: str | None = None) -> None:
 
 
 def _prefill_row_configs() -> dict:
-    """Whole-row (prefill) variants timed by ``sweep_prefill``: ``base`` the committed one-bit search;
-    ``probe`` the probing search; ``copy`` the direct copy of short all-selectable rows; ``tiles`` narrower
-    register tiles for narrow programs; ``w8`` 8-warp programs."""
+    """Whole-row (prefill) variants timed by ``sweep_prefill``: ``base`` the committed default (one-bit search,
+    short-row copy, three tiles in one kernel); ``v6`` the v6 default (no copy, one tile); ``probe_copy_tiles``
+    the probing search; ``launch`` one launch per tile (one 4096-column row per narrow program), then its
+    widest tile with a register cap (``r168``: 3 programs of 4 warps per SM) or 8 warps (``w8_r128``: 2 per
+    SM, ``w8_r80``: 3 per SM)."""
     from dsa_indexer.ops.topk.triton import TopkConfig
 
-    fast = dict(row_search="probe", row_copy_short=True, row_tiles=3)
+    launch = dict(row_tile_launches=True, row_narrow_elements=4096)
     return {
         "base": TopkConfig(),
-        "copy_tiles": TopkConfig(row_copy_short=True, row_tiles=3),
-        "probe": TopkConfig(row_search="probe"),
-        "probe_copy": TopkConfig(row_search="probe", row_copy_short=True),
-        "probe_copy_tiles": TopkConfig(**fast),
-        "probe_copy_tiles_w8": TopkConfig(**fast, row_warps=8),
+        "v6": TopkConfig(row_copy_short=False, row_tiles=1),
+        "probe_copy_tiles": TopkConfig(row_search="probe"),
+        "launch": TopkConfig(**launch),
+        "launch_r168": TopkConfig(**launch, row_max_registers=168),
+        "launch_w8_r128": TopkConfig(**launch, row_warps=8, row_narrow_warps=4, row_max_registers=128),
+        "launch_w8_r80": TopkConfig(**launch, row_warps=8, row_narrow_warps=4, row_max_registers=80),
     }
 
 
-def sweep_prefill(out_path: str | None = None, rep_ms: int = 5) -> None:
+def sweep_prefill(out_path: str | None = None, rep_ms: int = 5, only: list[str] | None = None,
+                  shapes_matching: list[str] | None = None) -> None:
     """Cold µs of ``_prefill_row_configs`` on causal prefill rows (``python -m dsa_indexer.bench.suite_topk
-    sweep_prefill [json]``): the 8K prompt (row i has i + 1 columns; random and one_bin, k = 2048 and 512) and
-    S = 2048 query rows over SKV = 8K / 32K keys (row i has SKV - S + i + 1 columns; 32K rows are wider than
-    the whole-row kernel: only ``base``, the default path). Each cell is checked bitwise first; table last."""
+    sweep_prefill [json] [--only=NAME,...] [--shapes=TEXT,...]``): the 8K prompt (row i has i + 1 columns;
+    random and one_bin, k = 2048 and 512) and S = 2048 query rows over SKV = 8K / 32K keys (row i has
+    SKV - S + i + 1 columns; 32K rows are wider than the whole-row kernel: only ``base``, the default path).
+    ``only`` keeps those variants, ``shapes_matching`` the shapes whose label contains one of the texts.
+    Each cell is checked bitwise first; table last."""
     import json
 
     from dsa_indexer.ops.topk import triton as kernels
 
-    configs = _prefill_row_configs()
+    configs = {n: c for n, c in _prefill_row_configs().items() if not only or n in only}
     records = []
     shapes = [(f"causal 8K k={k} {data}", data, PREFILL_S, PREFILL_S, k)
               for data in ("random", "one_bin") for k in (2048, 512)]
     shapes += [(f"S=2048 SKV={skv // 1024}K k=2048 random", "random", 2048, skv, 2048) for skv in (8192, 32768)]
+    shapes = [s for s in shapes if not shapes_matching or any(text in s[0] for text in shapes_matching)]
     for label, data, num_rows, width, k in shapes:
         ends = torch.arange(width - num_rows + 1, width + 1, dtype=torch.int32, device="cuda")
         logits = _clean(_values(data, (num_rows, width), 7), None, ends)
@@ -340,7 +347,7 @@ def sweep_prefill(out_path: str | None = None, rep_ms: int = 5) -> None:
         copies = max(2, -(-ROTATION_BYTES // logits.numel() // 4))
         inputs = [logits] + [logits.clone() for _ in range(copies - 1)]
         times = {}
-        for name, config in (configs if width <= 8192 else {"base": configs["base"]}).items():
+        for name, config in (configs if width <= 8192 else {"base": kernels.TopkConfig()}).items():
             out = torch.empty((num_rows, k), dtype=torch.int32, device="cuda")
             times[name] = None
             try:
@@ -378,9 +385,13 @@ if __name__ == "__main__":
         warm = next((a.split("=", 1)[1] for a in sys.argv[2:] if a.startswith("--warm=")), None)
         paths = [a for a in sys.argv[2:] if not a.startswith("--warm=")]
         sweep_decode(paths[0] if paths else None, warm)
-    elif sys.argv[1:2] == ["sweep_prefill"] and len(sys.argv) <= 3:
-        sweep_prefill(sys.argv[2] if len(sys.argv) == 3 else None)
+    elif sys.argv[1:2] == ["sweep_prefill"] and len(sys.argv) <= 5:
+        options = dict(a[2:].split("=", 1) for a in sys.argv[2:] if a.startswith("--"))
+        paths = [a for a in sys.argv[2:] if not a.startswith("--")]
+        only = options["only"].split(",") if "only" in options else None
+        shapes_matching = options["shapes"].split(",") if "shapes" in options else None
+        sweep_prefill(paths[0] if paths else None, only=only, shapes_matching=shapes_matching)
     else:
         sys.exit("usage: python -m dsa_indexer.bench.suite_topk sweep [OUT_JSON]"
-                 " | sweep_decode [OUT_JSON] [--warm=I/N]   "
+                 " | sweep_decode [OUT_JSON] [--warm=I/N] | sweep_prefill [OUT_JSON] [--only=A,B] [--shapes=T,U]   "
                  "(the full suite runs through dsa-indexer bench)")

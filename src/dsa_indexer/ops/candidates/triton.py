@@ -26,6 +26,11 @@
    instructions per 32 keys for 8 bits), so this kernel is issue-bound: the candidate compaction
    keeps the later passes to the keys of one bin.
 
+Variant ``split_histogram``: ``_first_digit_histogram_kernel`` (``_HISTOGRAM_SPLIT`` programs per
+row, integer atomic adds into a zeroed ``[R, 256]`` buffer) computes the first pass's histogram, so
+the row's program starts at the candidate compaction. ``radix_warps`` / ``radix_chunk`` size the
+per-row program (4 warps under the 128-register cap: four rows per SM instead of two).
+
 ``_register_select_kernel`` (variant ``register_select``, rows of at most ``_REGISTER_SELECT_KEYS``
 keys) replaces the radix kernel: the row's keys sit in registers and the k-th best key is found by a
 32-step bisection of the key range (a compare and a block-wide count per key and step, no ballot
@@ -37,11 +42,16 @@ listed id in ``[0, row blocks)``, in a zeroed scratch) and ``_mask_kernel``, who
 outside ``[starts, ends)`` or in an unlisted block. It never reads the logits: kept entries are
 untouched, and the masked ones are written without being read.
 
-Variant ``vector`` of the block-keys and mask kernels: tiles wholly inside a row whose start is a
-multiple of 4 (unit column stride) take a second, unmasked path whose addresses the compiler can
-prove 16-byte aligned (``(start // 4) * 4``), so they load / store 16 bytes per instruction; other
-tiles keep the masked scalar path. The variants are keyword arguments of the host functions, their
-defaults the module constants ``_KEYS_VECTOR``, ``_REGISTER_SELECT`` and ``_MASK_VECTOR``.
+``vector`` path of the block-keys and mask kernels (the default since run 4 of session 3): tiles
+wholly inside a row whose start is a multiple of 4 (unit column stride) take a second, unmasked path
+whose addresses the compiler can prove 16-byte aligned (``(start // 4) * 4``), so they load / store
+16 bytes per instruction; other tiles keep the masked scalar path (``vector=False`` everywhere).
+Mask variants: ``fused_flags`` (one program per row builds its flags and masks, one launch instead of
+memset + flags + mask), ``rewrite_kept`` (vector tiles written whole: kept blocks read and stored
+back unchanged, so no partial 128-byte lines), ``streaming`` (``.cs`` stores). The variants are
+keyword arguments of the host functions, their defaults the module constants ``_KEYS_VECTOR``,
+``_REGISTER_SELECT``, ``_SPLIT_HISTOGRAM``, ``_MASK_VECTOR``, ``_MASK_FUSED_MIN_ROWS``,
+``_MASK_REWRITE_KEPT`` and ``_MASK_STREAMING``.
 
 Loops whose trip count is a run-time value are ``while`` loops: Triton's CPU interpreter (with
 numpy 2) cannot turn a run-time bound into a Python ``range``. No host synchronisation anywhere:
@@ -56,16 +66,22 @@ import triton.language as tl
 
 _KEYS_TILE = 8192
 _SELECT_CHUNK = 4096
-_MASK_TILE = 4096
+_SELECT_WARPS = 8
+_MASK_TILE = 2048  # run 4: 84.8 µs at R 512 against 85.9 for 4096 and 86.0 for 8192
 _RADIX_BITS = 8
 _TARGET_PROGRAMS = 1024
-_SELECT_MAX_REGISTERS = 128  # two selection programs of 8 warps per SM (uncapped, ptxas takes 165: one)
-# Variants (issue 4, run 4), off by default until measured; each is also a keyword argument.
-_KEYS_VECTOR = False  # 16-byte loads in the block-keys pass on aligned interior tiles
+_SELECT_MAX_REGISTERS = 128  # 8 warps: two selection programs per SM (uncapped, ptxas takes 165: one)
+# Variants; each is also a keyword argument. Run 4 (session 3) made the 16-byte paths the default.
+_KEYS_VECTOR = True  # 16-byte loads in the block-keys pass on aligned interior tiles (149 -> 81 µs at R 512)
 _REGISTER_SELECT = False  # bisection select with the row's keys in registers (rows of <= _REGISTER_SELECT_KEYS)
 _REGISTER_SELECT_KEYS = 16384
 _REGISTER_SELECT_WARPS = 16
-_MASK_VECTOR = False  # 16-byte stores in the mask kernel on aligned interior tiles
+_SPLIT_HISTOGRAM = False  # first radix digit histogrammed by R x _HISTOGRAM_SPLIT programs, not in the row's
+_HISTOGRAM_SPLIT = 8
+_MASK_VECTOR = True  # 16-byte stores in the mask kernel on aligned interior tiles (90.6 -> 84.8 µs at R 512)
+_MASK_FUSED_MIN_ROWS = None  # rows from which one mask kernel also builds the flags (None: never)
+_MASK_STREAMING = False  # streaming (.cs) stores in the mask kernel
+_MASK_REWRITE_KEPT = False  # vector tiles written whole (kept blocks read and stored back unchanged)
 
 
 @triton.jit
@@ -139,9 +155,12 @@ def _block_keys_kernel(
 @triton.jit(do_not_specialize=["row_repeat", "num_blocks_k"])
 def _select_kernel(
     keys_ptr, cand_ptr, starts_ptr, ends_ptr, out_ptr,
-    row_repeat, num_blocks_k, keys_stride, out_stride_row, out_stride_col,
+    row_repeat, num_blocks_k, keys_stride, out_stride_row, out_stride_col, hist_ptr,
     HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, RADIX_BITS: tl.constexpr,
+    HIST_GIVEN: tl.constexpr,
 ):
+    """``HIST_GIVEN``: the first digit's histogram is read from ``hist_ptr`` [R, BINS] (built by
+    ``_first_digit_histogram_kernel``) instead of a pass over the row's keys."""
     row = tl.program_id(0).to(tl.int64)
     _, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS)
     num_blocks = (length + BLOCK_SIZE - 1) // BLOCK_SIZE
@@ -151,13 +170,16 @@ def _select_kernel(
     TOP_SHIFT: tl.constexpr = 32 - RADIX_BITS
     bins = tl.arange(0, BINS)  # [BINS]
     lanes = tl.arange(0, CHUNK)  # [CHUNK]
-    hist = tl.zeros([BINS], dtype=tl.int32)
-    first = num_blocks * 0
-    while first < num_blocks:
-        idx = first + lanes  # [CHUNK]
-        keys = tl.load(row_keys + idx, mask=idx < num_blocks, other=0).to(tl.uint32, bitcast=True)
-        hist += tl.histogram((keys >> TOP_SHIFT).to(tl.int32), BINS, mask=keys != 0)
-        first += CHUNK
+    if HIST_GIVEN:
+        hist = tl.load(hist_ptr + row * BINS + bins)
+    else:
+        hist = tl.zeros([BINS], dtype=tl.int32)
+        first = num_blocks * 0
+        while first < num_blocks:
+            idx = first + lanes  # [CHUNK]
+            keys = tl.load(row_keys + idx, mask=idx < num_blocks, other=0).to(tl.uint32, bitcast=True)
+            hist += tl.histogram((keys >> TOP_SHIFT).to(tl.int32), BINS, mask=keys != 0)
+            first += CHUNK
     taken = tl.minimum(tl.sum(hist, axis=0).to(tl.int64), num_blocks_k)
     chosen, above, in_bin = _pick_bin(hist, bins, taken)
     prefix = chosen.to(tl.uint32)
@@ -212,6 +234,31 @@ def _select_kernel(
         slot = first + lanes  # [CHUNK]
         tl.store(out_row + slot * out_stride_col, tl.full([CHUNK], -1, tl.int32), mask=slot < num_blocks_k)
         first += CHUNK
+
+
+@triton.jit(do_not_specialize=["row_repeat", "piece"])
+def _first_digit_histogram_kernel(
+    keys_ptr, starts_ptr, ends_ptr, hist_ptr, row_repeat, piece, keys_stride,
+    HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, RADIX_BITS: tl.constexpr,
+):
+    """Grid ``(R, split)``: program ``(r, p)`` histograms the top ``RADIX_BITS`` bits of row ``r``'s
+    selectable keys (key != 0) in ``[p * piece, (p + 1) * piece)`` and adds it atomically into the
+    zeroed ``hist_ptr`` [R, 2**RADIX_BITS] int32 (integer adds: the sum is order-independent)."""
+    row = tl.program_id(0).to(tl.int64)
+    _, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS)
+    num_blocks = (length + BLOCK_SIZE - 1) // BLOCK_SIZE
+    BINS: tl.constexpr = 1 << RADIX_BITS
+    row_keys = keys_ptr + row * keys_stride
+    first = tl.program_id(1).to(tl.int64) * piece
+    last = tl.minimum(first + piece, num_blocks)
+    lanes = tl.arange(0, CHUNK)  # [CHUNK]
+    hist = tl.zeros([BINS], dtype=tl.int32)
+    while first < last:
+        idx = first + lanes  # [CHUNK]
+        keys = tl.load(row_keys + idx, mask=idx < last, other=0).to(tl.uint32, bitcast=True)
+        hist += tl.histogram((keys >> (32 - RADIX_BITS)).to(tl.int32), BINS, mask=keys != 0)
+        first += CHUNK
+    tl.atomic_add(hist_ptr + row * BINS + tl.arange(0, BINS), hist, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["row_repeat", "num_blocks_k"])
@@ -283,12 +330,14 @@ def _candidate_flags_kernel(
     tl.store(flags_ptr + row * flags_stride + ids, tl.full([BLOCK_K], 1, tl.int8), mask=listed)
 
 
-@triton.jit(do_not_specialize=["row_repeat", "width", "programs_per_row", "span_blocks"])
+@triton.jit(do_not_specialize=["row_repeat", "width", "programs_per_row", "span_blocks", "num_candidates"])
 def _mask_kernel(
-    logits_ptr, starts_ptr, ends_ptr, flags_ptr,
+    logits_ptr, starts_ptr, ends_ptr, flags_ptr, candidates_ptr,
     row_repeat, width, programs_per_row, span_blocks, stride_row, stride_col, flags_stride,
+    num_candidates, cand_stride_row, cand_stride_col,
     HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_J: tl.constexpr,
-    VECTOR: tl.constexpr,
+    VECTOR: tl.constexpr, FUSED_FLAGS: tl.constexpr, BLOCK_K: tl.constexpr, STORE_CACHE: tl.constexpr,
+    REWRITE_KEPT: tl.constexpr,
 ):
     """Blocks are numbered relative to the row start, from ``-ceil(start / BLOCK_SIZE)`` up to
     ``span_blocks`` of them, so the tiles also cover the columns before ``start`` and after ``end``.
@@ -301,6 +350,15 @@ def _mask_kernel(
     ``VECTOR`` (only with unit column stride and ``BLOCK_SIZE % 4 == 0``): a tile wholly inside a row
     whose start is a multiple of 4 stores with the block's flag alone as mask, constant over aligned
     groups of 4 columns from a base the compiler knows to be 4-aligned, i.e. 16-byte stores.
+
+    ``FUSED_FLAGS`` (one program per row, ``programs_per_row == 1``): the program builds its row's
+    flags itself (clears ``[0, row blocks)``, barrier, sets the listed ids, barrier) instead of the
+    memset and ``_candidate_flags_kernel`` launches; the barrier makes the CTA's global stores
+    visible to its own later loads. ``STORE_CACHE`` is the ``-inf`` stores' cache modifier.
+
+    ``REWRITE_KEPT`` (vector path only): the tile also reads its kept blocks and stores them back
+    unchanged (same bits), so every 128-byte line of the tile is written whole; otherwise a kept
+    32-byte block leaves a partial line that the memory side may have to read, modify and write.
     """
     row = tl.program_id(0).to(tl.int64)
     start64, length64 = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS)
@@ -315,6 +373,23 @@ def _mask_kernel(
     tile = tl.program_id(1)
     aligned = start % 4 == 0
     aligned_start = (start // 4) * 4  # == start when aligned; the product tells the compiler so
+    if FUSED_FLAGS:
+        lanes = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+        base = num_blocks * 0
+        while base < num_blocks:
+            block = base + lanes  # [BLOCK_K]
+            tl.store(flags_row + block, tl.zeros([BLOCK_K], tl.int8), mask=block < num_blocks)
+            base += BLOCK_K
+        tl.debug_barrier()
+        cand_row = candidates_ptr + row * cand_stride_row
+        base = num_blocks * 0
+        while base < num_candidates:
+            slot = base + lanes  # [BLOCK_K]
+            ids = tl.load(cand_row + slot.to(tl.int64) * cand_stride_col, mask=slot < num_candidates, other=-1)
+            listed = (ids >= 0) & (ids < num_blocks)
+            tl.store(flags_row + ids.to(tl.int64), tl.full([BLOCK_K], 1, tl.int8), mask=listed)
+            base += BLOCK_K
+        tl.debug_barrier()
     while tile * BLOCK_NB < span_blocks:
         first_block = lowest + tile * BLOCK_NB
         blocks = first_block + tl.arange(0, BLOCK_NB)  # [BLOCK_NB] int32
@@ -324,10 +399,18 @@ def _mask_kernel(
                 offset = j + inner  # [BLOCK_J]
                 column = aligned_start + blocks[:, None] * BLOCK_SIZE + offset[None, :]  # [BLOCK_NB, BLOCK_J]
                 minus_inf = tl.full([BLOCK_NB, BLOCK_J], float("-inf"), tl.float32)
-                if BLOCK_J <= BLOCK_SIZE - j:
-                    tl.store(row_ptr + column, minus_inf, mask=unlisted[:, None].broadcast_to(BLOCK_NB, BLOCK_J))
+                if REWRITE_KEPT and BLOCK_J <= BLOCK_SIZE - j:
+                    # As int32 bits, so that kept NaN payloads go back unchanged.
+                    bits_ptr = (row_ptr + column).to(tl.pointer_type(tl.int32), bitcast=True)
+                    kept = tl.load(bits_ptr, mask=(~unlisted)[:, None].broadcast_to(BLOCK_NB, BLOCK_J))
+                    tl.store(bits_ptr, tl.where(unlisted[:, None], minus_inf.to(tl.int32, bitcast=True), kept),
+                             cache_modifier=STORE_CACHE)
+                elif BLOCK_J <= BLOCK_SIZE - j:
+                    tl.store(row_ptr + column, minus_inf, mask=unlisted[:, None].broadcast_to(BLOCK_NB, BLOCK_J),
+                             cache_modifier=STORE_CACHE)
                 else:
-                    tl.store(row_ptr + column, minus_inf, mask=unlisted[:, None] & (offset < BLOCK_SIZE)[None, :])
+                    tl.store(row_ptr + column, minus_inf, mask=unlisted[:, None] & (offset < BLOCK_SIZE)[None, :],
+                             cache_modifier=STORE_CACHE)
         else:
             in_row = (blocks >= 0) & (blocks < num_blocks)
             unlisted = tl.load(flags_row + blocks, mask=in_row, other=0) == 0  # [BLOCK_NB]
@@ -338,7 +421,8 @@ def _mask_kernel(
                 masked = ((column.to(tl.uint32) < width_u) & (unlisted[:, None] | (column >= end))
                           & (offset < BLOCK_SIZE)[None, :])
                 tl.store(row_ptr + column.to(tl.int64) * stride_col,
-                         tl.full([BLOCK_NB, BLOCK_J], float("-inf"), tl.float32), mask=masked)
+                         tl.full([BLOCK_NB, BLOCK_J], float("-inf"), tl.float32), mask=masked,
+                         cache_modifier=STORE_CACHE)
         tile += programs_per_row
 
 
@@ -381,10 +465,15 @@ def block_keys(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.Te
 
 def select_from_keys(keys: torch.Tensor, starts: torch.Tensor | None, ends: torch.Tensor, num_blocks_k: int,
                      block_size: int, row_repeat: int, out: torch.Tensor, *,
-                     register_select: bool | None = None, warps: int = _REGISTER_SELECT_WARPS) -> torch.Tensor:
+                     register_select: bool | None = None, warps: int = _REGISTER_SELECT_WARPS,
+                     split_histogram: bool | None = None, radix_warps: int = _SELECT_WARPS,
+                     radix_chunk: int = _SELECT_CHUNK) -> torch.Tensor:
     """Second stage: the ``num_blocks_k`` best block ids of each row of ``keys`` into ``out``.
     ``register_select`` (default ``_REGISTER_SELECT``) picks the bisection kernel for rows of at most
-    ``_REGISTER_SELECT_KEYS`` keys (``warps`` warps per row), else the radix kernel runs."""
+    ``_REGISTER_SELECT_KEYS`` keys (``warps`` warps per row), else the radix kernel runs, one program
+    of ``radix_warps`` warps per row scanning ``radix_chunk`` keys per step. ``split_histogram``
+    (default ``_SPLIT_HISTOGRAM``): the first digit's histogram comes from a separate kernel of
+    ``_HISTOGRAM_SPLIT`` programs per row instead of a pass inside the row's program."""
     if out.shape[0]:
         starts_arg, has_starts = _bounds_args(starts, ends)
         register_select = _REGISTER_SELECT if register_select is None else register_select
@@ -398,11 +487,22 @@ def select_from_keys(keys: torch.Tensor, starts: torch.Tensor | None, ends: torc
             )
             return out
         candidates = torch.empty_like(keys)
+        split_histogram = _SPLIT_HISTOGRAM if split_histogram is None else split_histogram
+        hist = candidates  # unread placeholder unless split_histogram
+        if split_histogram:
+            hist = torch.zeros((out.shape[0], 1 << _RADIX_BITS), dtype=torch.int32, device=keys.device)
+            piece = triton.cdiv(keys.shape[1], _HISTOGRAM_SPLIT)
+            hist_chunk = min(triton.next_power_of_2(piece), 2048)
+            _first_digit_histogram_kernel[(out.shape[0], _HISTOGRAM_SPLIT)](
+                keys, starts_arg, ends, hist, row_repeat, piece, keys.stride(0),
+                HAS_STARTS=has_starts, BLOCK_SIZE=block_size, CHUNK=hist_chunk, RADIX_BITS=_RADIX_BITS,
+                num_warps=4,
+            )
         _select_kernel[(out.shape[0],)](
             keys, candidates, starts_arg, ends, out,
-            row_repeat, num_blocks_k, keys.stride(0), out.stride(0), out.stride(1),
-            HAS_STARTS=has_starts, BLOCK_SIZE=block_size, CHUNK=_SELECT_CHUNK, RADIX_BITS=_RADIX_BITS,
-            num_warps=8, maxnreg=_SELECT_MAX_REGISTERS,
+            row_repeat, num_blocks_k, keys.stride(0), out.stride(0), out.stride(1), hist,
+            HAS_STARTS=has_starts, BLOCK_SIZE=block_size, CHUNK=radix_chunk, RADIX_BITS=_RADIX_BITS,
+            HIST_GIVEN=split_histogram, num_warps=radix_warps, maxnreg=_SELECT_MAX_REGISTERS,
         )
     return out
 
@@ -419,14 +519,15 @@ def select_candidate_blocks_triton(
     vector: bool | None = None,
     register_select: bool | None = None,
     keys_tile: int = _KEYS_TILE,
+    **select_variant,
 ) -> torch.Tensor:
     """Triton twin of ``select_candidate_blocks_reference``; the keyword arguments pick variants
-    (see ``block_keys`` and ``select_from_keys``)."""
+    (see ``block_keys``; ``select_variant`` goes to ``select_from_keys``)."""
     if out is None:
         out = torch.empty((logits.shape[0], num_blocks_k), dtype=torch.int32, device=logits.device)
     keys = block_keys(logits, starts, ends, block_size, row_repeat, vector=vector, tile=keys_tile)
     return select_from_keys(keys, starts, ends, num_blocks_k, block_size, row_repeat, out,
-                            register_select=register_select)
+                            register_select=register_select, **select_variant)
 
 
 def apply_candidate_mask_triton(
@@ -439,31 +540,49 @@ def apply_candidate_mask_triton(
     *,
     vector: bool | None = None,
     tile: int = _MASK_TILE,
+    fused_flags: bool | None = None,
+    streaming: bool | None = None,
+    rewrite_kept: bool | None = None,
+    warps: int = 8,
 ) -> None:
     """Triton twin of ``apply_candidate_mask_reference`` (in place). ``vector`` (default
     ``_MASK_VECTOR``) enables the 16-byte-store path (unit column stride, ``block_size % 4 == 0``);
-    ``tile`` is the positions per mask tile."""
+    ``tile`` is the positions per mask tile; ``fused_flags`` (default: ``num_rows >=
+    _MASK_FUSED_MIN_ROWS``) runs one mask program per row that builds its own flags (one launch instead
+    of three); ``streaming`` (default ``_MASK_STREAMING``) marks the stores ``.cs``; ``rewrite_kept``
+    (default ``_MASK_REWRITE_KEPT``) writes whole tiles on the vector path, the kept blocks with their own
+    values; ``warps`` per mask program."""
     num_rows, width = logits.shape
     if num_rows == 0 or width == 0:
         return
     vector = (_MASK_VECTOR if vector is None else vector) and logits.stride(1) == 1 and block_size % 4 == 0
+    if fused_flags is None:
+        fused_flags = _MASK_FUSED_MIN_ROWS is not None and num_rows >= _MASK_FUSED_MIN_ROWS
+    streaming = _MASK_STREAMING if streaming is None else streaming
+    rewrite_kept = _MASK_REWRITE_KEPT if rewrite_kept is None else rewrite_kept
     starts_arg, has_starts = _bounds_args(starts, ends)
     max_blocks = triton.cdiv(width, block_size)
-    flags = torch.zeros((num_rows, max_blocks), dtype=torch.int8, device=logits.device)
     num_candidates = candidate_blocks.shape[1]
-    if num_candidates:
+    block_nb, block_j = _tiles(block_size, tile)
+    block_nb = min(block_nb, triton.next_power_of_2(max_blocks + 1))
+    if fused_flags:
+        flags = torch.empty((num_rows, max_blocks), dtype=torch.int8, device=logits.device)
+        programs = 1
+    else:
+        flags = torch.zeros((num_rows, max_blocks), dtype=torch.int8, device=logits.device)
+        programs = _programs_per_row(num_rows, triton.cdiv(max_blocks + 1, block_nb))
+    if num_candidates and not fused_flags:
         block_k = min(1024, triton.next_power_of_2(num_candidates))
         _candidate_flags_kernel[(num_rows, triton.cdiv(num_candidates, block_k))](
             candidate_blocks, starts_arg, ends, flags,
             row_repeat, num_candidates, candidate_blocks.stride(0), candidate_blocks.stride(1), flags.stride(0),
             HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_K=block_k, num_warps=4,
         )
-    block_nb, block_j = _tiles(block_size, tile)
-    block_nb = min(block_nb, triton.next_power_of_2(max_blocks + 1))
-    programs = _programs_per_row(num_rows, triton.cdiv(max_blocks + 1, block_nb))
     _mask_kernel[(num_rows, programs)](
-        logits, starts_arg, ends, flags,
+        logits, starts_arg, ends, flags, candidate_blocks,
         row_repeat, width, programs, max_blocks + 1, logits.stride(0), logits.stride(1), flags.stride(0),
+        num_candidates, candidate_blocks.stride(0), candidate_blocks.stride(1),
         HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_NB=block_nb, BLOCK_J=block_j, VECTOR=vector,
-        num_warps=8,
+        FUSED_FLAGS=fused_flags, BLOCK_K=1024, STORE_CACHE=".cs" if streaming else "", REWRITE_KEPT=rewrite_kept,
+        num_warps=warps,
     )

@@ -8,8 +8,9 @@ Some checks need the values of device tensors (``ks``/``ke`` against the key cou
 against the output width and block table, the block-table entries that will be read); each op does
 them with one vectorised reduction and a single host synchronisation before anything is written.
 
-FP8 paged decode on Hopper has two GPU kernels, chosen per call from host integers (``decode_kernel``):
-the Gluon warp-specialised one (``gluon_decode.py``) where it is faster, the Triton one otherwise.
+Paged decode on Hopper has two GPU kernels per key format, chosen per call from host integers
+(``decode_kernel``): the Gluon warp-specialised one (``gluon_decode.py`` for FP8, ``gluon_decode_mxfp4.py``
+for MXFP4) where it is faster, the Triton one otherwise.
 """
 
 from __future__ import annotations
@@ -41,51 +42,70 @@ def _mqa_logits_triton(*args, **kwargs):
     return mqa_logits_triton(*args, **kwargs)
 
 
-# Which GPU kernel runs FP8 paged decode: "auto" (the rule below), "gluon" (wherever the Gluon kernel can
-# run: FP8, CUDA capability 9.x, e4m3 dots) or "triton". For tests and benchmarks.
+# Which GPU kernel runs paged decode: "auto" (the rule below), "gluon" (wherever a Gluon kernel can run)
+# or "triton". For tests and benchmarks.
 DECODE_KERNEL_ENV = "DSA_INDEXER_DECODE_KERNEL"
 DECODE_KERNELS = ("auto", "gluon", "triton")
+_GLUON_MODULES = {"fp8": "gluon_decode", "mxfp4": "gluon_decode_mxfp4"}
 
 
 @functools.lru_cache(maxsize=None)
-def _gluon_importable() -> bool:
+def _gluon_importable(fmt: str) -> bool:
+    import importlib
+
     try:
-        from . import gluon_decode  # noqa: F401
+        importlib.import_module(f"{__name__}.{_GLUON_MODULES[fmt]}")
     except ImportError:
         return False
     return True
 
 
+def _gluon_takes_shape(fmt: str, heads: int, head_dim: int) -> bool:
+    """The Gluon kernels' shape limits: at most 128 heads (one wgmma N tile); FP8 a power-of-two
+    ``head_dim`` in [32, 512], MXFP4 ``head_dim == 128``."""
+    if heads > 128:
+        return False
+    if fmt == "fp8":
+        return 32 <= head_dim <= 512 and head_dim & (head_dim - 1) == 0
+    return head_dim == 128
+
+
 def decode_kernel(q: torch.Tensor, cache: IndexerKCache, max_context_len: int) -> str:
     """``"gluon"`` or ``"triton"``: the kernel the triton backend runs for this paged decode call.
 
-    The Gluon (warp-specialised, wgmma) kernel needs FP8 keys, a CUDA GPU of capability 9.x (Hopper's
-    wgmma), e4m3 dots (not the upcast path) and an importable Gluon; under ``auto`` it also has to win
-    (``gluon_decode.gluon_decode_preferred``, host integers only). ``DSA_INDEXER_DECODE_KERNEL`` forces
-    either (``gluon`` falls back to Triton where the Gluon kernel cannot run)."""
+    A Gluon (warp-specialised, wgmma) kernel needs a CUDA GPU of capability 9.x (Hopper's wgmma), e4m3
+    dots (not the upcast path), an importable Gluon and a shape it takes (``_gluon_takes_shape``); under
+    ``auto`` it also has to win for this work size (host integers only): FP8
+    ``gluon_decode.gluon_decode_preferred``, MXFP4 ``gluon_decode_mxfp4.gluon_mxfp4_decode_preferred``.
+    ``DSA_INDEXER_DECODE_KERNEL`` forces either (``gluon`` falls back to Triton where no Gluon kernel can
+    run)."""
     choice = os.environ.get(DECODE_KERNEL_ENV) or "auto"
     if choice not in DECODE_KERNELS:
         raise ValueError(f"environment variable {DECODE_KERNEL_ENV} must be one of {DECODE_KERNELS}, got {choice!r}")
-    if choice == "triton" or cache.fmt != "fp8" or q.device.type != "cuda" or _backend.interpreter_enabled():
+    if choice == "triton" or q.device.type != "cuda" or _backend.interpreter_enabled():
         return "triton"
     from .triton import _capability, _device_index, use_upcast
 
-    if _capability(_device_index(q.device))[0] != 9 or use_upcast(q.device) or not _gluon_importable():
+    if (_capability(_device_index(q.device))[0] != 9 or use_upcast(q.device)
+            or not _gluon_takes_shape(cache.fmt, q.shape[2], cache.head_dim) or not _gluon_importable(cache.fmt)):
         return "triton"
     if choice == "gluon":
         return "gluon"
-    from .gluon_decode import gluon_decode_preferred
-
     batch, next_n = q.shape[:2]
-    return "gluon" if gluon_decode_preferred(batch, next_n, max_context_len) else "triton"
+    if cache.fmt == "fp8":
+        from .gluon_decode import gluon_decode_preferred as preferred
+    else:
+        from .gluon_decode_mxfp4 import gluon_mxfp4_decode_preferred as preferred
+    return "gluon" if preferred(batch, next_n, max_context_len) else "triton"
 
 
 def _paged_mqa_logits_triton(q, q_scale, cache, weights, context_lens, block_table, max_context_len, clean, out):
     if decode_kernel(q, cache, max_context_len) == "gluon":
-        from .gluon_decode import paged_mqa_logits_gluon
-
-        return paged_mqa_logits_gluon(q, q_scale, cache, weights, context_lens, block_table, max_context_len,
-                                      clean, out)
+        if cache.fmt == "fp8":
+            from .gluon_decode import paged_mqa_logits_gluon as gluon_kernel
+        else:
+            from .gluon_decode_mxfp4 import paged_mqa_logits_gluon_mxfp4 as gluon_kernel
+        return gluon_kernel(q, q_scale, cache, weights, context_lens, block_table, max_context_len, clean, out)
     from .triton import paged_mqa_logits_triton
 
     return paged_mqa_logits_triton(q, q_scale, cache, weights, context_lens, block_table, max_context_len, clean,

@@ -24,7 +24,8 @@ Triton kernel reduces a ``[BLOCK_K, ROWS, BLOCK_H]`` view of one stacked accumul
 with the reference to fp32 rounding (DESIGN.md §11) and one kernel always returns the same bits.
 
 Gluon does not run under the Triton interpreter: this path needs a CUDA GPU with wgmma (sm_90); the
-dispatch (``ops/logits/__init__.py``) sends FP8 decode here where ``gluon_decode_preferred`` says it wins.
+dispatch (``ops/logits/__init__.py``) sends FP8 decode here where ``gluon_decode_preferred`` says it wins, and
+the launcher picks the configuration (programs per SM, persistence) by work size (``gluon_decode_config``).
 """
 
 from __future__ import annotations
@@ -45,33 +46,48 @@ from ...cache import IndexerKCache
 from ...formats import FP8_DTYPE
 from .triton import _device_index, _num_sms, _split_tiles
 
-__all__ = ["paged_mqa_logits_gluon", "gluon_decode_preferred", "GLUON_DECODE_CONFIG"]
+__all__ = ["paged_mqa_logits_gluon", "gluon_decode_preferred", "gluon_decode_config", "GLUON_DECODE_CONFIG"]
 
 BLOCK_K = gl.constexpr(64)  # positions per key tile: one wgmma M tile
 # (cp.async ring stages, work items per SM aimed at, key tiles per split min/max, draft rows per program at
 # most (1 or 2), producer warps, producer registers per thread, register cap per thread at launch,
-# persistent programs per SM: 0 = one program per work item). Warp specialisation rounds the warps up to
-# whole warpgroups (4 consumer + 4 producer = 256 threads), so the cap decides the programs per SM: 128
-# gives two, 80 three, 64 four (the consumer gets 2 * cap - producer registers).
-GLUON_DECODE_CONFIG = (4, 8, 2, 32, 2, 4, 40, 128, 0)
-# The configuration for next_n = 1 (one accumulator: fewer registers, so more programs per SM fit).
-GLUON_DECODE_CONFIG_ONE_ROW = GLUON_DECODE_CONFIG
+# persistent programs per SM: 0 = one program per work item, and optionally whether each item's first
+# table entry is read beside its lengths: 0/1, default 0). Warp specialisation rounds the warps up to whole
+# warpgroups (4 consumer + 4 producer = 256 threads), so the cap decides the programs per SM: 128 gives
+# two, 80 three, 64 four (the consumer gets 2 * cap - producer registers). Measured winners (H200, cold-L2
+# graph replays, NOTES_logits.md run 6), picked per call by ``gluon_decode_config``: draft rows at
+# ``batch * max_context_len >= GLUON_LARGE_KEYS``: three programs per SM, one work item each.
+GLUON_DECODE_CONFIG = (4, 8, 2, 32, 2, 4, 32, 80, 0)
+# Draft rows below that: two persistent programs per SM (the next item's loads hide its prologue).
+GLUON_DECODE_CONFIG_SMALL = (4, 8, 2, 32, 2, 4, 40, 128, 2)
+# next_n = 1: four persistent programs per SM (one accumulator: 104 consumer registers, no spills).
+GLUON_DECODE_CONFIG_ONE_ROW = (4, 8, 2, 32, 1, 4, 24, 64, 4)
+GLUON_LARGE_KEYS = 1 << 22
 # Candidates timed by the benchmark sweep (each is tested against the reference and the default's bits).
 # Consumer registers: 216 at cap 128 / producer 40, 128 at cap 80 / producer 32 (no spills at next_n = 2),
 # 104 at cap 64 / producer 24 (no spills at next_n = 1 only). Shared memory per program at next_n = 2:
 # ~50 KB, ~67 KB with two query slots (persistent), +8.4 KB a stage.
 GLUON_SWEEP_CONFIGS = {
+    "round1": (4, 8, 2, 32, 2, 4, 40, 128, 0),
     "cta3": (4, 8, 2, 32, 2, 4, 32, 80, 0),
     "persist2": (4, 8, 2, 32, 2, 4, 40, 128, 2),
     "persist2-s6": (6, 8, 2, 32, 2, 4, 40, 128, 2),
     "persist3": (4, 8, 2, 32, 2, 4, 32, 80, 3),
     "persist3-fine": (4, 16, 1, 32, 2, 4, 32, 80, 3),
-    "persist3-rows1": (4, 16, 1, 32, 1, 4, 32, 80, 3),
     "persist4-one-row": (4, 8, 2, 32, 1, 4, 24, 64, 4),
+    # Shorter splits for next_n = 1 at ~1M keys (B = 32, L = 32K: 16 tiles a split at 8 items per SM aimed
+    # at; these aim at 16 / 32 items per SM, i.e. 8 / 4 tiles a split, so the four persistent programs of
+    # an SM end closer together; the next item's first loads hide the extra prologues).
+    "persist4-fine": (4, 16, 1, 32, 1, 4, 24, 64, 4),
+    "persist4-short": (4, 32, 1, 32, 1, 4, 24, 64, 4),
+    # The first table entry beside the lengths: one cold read less in the chain before the first keys.
+    "persist4-early": (4, 8, 2, 32, 1, 4, 24, 64, 4, 1),
+    "persist4-fine-early": (4, 16, 1, 32, 1, 4, 24, 64, 4, 1),
+    "persist2-early": (4, 8, 2, 32, 2, 4, 40, 128, 2, 1),
 }
 # Smallest ``batch * max_context_len`` the dispatch sends to the Gluon kernel, by draft rows (see
 # ``gluon_decode_preferred``).
-GLUON_MIN_KEYS_ONE_ROW = 1 << 21
+GLUON_MIN_KEYS_ONE_ROW = 1 << 20
 GLUON_MIN_KEYS_DRAFT_ROWS = 1 << 16
 
 
@@ -109,16 +125,19 @@ def _work_item(lens_ptr, stride_lb, stride_lt, work, next_n, one_d, max_context_
 
 @gluon.jit
 def _producer(q_ptr, stride_qb, stride_qt, stride_qh, values_ptr, cache_ptr, page_units, table_ptr, stride_tb,
-              lens_ptr, stride_lb, stride_lt, key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty,
+              table_columns, lens_ptr, stride_lb, stride_lt, key_ring, scale_ring, query_ring, ready, empty,
+              query_ready, query_empty,
               next_n, one_d, max_context_len, num_splits, num_groups, num_works,
               HEADS: gl.constexpr, BLOCK_H: gl.constexpr, DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
               ROWS: gl.constexpr, TILES: gl.constexpr, NUM_STAGES: gl.constexpr, QUERY_SLOTS: gl.constexpr,
-              COPY_ALIGN: gl.constexpr, COPY_LAYOUT: gl.constexpr, SCALE_LAYOUT: gl.constexpr):
+              COPY_ALIGN: gl.constexpr, COPY_LAYOUT: gl.constexpr, SCALE_LAYOUT: gl.constexpr,
+              EARLY_TABLE: gl.constexpr):
     """Per work item of this program: the group's queries ``[ROWS, BLOCK_H, DIM]`` into a query slot, then
     per tile ``[BLOCK_K, DIM]`` keys and ``[BLOCK_K]`` scales into the ring (positions ``>= read_end`` are
     zero-filled). The ring's use count runs on across work items, so the next item's first tiles load
     while the consumer still works on this one. Pages start every ``page_units * COPY_ALIGN`` bytes, and the
-    cache is ``COPY_ALIGN``-byte aligned: the copies move ``COPY_ALIGN`` bytes (16 or 4) each."""
+    cache is ``COPY_ALIGN``-byte aligned: the copies move ``COPY_ALIGN`` bytes (16 or 4) each. ``EARLY_TABLE``
+    (pages a multiple of a tile only): an item's first table entry is read before its lengths."""
     head = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, COPY_LAYOUT))
     dim = gl.arange(0, DIM, layout=gl.SliceLayout(0, COPY_LAYOUT))
     key = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, COPY_LAYOUT))
@@ -126,6 +145,13 @@ def _producer(q_ptr, stride_qb, stride_qt, stride_qh, values_ptr, cache_ptr, pag
     uses = 0  # ring stages filled so far (over all work items)
     done = 0  # work items done by this program
     for work in range(gl.program_id(0), num_works, gl.num_programs(0)):
+        if EARLY_TABLE:
+            # The entry depends on the item's index only: read beside the lengths, not after them (two cold
+            # reads in parallel instead of a chain). Past the request's length it may be garbage; then no tile
+            # of the item is read, so it is never used.
+            first_column = (work // num_groups % num_splits) * (TILES * BLOCK_K) // BLOCK_SIZE
+            first_page = gl.load(table_ptr + (work // num_groups // num_splits).to(gl.int64) * stride_tb + first_column,
+                                 mask=first_column < table_columns, other=0)
         request, t0, _, _, split_start, _, read_end, num_tiles = _work_item(
             lens_ptr, stride_lb, stride_lt, work, next_n, one_d, max_context_len, num_splits, num_groups, ROWS, TILES)
         table_row = table_ptr + request.to(gl.int64) * stride_tb
@@ -142,7 +168,10 @@ def _producer(q_ptr, stride_qb, stride_qt, stride_qh, values_ptr, cache_ptr, pag
         if BLOCK_SIZE % BLOCK_K == 0:
             # A tile lies in one page: one block-table entry per tile, loaded a tile ahead (its latency hides
             # under this tile's wait and copies).
-            next_page = gl.load(table_row + split_start // BLOCK_SIZE, mask=split_start < read_end, other=0)
+            if EARLY_TABLE:
+                next_page = first_page
+            else:
+                next_page = gl.load(table_row + split_start // BLOCK_SIZE, mask=split_start < read_end, other=0)
             for tile in range(num_tiles):
                 stage = (uses + tile) % NUM_STAGES
                 tile_start = split_start + tile * BLOCK_K
@@ -272,19 +301,20 @@ def _consumer(w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_
         done += 1
 
 
-@gluon.jit(do_not_specialize=["next_n", "one_d", "max_context_len", "num_splits", "num_groups", "num_works"])
+@gluon.jit(do_not_specialize=["table_columns", "next_n", "one_d", "max_context_len", "num_splits", "num_groups",
+                              "num_works"])
 def _paged_mqa_logits_ws_kernel(
     q_ptr, stride_qb, stride_qt, stride_qh,
     w_ptr, stride_wr, stride_wh,
     values_ptr, cache_ptr, page_units,
     lens_ptr, stride_lb, stride_lt,
-    table_ptr, stride_tb,
+    table_ptr, stride_tb, table_columns,
     out_ptr, stride_or,
     next_n, one_d, max_context_len, num_splits, num_groups, num_works,
     HEADS: gl.constexpr, BLOCK_H: gl.constexpr, DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     ROWS: gl.constexpr, TILES: gl.constexpr, NUM_STAGES: gl.constexpr, QUERY_SLOTS: gl.constexpr,
     CLEAN: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, COPY_ALIGN: gl.constexpr,
-    KEY_SMEM_LAYOUT: gl.constexpr, COPY_LAYOUT: gl.constexpr, SCALE_LAYOUT: gl.constexpr,
+    KEY_SMEM_LAYOUT: gl.constexpr, COPY_LAYOUT: gl.constexpr, SCALE_LAYOUT: gl.constexpr, EARLY_TABLE: gl.constexpr,
 ):
     """Work items ``pid, pid + programs, ...`` of ``num_works`` (draft rows ``[t0, t0 + ROWS)`` of one
     request over one split of ``TILES * BLOCK_K`` positions each; one item per program unless persistent)."""
@@ -309,10 +339,10 @@ def _paged_mqa_logits_ws_kernel(
                      next_n, one_d, max_context_len, num_splits, num_groups, num_works,
                      HEADS, BLOCK_H, ROWS, TILES, NUM_STAGES, QUERY_SLOTS, CLEAN)),
         (_producer, (q_ptr, stride_qb, stride_qt, stride_qh, values_ptr, cache_ptr, page_units, table_ptr, stride_tb,
-                     lens_ptr, stride_lb, stride_lt, key_ring, scale_ring, query_ring, ready, empty, query_ready,
-                     query_empty, next_n, one_d, max_context_len, num_splits, num_groups, num_works,
+                     table_columns, lens_ptr, stride_lb, stride_lt, key_ring, scale_ring, query_ring, ready, empty,
+                     query_ready, query_empty, next_n, one_d, max_context_len, num_splits, num_groups, num_works,
                      HEADS, BLOCK_H, DIM, BLOCK_SIZE, ROWS, TILES, NUM_STAGES, QUERY_SLOTS, COPY_ALIGN, COPY_LAYOUT,
-                     SCALE_LAYOUT)),
+                     SCALE_LAYOUT, EARLY_TABLE)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
@@ -334,15 +364,26 @@ def kernel_constants(heads: int, dim: int, block_size: int, rows: int, tiles: in
         COPY_LAYOUT=gl.BlockedLayout([1, 16], [32 // lanes_per_row, lanes_per_row], [producer_warps, 1], [1, 0])
         if lanes_per_row <= 32 else None,
         SCALE_LAYOUT=gl.BlockedLayout([1], [32], [producer_warps], [0]),
+        EARLY_TABLE=bool(len(config) > 9 and config[9]) and block_size % BLOCK_K.value == 0,
     )
 
 
 def gluon_decode_preferred(batch: int, next_n: int, max_context_len: int) -> bool:
     """Whether the Gluon kernel beats the Triton one for this call (host integers only). Measured (H200,
-    cold-L2 graph replays): draft rows (``next_n >= 2``) from B = 1, L = 128K up (1.04-1.3x); one row from
-    4M keys up (1.04-1.05x), slower at 1M keys and at B = 1 (latency of the short splits)."""
+    cold-L2 graph replays, NOTES_logits.md run 6): draft rows (``next_n >= 2``) win from B = 1, L = 128K
+    up (1.25-1.37x); one row wins from B = 32, L = 32K (1M keys, 49.6 vs 51.1 µs) up, loses at B = 1,
+    L = 128K (13.8 vs 13.3 µs)."""
     keys = batch * max_context_len
     return keys >= (GLUON_MIN_KEYS_ONE_ROW if next_n == 1 else GLUON_MIN_KEYS_DRAFT_ROWS)
+
+
+def gluon_decode_config(batch: int, next_n: int, max_context_len: int) -> tuple:
+    """The launcher's default configuration for this call (host integers only): ``GLUON_DECODE_CONFIG_ONE_ROW``
+    at next_n = 1; with draft rows ``GLUON_DECODE_CONFIG`` from ``GLUON_LARGE_KEYS`` keys up (more
+    programs per SM), ``GLUON_DECODE_CONFIG_SMALL`` below (persistent: fewer, longer-lived programs)."""
+    if next_n == 1:
+        return GLUON_DECODE_CONFIG_ONE_ROW
+    return GLUON_DECODE_CONFIG if batch * max_context_len >= GLUON_LARGE_KEYS else GLUON_DECODE_CONFIG_SMALL
 
 
 def paged_mqa_logits_gluon(
@@ -359,8 +400,8 @@ def paged_mqa_logits_gluon(
     config: tuple | None = None,
 ) -> torch.Tensor:
     """Gluon twin of ``paged_mqa_logits_triton`` for FP8 caches (same arguments, validated by the public
-    wrapper; CUDA with sm_90 only). ``config`` overrides ``GLUON_DECODE_CONFIG`` (benchmarks; an 8-entry
-    tuple means one work item per program)."""
+    wrapper; CUDA with sm_90 only). ``config`` overrides ``gluon_decode_config``'s choice (benchmarks; an
+    8-entry tuple means one work item per program)."""
     if cache.fmt != "fp8" or q_scale is not None:
         raise ValueError(f"the Gluon decode kernel takes FP8 caches only, got fmt {cache.fmt!r}")
     batch, next_n = q.shape[:2]
@@ -371,7 +412,7 @@ def paged_mqa_logits_gluon(
         if clean:
             out.fill_(float("-inf"))
         return out
-    config = config or (GLUON_DECODE_CONFIG_ONE_ROW if next_n == 1 else GLUON_DECODE_CONFIG)
+    config = config or gluon_decode_config(batch, next_n, max_context_len)
     per_sm, lo, hi, max_rows, maxnreg = config[1], config[2], config[3], config[4], config[7]
     persistent_per_sm = config[8] if len(config) > 8 else 0
     rows = 1 if min(next_n, max_rows) == 1 else 2
@@ -396,7 +437,7 @@ def paged_mqa_logits_gluon(
         weights, weights.stride(0), weights.stride(1),
         buffer.view(FP8_DTYPE), buffer, cache.page_stride // copy_align,
         context_lens, context_lens.stride(0), 0 if one_d else context_lens.stride(1),
-        block_table, block_table.stride(0),
+        block_table, block_table.stride(0), block_table.shape[1],
         out, out.stride(0),
         next_n, int(one_d), max_context_len, triton.cdiv(key_tiles, tiles), num_groups, num_works,
         **constants, num_warps=4, maxnreg=maxnreg,

@@ -19,7 +19,9 @@ waits for what:
   the 16 bytes of scale block ``lane % 4``: after the expansion that is exactly the thread's share of
   the A operand in ``_dot_order`` (the layout conversion is a register renaming, asserted at compile
   time). One async wgmma chain per draft row (K = 128: the even half then the odd half, the Triton
-  kernel's two half-depth dots in the same order), row 0's epilogue under row 1's wgmma.
+  kernel's two half-depth dots in the same order), row 0's epilogue under row 1's wgmma. With one row and
+  the pipeline option (config field 8) the epilogue runs a tile behind: tile i + 1's wait, loads and
+  expansion under tile i's wgmma, tile i's epilogue under tile i + 1's.
 - Several programs share an SM (the register cap decides how many), so one program's expansion and
   epilogue overlap another's wgmma, and the copies run ahead in the ring.
 
@@ -50,16 +52,22 @@ from ...formats import FP8_DTYPE
 from .gluon_decode import _row_length, _store_row
 from .triton import _E2M1_EXPAND_ASM, _E4M3_TABLE_ASM, _mxfp4_rows, _split_tiles
 
-__all__ = ["paged_mqa_logits_gluon_mxfp4", "GLUON_MXFP4_DECODE_CONFIG"]
+__all__ = ["paged_mqa_logits_gluon_mxfp4", "gluon_mxfp4_decode_preferred", "GLUON_MXFP4_DECODE_CONFIG"]
 
 BLOCK_K = gl.constexpr(64)  # positions per key tile: one wgmma M tile
 DIM = gl.constexpr(128)  # head_dim this kernel takes: D/32 = 4 scale blocks, one per lane of a quad
 # (cp.async ring stages, programs per SM aimed at, key tiles per split min/max, draft rows per program at
-# most (1 or 2), producer warps, producer registers per thread, register cap per thread at launch, expand
-# the next tile under this tile's wgmma: 0/1). Warp specialisation rounds the warps up to whole warpgroups
-# (4 consumer + 4 producer = 256 threads), so the cap decides the programs per SM: 128 gives two (consumer
-# 216 registers), 80 three (consumer 120), 64 four (consumer 104 with 24 producer registers).
+# most (1 or 2), producer warps, producer registers per thread, register cap per thread at launch, one-row
+# pipeline: 0/1, see ``_consumer``; ignored for two rows). Warp specialisation rounds the warps up to whole
+# warpgroups (4 consumer + 4 producer = 256 threads), so the cap decides the programs per SM: 128 gives two
+# (consumer 216 registers), 80 three (consumer 120; 136 with 24 producer registers), 64 four (consumer 104
+# with 24 producer registers).
 GLUON_MXFP4_DECODE_CONFIG = (4, 8, 2, 32, 2, 4, 40, 80, 0)
+# next_n = 1: four programs per SM (measured best at one row, NOTES_logits.md run 6: 150.6 vs 156.0 µs at
+# B = 32, L = 128K).
+GLUON_MXFP4_DECODE_CONFIG_ONE_ROW = (4, 8, 2, 32, 2, 4, 24, 64, 0)
+# Smallest ``batch * max_context_len`` the dispatch sends to this kernel (``gluon_mxfp4_decode_preferred``).
+GLUON_MXFP4_MIN_KEYS = 1 << 20
 
 
 @gluon.jit
@@ -187,8 +195,9 @@ def _consumer(q_ptr, stride_qb, stride_qt, stride_qh, w_ptr, stride_wr, stride_w
               HEADS: gl.constexpr, BLOCK_H: gl.constexpr, ROWS: gl.constexpr, NUM_STAGES: gl.constexpr,
               CLEAN: gl.constexpr, AHEAD: gl.constexpr, ROW_BYTES_LAYOUT: gl.constexpr,
               PACKED_LAYOUT: gl.constexpr, QUERY_LAYOUT: gl.constexpr):
-    """Queries once; per tile: expand, one async wgmma per row, row 0's epilogue under row 1's wgmma;
-    then the ``-inf`` tail."""
+    """Queries once; per tile: expand, one async wgmma per row, row 0's epilogue under row 1's wgmma (or,
+    with ``AHEAD`` and one row, the previous tile's epilogue under this tile's wgmma); then the ``-inf``
+    tail."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_H, 32])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=4)
@@ -211,31 +220,49 @@ def _consumer(q_ptr, stride_qb, stride_qt, stride_qh, w_ptr, stride_wr, stride_w
         out_row1 = out_row0 + stride_or
     zero = gl.zeros([BLOCK_K, BLOCK_H], gl.float32, layout=mma_layout)
     if AHEAD:
-        keys, key_mul = _take_tile(key_ring, scale_ring, ready, empty, 0, NUM_STAGES, ROW_BYTES_LAYOUT, PACKED_LAYOUT,
-                                   a_layout, row_layout)
-    for tile in range(num_tiles):
-        if not AHEAD:
+        # One row, epilogue one tile behind: tile i + 1 is expanded while tile i's wgmma runs, and tile i's
+        # epilogue runs under tile i + 1's. Tiles go in pairs so that each accumulator keeps its registers:
+        # the one carried over the loop edge is still in flight there, and a copy of it would make ptxas
+        # serialise the wgmma. Tiles 0 .. 2 * (num_tiles // 2) run (the producer zero-fills the ones past
+        # the split, whose stores are masked off).
+        keys, key_mul_b = _take_tile(key_ring, scale_ring, ready, empty, 0, NUM_STAGES, ROW_BYTES_LAYOUT,
+                                     PACKED_LAYOUT, a_layout, row_layout)
+        acc_b = warpgroup_mma(keys, query_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+        for first in range(1, num_tiles // 2 * 2 + 1, 2):
+            keys, key_mul_a = _take_tile(key_ring, scale_ring, ready, empty, first, NUM_STAGES, ROW_BYTES_LAYOUT,
+                                         PACKED_LAYOUT, a_layout, row_layout)
+            acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_b, ))
+            acc_a = warpgroup_mma(keys, query_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+            positions = split_start + (first - 1) * BLOCK_K + key
+            _store_row(acc_b, half_w0, key_mul_b, out_row0, positions, positions < read_end, length0, present0,
+                       CLEAN)
+            keys, key_mul_b = _take_tile(key_ring, scale_ring, ready, empty, first + 1, NUM_STAGES,
+                                         ROW_BYTES_LAYOUT, PACKED_LAYOUT, a_layout, row_layout)
+            acc_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, ))
+            acc_b = warpgroup_mma(keys, query_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+            positions = split_start + first * BLOCK_K + key
+            _store_row(acc_a, half_w0, key_mul_a, out_row0, positions, positions < read_end, length0, present0,
+                       CLEAN)
+        acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_b, ))
+        positions = split_start + num_tiles // 2 * 2 * BLOCK_K + key
+        _store_row(acc_b, half_w0, key_mul_b, out_row0, positions, positions < read_end, length0, present0, CLEAN)
+    else:
+        for tile in range(num_tiles):
             keys, key_mul = _take_tile(key_ring, scale_ring, ready, empty, tile, NUM_STAGES, ROW_BYTES_LAYOUT,
                                        PACKED_LAYOUT, a_layout, row_layout)
-        acc0 = warpgroup_mma(keys, query_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-        if ROWS == 2:
-            acc1 = warpgroup_mma(keys, query_smem.index(1).permute((1, 0)), zero, use_acc=False, is_async=True)
-        if AHEAD:  # the next tile's expansion under this tile's wgmma
-            next_keys, next_key_mul = _take_tile(key_ring, scale_ring, ready, empty, tile + 1, NUM_STAGES,
-                                                 ROW_BYTES_LAYOUT, PACKED_LAYOUT, a_layout, row_layout)
-        positions = split_start + tile * BLOCK_K + key
-        live = positions < read_end
-        if ROWS == 2:
-            acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
-            _store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
-            acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
-            _store_row(acc1, half_w1, key_mul, out_row1, positions, live, length1, present1, CLEAN)
-        else:
-            acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, ))
-            _store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
-        if AHEAD:
-            keys = next_keys
-            key_mul = next_key_mul
+            acc0 = warpgroup_mma(keys, query_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+            if ROWS == 2:
+                acc1 = warpgroup_mma(keys, query_smem.index(1).permute((1, 0)), zero, use_acc=False, is_async=True)
+            positions = split_start + tile * BLOCK_K + key
+            live = positions < read_end
+            if ROWS == 2:
+                acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
+                _store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
+                acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
+                _store_row(acc1, half_w1, key_mul, out_row1, positions, live, length1, present1, CLEAN)
+            else:
+                acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, ))
+                _store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
     if CLEAN:
         masked = gl.full([BLOCK_K], float("-inf"), gl.float32, layout=row_layout)
         for first in range(gl.maximum(split_start, read_end), split_end, BLOCK_K):
@@ -296,7 +323,7 @@ def _paged_mqa_logits_mxfp4_ws_kernel(
                      HEADS, BLOCK_H, ROWS, NUM_STAGES, CLEAN, AHEAD, ROW_BYTES_LAYOUT, PACKED_LAYOUT,
                      QUERY_LAYOUT)),
         (_producer, (values_ptr, cache_ptr, page_units, table_row, key_ring, scale_ring, ready, empty,
-                     split_start, read_end, num_tiles + AHEAD,
+                     split_start, read_end, num_tiles // 2 * 2 + 1 if AHEAD else num_tiles,
                      BLOCK_SIZE, NUM_STAGES, COPY_ALIGN, COPY_LAYOUT, SCALE_LAYOUT)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
@@ -310,7 +337,8 @@ def kernel_constants(heads: int, block_size: int, rows: int, tiles: int, clean: 
     lanes_per_row = (DIM.value // 2) // copy_align  # copy_align bytes a thread, a packed row is D/2 bytes
     return dict(
         HEADS=heads, BLOCK_H=max(16, triton.next_power_of_2(heads)), BLOCK_SIZE=block_size, ROWS=rows,
-        TILES=tiles, NUM_STAGES=num_stages, CLEAN=clean, AHEAD=int(ahead), PRODUCER_WARPS=producer_warps,
+        TILES=tiles, NUM_STAGES=num_stages, CLEAN=clean, AHEAD=int(ahead) if rows == 1 else 0,
+        PRODUCER_WARPS=producer_warps,
         PRODUCER_REGS=producer_regs, COPY_ALIGN=copy_align,
         QUERY_SMEM_LAYOUT=gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2),
         COPY_LAYOUT=gl.BlockedLayout([1, copy_align], [32 // lanes_per_row, lanes_per_row], [producer_warps, 1],
@@ -331,6 +359,13 @@ def kernel_constants(heads: int, block_size: int, rows: int, tiles: int, clean: 
     )
 
 
+def gluon_mxfp4_decode_preferred(batch: int, next_n: int, max_context_len: int) -> bool:
+    """Whether this kernel beats the Triton one for the call (host integers only). Measured (H200, cold-L2
+    graph replays, NOTES_logits.md run 6): 1.09-1.12x from B = 32, L = 32K (1M keys) up at next_n = 1 and 2;
+    slower at B = 1, L = 128K, next_n = 1 (20.8 vs 16.4-18.2 µs)."""
+    return batch * max_context_len >= GLUON_MXFP4_MIN_KEYS
+
+
 def paged_mqa_logits_gluon_mxfp4(
     q: torch.Tensor,
     q_scale: torch.Tensor | None,
@@ -346,7 +381,7 @@ def paged_mqa_logits_gluon_mxfp4(
 ) -> torch.Tensor:
     """Gluon twin of ``paged_mqa_logits_triton`` for MXFP4 caches with ``head_dim == 128`` (same arguments,
     validated by the public wrapper; CUDA with sm_90+ only). ``config`` overrides
-    ``GLUON_MXFP4_DECODE_CONFIG`` (benchmarks)."""
+    ``GLUON_MXFP4_DECODE_CONFIG`` (``GLUON_MXFP4_DECODE_CONFIG_ONE_ROW`` at next_n = 1; benchmarks)."""
     if cache.fmt != "mxfp4" or q_scale is None:
         raise ValueError(f"the Gluon MXFP4 decode kernel takes MXFP4 caches only, got fmt {cache.fmt!r}")
     if cache.head_dim != DIM.value:
@@ -361,7 +396,7 @@ def paged_mqa_logits_gluon_mxfp4(
         return out
     q_values, q_mul = _mxfp4_rows(q, q_scale, FP8_DTYPE)  # [B, next_n, H, D] de-interleaved e4m3
     w = weights * q_mul.view(batch * next_n, heads)
-    config = config or GLUON_MXFP4_DECODE_CONFIG
+    config = config or (GLUON_MXFP4_DECODE_CONFIG_ONE_ROW if next_n == 1 else GLUON_MXFP4_DECODE_CONFIG)
     _, per_sm, lo, hi, max_rows, _, _, maxnreg, _ = config
     rows = 1 if min(next_n, max_rows) == 1 else 2
     num_groups = triton.cdiv(next_n, rows)

@@ -37,9 +37,12 @@ each picked position ``p`` instead of ``p`` (a gather from the block table, only
 
 Rows of width ``<= row_block_max``: a program holds ``rows_per_program`` whole windows in registers,
 finds each row's ``T`` (the rows share each round's reduction) and emits: one launch, no scratch.
-Options (``TopkConfig``): the probing search (``_kth_largest_rows_probing``: two probes per round and a
-bracket snapped to the nearest keys, ≈ 3–9 rounds instead of ≈ 10–32), a direct copy for programs whose
-rows are all selectable and at most k wide, and narrower register tiles for programs of narrow rows.
+Programs whose rows are all selectable and at most k wide store the columns directly, and a program
+whose rows fit in a half (quarter) tile takes that narrower register tile (fewer keys per thread per
+round). Options (``TopkConfig``): the probing search (``_kth_largest_rows_probing``: two probes per round
+and a bracket snapped to the nearest keys, ≈ 3–9 rounds instead of ≈ 10–32); one launch per tile, each
+program keeping the rows of its tile's width class (each kernel then holds one tile's body: its own
+register count, so narrow tiles fit more programs per SM, and no code of the other tiles); a register cap.
 
 Wider rows, calls of at least ``row_program_rows`` rows (row programs, two launches, no atomics):
 chunk programs (step 1 of the split path) store the maximum of each group of ``GROUP`` consecutive
@@ -135,7 +138,7 @@ _PIECE_COUNTS = tl.constexpr(4)
 _PIECE_STATE_WORDS = 4
 
 _PAD_BLOCK = 1024
-_SLOT_BLOCK = 1024
+_SLOT_BLOCK = 2048  # indices_to_slots: run 4 (session 3), 82.0 µs with 16-byte rows against 88.3 for 1024
 
 
 @dataclass(frozen=True)
@@ -151,7 +154,16 @@ class TopkConfig:
     row_copy_short: whole-row programs whose rows are all selectable and at most k wide store the columns
         directly (no search, no prefix sum).
     row_tiles: register tiles a whole-row program may use, halving from the widest: a program whose rows
-        fit in a narrower tile takes it (1 to 3).
+        fit in a narrower tile takes it (1 to 3; up to 4 with ``row_tile_launches``).
+    row_tile_launches: one launch per tile instead of one kernel holding every tile's body: each kernel
+        compiles one body (registers, code size of that tile only) and keeps the rows of its width class,
+        ``(tile / 2, tile]`` (the narrowest tile: ``[0, tile]``).
+    row_narrow_elements: register tile of the narrower tiles' programs with ``row_tile_launches``
+        (``None``: ``row_elements``), i.e. ``row_narrow_elements // tile`` short rows packed per program.
+    row_narrow_warps: most warps of the narrower tiles' programs with ``row_tile_launches`` (``None``:
+        ``row_warps``).
+    row_max_registers: register cap (ptxas ``maxnreg``) of whole-row programs (with ``row_tile_launches``: of
+        the widest tile's), for more programs per SM; ``None``: the compiler's choice.
     row_program_rows: wider rows take one row program per row when the call has at least this many
         rows, else the split path.
     stream_tile: columns per streaming step of a row program, and per gather piece (power of two, at
@@ -183,8 +195,12 @@ class TopkConfig:
     row_elements: int = 8192
     row_warps: int = 4
     row_search: str = "bisect"
-    row_copy_short: bool = False
-    row_tiles: int = 1
+    row_copy_short: bool = True
+    row_tiles: int = 3
+    row_tile_launches: bool = False
+    row_narrow_elements: int | None = None
+    row_narrow_warps: int | None = None
+    row_max_registers: int | None = None
     row_program_rows: int = 32
     stream_tile: int = 8192
     stream_warps: int = 16
@@ -523,24 +539,33 @@ def _select_rows(logits_ptr, stride_row, stride_col, rows, valid, start, length,
     _pad_rows(out_ptrs, out_stride_col, taken, valid, k, PAD_BLOCK)
 
 
-@triton.jit(do_not_specialize=["num_rows", "width", "k", "next_n", "block_size", "rows_per_request"])
+@triton.jit(do_not_specialize=["num_rows", "width", "k", "next_n", "block_size", "rows_per_request",
+                              "class_above", "class_upto"])
 def _topk_row_kernel(
     logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, out_ptr, out_stride_row, out_stride_col,
     num_rows, width, k, next_n,
-    table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request,
+    table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request, class_above, class_upto,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
     PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr, PROBE_SEARCH: tl.constexpr, COPY_SHORT: tl.constexpr,
-    TILES: tl.constexpr,
+    TILES: tl.constexpr, CLASSED: tl.constexpr,
 ):
     """``ROWS`` whole rows per program. ``TILES`` > 1: a program whose windows all fit in ``BLOCK // 2``
-    (``TILES`` = 3: ``BLOCK // 4``) takes that narrower register tile (fewer keys per thread per round)."""
+    (``TILES`` = 3: ``BLOCK // 4``) takes that narrower register tile (fewer keys per thread per round).
+    ``CLASSED`` (one launch per tile, ``TILES`` = 1): a program keeps only its rows whose window length lies
+    in ``(class_above, class_upto]`` and does nothing when none does; the other launches own the others."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
     valid = rows < num_rows
     start, length = _row_window(rows, valid, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
+    if CLASSED:
+        valid = valid & (length > class_above) & (length <= class_upto)
+        length = tl.where(valid, length, 0)
     args = (logits_ptr, stride_row, stride_col, rows, valid, start, length, out_ptr, out_stride_row,
             out_stride_col, k, table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request)
     widest = tl.max(length, axis=0)
-    if TILES == 1:
+    if CLASSED:
+        if tl.max(valid.to(tl.int32), axis=0) > 0:
+            _select_rows(*args, BLOCK, PAD_BLOCK, SLOTS, PROBE_SEARCH, COPY_SHORT)
+    elif TILES == 1:
         _select_rows(*args, BLOCK, PAD_BLOCK, SLOTS, PROBE_SEARCH, COPY_SHORT)
     elif TILES == 2:
         if widest <= BLOCK // 2:
@@ -1065,16 +1090,38 @@ def _slot_args(slots, logits):
 def _launch_rows(logits, k, bounds, out, next_n, bounds_flags, slot_args, config):
     num_rows, width = logits.shape
     block = max(16, _next_pow2(width))
-    rows = min(16, max(1, config.row_elements // block))
-    warps = max(1, min(config.row_warps, rows * block // 256))
-    tiles = max(1, min(config.row_tiles, 3))
+    tiles = max(1, min(config.row_tiles, 4 if config.row_tile_launches else 3))
     while tiles > 1 and block >> (tiles - 1) < 16:
         tiles -= 1
+    common = dict(PAD_BLOCK=_PAD_BLOCK, PROBE_SEARCH=config.row_search == "probe", COPY_SHORT=config.row_copy_short,
+                  **bounds_flags, **slot_args[1])
+    if config.row_tile_launches and tiles > 1:
+        # One kernel per tile, widest first: each compiles one body, so narrow tiles keep fewer registers.
+        for tile_index in range(tiles):
+            tile = block >> tile_index
+            narrow = tile_index > 0
+            elements = (config.row_narrow_elements or config.row_elements) if narrow else config.row_elements
+            warps_max = (config.row_narrow_warps or config.row_warps) if narrow else config.row_warps
+            class_above = -1 if tile_index == tiles - 1 else tile // 2
+            registers = None if narrow else config.row_max_registers
+            _launch_row_tile(logits, k, bounds, out, next_n, slot_args, tile, elements, warps_max, registers,
+                             class_above, tile, dict(TILES=1, CLASSED=True, **common))
+        return
+    _launch_row_tile(logits, k, bounds, out, next_n, slot_args, block, config.row_elements, config.row_warps,
+                     config.row_max_registers, -1, width, dict(TILES=tiles, CLASSED=False, **common))
+
+
+def _launch_row_tile(logits, k, bounds, out, next_n, slot_args, block, elements, warps_max, max_registers,
+                     class_above, class_upto, flags):
+    """One launch of ``_topk_row_kernel`` with ``BLOCK = block`` and ``elements // block`` rows per program."""
+    num_rows, width = logits.shape
+    rows = min(16, max(1, elements // block))
+    warps = max(1, min(warps_max, rows * block // 256))
+    registers = {} if max_registers is None else dict(maxnreg=max_registers)
     _topk_row_kernel[(triton.cdiv(num_rows, rows),)](
         logits, logits.stride(0), logits.stride(1), *bounds, out, out.stride(0), out.stride(1),
-        num_rows, width, k, next_n, *slot_args[0], ROWS=rows, BLOCK=block, PAD_BLOCK=_PAD_BLOCK,
-        PROBE_SEARCH=config.row_search == "probe", COPY_SHORT=config.row_copy_short, TILES=tiles, num_warps=warps,
-        **bounds_flags, **slot_args[1],
+        num_rows, width, k, next_n, *slot_args[0], class_above, class_upto, ROWS=rows, BLOCK=block,
+        num_warps=warps, **registers, **flags,
     )
 
 
@@ -1224,11 +1271,11 @@ def topk_decode_triton(
 
 def indices_to_slots_triton(
     indices: torch.Tensor, block_table: torch.Tensor, block_size: int, row_to_request: torch.Tensor, *,
-    block: int = _SLOT_BLOCK, num_warps: int = 4, aligned_rows: bool = False,
+    block: int = _SLOT_BLOCK, num_warps: int = 4, aligned_rows: bool = True,
 ) -> torch.Tensor:
     """Twin of ``reference.indices_to_slots``: ``block_table[request, p // bs] * bs + p % bs``, ``-1`` kept.
     Variants: ``block`` positions per program, ``num_warps``, ``aligned_rows`` (16-byte slot stores
-    when ``k % 4 == 0``)."""
+    when ``k % 4 == 0``; ``False`` with ``block=1024`` is the pre-run-4 kernel)."""
     num_rows, k = indices.shape
     slots = torch.empty((num_rows, k), dtype=torch.int32, device=indices.device)
     if num_rows == 0 or k == 0:
