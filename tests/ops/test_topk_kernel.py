@@ -70,7 +70,8 @@ ROW_PROBE_ONLY = TopkConfig(row_search="probe", row_copy_short=False, row_tiles=
 # One launch per tile (64/32/16 columns): one row of 64 per program, two rows of 32 / four of 16 (packed),
 # and the v6 kernel (no copy, one tile).
 ROW_LAUNCHES = TopkConfig(row_tile_launches=True, row_elements=64, row_max_registers=128)
-ROW_V6 = TopkConfig(row_copy_short=False, row_tiles=1)
+ROW_V6 = TopkConfig(row_copy_short=False, row_tiles=1, row_tile_launches=False, row_warps=4, row_narrow_elements=None,
+                    row_narrow_warps=None, row_max_registers=None)  # one kernel, one tile
 ROWS_FAST = [ROW_PROBE, ROW_PROBE_WIDE, ROW_PROBE_ONLY, ROW_LAUNCHES, ROW_V6]
 ROWS_FAST_IDS = ["row_probe", "row_probe_wide", "row_probe_only", "row_launches", "row_v6"]
 
@@ -348,14 +349,15 @@ def test_gpu_generators_long_rows(name, width, num_rows, config):
     assert_same(logits, 2048, None, None, config)
 
 
-GPU_ROWS = [ROW, TopkConfig(row_copy_short=False, row_tiles=1),
-            TopkConfig(row_search="probe", row_copy_short=False, row_tiles=1), TopkConfig(row_search="probe")]
-GPU_ROWS_IDS = ["rows", "rows_v6", "rows_probe", "rows_probe_copy_tiles"]
-# One launch per tile (the sweep's launch variants; the widest tile's warps and register cap vary).
-GPU_ROWS += [TopkConfig(row_tile_launches=True, row_narrow_elements=4096, **wide)
-             for wide in ({}, dict(row_max_registers=168), dict(row_warps=8, row_narrow_warps=4, row_max_registers=128),
-                          dict(row_warps=8, row_narrow_warps=4, row_max_registers=80))]
-GPU_ROWS_IDS += ["rows_launch", "rows_launch_r168", "rows_launch_w8_r128", "rows_launch_w8_r80"]
+ONE_KERNEL = dict(row_tile_launches=False, row_warps=4, row_narrow_elements=None, row_narrow_warps=None,
+                  row_max_registers=None)
+GPU_ROWS = [ROW, ROW_V6, TopkConfig(**ONE_KERNEL), TopkConfig(row_search="probe", **ONE_KERNEL),
+            TopkConfig(row_search="probe")]
+GPU_ROWS_IDS = ["rows", "rows_v6", "rows_one_kernel", "rows_probe_one_kernel", "rows_probe"]
+# One launch per tile with other widest-tile warps and register caps (the default: 8 warps, 80 registers).
+GPU_ROWS += [TopkConfig(row_warps=4, row_narrow_warps=None, row_max_registers=None),
+             TopkConfig(row_warps=4, row_narrow_warps=None, row_max_registers=168), TopkConfig(row_max_registers=128)]
+GPU_ROWS_IDS += ["rows_launch", "rows_launch_r168", "rows_launch_w8_r128"]
 
 
 @pytest.mark.gpu

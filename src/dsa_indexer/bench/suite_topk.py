@@ -284,7 +284,11 @@ def sweep_decode(out_path: str | None = None, warm: str | None = None) -> None:
                 continue
             times[name] = _cold_us(lambda x, c=config, o=out: kernels.topk_triton(x, k, None, lengths, o, config=c),
                                    inputs, 5)
-        times["base"] = times.get("rows" if num_rows >= kernels.DEFAULT_CONFIG.row_program_rows else "split")
+        default = kernels.DEFAULT_CONFIG
+        if num_rows < default.row_program_rows:
+            times["base"] = times.get("split")
+        else:
+            times["base"] = times.get("pieces_w8_t4k" if num_rows <= default.pieces_max_rows else "rows")
         label = f"{data} R={num_rows} k={k}"
         print(f"{label}: " + "  ".join(f"{n} {'-' if t is None else f'{t:.1f}'}" for n, t in times.items()), flush=True)
         records.append({"shape": label, "us": times})
@@ -303,22 +307,21 @@ def sweep_decode(out_path: str | None = None, warm: str | None = None) -> None:
 
 
 def _prefill_row_configs() -> dict:
-    """Whole-row (prefill) variants timed by ``sweep_prefill``: ``base`` the committed default (one-bit search,
-    short-row copy, three tiles in one kernel); ``v6`` the v6 default (no copy, one tile); ``probe_copy_tiles``
-    the probing search; ``launch`` one launch per tile (one 4096-column row per narrow program), then its
-    widest tile with a register cap (``r168``: 3 programs of 4 warps per SM) or 8 warps (``w8_r128``: 2 per
-    SM, ``w8_r80``: 3 per SM)."""
+    """Whole-row (prefill) variants timed by ``sweep_prefill``: ``base`` the committed default (one launch per
+    tile, the widest at 8 warps under an 80-register cap, short-row copy); ``one_kernel`` the three tiles in one
+    kernel at 4 warps (the round-2 default); ``v6`` one kernel, one tile, no copy; ``probe`` the probing search;
+    ``launch_r168`` / ``launch_w8_r128``: the widest tile at 4 warps under 168 registers / 8 warps under 128."""
     from dsa_indexer.ops.topk.triton import TopkConfig
 
-    launch = dict(row_tile_launches=True, row_narrow_elements=4096)
+    one_kernel = dict(row_tile_launches=False, row_warps=4, row_narrow_elements=None, row_narrow_warps=None,
+                      row_max_registers=None)
     return {
         "base": TopkConfig(),
-        "v6": TopkConfig(row_copy_short=False, row_tiles=1),
-        "probe_copy_tiles": TopkConfig(row_search="probe"),
-        "launch": TopkConfig(**launch),
-        "launch_r168": TopkConfig(**launch, row_max_registers=168),
-        "launch_w8_r128": TopkConfig(**launch, row_warps=8, row_narrow_warps=4, row_max_registers=128),
-        "launch_w8_r80": TopkConfig(**launch, row_warps=8, row_narrow_warps=4, row_max_registers=80),
+        "one_kernel": TopkConfig(**one_kernel),
+        "v6": TopkConfig(**one_kernel, row_copy_short=False, row_tiles=1),
+        "probe": TopkConfig(row_search="probe"),
+        "launch_r168": TopkConfig(row_warps=4, row_narrow_warps=None, row_max_registers=168),
+        "launch_w8_r128": TopkConfig(row_max_registers=128),
     }
 
 

@@ -79,8 +79,8 @@ _REGISTER_SELECT_WARPS = 16
 _SPLIT_HISTOGRAM = False  # first radix digit histogrammed by R x _HISTOGRAM_SPLIT programs, not in the row's
 _HISTOGRAM_SPLIT = 8
 _MASK_VECTOR = True  # 16-byte stores in the mask kernel on aligned interior tiles (90.6 -> 84.8 µs at R 512)
-_MASK_FUSED_MIN_ROWS = None  # rows from which one mask kernel also builds the flags (None: never)
-_MASK_STREAMING = False  # streaming (.cs) stores in the mask kernel
+_MASK_FUSED_MIN_ROWS = 256  # rows from which one mask kernel also builds the flags (None: never)
+_MASK_STREAMING = True  # streaming (.cs) stores in the mask kernel
 _MASK_REWRITE_KEPT = False  # vector tiles written whole (kept blocks read and stored back unchanged)
 
 

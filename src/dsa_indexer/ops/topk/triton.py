@@ -108,7 +108,7 @@ usual tensors). Addresses are computed in int64.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -166,6 +166,10 @@ class TopkConfig:
         the widest tile's), for more programs per SM; ``None``: the compiler's choice.
     row_program_rows: wider rows take one row program per row when the call has at least this many
         rows, else the split path.
+    pieces_max_rows: calls of row programs with at most this many rows run them with ``gather_launch``,
+        ``pieces_warps`` and ``pieces_tile`` (their gather pieces then spread a row over several SMs, which
+        pays while the rows fill less than a wave); 0: never.
+    pieces_warps, pieces_tile: ``stream_warps`` and ``stream_tile`` of those calls.
     stream_tile: columns per streaming step of a row program, and per gather piece (power of two, at
         most 16384).
     stream_warps: warps of a row program.
@@ -193,15 +197,18 @@ class TopkConfig:
 
     row_block_max: int = 8192
     row_elements: int = 8192
-    row_warps: int = 4
+    row_warps: int = 8
     row_search: str = "bisect"
     row_copy_short: bool = True
     row_tiles: int = 3
-    row_tile_launches: bool = False
-    row_narrow_elements: int | None = None
-    row_narrow_warps: int | None = None
-    row_max_registers: int | None = None
+    row_tile_launches: bool = True
+    row_narrow_elements: int | None = 4096
+    row_narrow_warps: int | None = 4
+    row_max_registers: int | None = 80
     row_program_rows: int = 32
+    pieces_max_rows: int = 0
+    pieces_warps: int = 8
+    pieces_tile: int = 4096
     stream_tile: int = 8192
     stream_warps: int = 16
     bound_slack: float = 0.25
@@ -217,7 +224,9 @@ class TopkConfig:
     split_warps: int = 4
 
 
-DEFAULT_CONFIG = TopkConfig()
+# Measured on the H200 (benchmarks/NOTES_topk.md, v6): the split path below 8 rows, gather-piece launches
+# (8 warps, 4096-column pieces) from 8 to 64 rows, plain row programs above.
+DEFAULT_CONFIG = TopkConfig(row_program_rows=8, pieces_max_rows=64)
 
 
 @triton.jit
@@ -1231,6 +1240,9 @@ def _launch(logits, k, starts, ends, out, next_n, decode, config, slots=None):
         launch = _launch_rows
     elif num_rows >= config.row_program_rows:
         launch = _launch_row_programs
+        if num_rows <= config.pieces_max_rows:
+            config = replace(config, gather_launch=True, stream_warps=config.pieces_warps,
+                             stream_tile=config.pieces_tile)
     else:
         launch = _launch_split
     launch(logits, k, (starts_arg, ends_arg), out, next_n, bounds_flags, _slot_args(slots, logits), config)
