@@ -60,8 +60,9 @@ def run_suites(
     return ceilings, rows
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    """A PNG bar chart of each measurement as a percentage of its floor (needs matplotlib)."""
+def plot(rows: list[dict], path: Path, environment: dict[str, str] | None = None) -> None:
+    """A PNG bar chart of each measurement as a percentage of its floor (needs matplotlib); the title names
+    ``environment`` (a results file's ``"environment"``; default: this machine now)."""
     try:
         import matplotlib
 
@@ -77,7 +78,7 @@ def plot(rows: list[dict], path: Path) -> None:
     axis.invert_yaxis()
     axis.axvline(100, color="black", linewidth=0.8)
     axis.set_xlabel("% of the floor (bandwidth or FP8 tensor-core bound, measured ceilings)")
-    env = harness.environment()
+    env = environment or harness.environment()
     axis.set_title(f"dsa-indexer on {env['gpu']}\ntorch {env['torch']}, triton {env['triton']}, {env['date']}", fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
