@@ -277,7 +277,7 @@ SWEEP_VARIANTS = {
         "baseline": None,
         "default": {},
         "stages3": {"config": (64, 4, 3, 8, 4, 32, None, 4)},
-        "stages5": {"config": (64, 4, 5, 8, 4, 32, None, 4)},
+        "stages9": {"config": (64, 4, 9, 8, 4, 32, None, 4)},
     },
 }
 # Gluon warp-specialised MXFP4 decode (``paged_mqa_logits_gluon_mxfp4``): name -> its ``config`` (fields of

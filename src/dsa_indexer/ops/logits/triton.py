@@ -478,9 +478,10 @@ _PREFILL_INTERPRETER_CONFIG = (16, 32, 4, 1, None)
 # byte-wise shared-memory relayout (~500 extra instructions a tile). MXFP4 key bytes come one cp.async
 # buffer per two stages past the first three (SASS, Triton 3.6): 3-4 stages keep one buffer, loaded one tile
 # ahead and awaited at the top of the next tile (the load latency exposed every tile); 5-6 stages two
-# tiles ahead, 7-8 three, 9 four; registers stay at 96 (next_n = 1). Measured (H200, Run 5): 9 stages best
-# at next_n = 1 (168 vs 183 µs at B=32, L=128K), within 3 % of the best (5 stages) at next_n = 2.
-DECODE_CONFIG = {"fp8": (128, 4, 3, 8, 2, 16, None, 4), "mxfp4": (64, 4, 9, 8, 4, 32, None, 4)}
+# tiles ahead, 7-8 three, 9 four; registers stay at 96 (next_n = 1). Measured (H200, Run 5): 5 stages best at
+# next_n = 2 (241 vs 295 µs at B=32, L=128K) and at B=1 (16.4 vs 16.9 / 17.9 µs with 3 / 9 stages), within 7 %
+# of the best (9 stages) at next_n = 1 with large batches, which run the Gluon kernel on Hopper anyway.
+DECODE_CONFIG = {"fp8": (128, 4, 3, 8, 2, 16, None, 4), "mxfp4": (64, 4, 5, 8, 4, 32, None, 4)}
 _DECODE_INTERPRETER_CONFIG = (16, 4, 1, 2, 1, 2, None, 4)
 
 
