@@ -177,24 +177,15 @@ def run(ceilings: dict[str, float]) -> list[dict]:
     return rows
 
 
-# Round 2 of session 3: the defaults are run 4's winners (16-byte keys / mask / slot paths); the old
-# defaults stay selectable, the sweep times the defaults against the new variants.
-SELECT_VARIANTS = {
-    "default": {},
-    "radix_4w": dict(radix_warps=4),
-    "radix_4w_c2048": dict(radix_warps=4, radix_chunk=2048),
-    "split_hist": dict(split_histogram=True),
-    "split_hist_4w_c2048": dict(split_histogram=True, radix_warps=4, radix_chunk=2048),
-}
-RADIX_VARIANTS = SELECT_VARIANTS
+# The defaults (runs 4 and 5 of session 3: 16-byte keys / mask / slot paths, mask fused with its
+# flags from 256 rows, streaming stores) against the switches that turn them off. The variants that
+# lost (register / split-histogram select, 4-warp radix, 16-warp mask, kept blocks rewritten) are
+# gone; their numbers are in benchmarks/NOTES_seq_candidates.md.
+SELECT_VARIANTS = {"default": {}, "scalar_keys": dict(vector=False)}
 MASK_VARIANTS = {
     "default": {},
-    "fused": dict(fused_flags=True),
-    "fused_16w": dict(fused_flags=True, warps=16),
-    "streaming": dict(streaming=True),
-    "fused_streaming": dict(fused_flags=True, streaming=True),
-    "rewrite_kept": dict(rewrite_kept=True),
-    "fused_rewrite_kept": dict(fused_flags=True, rewrite_kept=True),
+    "unfused": dict(fused_flags=False),
+    "not_streaming": dict(streaming=False),
 }
 SLOT_VARIANTS = {"default": {}, "unaligned_1024x4": dict(aligned_rows=False, block=1024)}
 
@@ -235,12 +226,10 @@ def _sweep_candidates(record, generator, num_rows: int, width: int = 131072, num
     def stage_keys():
         return candidates_triton.block_keys(logits, starts, ends, block_size, 1)
     record("select/keys", num_rows, "default", stage_keys, keys_bytes, True, graph=False)
-    for name, kwargs in RADIX_VARIANTS.items():
-        def stage_select(kwargs=kwargs):
-            return candidates_triton.select_from_keys(keys, starts, ends, num_blocks_k, block_size, 1, out,
-                                                      **kwargs)
-        same = torch.equal(stage_select().clone(), chosen)
-        record("select/radix", num_rows, name, stage_select, keys.numel() * 4, same, graph=False)
+    def stage_select():
+        return candidates_triton.select_from_keys(keys, starts, ends, num_blocks_k, block_size, 1, out)
+    same = torch.equal(stage_select().clone(), chosen)
+    record("select/radix", num_rows, "default", stage_select, keys.numel() * 4, same, graph=False)
     mask_bytes = (num_rows * width - num_rows * num_blocks_k * block_size) * 4 + chosen.numel() * 4
     expected = logits.clone()
     candidates_triton.apply_candidate_mask_triton(expected, starts, ends, chosen, block_size, 1)

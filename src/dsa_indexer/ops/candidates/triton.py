@@ -26,32 +26,21 @@
    instructions per 32 keys for 8 bits), so this kernel is issue-bound: the candidate compaction
    keeps the later passes to the keys of one bin.
 
-Variant ``split_histogram``: ``_first_digit_histogram_kernel`` (``_HISTOGRAM_SPLIT`` programs per
-row, integer atomic adds into a zeroed ``[R, 256]`` buffer) computes the first pass's histogram, so
-the row's program starts at the candidate compaction. ``radix_warps`` / ``radix_chunk`` size the
-per-row program (4 warps under the 128-register cap: four rows per SM instead of two).
-
-``_register_select_kernel`` (variant ``register_select``, rows of at most ``_REGISTER_SELECT_KEYS``
-keys) replaces the radix kernel: the row's keys sit in registers and the k-th best key is found by a
-32-step bisection of the key range (a compare and a block-wide count per key and step, no ballot
-histogram), then one ordered compaction as above.
-
-``apply_candidate_mask`` runs ``_candidate_flags_kernel`` (one byte per block and row, set for every
-listed id in ``[0, row blocks)``, in a zeroed scratch) and ``_mask_kernel``, whose programs (about
-``_TARGET_PROGRAMS`` in all, a few per row) walk the row's tiles and store ``-inf`` on every column
-outside ``[starts, ends)`` or in an unlisted block. It never reads the logits: kept entries are
-untouched, and the masked ones are written without being read.
+``apply_candidate_mask`` builds one flag byte per block and row (set for every listed id in
+``[0, row blocks)``) and runs ``_mask_kernel``, which walks the row's tiles and stores ``-inf`` on
+every column outside ``[starts, ends)`` or in an unlisted block. It never reads the logits: kept
+entries are untouched, and the masked ones are written without being read. From
+``_MASK_FUSED_MIN_ROWS`` rows on (``fused_flags``) one mask program per row builds its own flags
+first (one launch); below, a memset and ``_candidate_flags_kernel`` fill the flags and the mask
+kernel's programs (about ``_TARGET_PROGRAMS`` in all, a few per row) share the row's tiles. The
+``-inf`` stores are streaming (``.cs``) stores (``streaming``).
 
 ``vector`` path of the block-keys and mask kernels (the default since run 4 of session 3): tiles
 wholly inside a row whose start is a multiple of 4 (unit column stride) take a second, unmasked path
 whose addresses the compiler can prove 16-byte aligned (``(start // 4) * 4``), so they load / store
 16 bytes per instruction; other tiles keep the masked scalar path (``vector=False`` everywhere).
-Mask variants: ``fused_flags`` (one program per row builds its flags and masks, one launch instead of
-memset + flags + mask), ``rewrite_kept`` (vector tiles written whole: kept blocks read and stored
-back unchanged, so no partial 128-byte lines), ``streaming`` (``.cs`` stores). The variants are
-keyword arguments of the host functions, their defaults the module constants ``_KEYS_VECTOR``,
-``_REGISTER_SELECT``, ``_SPLIT_HISTOGRAM``, ``_MASK_VECTOR``, ``_MASK_FUSED_MIN_ROWS``,
-``_MASK_REWRITE_KEPT`` and ``_MASK_STREAMING``.
+The switches are keyword arguments of the host functions, their defaults the module constants
+``_KEYS_VECTOR``, ``_MASK_VECTOR``, ``_MASK_FUSED_MIN_ROWS`` and ``_MASK_STREAMING``.
 
 Loops whose trip count is a run-time value are ``while`` loops: Triton's CPU interpreter (with
 numpy 2) cannot turn a run-time bound into a Python ``range``. No host synchronisation anywhere:
@@ -71,17 +60,11 @@ _MASK_TILE = 2048  # run 4: 84.8 µs at R 512 against 85.9 for 4096 and 86.0 for
 _RADIX_BITS = 8
 _TARGET_PROGRAMS = 1024
 _SELECT_MAX_REGISTERS = 128  # 8 warps: two selection programs per SM (uncapped, ptxas takes 165: one)
-# Variants; each is also a keyword argument. Run 4 (session 3) made the 16-byte paths the default.
+# Defaults of the switches, each also a keyword argument. Run 4 (session 3) made the 16-byte paths the default.
 _KEYS_VECTOR = True  # 16-byte loads in the block-keys pass on aligned interior tiles (149 -> 81 µs at R 512)
-_REGISTER_SELECT = False  # bisection select with the row's keys in registers (rows of <= _REGISTER_SELECT_KEYS)
-_REGISTER_SELECT_KEYS = 16384
-_REGISTER_SELECT_WARPS = 16
-_SPLIT_HISTOGRAM = False  # first radix digit histogrammed by R x _HISTOGRAM_SPLIT programs, not in the row's
-_HISTOGRAM_SPLIT = 8
 _MASK_VECTOR = True  # 16-byte stores in the mask kernel on aligned interior tiles (90.6 -> 84.8 µs at R 512)
 _MASK_FUSED_MIN_ROWS = 256  # rows from which one mask kernel also builds the flags (None: never)
 _MASK_STREAMING = True  # streaming (.cs) stores in the mask kernel
-_MASK_REWRITE_KEPT = False  # vector tiles written whole (kept blocks read and stored back unchanged)
 
 
 @triton.jit
@@ -155,12 +138,9 @@ def _block_keys_kernel(
 @triton.jit(do_not_specialize=["row_repeat", "num_blocks_k"])
 def _select_kernel(
     keys_ptr, cand_ptr, starts_ptr, ends_ptr, out_ptr,
-    row_repeat, num_blocks_k, keys_stride, out_stride_row, out_stride_col, hist_ptr,
+    row_repeat, num_blocks_k, keys_stride, out_stride_row, out_stride_col,
     HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, RADIX_BITS: tl.constexpr,
-    HIST_GIVEN: tl.constexpr,
 ):
-    """``HIST_GIVEN``: the first digit's histogram is read from ``hist_ptr`` [R, BINS] (built by
-    ``_first_digit_histogram_kernel``) instead of a pass over the row's keys."""
     row = tl.program_id(0).to(tl.int64)
     _, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS)
     num_blocks = (length + BLOCK_SIZE - 1) // BLOCK_SIZE
@@ -170,16 +150,13 @@ def _select_kernel(
     TOP_SHIFT: tl.constexpr = 32 - RADIX_BITS
     bins = tl.arange(0, BINS)  # [BINS]
     lanes = tl.arange(0, CHUNK)  # [CHUNK]
-    if HIST_GIVEN:
-        hist = tl.load(hist_ptr + row * BINS + bins)
-    else:
-        hist = tl.zeros([BINS], dtype=tl.int32)
-        first = num_blocks * 0
-        while first < num_blocks:
-            idx = first + lanes  # [CHUNK]
-            keys = tl.load(row_keys + idx, mask=idx < num_blocks, other=0).to(tl.uint32, bitcast=True)
-            hist += tl.histogram((keys >> TOP_SHIFT).to(tl.int32), BINS, mask=keys != 0)
-            first += CHUNK
+    hist = tl.zeros([BINS], dtype=tl.int32)
+    first = num_blocks * 0
+    while first < num_blocks:
+        idx = first + lanes  # [CHUNK]
+        keys = tl.load(row_keys + idx, mask=idx < num_blocks, other=0).to(tl.uint32, bitcast=True)
+        hist += tl.histogram((keys >> TOP_SHIFT).to(tl.int32), BINS, mask=keys != 0)
+        first += CHUNK
     taken = tl.minimum(tl.sum(hist, axis=0).to(tl.int64), num_blocks_k)
     chosen, above, in_bin = _pick_bin(hist, bins, taken)
     prefix = chosen.to(tl.uint32)
@@ -236,84 +213,6 @@ def _select_kernel(
         first += CHUNK
 
 
-@triton.jit(do_not_specialize=["row_repeat", "piece"])
-def _first_digit_histogram_kernel(
-    keys_ptr, starts_ptr, ends_ptr, hist_ptr, row_repeat, piece, keys_stride,
-    HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, RADIX_BITS: tl.constexpr,
-):
-    """Grid ``(R, split)``: program ``(r, p)`` histograms the top ``RADIX_BITS`` bits of row ``r``'s
-    selectable keys (key != 0) in ``[p * piece, (p + 1) * piece)`` and adds it atomically into the
-    zeroed ``hist_ptr`` [R, 2**RADIX_BITS] int32 (integer adds: the sum is order-independent)."""
-    row = tl.program_id(0).to(tl.int64)
-    _, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS)
-    num_blocks = (length + BLOCK_SIZE - 1) // BLOCK_SIZE
-    BINS: tl.constexpr = 1 << RADIX_BITS
-    row_keys = keys_ptr + row * keys_stride
-    first = tl.program_id(1).to(tl.int64) * piece
-    last = tl.minimum(first + piece, num_blocks)
-    lanes = tl.arange(0, CHUNK)  # [CHUNK]
-    hist = tl.zeros([BINS], dtype=tl.int32)
-    while first < last:
-        idx = first + lanes  # [CHUNK]
-        keys = tl.load(row_keys + idx, mask=idx < last, other=0).to(tl.uint32, bitcast=True)
-        hist += tl.histogram((keys >> (32 - RADIX_BITS)).to(tl.int32), BINS, mask=keys != 0)
-        first += CHUNK
-    tl.atomic_add(hist_ptr + row * BINS + tl.arange(0, BINS), hist, sem="relaxed")
-
-
-@triton.jit(do_not_specialize=["row_repeat", "num_blocks_k"])
-def _register_select_kernel(
-    keys_ptr, starts_ptr, ends_ptr, out_ptr,
-    row_repeat, num_blocks_k, keys_stride, out_stride_row, out_stride_col,
-    HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROW_KEYS: tl.constexpr, CHUNK: tl.constexpr,
-):
-    """One program per row holds the row's ``ROW_KEYS >= num_blocks`` keys in registers and finds the
-    key ``T`` of the k-th best block by bisection over the 32-bit key range: 32 steps of one compare
-    and one block-wide count per key, no histogram. ``T`` is the largest key with at least ``taken``
-    keys ``>= T``; every key above ``T`` is chosen, then the first ``taken - count(keys > T)`` keys
-    equal to ``T`` in id order (the reference's (score desc, id asc) order). The ordered compaction
-    reloads the keys in chunks of ``CHUNK`` (from L1/L2) to keep the scans' registers out of the
-    bisection's; the ids come out ascending, the rest of the row is -1."""
-    row = tl.program_id(0).to(tl.int64)
-    _, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS)
-    num_blocks = (length + BLOCK_SIZE - 1) // BLOCK_SIZE
-    row_keys = keys_ptr + row * keys_stride
-    idx = tl.arange(0, ROW_KEYS)  # [ROW_KEYS] block ids
-    keys = tl.load(row_keys + idx, mask=idx < num_blocks, other=0).to(tl.uint32, bitcast=True)
-    taken = tl.minimum(tl.sum((keys != 0).to(tl.int32), axis=0).to(tl.int64), num_blocks_k)
-    # Invariant: count(keys >= low) >= taken > count(keys >= high); key 0 counts nothing.
-    low = num_blocks * 0 + 1
-    high = num_blocks * 0 + (1 << 32)
-    for _ in range(32):
-        middle = (low + high) // 2
-        enough = tl.sum((keys >= middle.to(tl.uint32)).to(tl.int32), axis=0) >= taken
-        low = tl.where(enough, middle, low)
-        high = tl.where(enough, high, middle)
-    threshold = low.to(tl.uint32)
-    remaining = taken - tl.sum((keys > threshold).to(tl.int32), axis=0)
-    out_row = out_ptr + row * out_stride_row
-    lanes = tl.arange(0, CHUNK)  # [CHUNK]
-    written = num_blocks * 0
-    ties_seen = num_blocks * 0
-    first = num_blocks * 0
-    while (first < num_blocks) & (written < taken):
-        chunk_idx = first + lanes  # [CHUNK]
-        chunk = tl.load(row_keys + chunk_idx, mask=chunk_idx < num_blocks, other=0).to(tl.uint32, bitcast=True)
-        tie = (chunk != 0) & (chunk == threshold)
-        tie_rank = ties_seen + tl.cumsum(tie.to(tl.int32), axis=0) - tie.to(tl.int32)
-        pick = (chunk != 0) & ((chunk > threshold) | (tie & (tie_rank < remaining)))
-        slot = written + tl.cumsum(pick.to(tl.int32), axis=0) - pick.to(tl.int32)
-        tl.store(out_row + slot * out_stride_col, chunk_idx.to(tl.int32), mask=pick)
-        written += tl.sum(pick.to(tl.int32), axis=0)
-        ties_seen += tl.sum(tie.to(tl.int32), axis=0)
-        first += CHUNK
-    first = taken
-    while first < num_blocks_k:
-        pad = first + lanes  # [CHUNK]
-        tl.store(out_row + pad * out_stride_col, tl.full([CHUNK], -1, tl.int32), mask=pad < num_blocks_k)
-        first += CHUNK
-
-
 @triton.jit(do_not_specialize=["row_repeat", "num_candidates"])
 def _candidate_flags_kernel(
     candidates_ptr, starts_ptr, ends_ptr, flags_ptr,
@@ -337,7 +236,6 @@ def _mask_kernel(
     num_candidates, cand_stride_row, cand_stride_col,
     HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_J: tl.constexpr,
     VECTOR: tl.constexpr, FUSED_FLAGS: tl.constexpr, BLOCK_K: tl.constexpr, STORE_CACHE: tl.constexpr,
-    REWRITE_KEPT: tl.constexpr,
 ):
     """Blocks are numbered relative to the row start, from ``-ceil(start / BLOCK_SIZE)`` up to
     ``span_blocks`` of them, so the tiles also cover the columns before ``start`` and after ``end``.
@@ -355,10 +253,6 @@ def _mask_kernel(
     flags itself (clears ``[0, row blocks)``, barrier, sets the listed ids, barrier) instead of the
     memset and ``_candidate_flags_kernel`` launches; the barrier makes the CTA's global stores
     visible to its own later loads. ``STORE_CACHE`` is the ``-inf`` stores' cache modifier.
-
-    ``REWRITE_KEPT`` (vector path only): the tile also reads its kept blocks and stores them back
-    unchanged (same bits), so every 128-byte line of the tile is written whole; otherwise a kept
-    32-byte block leaves a partial line that the memory side may have to read, modify and write.
     """
     row = tl.program_id(0).to(tl.int64)
     start64, length64 = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS)
@@ -399,13 +293,7 @@ def _mask_kernel(
                 offset = j + inner  # [BLOCK_J]
                 column = aligned_start + blocks[:, None] * BLOCK_SIZE + offset[None, :]  # [BLOCK_NB, BLOCK_J]
                 minus_inf = tl.full([BLOCK_NB, BLOCK_J], float("-inf"), tl.float32)
-                if REWRITE_KEPT and BLOCK_J <= BLOCK_SIZE - j:
-                    # As int32 bits, so that kept NaN payloads go back unchanged.
-                    bits_ptr = (row_ptr + column).to(tl.pointer_type(tl.int32), bitcast=True)
-                    kept = tl.load(bits_ptr, mask=(~unlisted)[:, None].broadcast_to(BLOCK_NB, BLOCK_J))
-                    tl.store(bits_ptr, tl.where(unlisted[:, None], minus_inf.to(tl.int32, bitcast=True), kept),
-                             cache_modifier=STORE_CACHE)
-                elif BLOCK_J <= BLOCK_SIZE - j:
+                if BLOCK_J <= BLOCK_SIZE - j:
                     tl.store(row_ptr + column, minus_inf, mask=unlisted[:, None].broadcast_to(BLOCK_NB, BLOCK_J),
                              cache_modifier=STORE_CACHE)
                 else:
@@ -464,45 +352,18 @@ def block_keys(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.Te
 
 
 def select_from_keys(keys: torch.Tensor, starts: torch.Tensor | None, ends: torch.Tensor, num_blocks_k: int,
-                     block_size: int, row_repeat: int, out: torch.Tensor, *,
-                     register_select: bool | None = None, warps: int = _REGISTER_SELECT_WARPS,
-                     split_histogram: bool | None = None, radix_warps: int = _SELECT_WARPS,
-                     radix_chunk: int = _SELECT_CHUNK) -> torch.Tensor:
-    """Second stage: the ``num_blocks_k`` best block ids of each row of ``keys`` into ``out``.
-    ``register_select`` (default ``_REGISTER_SELECT``) picks the bisection kernel for rows of at most
-    ``_REGISTER_SELECT_KEYS`` keys (``warps`` warps per row), else the radix kernel runs, one program
-    of ``radix_warps`` warps per row scanning ``radix_chunk`` keys per step. ``split_histogram``
-    (default ``_SPLIT_HISTOGRAM``): the first digit's histogram comes from a separate kernel of
-    ``_HISTOGRAM_SPLIT`` programs per row instead of a pass inside the row's program."""
+                     block_size: int, row_repeat: int, out: torch.Tensor) -> torch.Tensor:
+    """Second stage: the ``num_blocks_k`` best block ids of each row of ``keys`` into ``out`` (the
+    radix kernel, one program of ``_SELECT_WARPS`` warps per row scanning ``_SELECT_CHUNK`` keys per
+    step)."""
     if out.shape[0]:
         starts_arg, has_starts = _bounds_args(starts, ends)
-        register_select = _REGISTER_SELECT if register_select is None else register_select
-        row_keys = triton.next_power_of_2(keys.shape[1])
-        if register_select and row_keys <= _REGISTER_SELECT_KEYS:
-            _register_select_kernel[(out.shape[0],)](
-                keys, starts_arg, ends, out,
-                row_repeat, num_blocks_k, keys.stride(0), out.stride(0), out.stride(1),
-                HAS_STARTS=has_starts, BLOCK_SIZE=block_size, ROW_KEYS=row_keys, CHUNK=min(row_keys, _SELECT_CHUNK),
-                num_warps=max(1, min(warps, row_keys // 256)),
-            )
-            return out
         candidates = torch.empty_like(keys)
-        split_histogram = _SPLIT_HISTOGRAM if split_histogram is None else split_histogram
-        hist = candidates  # unread placeholder unless split_histogram
-        if split_histogram:
-            hist = torch.zeros((out.shape[0], 1 << _RADIX_BITS), dtype=torch.int32, device=keys.device)
-            piece = triton.cdiv(keys.shape[1], _HISTOGRAM_SPLIT)
-            hist_chunk = min(triton.next_power_of_2(piece), 2048)
-            _first_digit_histogram_kernel[(out.shape[0], _HISTOGRAM_SPLIT)](
-                keys, starts_arg, ends, hist, row_repeat, piece, keys.stride(0),
-                HAS_STARTS=has_starts, BLOCK_SIZE=block_size, CHUNK=hist_chunk, RADIX_BITS=_RADIX_BITS,
-                num_warps=4,
-            )
         _select_kernel[(out.shape[0],)](
             keys, candidates, starts_arg, ends, out,
-            row_repeat, num_blocks_k, keys.stride(0), out.stride(0), out.stride(1), hist,
-            HAS_STARTS=has_starts, BLOCK_SIZE=block_size, CHUNK=radix_chunk, RADIX_BITS=_RADIX_BITS,
-            HIST_GIVEN=split_histogram, num_warps=radix_warps, maxnreg=_SELECT_MAX_REGISTERS,
+            row_repeat, num_blocks_k, keys.stride(0), out.stride(0), out.stride(1),
+            HAS_STARTS=has_starts, BLOCK_SIZE=block_size, CHUNK=_SELECT_CHUNK, RADIX_BITS=_RADIX_BITS,
+            num_warps=_SELECT_WARPS, maxnreg=_SELECT_MAX_REGISTERS,
         )
     return out
 
@@ -517,17 +378,14 @@ def select_candidate_blocks_triton(
     out: torch.Tensor | None = None,
     *,
     vector: bool | None = None,
-    register_select: bool | None = None,
     keys_tile: int = _KEYS_TILE,
-    **select_variant,
 ) -> torch.Tensor:
-    """Triton twin of ``select_candidate_blocks_reference``; the keyword arguments pick variants
-    (see ``block_keys``; ``select_variant`` goes to ``select_from_keys``)."""
+    """Triton twin of ``select_candidate_blocks_reference``; ``vector`` and ``keys_tile`` go to
+    ``block_keys``."""
     if out is None:
         out = torch.empty((logits.shape[0], num_blocks_k), dtype=torch.int32, device=logits.device)
     keys = block_keys(logits, starts, ends, block_size, row_repeat, vector=vector, tile=keys_tile)
-    return select_from_keys(keys, starts, ends, num_blocks_k, block_size, row_repeat, out,
-                            register_select=register_select, **select_variant)
+    return select_from_keys(keys, starts, ends, num_blocks_k, block_size, row_repeat, out)
 
 
 def apply_candidate_mask_triton(
@@ -542,16 +400,12 @@ def apply_candidate_mask_triton(
     tile: int = _MASK_TILE,
     fused_flags: bool | None = None,
     streaming: bool | None = None,
-    rewrite_kept: bool | None = None,
-    warps: int = 8,
 ) -> None:
     """Triton twin of ``apply_candidate_mask_reference`` (in place). ``vector`` (default
     ``_MASK_VECTOR``) enables the 16-byte-store path (unit column stride, ``block_size % 4 == 0``);
     ``tile`` is the positions per mask tile; ``fused_flags`` (default: ``num_rows >=
     _MASK_FUSED_MIN_ROWS``) runs one mask program per row that builds its own flags (one launch instead
-    of three); ``streaming`` (default ``_MASK_STREAMING``) marks the stores ``.cs``; ``rewrite_kept``
-    (default ``_MASK_REWRITE_KEPT``) writes whole tiles on the vector path, the kept blocks with their own
-    values; ``warps`` per mask program."""
+    of three); ``streaming`` (default ``_MASK_STREAMING``) marks the stores ``.cs``."""
     num_rows, width = logits.shape
     if num_rows == 0 or width == 0:
         return
@@ -559,7 +413,6 @@ def apply_candidate_mask_triton(
     if fused_flags is None:
         fused_flags = _MASK_FUSED_MIN_ROWS is not None and num_rows >= _MASK_FUSED_MIN_ROWS
     streaming = _MASK_STREAMING if streaming is None else streaming
-    rewrite_kept = _MASK_REWRITE_KEPT if rewrite_kept is None else rewrite_kept
     starts_arg, has_starts = _bounds_args(starts, ends)
     max_blocks = triton.cdiv(width, block_size)
     num_candidates = candidate_blocks.shape[1]
@@ -583,6 +436,5 @@ def apply_candidate_mask_triton(
         row_repeat, width, programs, max_blocks + 1, logits.stride(0), logits.stride(1), flags.stride(0),
         num_candidates, candidate_blocks.stride(0), candidate_blocks.stride(1),
         HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_NB=block_nb, BLOCK_J=block_j, VECTOR=vector,
-        FUSED_FLAGS=fused_flags, BLOCK_K=1024, STORE_CACHE=".cs" if streaming else "", REWRITE_KEPT=rewrite_kept,
-        num_warps=warps,
+        FUSED_FLAGS=fused_flags, BLOCK_K=1024, STORE_CACHE=".cs" if streaming else "", num_warps=8,
     )
