@@ -188,20 +188,14 @@ def test_launch_knobs_do_not_change_results(kernel_device, fmt, block_heads, num
     assert_same_results(got, rope_quant_q_reference(q, positions, cos_sin, weights, 0.1, 0.3, **options))
 
 
-# Every MXFP4 tile layout, rounding, cache hint, load order and warp count the wrapper can be told to use
-# (explicitly, whatever the defaults).
+# Every MXFP4 store layout, rounding and warp count the wrapper can be told to use (explicitly, whatever
+# the defaults).
 MXFP4_VARIANTS = {
-    "block_per_thread": dict(row_major_loads=False, row_major_stores=False, packed_bf16=False),
-    "row_major_loads": dict(row_major_loads=True, row_major_stores=False, packed_bf16=False),
-    "row_major_stores": dict(row_major_loads=False, row_major_stores=True, packed_bf16=False),
-    "row_major_both": dict(row_major_loads=True, row_major_stores=True, packed_bf16=False),
-    "packed_bf16": dict(row_major_loads=False, row_major_stores=False, packed_bf16=True),
-    "row_major_stores_packed_bf16": dict(row_major_loads=False, row_major_stores=True, packed_bf16=True),
-    "streaming": dict(row_major_loads=False, row_major_stores=True, packed_bf16=True, streaming=True),
-    "pass_loads_first": dict(row_major_loads=False, row_major_stores=True, packed_bf16=True, pass_loads_first=True),
-    "pass_loads_first_streaming": dict(row_major_loads=False, row_major_stores=True, packed_bf16=True,
-                                       pass_loads_first=True, streaming=True),
-    "two_warps": dict(row_major_loads=False, row_major_stores=True, packed_bf16=True, num_warps=2),
+    "block_per_thread": dict(row_major_stores=False, packed_bf16=False),
+    "row_major_stores": dict(row_major_stores=True, packed_bf16=False),
+    "packed_bf16": dict(row_major_stores=False, packed_bf16=True),
+    "row_major_stores_packed_bf16": dict(row_major_stores=True, packed_bf16=True),
+    "two_warps": dict(row_major_stores=True, packed_bf16=True, num_warps=2),
 }
 
 

@@ -27,18 +27,12 @@ ROPE_VARIANTS = {
     "fp8": [dict(block_heads=64, num_warps=8), dict(block_heads=32, num_warps=4)],
     "mxfp4": [dict(block_heads=64, num_warps=4),
               dict(block_heads=64, num_warps=4, row_major_stores=False, packed_bf16=False),
-              dict(block_heads=64, num_warps=4, pass_loads_first=True),
-              dict(block_heads=64, num_warps=2),
-              dict(block_heads=64, num_warps=4, streaming=True),
-              dict(block_heads=64, num_warps=4, pass_loads_first=True, streaming=True)],
+              dict(block_heads=64, num_warps=2)],
 }
 INSERT_VARIANTS = {
     "fp8": [dict(block_tokens=32, num_warps=4)],
     "mxfp4": [dict(block_tokens=32, num_warps=2),
-              dict(block_tokens=32, num_warps=4, row_major_stores=False),
-              dict(block_tokens=32, num_warps=2, k_before_slots=True),
-              dict(block_tokens=32, num_warps=2, streaming=True),
-              dict(block_tokens=32, num_warps=2, k_before_slots=True, streaming=True)],
+              dict(block_tokens=32, num_warps=4, row_major_stores=False)],
 }
 GATHER_VARIANTS = [dict(block_rows=64, num_warps=4)]
 
@@ -47,7 +41,7 @@ _SHORT_KNOBS = {"block_heads": "heads", "block_tokens": "tokens", "block_rows": 
 
 
 def variant_label(record: dict) -> str:
-    """``heads=64,warps=4,streaming,no_row_major_stores`` (flags named when given: ``no_`` when turned off),
+    """``heads=64,warps=4,no_row_major_stores`` (flags named when given: ``no_`` when turned off),
     `` *`` for the wrapper's default."""
     parts = [key if value is True else f"no_{key}" if value is False else f"{_SHORT_KNOBS.get(key, key)}={value}"
              for key, value in record["variant"].items()]

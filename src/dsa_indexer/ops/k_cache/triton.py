@@ -6,12 +6,8 @@ Quantisation uses the exact helpers of ``ops.q_quant.triton`` (bit-exact with ``
 The cache's block size and head dim are compile-time constants (one compile per cache configuration),
 so slot arithmetic is shifts and multiplies rather than 64-bit division. MXFP4 rows are loaded as
 ``load_pairs`` tiles: each thread holds one whole 32-dim block of one row (four 16-byte loads), so
-the block amax needs no shuffles; by default the packed bytes leave from the layout they were computed
-in. ``row_major_loads`` / ``row_major_stores`` load or store through row-major tiles instead
-(``load_pairs``, ``store_mxfp4_rows``); ``row_major_stores`` is the default (faster on an H200).
-``k_before_slots`` masks the MXFP4 k loads by the row count only, so they need not wait for the slot
-loads (rows with a negative slot are then read and quantised, but still not written);
-``streaming`` puts evict-first hints on the k loads and streaming stores on the cache rows.
+the block amax needs no shuffles. The packed bytes leave through row-major tiles (``store_mxfp4_rows``:
+faster on an H200); ``row_major_stores=False`` stores them from the layout they were computed in.
 
 ``gather_k`` runs one program per ``BLOCK_ROWS`` destination rows, over the destination's whole row
 capacity; a program whose first row is at or past ``cu_seq_lens[-1]`` does nothing, so the grid needs
@@ -34,12 +30,9 @@ from ..q_quant.triton import (e4m3_bytes, finite_amax, fp8_scale_exponent, load_
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 
-# MXFP4 choices the insert wrapper makes unless told: tiles (block per thread, or row-major: ``load_pairs``,
-# ``store_mxfp4_rows``), load order, cache hints, and the launch (32 tokens, 2 warps: fastest on an H200).
-INSERT_MXFP4_ROW_MAJOR_LOADS = False
+# MXFP4 choices the insert wrapper makes unless told: ``store_mxfp4_rows``'s tiles (block per thread, or
+# row-major) and the launch (32 tokens, 2 warps: fastest on an H200).
 INSERT_MXFP4_ROW_MAJOR_STORES = True
-INSERT_MXFP4_K_BEFORE_SLOTS = False
-INSERT_MXFP4_STREAMING = False
 INSERT_MXFP4_BLOCK_TOKENS = 32
 INSERT_MXFP4_NUM_WARPS = 2
 
@@ -52,8 +45,7 @@ def _insert_k_kernel(
     num_tokens, stride_kt, stride_kd, stride_slots,
     page_stride, amax_floor,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MXFP4: tl.constexpr,
-    UE8M0: tl.constexpr, BLOCK_T: tl.constexpr, ROW_MAJOR_LOADS: tl.constexpr, ROW_MAJOR_STORES: tl.constexpr,
-    K_BEFORE_SLOTS: tl.constexpr, STREAMING: tl.constexpr, INTERPRETER: tl.constexpr,
+    UE8M0: tl.constexpr, BLOCK_T: tl.constexpr, ROW_MAJOR_STORES: tl.constexpr, INTERPRETER: tl.constexpr,
 ):
     """One program: rows ``[program_id(0) * BLOCK_T, +BLOCK_T)`` of ``k``; rows with a negative slot write nothing."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
@@ -64,12 +56,10 @@ def _insert_k_kernel(
     if MXFP4:
         nb: tl.constexpr = BLOCK_D // 32
         k_rows = k_ptr + rows * stride_kt  # [BLOCK_T]
-        load_ok = rows < num_tokens if K_BEFORE_SLOTS else write  # the first needs no slot: loads issue at once
-        even, odd = load_pairs(k_rows, 0, stride_kd, load_ok, HEAD_DIM // 2, nb, ROW_MAJOR_LOADS,
-                               STREAMING)  # [BLOCK_T, NB, 4, 4]
+        even, odd = load_pairs(k_rows, 0, stride_kd, write, HEAD_DIM // 2, nb)  # [BLOCK_T, NB, 4, 4]
         packed, scales = mxfp4_pack_pairs(even, odd, INTERPRETER)  # [BLOCK_T, NB, 4, 4], [BLOCK_T, NB]
         store_mxfp4_rows(page + token * (HEAD_DIM // 2), page + BLOCK_SIZE * (HEAD_DIM // 2) + token * (HEAD_DIM // 32),
-                         write, packed, scales, HEAD_DIM, ROW_MAJOR_STORES, STREAMING)
+                         write, packed, scales, HEAD_DIM, ROW_MAJOR_STORES)
     else:
         dim = tl.arange(0, BLOCK_D)
         dim_ok = dim < HEAD_DIM
@@ -146,15 +136,11 @@ def insert_k_triton(
     amax_floor: float,
     block_tokens: int | None = None,
     num_warps: int | None = None,
-    row_major_loads: bool | None = None,
     row_major_stores: bool | None = None,
-    k_before_slots: bool | None = None,
-    streaming: bool | None = None,
 ) -> None:
     """Triton twin of ``insert_k_reference``; ``block_tokens`` (a power of two) and ``num_warps`` tune the launch
     (defaults: 32 tokens, 4 warps for FP8; ``INSERT_MXFP4_BLOCK_TOKENS`` / ``_NUM_WARPS`` for MXFP4), and for
-    MXFP4 ``row_major_loads``, ``row_major_stores``, ``k_before_slots`` and ``streaming`` (defaults: the
-    ``INSERT_MXFP4_*`` module constants; results identical).
+    MXFP4 ``row_major_stores`` (default ``INSERT_MXFP4_ROW_MAJOR_STORES``; results identical).
 
     Rows sharing a slot are written in no promised order. No host synchronisation.
     """
@@ -172,10 +158,7 @@ def insert_k_triton(
         cache.page_stride, amax_floor,
         BLOCK_SIZE=cache.block_size, HEAD_DIM=cache.head_dim, BLOCK_D=triton.next_power_of_2(cache.head_dim),
         MXFP4=mxfp4, UE8M0=scale_fmt == "ue8m0", BLOCK_T=block_tokens,
-        ROW_MAJOR_LOADS=mxfp4 and (INSERT_MXFP4_ROW_MAJOR_LOADS if row_major_loads is None else row_major_loads),
         ROW_MAJOR_STORES=mxfp4 and (INSERT_MXFP4_ROW_MAJOR_STORES if row_major_stores is None else row_major_stores),
-        K_BEFORE_SLOTS=mxfp4 and (INSERT_MXFP4_K_BEFORE_SLOTS if k_before_slots is None else k_before_slots),
-        STREAMING=mxfp4 and (INSERT_MXFP4_STREAMING if streaming is None else streaming),
         INTERPRETER=interpreter_enabled(),
         num_warps=num_warps, enable_fp_fusion=False,
     )

@@ -87,15 +87,11 @@ _E2M1_TO_SUBNORMAL = tl.constexpr(2.0**-126)
 _LOW_NIBBLE = tl.constexpr(2**10 + 2**4)  # umulhi: (b >> 22) + (b >> 28)
 _HIGH_NIBBLE = tl.constexpr(2**14 + 2**8)  # umulhi: (b >> 18) + (b >> 24)
 
-# MXFP4 launch choices the wrapper makes unless told: ``load_pairs``'s and ``store_mxfp4_rows``'s tiles
-# (block per thread, or row-major), the RoPE's bf16 rounding (one conversion per value, or per pair),
-# streaming cache hints on q and the outputs, and the load order. Row-major stores with packed rounding:
-# fastest on an H200 (run 4).
-ROPE_MXFP4_ROW_MAJOR_LOADS = False
+# MXFP4 launch choices the wrapper makes unless told: ``store_mxfp4_rows``'s tiles (block per thread, or
+# row-major) and the RoPE's bf16 rounding (one conversion per value, or per pair). Row-major stores with
+# packed rounding: fastest on an H200 (run 4).
 ROPE_MXFP4_ROW_MAJOR_STORES = True
 ROPE_MXFP4_PACKED_BF16 = True
-ROPE_MXFP4_STREAMING = False
-ROPE_MXFP4_PASS_LOADS_FIRST = False
 
 __all__ = ["rope_quant_q_triton"]
 
@@ -257,40 +253,24 @@ def pair_index(NB: tl.constexpr):
 
 
 @triton.jit
-def load_pairs(row_ptrs, first_dim, stride, rows_ok, PAIRS: tl.constexpr, NB: tl.constexpr, ROW_MAJOR: tl.constexpr,
-               STREAMING: tl.constexpr = False):
+def load_pairs(row_ptrs, first_dim, stride, rows_ok, PAIRS: tl.constexpr, NB: tl.constexpr):
     """Dims ``first_dim + 2p`` and ``+ 1`` of each row, ``p < PAIRS``, as fp32 ``(even, odd) [ROWS, NB, 4, 4]``
     (the tiles of ``mxfp4_pack_pairs``); ``row_ptrs [ROWS]``; masked-off pairs read 0.
 
-    Default: each 32-dim block is loaded as four 8-dim runs (wide loads) along an axis after the row and
-    block axes, which Triton's layouts keep inside one thread: the block amax needs no shuffles, but a
-    warp's 32 threads sit on 32 rows, so each 16-byte load touches 32 half-used sectors.
-    ``ROW_MAJOR``: the rows are loaded as one ``[ROWS, NB * 32]`` tile, whose coalesced layout has
-    consecutive threads on consecutive 16-byte runs of a row (a warp reads 2 whole 256-byte rows), and
-    reshaped to the tiles afterwards. Triton then keeps that layout for the arithmetic (sm_90 SASS:
-    a block spans 4 threads, so its amax takes two shuffles, ~3 more instructions per element).
-    ``STREAMING``: the loads ask to be evicted first (data read once, ``ld.global.L1::evict_first``).
+    Each 32-dim block is loaded as four 8-dim runs (wide loads) along an axis after the row and block
+    axes, which Triton's layouts keep inside one thread: the block amax needs no shuffles, but a warp's
+    32 threads sit on 32 rows, so each 16-byte load touches 32 half-used sectors.
     """
     rows: tl.constexpr = row_ptrs.shape[0]
-    eviction: tl.constexpr = "evict_first" if STREAMING else ""
-    if ROW_MAJOR:
-        dim = tl.arange(0, NB * 32)  # [NB * 32]
-        ok = rows_ok[:, None] & (dim < 2 * PAIRS)[None, :]
-        x = tl.load(row_ptrs[:, None] + (dim + first_dim)[None, :] * stride, mask=ok, other=0.0,
-                    eviction_policy=eviction)  # [ROWS, NB * 32]
-        x = tl.reshape(x, [rows, NB, 4, 8])
-    else:
-        dim = (tl.arange(0, NB)[None, :, None, None] * 32 + tl.arange(0, 4)[None, None, :, None] * 8
-               + tl.arange(0, 8)[None, None, None, :])  # [1, NB, 4, 8]
-        ok = rows_ok[:, None, None, None] & (dim < 2 * PAIRS)
-        x = tl.load(row_ptrs[:, None, None, None] + (dim + first_dim) * stride, mask=ok, other=0.0,
-                    eviction_policy=eviction)  # [ROWS, NB, 4, 8]
+    dim = (tl.arange(0, NB)[None, :, None, None] * 32 + tl.arange(0, 4)[None, None, :, None] * 8
+           + tl.arange(0, 8)[None, None, None, :])  # [1, NB, 4, 8]
+    ok = rows_ok[:, None, None, None] & (dim < 2 * PAIRS)
+    x = tl.load(row_ptrs[:, None, None, None] + (dim + first_dim) * stride, mask=ok, other=0.0)  # [ROWS, NB, 4, 8]
     return tl.split(tl.reshape(x.to(tl.float32), [rows, NB, 4, 4, 2]))
 
 
 @triton.jit
-def store_mxfp4_rows(value_rows, scale_rows, rows_ok, packed, scales, WIDTH: tl.constexpr, ROW_MAJOR: tl.constexpr,
-                     STREAMING: tl.constexpr = False):
+def store_mxfp4_rows(value_rows, scale_rows, rows_ok, packed, scales, WIDTH: tl.constexpr, ROW_MAJOR: tl.constexpr):
     """Store ``mxfp4_pack_pairs``'s ``packed [ROWS, NB, 4, 4]`` and ``scales [ROWS, NB]`` of dims ``[0, WIDTH)``
     of each row: bytes ``[0, WIDTH / 2)`` after ``value_rows [ROWS]`` (byte pointers), scales
     ``[0, WIDTH / 32)`` after ``scale_rows [ROWS]``; rows where ``rows_ok`` is false write nothing.
@@ -300,28 +280,25 @@ def store_mxfp4_rows(value_rows, scale_rows, rows_ok, packed, scales, WIDTH: tl.
     tiles, whose coalesced layouts put up to 16 contiguous bytes in a thread and consecutive threads on
     consecutive runs: one ``STG.128`` per 16 bytes, every 32-byte sector written whole by one instruction
     (the compiler converts the layout through shared memory: one ``STS.128`` and one ``LDS.128``).
-    ``STREAMING``: streaming stores (``st.global.cs``: written once, evicted first).
     """
     rows: tl.constexpr = packed.shape[0]
     nb: tl.constexpr = packed.shape[1]
-    modifier: tl.constexpr = ".cs" if STREAMING else ""
     if ROW_MAJOR:
         byte = tl.arange(0, nb * 16)  # [NB * 16]
         tl.store(value_rows[:, None] + byte[None, :], tl.reshape(packed, [rows, nb * 16]),
-                 mask=rows_ok[:, None] & (byte < WIDTH // 2)[None, :], cache_modifier=modifier)
+                 mask=rows_ok[:, None] & (byte < WIDTH // 2)[None, :])
     else:
         pair = pair_index(nb)  # [1, NB, 4, 4]
         tl.store(value_rows[:, None, None, None] + pair, packed,
-                 mask=rows_ok[:, None, None, None] & (pair < WIDTH // 2), cache_modifier=modifier)
+                 mask=rows_ok[:, None, None, None] & (pair < WIDTH // 2))
     block = tl.arange(0, nb)
     tl.store(scale_rows[:, None] + block[None, :], scales,
-             mask=rows_ok[:, None] & (block < WIDTH // _MXFP4_BLOCK)[None, :], cache_modifier=modifier)
+             mask=rows_ok[:, None] & (block < WIDTH // _MXFP4_BLOCK)[None, :])
 
 
 @triton.jit
 def _store_mxfp4_pairs(values_ptr, scales_ptr, head_rows, heads_ok, even, odd, START: tl.constexpr,
-                       WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, ROW_MAJOR: tl.constexpr, STREAMING: tl.constexpr,
-                       INTERPRETER: tl.constexpr):
+                       WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, ROW_MAJOR: tl.constexpr, INTERPRETER: tl.constexpr):
     """Quantise and store dims ``[START, START + WIDTH)`` of each head.
 
     ``even, odd``: those dims as ``load_pairs`` tiles ``[BLOCK_H, NB, 4, 4]``.
@@ -329,7 +306,7 @@ def _store_mxfp4_pairs(values_ptr, scales_ptr, head_rows, heads_ok, even, odd, S
     packed, scales = mxfp4_pack_pairs(even, odd, INTERPRETER)
     store_mxfp4_rows(values_ptr + head_rows * (HEAD_DIM // 2) + START // 2,
                      scales_ptr + head_rows * (HEAD_DIM // _MXFP4_BLOCK) + START // _MXFP4_BLOCK, heads_ok, packed,
-                     scales, WIDTH, ROW_MAJOR, STREAMING)
+                     scales, WIDTH, ROW_MAJOR)
 
 
 @triton.jit
@@ -365,8 +342,8 @@ def _rope_quant_q_kernel(
     softmax_scale, head_scale,
     HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_START: tl.constexpr, INTERLEAVED: tl.constexpr,
     HALF_BLOCK: tl.constexpr, PASS_START: tl.constexpr, PASS_BLOCK: tl.constexpr,
-    MXFP4: tl.constexpr, BLOCK_H: tl.constexpr, ROW_MAJOR_LOADS: tl.constexpr, ROW_MAJOR_STORES: tl.constexpr,
-    PACKED_BF16: tl.constexpr, STREAMING: tl.constexpr, PASS_LOADS_FIRST: tl.constexpr, INTERPRETER: tl.constexpr,
+    MXFP4: tl.constexpr, BLOCK_H: tl.constexpr, ROW_MAJOR_STORES: tl.constexpr, PACKED_BF16: tl.constexpr,
+    INTERPRETER: tl.constexpr,
 ):
     """One program: token ``program_id(0)``, heads ``[program_id(1) * BLOCK_H, +BLOCK_H)``.
 
@@ -376,12 +353,8 @@ def _rope_quant_q_kernel(
     MXFP4 keeps every segment as (even dim, odd dim) pairs ``[BLOCK_H, NB, 16]`` from the load to the
     packed bytes, so no tile changes layout: interleaved rope pairs are such pairs already; NeoX
     halves are loaded as pairs of consecutive dims, with ``cos``/``sin`` split the same way.
-    ``ROW_MAJOR_LOADS``, ``ROW_MAJOR_STORES`` (MXFP4 only) pick ``load_pairs``'s and ``store_mxfp4_rows``'s
-    row-major tiles; ``PACKED_BF16`` (MXFP4 only) rounds the rotated pairs with one packed conversion;
-    ``STREAMING`` (MXFP4 only) puts evict-first hints on the q loads and streaming stores on the outputs;
-    ``PASS_LOADS_FIRST`` (MXFP4 only) loads the pass-through dims before the rope dims are stored: the
-    compiler keeps loads behind earlier stores (the outputs may alias q), so otherwise a thread has only
-    one segment's loads in flight at a time.
+    ``ROW_MAJOR_STORES`` (MXFP4 only) picks ``store_mxfp4_rows``'s row-major tiles; ``PACKED_BF16`` (MXFP4
+    only) rounds the rotated pairs with one packed conversion.
     """
     half: tl.constexpr = ROPE_DIM // 2
     pass_width: tl.constexpr = HEAD_DIM - ROPE_DIM
@@ -398,42 +371,34 @@ def _rope_quant_q_kernel(
     head = tl.cast(head_scale, tl.float32)
 
     if MXFP4:
-        pass_nb: tl.constexpr = PASS_BLOCK // 32
-        if PASS_LOADS_FIRST and pass_width > 0:  # in flight with the rope dims: no store comes between them
-            kept_even, kept_odd = load_pairs(q_rows, PASS_START, stride_qd, heads_ok, pass_width // 2, pass_nb,
-                                             ROW_MAJOR_LOADS, STREAMING)
         if INTERLEAVED:
             rope_nb: tl.constexpr = HALF_BLOCK // 16
             pair = pair_index(rope_nb)  # [1, NB, 4, 4] rope pair j
             cos = tl.load(table + pair * stride_cs_dim, mask=pair < half, other=0.0).to(tl.float32)
             sin = tl.load(table + (pair + half) * stride_cs_dim, mask=pair < half, other=0.0).to(tl.float32)
-            x0, x1 = load_pairs(q_rows, ROPE_START, stride_qd, heads_ok, half, rope_nb, ROW_MAJOR_LOADS, STREAMING)
+            x0, x1 = load_pairs(q_rows, ROPE_START, stride_qd, heads_ok, half, rope_nb)
             r0, r1 = _rope_pairs(x0, x1, cos, sin, PACKED_BF16, INTERPRETER)
             _store_mxfp4_pairs(values_ptr, scales_ptr, head_rows, heads_ok, r0, r1, ROPE_START, ROPE_DIM, HEAD_DIM,
-                               ROW_MAJOR_STORES, STREAMING, INTERPRETER)
+                               ROW_MAJOR_STORES, INTERPRETER)
         else:
             half_nb: tl.constexpr = HALF_BLOCK // 32
             table_row = table + tl.zeros([1], tl.int64)  # [1]: cos/sin split like a row of q
             table_ok = tl.full([1], True, tl.int1)
-            cos_even, cos_odd = load_pairs(table_row, 0, stride_cs_dim, table_ok, half // 2, half_nb, ROW_MAJOR_LOADS)
-            sin_even, sin_odd = load_pairs(table_row, half, stride_cs_dim, table_ok, half // 2, half_nb,
-                                           ROW_MAJOR_LOADS)
-            x0_even, x0_odd = load_pairs(q_rows, ROPE_START, stride_qd, heads_ok, half // 2, half_nb, ROW_MAJOR_LOADS,
-                                         STREAMING)
-            x1_even, x1_odd = load_pairs(q_rows, ROPE_START + half, stride_qd, heads_ok, half // 2, half_nb,
-                                         ROW_MAJOR_LOADS, STREAMING)
+            cos_even, cos_odd = load_pairs(table_row, 0, stride_cs_dim, table_ok, half // 2, half_nb)
+            sin_even, sin_odd = load_pairs(table_row, half, stride_cs_dim, table_ok, half // 2, half_nb)
+            x0_even, x0_odd = load_pairs(q_rows, ROPE_START, stride_qd, heads_ok, half // 2, half_nb)
+            x1_even, x1_odd = load_pairs(q_rows, ROPE_START + half, stride_qd, heads_ok, half // 2, half_nb)
             r0_even, r1_even = _rope_pairs(x0_even, x1_even, cos_even, sin_even, PACKED_BF16, INTERPRETER)
             r0_odd, r1_odd = _rope_pairs(x0_odd, x1_odd, cos_odd, sin_odd, PACKED_BF16, INTERPRETER)
             _store_mxfp4_pairs(values_ptr, scales_ptr, head_rows, heads_ok, r0_even, r0_odd, ROPE_START, half,
-                               HEAD_DIM, ROW_MAJOR_STORES, STREAMING, INTERPRETER)
+                               HEAD_DIM, ROW_MAJOR_STORES, INTERPRETER)
             _store_mxfp4_pairs(values_ptr, scales_ptr, head_rows, heads_ok, r1_even, r1_odd, ROPE_START + half, half,
-                               HEAD_DIM, ROW_MAJOR_STORES, STREAMING, INTERPRETER)
+                               HEAD_DIM, ROW_MAJOR_STORES, INTERPRETER)
         if pass_width > 0:
-            if not PASS_LOADS_FIRST:
-                kept_even, kept_odd = load_pairs(q_rows, PASS_START, stride_qd, heads_ok, pass_width // 2, pass_nb,
-                                                 ROW_MAJOR_LOADS, STREAMING)
+            kept_even, kept_odd = load_pairs(q_rows, PASS_START, stride_qd, heads_ok, pass_width // 2,
+                                             PASS_BLOCK // 32)
             _store_mxfp4_pairs(values_ptr, scales_ptr, head_rows, heads_ok, kept_even, kept_odd, PASS_START,
-                               pass_width, HEAD_DIM, ROW_MAJOR_STORES, STREAMING, INTERPRETER)
+                               pass_width, HEAD_DIM, ROW_MAJOR_STORES, INTERPRETER)
         weights_out = (weights * softmax) * head
     else:
         pair = tl.arange(0, HALF_BLOCK)  # [HALF_BLOCK]
@@ -490,20 +455,16 @@ def rope_quant_q_triton(
     fmt: str,
     block_heads: int | None = None,
     num_warps: int | None = None,
-    row_major_loads: bool | None = None,
     row_major_stores: bool | None = None,
     packed_bf16: bool | None = None,
-    streaming: bool | None = None,
-    pass_loads_first: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Triton twin of ``rope_quant_q_reference`` (same arguments and results, bit for bit).
 
     MXFP4 with a rope dim that ``mxfp4_kernel_supports`` refuses (not a multiple of 64 for NeoX, of 32
     for interleaved; no DeepSeek model has one) runs the reference instead, with the same results.
     ``block_heads`` (a power of two; default all heads, at most 64) and ``num_warps`` (default 8 for FP8,
-    4 for MXFP4: the fastest measured on an H200) tune the launch; so do, for MXFP4 only, ``row_major_loads``,
-    ``row_major_stores``, ``packed_bf16``, ``streaming`` and ``pass_loads_first`` (defaults: the ``ROPE_MXFP4_*``
-    module constants; results identical).
+    4 for MXFP4: the fastest measured on an H200) tune the launch; so do, for MXFP4 only, ``row_major_stores``
+    and ``packed_bf16`` (defaults: the ``ROPE_MXFP4_*`` module constants; results identical).
     No host synchronisation.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -538,11 +499,8 @@ def rope_quant_q_triton(
         INTERLEAVED=rope_style == "interleaved", HALF_BLOCK=triton.next_power_of_2(rope_dim // 2),
         PASS_START=rope_dim if first else 0, PASS_BLOCK=triton.next_power_of_2(max(head_dim - rope_dim, 1)),
         MXFP4=mxfp4, BLOCK_H=block_heads,
-        ROW_MAJOR_LOADS=mxfp4 and (ROPE_MXFP4_ROW_MAJOR_LOADS if row_major_loads is None else row_major_loads),
         ROW_MAJOR_STORES=mxfp4 and (ROPE_MXFP4_ROW_MAJOR_STORES if row_major_stores is None else row_major_stores),
         PACKED_BF16=mxfp4 and (ROPE_MXFP4_PACKED_BF16 if packed_bf16 is None else packed_bf16),
-        STREAMING=mxfp4 and (ROPE_MXFP4_STREAMING if streaming is None else streaming),
-        PASS_LOADS_FIRST=mxfp4 and (ROPE_MXFP4_PASS_LOADS_FIRST if pass_loads_first is None else pass_loads_first),
         INTERPRETER=interpreter_enabled(),
         num_warps=num_warps, enable_fp_fusion=False,
     )
