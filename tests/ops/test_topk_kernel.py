@@ -62,18 +62,13 @@ GPU_WIDE = [GPU_SPLIT, GPU_STREAM, GPU_STREAM_IN_PROGRAM, GPU_STREAM_V4, GPU_STR
 GPU_WIDE_IDS = ["split", "stream", "stream_in_program", "stream_v4", "stream_w8", "pieces", "pieces_w8"]
 ROW = TopkConfig()
 ONE_ROW = TopkConfig(row_elements=16)  # one row per whole-row program
-# Whole-row programs with the probing search, the direct copy of short all-selectable rows and narrower
-# tiles for narrow programs (ROW_PROBE_WIDE: one row of up to 64 columns per program, tiles of 64/32/16).
-ROW_PROBE = TopkConfig(row_search="probe", row_copy_short=True, row_tiles=3)
-ROW_PROBE_WIDE = TopkConfig(row_search="probe", row_copy_short=True, row_tiles=3, row_elements=64)
-ROW_PROBE_ONLY = TopkConfig(row_search="probe", row_copy_short=False, row_tiles=1)
 # One launch per tile (64/32/16 columns): one row of 64 per program, two rows of 32 / four of 16 (packed),
 # and the v6 kernel (no copy, one tile).
 ROW_LAUNCHES = TopkConfig(row_tile_launches=True, row_elements=64, row_max_registers=128)
 ROW_V6 = TopkConfig(row_copy_short=False, row_tiles=1, row_tile_launches=False, row_warps=4, row_narrow_elements=None,
                     row_narrow_warps=None, row_max_registers=None)  # one kernel, one tile
-ROWS_FAST = [ROW_PROBE, ROW_PROBE_WIDE, ROW_PROBE_ONLY, ROW_LAUNCHES, ROW_V6]
-ROWS_FAST_IDS = ["row_probe", "row_probe_wide", "row_probe_only", "row_launches", "row_v6"]
+ROWS_FAST = [ROW, ROW_LAUNCHES, ROW_V6]
+ROWS_FAST_IDS = ["row", "row_launches", "row_v6"]
 
 
 @pytest.fixture(autouse=True)
@@ -125,7 +120,7 @@ def test_generators_row_path(kernel_device, name):
 @pytest.mark.parametrize("config", ROWS_FAST, ids=ROWS_FAST_IDS)
 @pytest.mark.parametrize("name", sorted(ADVERSARIAL_GENERATORS))
 def test_generators_rows_fast(kernel_device, name, config):
-    # Probing search, short-row copy and narrower tiles: rows of 64 columns cut to lengths across the tiles.
+    # Short-row copy and narrower tiles: rows of 64 columns cut to lengths across the tiles.
     logits = ADVERSARIAL_GENERATORS[name]((6, 64), 13, kernel_device)
     ends = torch.tensor([64, 33, 32, 17, 9, 0], dtype=torch.int32, device=kernel_device)
     starts = torch.tensor([0, 1, 0, 0, 2, 0], dtype=torch.int32, device=kernel_device)
@@ -208,7 +203,7 @@ def test_value_order_details(kernel_device):
     row = [0.0, -0.0, math.inf, -math.inf, math.nan, 1e-45, -1e-45, 3.4e38, -3.4e38, 0.0, -0.0, -math.nan]
     logits = torch.tensor([row, row[::-1]], dtype=torch.float32, device=kernel_device)
     tiny = dict(row_block_max=8, chunk=8, stream_tile=8, group_tile=8, candidate_block=8)
-    for config in (ROW, ROW_PROBE, TopkConfig(row_program_rows=3, **tiny), TopkConfig(row_program_rows=1, **tiny)):
+    for config in (ROW, TopkConfig(row_program_rows=3, **tiny), TopkConfig(row_program_rows=1, **tiny)):
         for k in (1, 2, 3, 5, 8, 12):
             assert_same(logits, k, None, None, config)
 
@@ -268,9 +263,8 @@ def slot_table(num_requests, width, block_size, seed, device):
     return order.view(num_requests, pages).to(torch.int32).to(device)
 
 
-@pytest.mark.parametrize("config", [ROW, ONE_ROW, ROW_PROBE, ROW_PROBE_WIDE, SPLIT, STREAM, STREAM_LOOSE, PIECES],
-                         ids=["row", "one_row", "row_probe", "row_probe_wide", "split", "stream", "stream_loose",
-                              "pieces"])
+@pytest.mark.parametrize("config", [ROW, ONE_ROW, SPLIT, STREAM, STREAM_LOOSE, PIECES],
+                         ids=["row", "one_row", "split", "stream", "stream_loose", "pieces"])
 def test_decode_slots_equal_positions_mapped(kernel_device, config):
     # Fused slot output = indices_to_slots(topk_decode(...)) on every path, 1-D and 2-D lengths, the
     # output row stride wider than k (columns past k stay poison).
@@ -351,9 +345,8 @@ def test_gpu_generators_long_rows(name, width, num_rows, config):
 
 ONE_KERNEL = dict(row_tile_launches=False, row_warps=4, row_narrow_elements=None, row_narrow_warps=None,
                   row_max_registers=None)
-GPU_ROWS = [ROW, ROW_V6, TopkConfig(**ONE_KERNEL), TopkConfig(row_search="probe", **ONE_KERNEL),
-            TopkConfig(row_search="probe")]
-GPU_ROWS_IDS = ["rows", "rows_v6", "rows_one_kernel", "rows_probe_one_kernel", "rows_probe"]
+GPU_ROWS = [ROW, ROW_V6, TopkConfig(**ONE_KERNEL)]
+GPU_ROWS_IDS = ["rows", "rows_v6", "rows_one_kernel"]
 # One launch per tile with other widest-tile warps and register caps (the default: 8 warps, 80 registers).
 GPU_ROWS += [TopkConfig(row_warps=4, row_narrow_warps=None, row_max_registers=None),
              TopkConfig(row_warps=4, row_narrow_warps=None, row_max_registers=168), TopkConfig(row_max_registers=128)]

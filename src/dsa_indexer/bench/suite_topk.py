@@ -309,8 +309,8 @@ def sweep_decode(out_path: str | None = None, warm: str | None = None) -> None:
 def _prefill_row_configs() -> dict:
     """Whole-row (prefill) variants timed by ``sweep_prefill``: ``base`` the committed default (one launch per
     tile, the widest at 8 warps under an 80-register cap, short-row copy); ``one_kernel`` the three tiles in one
-    kernel at 4 warps (the round-2 default); ``v6`` one kernel, one tile, no copy; ``probe`` the probing search;
-    ``launch_r168`` / ``launch_w8_r128``: the widest tile at 4 warps under 168 registers / 8 warps under 128."""
+    kernel at 4 warps (the round-2 default); ``v6`` one kernel, one tile, no copy; ``launch_r168`` /
+    ``launch_w8_r128``: the widest tile at 4 warps under 168 registers / 8 warps under 128."""
     from dsa_indexer.ops.topk.triton import TopkConfig
 
     one_kernel = dict(row_tile_launches=False, row_warps=4, row_narrow_elements=None, row_narrow_warps=None,
@@ -319,7 +319,6 @@ def _prefill_row_configs() -> dict:
         "base": TopkConfig(),
         "one_kernel": TopkConfig(**one_kernel),
         "v6": TopkConfig(**one_kernel, row_copy_short=False, row_tiles=1),
-        "probe": TopkConfig(row_search="probe"),
         "launch_r168": TopkConfig(row_warps=4, row_narrow_warps=None, row_max_registers=168),
         "launch_w8_r128": TopkConfig(row_max_registers=128),
     }

@@ -39,10 +39,9 @@ Rows of width ``<= row_block_max``: a program holds ``rows_per_program`` whole w
 finds each row's ``T`` (the rows share each round's reduction) and emits: one launch, no scratch.
 Programs whose rows are all selectable and at most k wide store the columns directly, and a program
 whose rows fit in a half (quarter) tile takes that narrower register tile (fewer keys per thread per
-round). Options (``TopkConfig``): the probing search (``_kth_largest_rows_probing``: two probes per round
-and a bracket snapped to the nearest keys, ≈ 3–9 rounds instead of ≈ 10–32); one launch per tile, each
-program keeping the rows of its tile's width class (each kernel then holds one tile's body: its own
-register count, so narrow tiles fit more programs per SM, and no code of the other tiles); a register cap.
+round). Options (``TopkConfig``): one launch per tile, each program keeping the rows of its tile's width
+class (each kernel then holds one tile's body: its own register count, so narrow tiles fit more programs
+per SM, and no code of the other tiles); a register cap.
 
 Wider rows, calls of at least ``row_program_rows`` rows (row programs, two launches, no atomics):
 chunk programs (step 1 of the split path) store the maximum of each group of ``GROUP`` consecutive
@@ -149,8 +148,6 @@ class TopkConfig:
     row_elements: register tile of a whole-row program: ``row_elements // tile width`` rows share a
         program (1 to 16; power of two).
     row_warps: most warps of a whole-row program (fewer for small tiles).
-    row_search: ``"bisect"``: whole-row programs find ``T`` one bit per round; ``"probe"``: two probes per
-        round (an interpolated guess and the key midpoint) and the bracket snapped to the nearest keys.
     row_copy_short: whole-row programs whose rows are all selectable and at most k wide store the columns
         directly (no search, no prefix sum).
     row_tiles: register tiles a whole-row program may use, halving from the widest: a program whose rows
@@ -198,7 +195,6 @@ class TopkConfig:
     row_block_max: int = 8192
     row_elements: int = 8192
     row_warps: int = 8
-    row_search: str = "bisect"
     row_copy_short: bool = True
     row_tiles: int = 3
     row_tile_launches: bool = True
@@ -429,95 +425,15 @@ def _pad_rows(out_ptrs, out_stride_col, first, valid, k, PAD_BLOCK: tl.constexpr
 
 
 @triton.jit
-def _row_stats_combine(count0, lo0, hi0, count1, lo1, hi1):
-    return count0 + count1, tl.minimum(lo0, lo1), tl.maximum(hi0, hi1)
-
-
-@triton.jit
-def _probe_combine(counts0, above0, below0, counts1, above1, below1):
-    return counts0 + counts1, tl.minimum(above0, above1), tl.minimum(below0, below1)
-
-
-@triton.jit
-def _key_bits(keys):
-    """fp32 bit patterns of order keys (``_order_keys``'s map is its own inverse on selectable keys)."""
-    return keys ^ ((keys >> 31) & KEY_MAX)
-
-
-@triton.jit
-def _kth_largest_rows_probing(keys, k, active, reaching, lo, hi):
-    """Per row of ``keys [ROWS, BLOCK]`` where ``active`` (others: NONE): the k-th largest key or a ``t``
-    that exactly k keys reach (the same selection, see ``_kth_largest_rows``). ``reaching``, ``lo``, ``hi``
-    [ROWS]: the number of selectable keys, the smallest selectable key and the largest key.
-
-    The bracket ``[a, b)`` keeps ``ca = #(keys >= a) >= k > cb = #(keys >= b)``, from ``[lo, hi + 1)``.
-    A round counts two probes inside it in one reduction: the linear interpolation of the fp32 values of
-    ``a`` and ``b`` at rank ``k + 1/2`` (few rounds on smooth data) and the key midpoint (at least halves
-    the bracket: at most 32 rounds). The same reduction finds the smallest key ``>= a`` and the largest
-    key ``< b`` (unsigned minima of the differences), and the bracket snaps to them: no key lies between,
-    so a bracket around one distinct key (a plateau of ties) closes at once. The search ends when
-    ``ca == k`` or ``b == a + 1`` (then ``a`` is the k-th largest key)."""
-    a = lo
-    b = hi + 1  # hi <= key(+inf) < KEY_MAX
-    ca = tl.where(active, reaching, k)
-    cb = ca * 0
-    running = (ca > k) & (b.to(tl.int64) - a > 1)
-    while tl.max(running.to(tl.int32), axis=0) > 0:
-        low_bits = _key_bits(a)
-        high_bits = _key_bits(b)
-        finite = ((low_bits & KEY_MAX) < INF_BITS) & ((high_bits & KEY_MAX) < INF_BITS)
-        fraction = ((ca - k).to(tl.float32) - 0.5) / (ca - cb).to(tl.float32)
-        guess = (low_bits.to(tl.float32, bitcast=True) * (1.0 - fraction)
-                 + high_bits.to(tl.float32, bitcast=True) * fraction)
-        middle = ((a.to(tl.int64) + b) >> 1).to(tl.int32)
-        first = tl.where(finite, tl.minimum(tl.maximum(_key_bits(guess.to(tl.int32, bitcast=True)), a + 1), b - 1),
-                         middle)
-        probes = (keys >= first[:, None]).to(tl.int32) + ((keys >= middle[:, None]).to(tl.int32) << 16)
-        above = (keys - a[:, None]).to(tl.uint32, bitcast=True)
-        below = ((b - 1)[:, None] - keys).to(tl.uint32, bitcast=True)
-        packed, above_min, below_min = tl.reduce((probes, above, below), 1, _probe_combine)  # [ROWS] each
-        new_a = a + above_min.to(tl.int32, bitcast=True)
-        new_b = b - below_min.to(tl.int32, bitcast=True)
-        new_ca = ca
-        new_cb = cb
-        first_count = packed & LOW_FIELD
-        middle_count = packed >> 16
-        raise_first = (first_count >= k) & (first > new_a)
-        new_a = tl.where(raise_first, first, new_a)
-        new_ca = tl.where(raise_first, first_count, new_ca)
-        lower_first = (first_count < k) & (first < new_b)
-        new_b = tl.where(lower_first, first, new_b)
-        new_cb = tl.where(lower_first, first_count, new_cb)
-        raise_middle = (middle_count >= k) & (middle > new_a)
-        new_a = tl.where(raise_middle, middle, new_a)
-        new_ca = tl.where(raise_middle, middle_count, new_ca)
-        lower_middle = (middle_count < k) & (middle < new_b)
-        new_b = tl.where(lower_middle, middle, new_b)
-        new_cb = tl.where(lower_middle, middle_count, new_cb)
-        a = tl.where(running, new_a, a)
-        b = tl.where(running, new_b, b)
-        ca = tl.where(running, new_ca, ca)
-        cb = tl.where(running, new_cb, cb)
-        running = running & (ca > k) & (b.to(tl.int64) - a > 1)
-    return tl.where(active, a, NONE)
-
-
-@triton.jit
 def _select_rows(logits_ptr, stride_row, stride_col, rows, valid, start, length, out_ptr, out_stride_row,
                  out_stride_col, k, table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request,
-                 BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr, PROBE_SEARCH: tl.constexpr,
-                 COPY_SHORT: tl.constexpr):
+                 BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr, COPY_SHORT: tl.constexpr):
     """Top-k of the windows ``[start, start + length)`` (``length <= BLOCK``) of ``rows`` [ROWS] into ``out``."""
     columns = tl.arange(0, BLOCK)[None, :]  # [1, BLOCK] window-relative
     inside = columns < length[:, None]  # [ROWS, BLOCK]
     src = logits_ptr + rows.to(tl.int64)[:, None] * stride_row + (start[:, None] + columns).to(tl.int64) * stride_col
     keys = _order_keys(tl.load(src, mask=inside, other=0.0), inside)  # [ROWS, BLOCK]
-    is_selectable = (keys != NONE).to(tl.int32)
-    if PROBE_SEARCH:
-        selectable, lo, hi = tl.reduce((is_selectable, tl.where(keys != NONE, keys, KEY_MAX), keys), 1,
-                                       _row_stats_combine)  # [ROWS] each
-    else:
-        selectable = tl.sum(is_selectable, axis=1)  # [ROWS]
+    selectable = tl.sum((keys != NONE).to(tl.int32), axis=1)  # [ROWS]
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * out_stride_row  # [ROWS, 1]
     pages = _page_rows(table_ptr, table_stride_row, rows, rows_per_request, SLOTS)[:, None]  # [ROWS, 1]
     copy = False
@@ -533,10 +449,7 @@ def _select_rows(logits_ptr, stride_row, stride_col, rows, valid, start, length,
         taken = length
     else:
         searching = selectable > k
-        if PROBE_SEARCH:
-            threshold = _kth_largest_rows_probing(keys, k, searching, selectable, lo, hi)  # [ROWS]
-        else:
-            threshold = _kth_largest_rows(keys, k, searching, selectable)  # [ROWS]
+        threshold = _kth_largest_rows(keys, k, searching, selectable)  # [ROWS]
         greater = keys > threshold[:, None]
         equal = (keys == threshold[:, None]) & (keys != NONE)
         counts = greater.to(tl.int32) + (equal.to(tl.int32) << 16)  # [ROWS, BLOCK]
@@ -555,8 +468,8 @@ def _topk_row_kernel(
     num_rows, width, k, next_n,
     table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request, class_above, class_upto,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-    PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr, PROBE_SEARCH: tl.constexpr, COPY_SHORT: tl.constexpr,
-    TILES: tl.constexpr, CLASSED: tl.constexpr,
+    PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr, COPY_SHORT: tl.constexpr, TILES: tl.constexpr,
+    CLASSED: tl.constexpr,
 ):
     """``ROWS`` whole rows per program. ``TILES`` > 1: a program whose windows all fit in ``BLOCK // 2``
     (``TILES`` = 3: ``BLOCK // 4``) takes that narrower register tile (fewer keys per thread per round).
@@ -573,21 +486,21 @@ def _topk_row_kernel(
     widest = tl.max(length, axis=0)
     if CLASSED:
         if tl.max(valid.to(tl.int32), axis=0) > 0:
-            _select_rows(*args, BLOCK, PAD_BLOCK, SLOTS, PROBE_SEARCH, COPY_SHORT)
+            _select_rows(*args, BLOCK, PAD_BLOCK, SLOTS, COPY_SHORT)
     elif TILES == 1:
-        _select_rows(*args, BLOCK, PAD_BLOCK, SLOTS, PROBE_SEARCH, COPY_SHORT)
+        _select_rows(*args, BLOCK, PAD_BLOCK, SLOTS, COPY_SHORT)
     elif TILES == 2:
         if widest <= BLOCK // 2:
-            _select_rows(*args, BLOCK // 2, PAD_BLOCK, SLOTS, PROBE_SEARCH, COPY_SHORT)
+            _select_rows(*args, BLOCK // 2, PAD_BLOCK, SLOTS, COPY_SHORT)
         else:
-            _select_rows(*args, BLOCK, PAD_BLOCK, SLOTS, PROBE_SEARCH, COPY_SHORT)
+            _select_rows(*args, BLOCK, PAD_BLOCK, SLOTS, COPY_SHORT)
     else:
         if widest <= BLOCK // 4:
-            _select_rows(*args, BLOCK // 4, PAD_BLOCK, SLOTS, PROBE_SEARCH, COPY_SHORT)
+            _select_rows(*args, BLOCK // 4, PAD_BLOCK, SLOTS, COPY_SHORT)
         elif widest <= BLOCK // 2:
-            _select_rows(*args, BLOCK // 2, PAD_BLOCK, SLOTS, PROBE_SEARCH, COPY_SHORT)
+            _select_rows(*args, BLOCK // 2, PAD_BLOCK, SLOTS, COPY_SHORT)
         else:
-            _select_rows(*args, BLOCK, PAD_BLOCK, SLOTS, PROBE_SEARCH, COPY_SHORT)
+            _select_rows(*args, BLOCK, PAD_BLOCK, SLOTS, COPY_SHORT)
 
 
 @triton.jit(do_not_specialize=["width", "next_n", "num_chunks"])
@@ -1102,8 +1015,7 @@ def _launch_rows(logits, k, bounds, out, next_n, bounds_flags, slot_args, config
     tiles = max(1, min(config.row_tiles, 4 if config.row_tile_launches else 3))
     while tiles > 1 and block >> (tiles - 1) < 16:
         tiles -= 1
-    common = dict(PAD_BLOCK=_PAD_BLOCK, PROBE_SEARCH=config.row_search == "probe", COPY_SHORT=config.row_copy_short,
-                  **bounds_flags, **slot_args[1])
+    common = dict(PAD_BLOCK=_PAD_BLOCK, COPY_SHORT=config.row_copy_short, **bounds_flags, **slot_args[1])
     if config.row_tile_launches and tiles > 1:
         # One kernel per tile, widest first: each compiles one body, so narrow tiles keep fewer registers.
         for tile_index in range(tiles):
