@@ -11,8 +11,8 @@ graph that cycles through copies of the inputs totalling more than 4x the L2, so
 cold; ``warm_us`` replays one input (L2-resident when it fits). Floor: the valid logits read once at
 the measured read bandwidth.
 
-``python -m dsa_indexer.bench.suite_topk sweep [OUT_JSON]`` times the tuning variants of ``_sweep_configs``
-on the same shapes.
+``python -m dsa_indexer.bench.suite_topk sweep_decode [OUT_JSON]`` and ``... sweep_prefill [OUT_JSON]`` time the
+tuning variants of ``_decode_sweep_plan`` and ``_prefill_row_configs`` (every cell checked bitwise first).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from dsa_indexer.testing import count_topk_errors, one_bin_rows, relu_sum_rows
 
 ROTATION_BYTES = 256 << 20
 REP_MS = 20
-SWEEP_REP_MS = 10
 DECODE_L = 131072
 DECODE_ROWS = (1, 32, 64, 128)
 PREFILL_S = 8192
@@ -109,96 +108,6 @@ def run(ceilings: dict[str, float]) -> list[dict]:
         del logits
         torch.cuda.empty_cache()
     return rows
-
-
-def _sweep_configs() -> tuple[dict, dict]:
-    """Decode and prefill variants timed by ``sweep`` (names -> ``TopkConfig``): wide rows on the split
-    path (``split_v4``: exact lower bound, ``split``: early-stopped) or on row programs: ``v4`` streams
-    the row in the program and gathers with masked loads, ``vg`` gathers with unmasked loads; ``pf``
-    prefetches the next gather piece, ``max`` takes the group maxima from a launch of chunk programs,
-    ``w8`` runs 8-warp row programs, ``fine`` uses 16384 groups (8 columns each at 128K). Prefill rows
-    on whole-row programs. Each variant is timed with ``SWEEP_REP_MS`` of replays (so that one device
-    call holds the sweep)."""
-    from dsa_indexer.ops.topk.triton import TopkConfig
-
-    every = 1 << 30
-    decode = {
-        "split_v4": TopkConfig(row_program_rows=every, split_early_bound=False),
-        "split": TopkConfig(row_program_rows=every),
-        "v4": TopkConfig(row_program_rows=1, maxima_launch=False, vector_gather=False, prefetch_gather=False),
-        "vg": TopkConfig(row_program_rows=1, maxima_launch=False, prefetch_gather=False),
-        "vg_pf": TopkConfig(row_program_rows=1, maxima_launch=False),
-        "vg_max": TopkConfig(row_program_rows=1, prefetch_gather=False),
-        "vg_max_pf": TopkConfig(row_program_rows=1),
-        "vg_max_pf_w8": TopkConfig(row_program_rows=1, stream_warps=8),
-        "vg_max_fine": TopkConfig(row_program_rows=1, prefetch_gather=False, group_tile=16384),
-    }
-    prefill = {"whole_row": TopkConfig()}
-    return decode, prefill
-
-
-def sweep(out_path: str | None = None) -> None:
-    """Cold µs of every variant of ``_sweep_configs`` on the decode shapes (R in 1/32/64/128, k in 2048/512,
-    every data kind) and the causal 8K prefill (``python -m dsa_indexer.bench.suite_topk sweep [json]``),
-    each checked bitwise against the reference first; then registers and spills of every compiled top-k
-    kernel, and a table of the times last."""
-    import json
-
-    from dsa_indexer.ops.topk import triton as kernels
-
-    decode_configs, prefill_configs = _sweep_configs()
-    records = []
-
-    def time_configs(label, logits, k, ends, configs):
-        num_rows = logits.shape[0]
-        expected = reference.topk(logits, k, None, ends, torch.empty((num_rows, k), dtype=torch.int32, device="cuda"))
-        copies = max(2, -(-ROTATION_BYTES // logits.numel() // 4))
-        inputs = [logits] + [logits.clone() for _ in range(copies - 1)]
-        times = {}
-        for name, config in configs.items():
-            out = torch.empty((num_rows, k), dtype=torch.int32, device="cuda")
-            times[name] = None
-            try:
-                exact = torch.equal(kernels.topk_triton(logits, k, None, ends, out, config=config), expected)
-            except Exception as error:  # a variant that fails to build must not stop the sweep
-                print(f"{label} {name}: FAILED {error!r}", flush=True)
-                continue
-            if not exact:
-                print(f"{label} {name}: NOT EXACT", flush=True)
-                continue
-            times[name] = _cold_us(lambda x, c=config, o=out: kernels.topk_triton(x, k, None, ends, o, config=c),
-                                   inputs, SWEEP_REP_MS)
-        print(f"{label}: " + "  ".join(f"{n} {'-' if t is None else f'{t:.1f}'}" for n, t in times.items()), flush=True)
-        records.append({"shape": label, "us": times})
-        if out_path:  # after every shape, so that a run stopped at its time limit keeps what it measured
-            Path(out_path).write_text(json.dumps({"environment": harness.environment(), "records": records}, indent=1))
-        del inputs
-
-    for data in DATA:
-        for num_rows in DECODE_ROWS:
-            logits, lengths = _decode_rows(data, num_rows)
-            for k in (2048, 512):
-                time_configs(f"decode R={num_rows} k={k} {data}", logits, k, lengths, decode_configs)
-            del logits
-        if data != "relu_sum":
-            ends = torch.arange(1, PREFILL_S + 1, dtype=torch.int32, device="cuda")
-            logits = _clean(_values(data, (PREFILL_S, PREFILL_S), 7), None, ends)
-            time_configs(f"prefill 8K k=2048 {data}", logits, 2048, ends, prefill_configs)
-            del logits
-        torch.cuda.empty_cache()
-    for name in ("_topk_row_kernel", "_row_program_kernel", "_split_group_max_kernel", "_split_low_bound_kernel",
-                 "_split_candidates_kernel", "_split_emit_kernel"):
-        for cache in getattr(kernels, name).device_caches.values():
-            for compiled in cache[0].values():
-                print(f"{name}: warps={compiled.metadata.num_warps} regs={compiled.n_regs} spills={compiled.n_spills}")
-    if out_path:
-        Path(out_path).write_text(json.dumps({"environment": harness.environment(), "records": records}, indent=1))
-    names = list(decode_configs) + [n for n in prefill_configs if n not in decode_configs]
-    print("\n| shape | " + " | ".join(names) + " |")
-    print("| --- |" + " ---: |" * len(names))
-    for record in records:
-        cells = [record["us"].get(n) for n in names]
-        print(f"| {record['shape']} | " + " | ".join("" if c is None else f"{c:.1f}" for c in cells) + " |")
 
 
 def _decode_sweep_plan() -> tuple[dict, list]:
@@ -381,9 +290,7 @@ def sweep_prefill(out_path: str | None = None, rep_ms: int = 5, only: list[str] 
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["sweep"] and len(sys.argv) <= 3:
-        sweep(sys.argv[2] if len(sys.argv) == 3 else None)
-    elif sys.argv[1:2] == ["sweep_decode"] and len(sys.argv) <= 4:
+    if sys.argv[1:2] == ["sweep_decode"] and len(sys.argv) <= 4:
         warm = next((a.split("=", 1)[1] for a in sys.argv[2:] if a.startswith("--warm=")), None)
         paths = [a for a in sys.argv[2:] if not a.startswith("--warm=")]
         sweep_decode(paths[0] if paths else None, warm)
@@ -394,6 +301,5 @@ if __name__ == "__main__":
         shapes_matching = options["shapes"].split(",") if "shapes" in options else None
         sweep_prefill(paths[0] if paths else None, only=only, shapes_matching=shapes_matching)
     else:
-        sys.exit("usage: python -m dsa_indexer.bench.suite_topk sweep [OUT_JSON]"
-                 " | sweep_decode [OUT_JSON] [--warm=I/N] | sweep_prefill [OUT_JSON] [--only=A,B] [--shapes=T,U]   "
+        sys.exit("usage: python -m dsa_indexer.bench.suite_topk sweep_decode [OUT_JSON] [--warm=I/N] | sweep_prefill [OUT_JSON] [--only=A,B] [--shapes=T,U]   "
                  "(the full suite runs through dsa-indexer bench)")
