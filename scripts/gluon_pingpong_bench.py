@@ -72,7 +72,8 @@ def main() -> None:
         with open(os.path.join(out_dir, "pingpong_bench.json"), "w") as f:
             json.dump({"ceilings": ceilings, "environment": harness.environment(), "rows": rows}, f, indent=1)
     print(f"read {ceilings['read_tbs']:.2f} TB/s, fp8 {ceilings['fp8_tflops']:.0f} TFLOP/s")
-    print(f"{'B':>4} {'L':>7} {'n':>2} {'variant':17} {'us':>8} {'floor':>7} {'%floor':>7} {'vs default':>10} same-bits")
+    print(f"{'B':>4} {'L':>7} {'n':>2} {'variant':17} {'us':>8} {'floor':>7} {'%floor':>7} {'vs default':>10} "
+          "same-bits")
     base = {(r["B"], r["L"], r["next_n"]): r["us"] for r in rows if r["variant"] == "default"}
     for r in rows:
         ref = base.get((r["B"], r["L"], r["next_n"]))
