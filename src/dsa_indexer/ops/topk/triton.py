@@ -67,6 +67,9 @@ qualifying groups go to a per-row state) and a third launch runs one program per
 stores its piece's candidates in column order in a region of its own, and the row's last piece program
 to finish (an acq_rel arrival counter) maps candidate positions to slots across the regions, searches
 ``T`` and emits as above. The pieces of a row then run on different SMs instead of one after another.
+The default takes this path for calls of ``row_program_rows`` (8) to ``pieces_max_rows`` (64) rows, with
+8 warps and 4096-column pieces, where the rows alone fill less than a wave of SMs; more rows keep one
+program per row (measured on the H200: benchmarks/NOTES_topk.md).
 
 Wider rows, fewer rows (split path, four launches, two full passes over the logits plus a partial one):
 
