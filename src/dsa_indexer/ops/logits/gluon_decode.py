@@ -138,6 +138,70 @@ def _work_item(lens_ptr, stride_lb, stride_lt, work, next_n, one_d, max_context_
 
 
 @gluon.jit
+def _fill_tiles(values_ptr, cache_ptr, page_units, table_row, key_ring, scale_ring, ready, empty, split_start,
+                read_end, first_use, num_fills, first_page, key, column, scale_key, ROW_BYTES: gl.constexpr,
+                BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr, COPY_ALIGN: gl.constexpr,
+                EARLY_TABLE: gl.constexpr):
+    """Producer side of the ring, shared by the FP8 and MXFP4 kernels: tiles ``0 .. num_fills - 1`` of a
+    split (``[BLOCK_K, ROW_BYTES]`` key rows and ``[BLOCK_K]`` 32-bit scales, positions ``>= read_end``
+    zero-filled) into ring uses ``first_use + tile``. A page holds ``BLOCK_SIZE`` key rows, then their
+    scales; pages start every ``page_units * COPY_ALIGN`` bytes and the cache is ``COPY_ALIGN``-byte aligned,
+    so the copies move ``COPY_ALIGN`` bytes (16 or 4) each. ``key``/``column``/``scale_key``: the aranges
+    over a tile's keys, a row's bytes and the scales in the copy layouts; ``first_page`` (with
+    ``EARLY_TABLE``): the split's first table entry, already loaded."""
+    scale_base = BLOCK_SIZE * ROW_BYTES  # the page's scales follow its key rows
+    if BLOCK_SIZE % BLOCK_K == 0:
+        # A tile lies in one page: one block-table entry per tile, loaded a tile ahead (its latency hides
+        # under this tile's wait and copies).
+        if EARLY_TABLE:
+            next_page = first_page
+        else:
+            next_page = gl.load(table_row + split_start // BLOCK_SIZE, mask=split_start < read_end, other=0)
+        for tile in range(num_fills):
+            stage = (first_use + tile) % NUM_STAGES
+            tile_start = split_start + tile * BLOCK_K
+            page_start = next_page.to(gl.int64) * page_units * COPY_ALIGN
+            ahead = tile_start + BLOCK_K
+            next_page = gl.load(table_row + ahead // BLOCK_SIZE, mask=ahead < read_end, other=0)
+            # A fresh barrier has completed no phase; waiting on parity 1 passes, so the first round is free.
+            mbarrier.wait(empty.index(stage), (((first_use + tile) // NUM_STAGES) & 1) ^ 1)
+            slot = tile_start % BLOCK_SIZE + key  # [BLOCK_K]
+            key_ptrs = values_ptr + page_start + slot[:, None] * ROW_BYTES + column[None, :]
+            scale_slot = tile_start % BLOCK_SIZE + scale_key
+            scale_ptrs = (cache_ptr + page_start + scale_base + scale_slot * 4).to(gl.pointer_type(scale_ring.dtype))
+            if COPY_ALIGN == 4:  # the cache guarantees 4-byte alignment; the compiler cannot see it
+                key_ptrs = gl.multiple_of(key_ptrs, [4, 4])
+                scale_ptrs = gl.multiple_of(scale_ptrs, [4])
+            async_copy.async_copy_global_to_shared(key_ring.index(stage), key_ptrs,
+                                                   mask=(tile_start + key < read_end)[:, None])
+            async_copy.async_copy_global_to_shared(scale_ring.index(stage), scale_ptrs,
+                                                   mask=tile_start + scale_key < read_end)
+            async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
+    else:
+        for tile in range(num_fills):
+            stage = (first_use + tile) % NUM_STAGES
+            positions = split_start + tile * BLOCK_K + key  # [BLOCK_K]
+            live = positions < read_end
+            page = gl.load(table_row + positions.to(gl.uint32) // BLOCK_SIZE, mask=live, other=0)
+            scale_positions = split_start + tile * BLOCK_K + scale_key
+            scale_live = scale_positions < read_end
+            scale_page = gl.load(table_row + scale_positions.to(gl.uint32) // BLOCK_SIZE, mask=scale_live, other=0)
+            mbarrier.wait(empty.index(stage), (((first_use + tile) // NUM_STAGES) & 1) ^ 1)
+            slot = (positions.to(gl.uint32) % BLOCK_SIZE).to(gl.int32)
+            key_rows = values_ptr + page.to(gl.int64) * page_units * COPY_ALIGN + slot * ROW_BYTES  # [BLOCK_K]
+            key_ptrs = key_rows[:, None] + column[None, :]
+            scale_slot = (scale_positions.to(gl.uint32) % BLOCK_SIZE).to(gl.int32)
+            scale_bytes = scale_page.to(gl.int64) * page_units * COPY_ALIGN + scale_base + scale_slot * 4
+            scale_ptrs = (cache_ptr + scale_bytes).to(gl.pointer_type(scale_ring.dtype))
+            if COPY_ALIGN == 4:
+                key_ptrs = gl.multiple_of(key_ptrs, [4, 4])
+                scale_ptrs = gl.multiple_of(scale_ptrs, [4])
+            async_copy.async_copy_global_to_shared(key_ring.index(stage), key_ptrs, mask=live[:, None])
+            async_copy.async_copy_global_to_shared(scale_ring.index(stage), scale_ptrs, mask=scale_live)
+            async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
+
+
+@gluon.jit
 def _producer(q_ptr, stride_qb, stride_qt, stride_qh, values_ptr, cache_ptr, page_units, table_ptr, stride_tb,
               table_columns, lens_ptr, stride_lb, stride_lt, key_ring, scale_ring, query_ring, ready, empty,
               query_ready, query_empty,
@@ -147,11 +211,10 @@ def _producer(q_ptr, stride_qb, stride_qt, stride_qh, values_ptr, cache_ptr, pag
               COPY_ALIGN: gl.constexpr, COPY_LAYOUT: gl.constexpr, SCALE_LAYOUT: gl.constexpr,
               EARLY_TABLE: gl.constexpr):
     """Per work item of this program: the group's queries ``[ROWS, BLOCK_H, DIM]`` into a query slot, then
-    per tile ``[BLOCK_K, DIM]`` keys and ``[BLOCK_K]`` scales into the ring (positions ``>= read_end`` are
-    zero-filled). The ring's use count runs on across work items, so the next item's first tiles load
-    while the consumer still works on this one. Pages start every ``page_units * COPY_ALIGN`` bytes, and the
-    cache is ``COPY_ALIGN``-byte aligned: the copies move ``COPY_ALIGN`` bytes (16 or 4) each. ``EARLY_TABLE``
-    (pages a multiple of a tile only): an item's first table entry is read before its lengths."""
+    per tile ``[BLOCK_K, DIM]`` keys and ``[BLOCK_K]`` scales into the ring (``_fill_tiles``). The ring's use
+    count runs on across work items, so the next item's first tiles load while the consumer still works on
+    this one. ``EARLY_TABLE`` (pages a multiple of a tile only): an item's first table entry is read before
+    its lengths."""
     head = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, COPY_LAYOUT))
     dim = gl.arange(0, DIM, layout=gl.SliceLayout(0, COPY_LAYOUT))
     key = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, COPY_LAYOUT))
@@ -166,6 +229,8 @@ def _producer(q_ptr, stride_qb, stride_qt, stride_qh, values_ptr, cache_ptr, pag
             first_column = (work // num_groups % num_splits) * (TILES * BLOCK_K) // BLOCK_SIZE
             first_page = gl.load(table_ptr + (work // num_groups // num_splits).to(gl.int64) * stride_tb + first_column,
                                  mask=first_column < table_columns, other=0)
+        else:
+            first_page = 0  # unused: the first entry is read after the lengths
         request, t0, _, _, split_start, _, read_end, num_tiles = _work_item(
             lens_ptr, stride_lb, stride_lt, work, next_n, one_d, max_context_len, num_splits, num_groups, ROWS, TILES)
         table_row = table_ptr + request.to(gl.int64) * stride_tb
@@ -179,56 +244,9 @@ def _producer(q_ptr, stride_qb, stride_qt, stride_qh, values_ptr, cache_ptr, pag
                                                    query_rows[:, None] + dim[None, :],
                                                    mask=((head < HEADS) & (t < next_n))[:, None])
         async_copy.mbarrier_arrive(query_ready.index(query_slot), increment_count=False)
-        if BLOCK_SIZE % BLOCK_K == 0:
-            # A tile lies in one page: one block-table entry per tile, loaded a tile ahead (its latency hides
-            # under this tile's wait and copies).
-            if EARLY_TABLE:
-                next_page = first_page
-            else:
-                next_page = gl.load(table_row + split_start // BLOCK_SIZE, mask=split_start < read_end, other=0)
-            for tile in range(num_tiles):
-                stage = (uses + tile) % NUM_STAGES
-                tile_start = split_start + tile * BLOCK_K
-                page_start = next_page.to(gl.int64) * page_units * COPY_ALIGN
-                ahead = tile_start + BLOCK_K
-                next_page = gl.load(table_row + ahead // BLOCK_SIZE, mask=ahead < read_end, other=0)
-                mbarrier.wait(empty.index(stage), (((uses + tile) // NUM_STAGES) & 1) ^ 1)
-                slot = tile_start % BLOCK_SIZE + key  # [BLOCK_K]
-                key_ptrs = values_ptr + page_start + slot[:, None] * DIM + dim[None, :]
-                scale_slot = tile_start % BLOCK_SIZE + scale_key
-                scale_ptrs = (cache_ptr + page_start + BLOCK_SIZE * DIM + scale_slot * 4).to(
-                    gl.pointer_type(gl.float32))
-                if COPY_ALIGN == 4:  # the cache guarantees 4-byte alignment; the compiler cannot see it
-                    key_ptrs = gl.multiple_of(key_ptrs, [4, 4])
-                    scale_ptrs = gl.multiple_of(scale_ptrs, [4])
-                async_copy.async_copy_global_to_shared(key_ring.index(stage), key_ptrs,
-                                                       mask=(tile_start + key < read_end)[:, None])
-                async_copy.async_copy_global_to_shared(scale_ring.index(stage), scale_ptrs,
-                                                       mask=tile_start + scale_key < read_end)
-                async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
-        else:
-            for tile in range(num_tiles):
-                stage = (uses + tile) % NUM_STAGES
-                positions = split_start + tile * BLOCK_K + key  # [BLOCK_K]
-                live = positions < read_end
-                page = gl.load(table_row + positions.to(gl.uint32) // BLOCK_SIZE, mask=live, other=0)
-                scale_positions = split_start + tile * BLOCK_K + scale_key
-                scale_live = scale_positions < read_end
-                scale_page = gl.load(table_row + scale_positions.to(gl.uint32) // BLOCK_SIZE, mask=scale_live,
-                                     other=0)
-                mbarrier.wait(empty.index(stage), (((uses + tile) // NUM_STAGES) & 1) ^ 1)
-                slot = (positions.to(gl.uint32) % BLOCK_SIZE).to(gl.int32)
-                key_rows = values_ptr + page.to(gl.int64) * page_units * COPY_ALIGN + slot * DIM  # [BLOCK_K]
-                key_ptrs = key_rows[:, None] + dim[None, :]
-                scale_slot = (scale_positions.to(gl.uint32) % BLOCK_SIZE).to(gl.int32)
-                scale_bytes = scale_page.to(gl.int64) * page_units * COPY_ALIGN + BLOCK_SIZE * DIM + scale_slot * 4
-                scale_ptrs = (cache_ptr + scale_bytes).to(gl.pointer_type(gl.float32))
-                if COPY_ALIGN == 4:
-                    key_ptrs = gl.multiple_of(key_ptrs, [4, 4])
-                    scale_ptrs = gl.multiple_of(scale_ptrs, [4])
-                async_copy.async_copy_global_to_shared(key_ring.index(stage), key_ptrs, mask=live[:, None])
-                async_copy.async_copy_global_to_shared(scale_ring.index(stage), scale_ptrs, mask=scale_live)
-                async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
+        _fill_tiles(values_ptr, cache_ptr, page_units, table_row, key_ring, scale_ring, ready, empty, split_start,
+                    read_end, uses, num_tiles, first_page, key, dim, scale_key, DIM, BLOCK_SIZE, NUM_STAGES, COPY_ALIGN,
+                    EARLY_TABLE)
         uses += num_tiles
         done += 1
 
@@ -242,6 +260,41 @@ def _store_row(acc, half_w, key_mul, out_row, positions, live, length, present, 
         gl.store(out_row + positions, gl.where(inside, logits, float("-inf")), mask=live & present)
     else:
         gl.store(out_row + positions, logits, mask=live & inside)
+
+
+@gluon.jit
+def _row_outputs(w_ptr, stride_wr, stride_wh, out_ptr, stride_or, request, t0, next_n, head, HEADS: gl.constexpr,
+                 ROWS: gl.constexpr):
+    """For draft rows ``t0`` and ``t0 + 1`` of ``request``: whether each is present (``< next_n``), its
+    ``[BLOCK_H]`` weights halved (``head``: the arange over heads in the accumulator's column layout; 0 for
+    absent heads and rows) and its output row pointer. With ``ROWS = 1`` row 1's entries repeat row 0's."""
+    first_row = request.to(gl.int64) * next_n + t0
+    present0 = t0 < next_n
+    present1 = t0 + 1 < next_n
+    half_w0 = gl.load(w_ptr + first_row * stride_wr + head * stride_wh, mask=(head < HEADS) & present0,
+                      other=0.0) * 0.5  # [BLOCK_H]
+    out_row0 = out_ptr + first_row * stride_or
+    if ROWS == 2:
+        half_w1 = gl.load(w_ptr + (first_row + 1) * stride_wr + head * stride_wh, mask=(head < HEADS) & present1,
+                          other=0.0) * 0.5
+        out_row1 = out_row0 + stride_or
+    else:
+        half_w1 = half_w0
+        out_row1 = out_row0
+    return present0, present1, half_w0, half_w1, out_row0, out_row1
+
+
+@gluon.jit
+def _store_tail(out_row0, out_row1, present0, present1, split_start, split_end, read_end, key, ROWS: gl.constexpr,
+                CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr):
+    """``-inf`` at the split's positions past what was read (``[max(split_start, read_end), split_end)``),
+    in 64-key blocks ``CONSUMER, CONSUMER + CONSUMERS, ...`` of it (``key``: arange over ``BLOCK_K``)."""
+    masked = gl.full([BLOCK_K], float("-inf"), gl.float32, layout=key.type.layout)
+    for first in range(gl.maximum(split_start, read_end) + CONSUMER * BLOCK_K, split_end, CONSUMERS * BLOCK_K):
+        positions = first + key
+        gl.store(out_row0 + positions, masked, mask=(positions < split_end) & present0)
+        if ROWS == 2:
+            gl.store(out_row1 + positions, masked, mask=(positions < split_end) & present1)
 
 
 @gluon.jit
@@ -266,16 +319,8 @@ def _consumer(w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_
     for work in range(gl.program_id(0), num_works, gl.num_programs(0)):
         request, t0, length0, length1, split_start, split_end, read_end, num_tiles = _work_item(
             lens_ptr, stride_lb, stride_lt, work, next_n, one_d, max_context_len, num_splits, num_groups, ROWS, TILES)
-        first_row = request.to(gl.int64) * next_n + t0
-        present0 = t0 < next_n
-        present1 = t0 + 1 < next_n
-        half_w0 = gl.load(w_ptr + first_row * stride_wr + head * stride_wh, mask=(head < HEADS) & present0,
-                          other=0.0) * 0.5  # [BLOCK_H]
-        out_row0 = out_ptr + first_row * stride_or
-        if ROWS == 2:
-            half_w1 = gl.load(w_ptr + (first_row + 1) * stride_wr + head * stride_wh,
-                              mask=(head < HEADS) & present1, other=0.0) * 0.5
-            out_row1 = out_row0 + stride_or
+        present0, present1, half_w0, half_w1, out_row0, out_row1 = _row_outputs(
+            w_ptr, stride_wr, stride_wh, out_ptr, stride_or, request, t0, next_n, head, HEADS, ROWS)
         query_slot = done % QUERY_SLOTS
         mbarrier.wait(query_ready.index(query_slot), (done // QUERY_SLOTS) & 1)
         if CONSUMERS == 1:
@@ -313,12 +358,8 @@ def _consumer(w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_
         gl.thread_barrier()
         mbarrier.arrive(query_empty.index(query_slot), count=1)
         if CLEAN:
-            masked = gl.full([BLOCK_K], float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma_layout))
-            for first in range(gl.maximum(split_start, read_end) + CONSUMER * BLOCK_K, split_end, CONSUMERS * BLOCK_K):
-                positions = first + key
-                gl.store(out_row0 + positions, masked, mask=(positions < split_end) & present0)
-                if ROWS == 2:
-                    gl.store(out_row1 + positions, masked, mask=(positions < split_end) & present1)
+            _store_tail(out_row0, out_row1, present0, present1, split_start, split_end, read_end, key, ROWS, CONSUMER,
+                        CONSUMERS)
         uses += num_tiles
         done += 1
 
@@ -434,6 +475,34 @@ def gluon_decode_config(batch: int, next_n: int, max_context_len: int) -> tuple:
     return GLUON_DECODE_CONFIG if batch * max_context_len >= GLUON_LARGE_KEYS else GLUON_DECODE_CONFIG_SMALL
 
 
+def _nothing_to_read(cache: IndexerKCache, block_table: torch.Tensor, batch: int, max_context_len: int, clean: bool,
+                     out: torch.Tensor) -> bool:
+    """Whether a call reads no key (no rows or positions, an empty cache or table), shared by the FP8 and
+    MXFP4 launchers; with an empty cache or table and ``clean`` it fills ``out`` with ``-inf`` here."""
+    if batch == 0 or max_context_len == 0:
+        return True
+    if cache.num_blocks == 0 or block_table.shape[1] == 0:
+        if clean:
+            out.fill_(float("-inf"))
+        return True
+    return False
+
+
+def _launch_shape(q: torch.Tensor, cache: IndexerKCache, max_context_len: int, config: tuple) -> tuple:
+    """(draft rows per work item: 1 or 2, row groups, splits per row group, key tiles per split, copy width
+    in bytes) of a call, shared by the FP8 and MXFP4 launchers; ``config`` fields 1-4 as in
+    ``GLUON_DECODE_CONFIG`` (work items per SM aimed at, tiles per split min/max, draft rows at most)."""
+    batch, next_n = q.shape[:2]
+    per_sm, lo, hi, max_rows = config[1:5]
+    rows = 1 if min(next_n, max_rows) == 1 else 2
+    num_groups = triton.cdiv(next_n, rows)
+    key_tiles = triton.cdiv(max_context_len, BLOCK_K)
+    tiles = _split_tiles(batch * num_groups, key_tiles, q.device, per_sm, lo, hi)
+    # 16-byte copies when the cache allows them; the cache guarantees 4-byte alignment (cp.async's minimum).
+    copy_align = 16 if cache.buffer.data_ptr() % 16 == 0 and cache.page_stride % 16 == 0 else 4
+    return rows, num_groups, triton.cdiv(key_tiles, tiles), tiles, copy_align
+
+
 def paged_mqa_logits_gluon(
     q: torch.Tensor,
     q_scale: torch.Tensor | None,
@@ -454,26 +523,17 @@ def paged_mqa_logits_gluon(
         raise ValueError(f"the Gluon decode kernel takes FP8 caches only, got fmt {cache.fmt!r}")
     batch, next_n = q.shape[:2]
     heads = weights.shape[1]
-    if batch == 0 or max_context_len == 0:
-        return out
-    if cache.num_blocks == 0 or block_table.shape[1] == 0:
-        if clean:
-            out.fill_(float("-inf"))
+    if _nothing_to_read(cache, block_table, batch, max_context_len, clean, out):
         return out
     config = config or gluon_decode_config(batch, next_n, max_context_len)
-    per_sm, lo, hi, max_rows, maxnreg = config[1], config[2], config[3], config[4], config[7]
+    maxnreg = config[7]
     persistent_per_sm = config[8] if len(config) > 8 else 0
-    rows = 1 if min(next_n, max_rows) == 1 else 2
-    num_groups = triton.cdiv(next_n, rows)
-    key_tiles = triton.cdiv(max_context_len, BLOCK_K)
-    tiles = _split_tiles(batch * num_groups, key_tiles, q.device, per_sm, lo, hi)
-    num_works = batch * num_groups * triton.cdiv(key_tiles, tiles)
+    rows, num_groups, num_splits, tiles, copy_align = _launch_shape(q, cache, max_context_len, config)
+    num_works = batch * num_groups * num_splits
     programs = num_works
     if persistent_per_sm:
         programs = min(num_works, persistent_per_sm * _num_sms(_device_index(q.device)))
     buffer = cache.buffer
-    # 16-byte copies when the cache allows them; the cache guarantees 4-byte alignment (cp.async's minimum).
-    copy_align = 16 if buffer.data_ptr() % 16 == 0 and cache.page_stride % 16 == 0 else 4
     constants = kernel_constants(heads, cache.head_dim, cache.block_size, rows, tiles, clean, copy_align, config,
                                  query_slots=1 if programs == num_works else 2)
     q_values = q
@@ -487,7 +547,7 @@ def paged_mqa_logits_gluon(
         context_lens, context_lens.stride(0), 0 if one_d else context_lens.stride(1),
         block_table, block_table.stride(0), block_table.shape[1],
         out, out.stride(0),
-        next_n, int(one_d), max_context_len, triton.cdiv(key_tiles, tiles), num_groups, num_works,
+        next_n, int(one_d), max_context_len, num_splits, num_groups, num_works,
         **constants, num_warps=4, maxnreg=maxnreg,
     )
     return out

@@ -40,7 +40,6 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    async_copy,
     fence_async_shared,
     mbarrier,
     warpgroup_mma,
@@ -49,8 +48,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ...cache import IndexerKCache
 from ...formats import FP8_DTYPE
-from .gluon_decode import _row_length, _store_row
-from .triton import _E2M1_EXPAND_ASM, _E4M3_TABLE_ASM, _mxfp4_rows, _split_tiles
+from .gluon_decode import (
+    _fill_tiles,
+    _launch_shape,
+    _nothing_to_read,
+    _row_outputs,
+    _store_row,
+    _store_tail,
+    _work_item,
+)
+from .triton import _E2M1_EXPAND_ASM, _E4M3_TABLE_ASM, _mxfp4_rows
 
 __all__ = ["paged_mqa_logits_gluon_mxfp4", "gluon_mxfp4_decode_preferred", "GLUON_MXFP4_DECODE_CONFIG"]
 
@@ -76,58 +83,13 @@ def _producer(values_ptr, cache_ptr, page_units, table_row, key_ring, scale_ring
               BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr, COPY_ALIGN: gl.constexpr,
               COPY_LAYOUT: gl.constexpr, SCALE_LAYOUT: gl.constexpr):
     """Per tile ``[BLOCK_K, D/2]`` packed bytes and ``[BLOCK_K]`` scale words into the ring, ``num_fills``
-    tiles (positions ``>= read_end`` are zero-filled: code 0 in a block of exponent 0 expands to +0). Pages start every
-    ``page_units * COPY_ALIGN`` bytes and the cache is ``COPY_ALIGN``-byte aligned: the copies move
-    ``COPY_ALIGN`` bytes (16 or 4) each."""
+    tiles (``_fill_tiles``; positions ``>= read_end`` are zero-filled: code 0 in a block of exponent 0
+    expands to +0)."""
     key = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, COPY_LAYOUT))
     byte = gl.arange(0, DIM // 2, layout=gl.SliceLayout(0, COPY_LAYOUT))
     scale_key = gl.arange(0, BLOCK_K, layout=SCALE_LAYOUT)
-    scale_base = BLOCK_SIZE * (DIM // 2)  # the page's scale words follow its packed bytes
-    if BLOCK_SIZE % BLOCK_K == 0:
-        # A tile lies in one page: one block-table entry per tile, loaded a tile ahead.
-        next_page = gl.load(table_row + split_start // BLOCK_SIZE, mask=split_start < read_end, other=0)
-        for tile in range(num_fills):
-            stage = tile % NUM_STAGES
-            tile_start = split_start + tile * BLOCK_K
-            page_start = next_page.to(gl.int64) * page_units * COPY_ALIGN
-            ahead = tile_start + BLOCK_K
-            next_page = gl.load(table_row + ahead // BLOCK_SIZE, mask=ahead < read_end, other=0)
-            # A fresh barrier has completed no phase; waiting on parity 1 passes, so the first round is free.
-            mbarrier.wait(empty.index(stage), ((tile // NUM_STAGES) & 1) ^ 1)
-            slot = tile_start % BLOCK_SIZE + key  # [BLOCK_K]
-            key_ptrs = values_ptr + page_start + slot[:, None] * (DIM // 2) + byte[None, :]
-            scale_slot = tile_start % BLOCK_SIZE + scale_key
-            scale_ptrs = (cache_ptr + page_start + scale_base + scale_slot * 4).to(gl.pointer_type(gl.int32))
-            if COPY_ALIGN == 4:  # the cache guarantees 4-byte alignment; the compiler cannot see it
-                key_ptrs = gl.multiple_of(key_ptrs, [4, 4])
-                scale_ptrs = gl.multiple_of(scale_ptrs, [4])
-            async_copy.async_copy_global_to_shared(key_ring.index(stage), key_ptrs,
-                                                   mask=(tile_start + key < read_end)[:, None])
-            async_copy.async_copy_global_to_shared(scale_ring.index(stage), scale_ptrs,
-                                                   mask=tile_start + scale_key < read_end)
-            async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
-    else:
-        for tile in range(num_fills):
-            stage = tile % NUM_STAGES
-            positions = split_start + tile * BLOCK_K + key  # [BLOCK_K]
-            live = positions < read_end
-            page = gl.load(table_row + positions.to(gl.uint32) // BLOCK_SIZE, mask=live, other=0)
-            scale_positions = split_start + tile * BLOCK_K + scale_key
-            scale_live = scale_positions < read_end
-            scale_page = gl.load(table_row + scale_positions.to(gl.uint32) // BLOCK_SIZE, mask=scale_live, other=0)
-            mbarrier.wait(empty.index(stage), ((tile // NUM_STAGES) & 1) ^ 1)
-            slot = (positions.to(gl.uint32) % BLOCK_SIZE).to(gl.int32)
-            key_rows = values_ptr + page.to(gl.int64) * page_units * COPY_ALIGN + slot * (DIM // 2)  # [BLOCK_K]
-            key_ptrs = key_rows[:, None] + byte[None, :]
-            scale_slot = (scale_positions.to(gl.uint32) % BLOCK_SIZE).to(gl.int32)
-            scale_bytes = scale_page.to(gl.int64) * page_units * COPY_ALIGN + scale_base + scale_slot * 4
-            scale_ptrs = (cache_ptr + scale_bytes).to(gl.pointer_type(gl.int32))
-            if COPY_ALIGN == 4:
-                key_ptrs = gl.multiple_of(key_ptrs, [4, 4])
-                scale_ptrs = gl.multiple_of(scale_ptrs, [4])
-            async_copy.async_copy_global_to_shared(key_ring.index(stage), key_ptrs, mask=live[:, None])
-            async_copy.async_copy_global_to_shared(scale_ring.index(stage), scale_ptrs, mask=scale_live)
-            async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
+    _fill_tiles(values_ptr, cache_ptr, page_units, table_row, key_ring, scale_ring, ready, empty, split_start, read_end,
+                0, num_fills, 0, key, byte, scale_key, DIM // 2, BLOCK_SIZE, NUM_STAGES, COPY_ALIGN, False)
 
 
 @gluon.jit
@@ -208,16 +170,8 @@ def _consumer(q_ptr, stride_qb, stride_qt, stride_qh, w_ptr, stride_wr, stride_w
     gl.thread_barrier()
     head = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, mma_layout))
     key = gl.arange(0, BLOCK_K, layout=row_layout)
-    first_row = request.to(gl.int64) * next_n + t0
-    present0 = t0 < next_n
-    present1 = t0 + 1 < next_n
-    half_w0 = gl.load(w_ptr + first_row * stride_wr + head * stride_wh, mask=(head < HEADS) & present0,
-                      other=0.0) * 0.5  # [BLOCK_H]
-    out_row0 = out_ptr + first_row * stride_or
-    if ROWS == 2:
-        half_w1 = gl.load(w_ptr + (first_row + 1) * stride_wr + head * stride_wh, mask=(head < HEADS) & present1,
-                          other=0.0) * 0.5
-        out_row1 = out_row0 + stride_or
+    present0, present1, half_w0, half_w1, out_row0, out_row1 = _row_outputs(
+        w_ptr, stride_wr, stride_wh, out_ptr, stride_or, request, t0, next_n, head, HEADS, ROWS)
     zero = gl.zeros([BLOCK_K, BLOCK_H], gl.float32, layout=mma_layout)
     if AHEAD:
         # One row, epilogue one tile behind: tile i + 1 is expanded while tile i's wgmma runs, and tile i's
@@ -264,12 +218,7 @@ def _consumer(q_ptr, stride_qb, stride_qt, stride_qh, w_ptr, stride_wr, stride_w
                 acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, ))
                 _store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
     if CLEAN:
-        masked = gl.full([BLOCK_K], float("-inf"), gl.float32, layout=row_layout)
-        for first in range(gl.maximum(split_start, read_end), split_end, BLOCK_K):
-            positions = first + key
-            gl.store(out_row0 + positions, masked, mask=(positions < split_end) & present0)
-            if ROWS == 2:
-                gl.store(out_row1 + positions, masked, mask=(positions < split_end) & present1)
+        _store_tail(out_row0, out_row1, present0, present1, split_start, split_end, read_end, key, ROWS, 0, 1)
 
 
 @gluon.jit(do_not_specialize=["next_n", "one_d", "max_context_len", "num_splits", "num_groups"])
@@ -289,21 +238,9 @@ def _paged_mqa_logits_mxfp4_ws_kernel(
 ):
     """Draft rows ``[t0, t0 + ROWS)`` of one request over one split of ``TILES * BLOCK_K`` positions
     (program ids: request, split, row group fastest, as in the Triton kernel)."""
-    pid = gl.program_id(0)
-    request_split = pid // num_groups
-    split = request_split % num_splits
-    request = request_split // num_splits
-    t0 = (pid % num_groups) * ROWS
-    length0 = _row_length(lens_ptr, stride_lb, stride_lt, request, t0, next_n, one_d)
-    length1 = _row_length(lens_ptr, stride_lb, stride_lt, request, t0 + 1, next_n, one_d)
-    if ROWS == 2:
-        extent = gl.maximum(length0, length1)
-    else:
-        extent = length0
-    split_start = split * (TILES * BLOCK_K)
-    split_end = gl.minimum(split_start + TILES * BLOCK_K, max_context_len)
-    read_end = gl.minimum(split_end, extent)
-    num_tiles = (gl.maximum(read_end - split_start, 0) + BLOCK_K - 1) // BLOCK_K
+    request, t0, length0, length1, split_start, split_end, read_end, num_tiles = _work_item(
+        lens_ptr, stride_lb, stride_lt, gl.program_id(0), next_n, one_d, max_context_len, num_splits, num_groups, ROWS,
+        TILES)
     table_row = table_ptr + request.to(gl.int64) * stride_tb
 
     key_ring = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, BLOCK_K, DIM // 2],
@@ -388,24 +325,14 @@ def paged_mqa_logits_gluon_mxfp4(
         raise ValueError(f"the Gluon MXFP4 decode kernel needs head_dim {DIM.value}, got {cache.head_dim}")
     batch, next_n = q.shape[:2]
     heads = weights.shape[1]
-    if batch == 0 or max_context_len == 0:
-        return out
-    if cache.num_blocks == 0 or block_table.shape[1] == 0:
-        if clean:
-            out.fill_(float("-inf"))
+    if _nothing_to_read(cache, block_table, batch, max_context_len, clean, out):
         return out
     q_values, q_mul = _mxfp4_rows(q, q_scale, FP8_DTYPE)  # [B, next_n, H, D] de-interleaved e4m3
     w = weights * q_mul.view(batch * next_n, heads)
     config = config or (GLUON_MXFP4_DECODE_CONFIG_ONE_ROW if next_n == 1 else GLUON_MXFP4_DECODE_CONFIG)
-    _, per_sm, lo, hi, max_rows, _, _, maxnreg, _ = config
-    rows = 1 if min(next_n, max_rows) == 1 else 2
-    num_groups = triton.cdiv(next_n, rows)
-    key_tiles = triton.cdiv(max_context_len, BLOCK_K)
-    tiles = _split_tiles(batch * num_groups, key_tiles, q.device, per_sm, lo, hi)
-    num_splits = triton.cdiv(key_tiles, tiles)
+    maxnreg = config[7]
+    rows, num_groups, num_splits, tiles, copy_align = _launch_shape(q, cache, max_context_len, config)
     buffer = cache.buffer
-    # 16-byte copies when the cache allows them; the cache guarantees 4-byte alignment (cp.async's minimum).
-    copy_align = 16 if buffer.data_ptr() % 16 == 0 and cache.page_stride % 16 == 0 else 4
     constants = kernel_constants(heads, cache.block_size, rows, tiles, clean, copy_align, config)
     one_d = context_lens.dim() == 1
     _paged_mqa_logits_mxfp4_ws_kernel[(batch * num_groups * num_splits,)](
