@@ -16,13 +16,16 @@ import pytest
 import torch
 
 from dsa_indexer import backend
+from dsa_indexer.ops.logits import _gluon_available
 from dsa_indexer.testing import calc_diff
 from test_logits_kernel import FORCE_UPCAST_ENV, NEG_INF, POISON, TIER, DecodeInputs, decode_inputs, run_decode
 
-try:
+if _gluon_available():
+    from dsa_indexer.ops.logits import gluon_decode, gluon_decode_mxfp4
     from dsa_indexer.ops.logits.gluon_decode import GLUON_SWEEP_CONFIGS
-except ImportError:  # a Triton without Gluon: the GPU tests skip, the dispatch takes Triton
+else:  # a Triton without Gluon: these tests skip, the dispatch takes Triton
     GLUON_SWEEP_CONFIGS = {}
+needs_gluon = pytest.mark.skipif(not _gluon_available(), reason="this Triton has no Gluon (triton.experimental.gluon)")
 
 _HOPPER = (not backend.interpreter_enabled() and torch.cuda.is_available()
            and torch.cuda.get_device_capability()[0] == 9)
@@ -220,9 +223,9 @@ def test_gluon_decode_ping_pong_replays_in_a_cuda_graph_gpu(kernel_device, varia
     assert calc_diff(out, run_decode(inputs, "reference", True, 0)) < TIER
 
 
+@needs_gluon
 def test_gluon_decode_ping_pong_config_is_checked():
     """Ping-pong configurations need an even stage count and the second consumer's registers."""
-    gluon_decode = pytest.importorskip("dsa_indexer.ops.logits.gluon_decode")
     assert PING_PONG_VARIANTS
     constants = gluon_decode.kernel_constants(64, 128, 64, 2, 16, True, 16, GLUON_SWEEP_CONFIGS["pingpong"])
     assert constants["CONSUMERS"] == 2 and constants["CONSUMER_REGS"] == 208
@@ -254,25 +257,25 @@ def test_gluon_decode_replays_in_a_cuda_graph_with_changed_lengths_gpu(kernel_de
     assert calc_diff(out, run_decode(inputs, "reference", True, 0)) < TIER
 
 
+@needs_gluon
 def test_gluon_decode_rule_by_work_size():
     """FP8: draft rows go to the Gluon kernel from 64K keys, one row from 1M keys (measured crossovers);
     MXFP4 from 1M keys."""
-    gluon_decode = pytest.importorskip("dsa_indexer.ops.logits.gluon_decode")
     preferred = gluon_decode.gluon_decode_preferred
     assert preferred(32, 2, 131072) and preferred(128, 2, 32768) and preferred(1, 2, 131072)
     assert preferred(32, 4, 32768) and not preferred(1, 2, 4096)
     assert preferred(32, 1, 131072) and preferred(128, 1, 32768) and preferred(32, 1, 32768)
     assert not preferred(1, 1, 131072) and not preferred(4, 1, 131072)
-    mxfp4 = pytest.importorskip("dsa_indexer.ops.logits.gluon_decode_mxfp4").gluon_mxfp4_decode_preferred
+    mxfp4 = gluon_decode_mxfp4.gluon_mxfp4_decode_preferred
     assert mxfp4(32, 1, 32768) and mxfp4(32, 2, 32768) and mxfp4(128, 2, 131072)
     assert not mxfp4(1, 1, 131072) and not mxfp4(1, 2, 131072)
 
 
+@needs_gluon
 def test_gluon_decode_config_by_work_size():
     """The FP8 launcher's default configuration: the one-row one at next_n = 1, with draft rows the
     three-programs-per-SM one from 4M keys, the persistent one below; each is one of the swept (and
     tested) configurations. MXFP4: the one-row configuration at next_n = 1."""
-    gluon_decode = pytest.importorskip("dsa_indexer.ops.logits.gluon_decode")
     config = gluon_decode.gluon_decode_config
     for batch, length in [(1, 131072), (32, 32768), (128, 131072)]:
         assert config(batch, 1, length) == gluon_decode.GLUON_DECODE_CONFIG_ONE_ROW == (4, 8, 2, 32, 1, 4, 24, 64, 4)
@@ -284,7 +287,7 @@ def test_gluon_decode_config_by_work_size():
     defaults = {gluon_decode.GLUON_DECODE_CONFIG, gluon_decode.GLUON_DECODE_CONFIG_SMALL,
                 gluon_decode.GLUON_DECODE_CONFIG_ONE_ROW}
     assert defaults <= set(GLUON_SWEEP_CONFIGS.values())
-    mxfp4 = pytest.importorskip("dsa_indexer.ops.logits.gluon_decode_mxfp4")
+    mxfp4 = gluon_decode_mxfp4
     assert mxfp4.GLUON_MXFP4_DECODE_CONFIG_ONE_ROW == (4, 8, 2, 32, 2, 4, 24, 64, 0)
     assert mxfp4.GLUON_MXFP4_DECODE_CONFIG == (4, 8, 2, 32, 2, 4, 40, 80, 0)
 

@@ -46,18 +46,18 @@ def _mqa_logits_triton(*args, **kwargs):
 # or "triton". For tests and benchmarks.
 DECODE_KERNEL_ENV = "DSA_INDEXER_DECODE_KERNEL"
 DECODE_KERNELS = ("auto", "gluon", "triton")
-_GLUON_MODULES = {"fp8": "gluon_decode", "mxfp4": "gluon_decode_mxfp4"}
 
 
 @functools.lru_cache(maxsize=None)
-def _gluon_importable(fmt: str) -> bool:
-    import importlib
+def _gluon_available() -> bool:
+    """Whether this Triton ships Gluon (3.4 and later). Only its absence sends decode to Triton: an import
+    error inside our Gluon modules surfaces instead of silently changing the kernel."""
+    import importlib.util
 
     try:
-        importlib.import_module(f"{__name__}.{_GLUON_MODULES[fmt]}")
-    except ImportError:
+        return importlib.util.find_spec("triton.experimental.gluon") is not None
+    except ModuleNotFoundError:
         return False
-    return True
 
 
 def _gluon_takes_shape(fmt: str, heads: int, head_dim: int) -> bool:
@@ -74,7 +74,7 @@ def decode_kernel(q: torch.Tensor, cache: IndexerKCache, max_context_len: int) -
     """``"gluon"`` or ``"triton"``: the kernel the triton backend runs for this paged decode call.
 
     A Gluon (warp-specialised, wgmma) kernel needs a CUDA GPU of capability 9.x (Hopper's wgmma), e4m3
-    dots (not the upcast path), an importable Gluon and a shape it takes (``_gluon_takes_shape``); under
+    dots (not the upcast path), a Triton with Gluon and a shape it takes (``_gluon_takes_shape``); under
     ``auto`` it also has to win for this work size (host integers only): FP8
     ``gluon_decode.gluon_decode_preferred``, MXFP4 ``gluon_decode_mxfp4.gluon_mxfp4_decode_preferred``.
     ``DSA_INDEXER_DECODE_KERNEL`` forces either (``gluon`` falls back to Triton where no Gluon kernel can
@@ -87,7 +87,7 @@ def decode_kernel(q: torch.Tensor, cache: IndexerKCache, max_context_len: int) -
     from .triton import _capability, _device_index, use_upcast
 
     if (_capability(_device_index(q.device))[0] != 9 or use_upcast(q.device)
-            or not _gluon_takes_shape(cache.fmt, q.shape[2], cache.head_dim) or not _gluon_importable(cache.fmt)):
+            or not _gluon_takes_shape(cache.fmt, q.shape[2], cache.head_dim) or not _gluon_available()):
         return "triton"
     if choice == "gluon":
         return "gluon"
