@@ -145,17 +145,66 @@ def _decode_sweep_plan() -> tuple[dict, list]:
     return configs, cells
 
 
-def sweep_decode(out_path: str | None = None, warm: str | None = None) -> None:
-    """Cold µs of the decode variants of ``_decode_sweep_plan`` (``python -m dsa_indexer.bench.suite_topk
-    sweep_decode [OUT_JSON]``), each checked bitwise against the reference first (probes excepted); a table
-    last, with ``base`` = the committed default (split path below ``row_program_rows``, else row programs).
-    ``warm="i/n"`` only compiles the i-th of n shares of the variants (two rows, both k), to run beside
-    the tests in parallel processes that fill Triton's cache."""
+def _time_variants(label, logits, k, ends, inputs, configs, rep_ms, unchecked=()) -> dict:
+    """Cold µs of ``topk_triton`` under each of ``configs`` (name -> ``TopkConfig``) on ``logits`` (rows ending at
+    ``ends``), each first checked bitwise against the reference (names in ``unchecked`` excepted: timing
+    probes); ``None`` for a variant that fails to build or differs (said in a line)."""
+    from dsa_indexer.ops.topk import triton as kernels
+
+    num_rows = logits.shape[0]
+    expected = reference.topk(logits, k, None, ends, torch.empty((num_rows, k), dtype=torch.int32, device="cuda"))
+    times = {}
+    for name, config in configs.items():
+        out = torch.empty((num_rows, k), dtype=torch.int32, device="cuda")
+        times[name] = None
+        try:
+            got = kernels.topk_triton(logits, k, None, ends, out, config=config)
+            exact = name in unchecked or torch.equal(got, expected)
+        except Exception as error:  # a variant that fails to build must not stop the sweep
+            print(f"{label} {name}: FAILED {error!r}", flush=True)
+            continue
+        if not exact:
+            print(f"{label} {name}: NOT EXACT", flush=True)
+            continue
+        times[name] = _cold_us(lambda x, c=config, o=out: kernels.topk_triton(x, k, None, ends, o, config=c),
+                               inputs, rep_ms)
+    print(f"{label}: " + "  ".join(f"{n} {'-' if t is None else f'{t:.1f}'}" for n, t in times.items()), flush=True)
+    return times
+
+
+def _save_records(records: list[dict], out_path: str | None) -> None:
     import json
 
+    if out_path:
+        Path(out_path).write_text(json.dumps({"environment": harness.environment(), "records": records}, indent=1))
+
+
+def _report_sweep(records: list[dict], names: list[str], kernel_names: list[str], out_path: str | None) -> None:
+    """Write ``records`` (when ``out_path``), print the compiled kernels' registers and the markdown table."""
+    from dsa_indexer.ops.topk import triton as kernels
+
+    _save_records(records, out_path)
+    for name in kernel_names:
+        for cache in getattr(kernels, name).device_caches.values():
+            for compiled in cache[0].values():
+                print(f"{name}: warps={compiled.metadata.num_warps} regs={compiled.n_regs} spills={compiled.n_spills}")
+    print("\n| shape | " + " | ".join(names) + " |")
+    print("| --- |" + " ---: |" * len(names))
+    for record in records:
+        cells = [record["us"].get(n) for n in names]
+        print(f"| {record['shape']} | " + " | ".join("" if c is None else f"{c:.1f}" for c in cells) + " |")
+
+
+def sweep_decode(out_path: str | None = None, warm: str | None = None) -> None:
+    """Cold µs of the decode variants of ``_decode_sweep_plan`` (``python -m dsa_indexer.bench.suite_topk
+    sweep_decode [OUT_JSON]``) and of ``base`` (the committed default) on every cell, each checked bitwise
+    against the reference first (probes excepted); a table last. ``warm="i/n"`` only compiles the i-th of n
+    shares of the variants (two rows, both k), to run beside the tests in parallel processes that fill
+    Triton's cache."""
     from dsa_indexer.ops.topk import triton as kernels
 
     configs, cells = _decode_sweep_plan()
+    configs = {"base": kernels.DEFAULT_CONFIG, **configs}
     if warm is not None:
         share, shares = (int(x) for x in warm.split("/"))
         logits, lengths = _decode_rows("random", 2)
@@ -175,44 +224,13 @@ def sweep_decode(out_path: str | None = None, warm: str | None = None) -> None:
             copies = max(2, -(-ROTATION_BYTES // logits.numel() // 4))
             loaded[(data, num_rows)] = (logits, lengths, [logits] + [logits.clone() for _ in range(copies - 1)])
         logits, lengths, inputs = loaded[(data, num_rows)]
-        expected = reference.topk(logits, k, None, lengths, torch.empty((num_rows, k), dtype=torch.int32,
-                                                                          device="cuda"))
-        times = {}
-        for name in names:
-            config = configs[name]
-            out = torch.empty((num_rows, k), dtype=torch.int32, device="cuda")
-            times[name] = None
-            try:
-                got = kernels.topk_triton(logits, k, None, lengths, out, config=config)
-                exact = name.startswith("probe") or torch.equal(got, expected)
-            except Exception as error:  # a variant that fails to build must not stop the sweep
-                print(f"{data} R={num_rows} k={k} {name}: FAILED {error!r}", flush=True)
-                continue
-            if not exact:
-                print(f"{data} R={num_rows} k={k} {name}: NOT EXACT", flush=True)
-                continue
-            times[name] = _cold_us(lambda x, c=config, o=out: kernels.topk_triton(x, k, None, lengths, o, config=c),
-                                   inputs, 5)
-        default = kernels.DEFAULT_CONFIG
-        if num_rows < default.row_program_rows:
-            times["base"] = times.get("split")
-        else:
-            times["base"] = times.get("pieces_w8_t4k" if num_rows <= default.pieces_max_rows else "rows")
         label = f"{data} R={num_rows} k={k}"
-        print(f"{label}: " + "  ".join(f"{n} {'-' if t is None else f'{t:.1f}'}" for n, t in times.items()), flush=True)
-        records.append({"shape": label, "us": times})
-        if out_path:  # after every shape, so that a run stopped at its time limit keeps what it measured
-            Path(out_path).write_text(json.dumps({"environment": harness.environment(), "records": records}, indent=1))
-    for name in ("_row_program_kernel", "_row_pieces_kernel"):
-        for cache in getattr(kernels, name).device_caches.values():
-            for compiled in cache[0].values():
-                print(f"{name}: warps={compiled.metadata.num_warps} regs={compiled.n_regs} spills={compiled.n_spills}")
-    names = ["base"] + list(configs)
-    print("\n| shape | " + " | ".join(names) + " |")
-    print("| --- |" + " ---: |" * len(names))
-    for record in records:
-        cells_us = [record["us"].get(n) for n in names]
-        print(f"| {record['shape']} | " + " | ".join("" if c is None else f"{c:.1f}" for c in cells_us) + " |")
+        cell_configs = {name: configs[name] for name in ["base", *names]}
+        unchecked = [name for name in names if name.startswith("probe")]
+        records.append({"shape": label, "us": _time_variants(label, logits, k, lengths, inputs, cell_configs, 5,
+                                                             unchecked)})
+        _save_records(records, out_path)  # after every shape: a run stopped at its time limit keeps what it measured
+    _report_sweep(records, list(configs), ["_row_program_kernel", "_row_pieces_kernel"], out_path)
 
 
 def _prefill_row_configs() -> dict:
@@ -220,12 +238,12 @@ def _prefill_row_configs() -> dict:
     tile, the widest at 8 warps under an 80-register cap, short-row copy); ``one_kernel`` the three tiles in one
     kernel at 4 warps (the round-2 default); ``v6`` one kernel, one tile, no copy; ``launch_r168`` /
     ``launch_w8_r128``: the widest tile at 4 warps under 168 registers / 8 warps under 128."""
-    from dsa_indexer.ops.topk.triton import TopkConfig
+    from dsa_indexer.ops.topk.triton import DEFAULT_CONFIG, TopkConfig
 
     one_kernel = dict(row_tile_launches=False, row_warps=4, row_narrow_elements=None, row_narrow_warps=None,
                       row_max_registers=None)
     return {
-        "base": TopkConfig(),
+        "base": DEFAULT_CONFIG,
         "one_kernel": TopkConfig(**one_kernel),
         "v6": TopkConfig(**one_kernel, row_copy_short=False, row_tiles=1),
         "launch_r168": TopkConfig(row_warps=4, row_narrow_warps=None, row_max_registers=168),
@@ -241,8 +259,6 @@ def sweep_prefill(out_path: str | None = None, rep_ms: int = 5, only: list[str] 
     SKV - S + i + 1 columns; 32K rows are wider than the whole-row kernel: only ``base``, the default path).
     ``only`` keeps those variants, ``shapes_matching`` the shapes whose label contains one of the texts.
     Each cell is checked bitwise first; table last."""
-    import json
-
     from dsa_indexer.ops.topk import triton as kernels
 
     configs = {n: c for n, c in _prefill_row_configs().items() if not only or n in only}
@@ -254,39 +270,14 @@ def sweep_prefill(out_path: str | None = None, rep_ms: int = 5, only: list[str] 
     for label, data, num_rows, width, k in shapes:
         ends = torch.arange(width - num_rows + 1, width + 1, dtype=torch.int32, device="cuda")
         logits = _clean(_values(data, (num_rows, width), 7), None, ends)
-        expected = reference.topk(logits, k, None, ends, torch.empty((num_rows, k), dtype=torch.int32, device="cuda"))
         copies = max(2, -(-ROTATION_BYTES // logits.numel() // 4))
         inputs = [logits] + [logits.clone() for _ in range(copies - 1)]
-        times = {}
-        for name, config in (configs if width <= 8192 else {"base": kernels.TopkConfig()}).items():
-            out = torch.empty((num_rows, k), dtype=torch.int32, device="cuda")
-            times[name] = None
-            try:
-                exact = torch.equal(kernels.topk_triton(logits, k, None, ends, out, config=config), expected)
-            except Exception as error:  # a variant that fails to build must not stop the sweep
-                print(f"{label} {name}: FAILED {error!r}", flush=True)
-                continue
-            if not exact:
-                print(f"{label} {name}: NOT EXACT", flush=True)
-                continue
-            times[name] = _cold_us(lambda x, c=config, o=out: kernels.topk_triton(x, k, None, ends, o, config=c),
-                                   inputs, rep_ms)
-        print(f"{label}: " + "  ".join(f"{n} {'-' if t is None else f'{t:.1f}'}" for n, t in times.items()), flush=True)
-        records.append({"shape": label, "us": times})
-        if out_path:
-            Path(out_path).write_text(json.dumps({"environment": harness.environment(), "records": records}, indent=1))
+        cell_configs = configs if width <= 8192 else {"base": kernels.DEFAULT_CONFIG}
+        records.append({"shape": label, "us": _time_variants(label, logits, k, ends, inputs, cell_configs, rep_ms)})
+        _save_records(records, out_path)
         del inputs, logits
         torch.cuda.empty_cache()
-    for cache in kernels._topk_row_kernel.device_caches.values():
-        for compiled in cache[0].values():
-            print(f"_topk_row_kernel: warps={compiled.metadata.num_warps} regs={compiled.n_regs} "
-                  f"spills={compiled.n_spills}")
-    names = list(configs)
-    print("\n| shape | " + " | ".join(names) + " |")
-    print("| --- |" + " ---: |" * len(names))
-    for record in records:
-        cells = [record["us"].get(n) for n in names]
-        print(f"| {record['shape']} | " + " | ".join("" if c is None else f"{c:.1f}" for c in cells) + " |")
+    _report_sweep(records, list(configs), ["_topk_row_kernel"], out_path)
 
 
 if __name__ == "__main__":
