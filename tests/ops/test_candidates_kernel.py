@@ -141,14 +141,17 @@ def test_select_all_equal_and_all_unselectable_rows(kernel_device):
 
 
 def test_select_rows_longer_than_one_chunk(kernel_device):
-    # 5000 blocks per row: several chunks of keys per radix pass; ties across chunk borders.
+    # 5000 blocks per row: several chunks of keys per radix pass (the two-launch path; the fused kernel's
+    # long rows are the GPU tests' V4.1 shapes); ties across chunk borders.
     generator = torch.Generator().manual_seed(11)
     starts = torch.tensor([0, 150, 200], dtype=torch.int32)
     ends = torch.tensor([5200, 5150, 5200], dtype=torch.int32)
     logits = garbage_outside(make_logits(3, 5200, generator, "ties"), starts, ends, 1).to(kernel_device)
     starts, ends = starts.to(kernel_device), ends.to(kernel_device)
-    check_select(logits, starts, ends, 1500, 1)
-    check_select(logits, starts, ends, 2600, 1)
+    for num_blocks_k in (1500, 2600):
+        expected = select_candidate_blocks(logits, starts, ends, num_blocks_k, 1, backend="reference")
+        assert torch.equal(select_candidate_blocks_triton(logits, starts, ends, num_blocks_k, 1, 1, fused=False),
+                           expected)
 
 
 def test_select_strided_logits_and_out(kernel_device):
@@ -289,14 +292,15 @@ def test_cuda_graph_replay_follows_new_bounds():
         assert torch.equal(masked.view(torch.int32), expected_masked.view(torch.int32))
 
 
+# The two-launch select (block keys + radix select: rows wider than the fused kernel's limit).
 VARIANTS = {
-    "scalar_keys": dict(vector=False),
-    "vector_small_tiles": dict(vector=True, keys_tile=64),
+    "two_launch_scalar_keys": dict(fused=False, vector=False),
+    "two_launch_vector_small_tiles": dict(fused=False, vector=True, keys_tile=64),
 }
 
 
 @pytest.mark.parametrize("variant", VARIANTS.values(), ids=VARIANTS.keys())
-@pytest.mark.parametrize("data", ["ties", "nan_and_neg_inf"])
+@pytest.mark.parametrize("data", ["ties", "close", "nan_and_neg_inf"])
 def test_select_variants_match_reference(kernel_device, variant, data):
     # Starts at multiples of 4 (the 16-byte path) and not; rows long enough for interior tiles.
     logits, _, ends, _ = case(6, 300, 7, data, device=kernel_device)
@@ -309,6 +313,69 @@ def test_select_variants_match_reference(kernel_device, variant, data):
         assert torch.equal(actual, expected)
     expected = select_candidate_blocks(logits, None, ends, 9, 4, row_repeat=2, backend="reference")
     assert torch.equal(select_candidate_blocks_triton(logits, None, ends, 9, 4, 2, **variant), expected)
+
+
+# The fused one-launch select (the default) in tiny streaming steps, so that interpreter rows span several.
+FUSED_SMALL_STEPS = dict(fused=True, fused_step=16)
+FUSED_ALIGNMENT_VARIANTS = {"vector": dict(fused=True, fused_step=128),
+                            "scalar": dict(fused=True, fused_step=128, vector=False)}
+
+
+@pytest.mark.parametrize("data", ["random", "ties", "close", "relu", "nan_and_neg_inf"])
+@pytest.mark.parametrize("block_size,row_repeat,with_starts", [(8, 1, True), (3, 2, False), (1, 1, True)])
+def test_select_fused_matches_reference(kernel_device, data, block_size, row_repeat, with_starts):
+    # Random windows (an empty first row), K from 1 (only the pin or a +inf block) to past the block count.
+    logits, starts, ends, _ = case(7, 60, block_size, data, row_repeat=row_repeat, with_starts=with_starts,
+                                   device=kernel_device)
+    for num_blocks_k in (1, 2, 5, 100):
+        expected = select_candidate_blocks(logits, starts, ends, num_blocks_k, block_size, row_repeat=row_repeat,
+                                           backend="reference")
+        out = torch.full((7, num_blocks_k), -777, dtype=torch.int32, device=kernel_device)
+        actual = select_candidate_blocks_triton(logits, starts, ends, num_blocks_k, block_size, row_repeat, out,
+                                                **FUSED_SMALL_STEPS)
+        assert actual is out
+        assert torch.equal(actual, expected)
+
+
+@pytest.mark.parametrize("variant", FUSED_ALIGNMENT_VARIANTS.values(), ids=FUSED_ALIGNMENT_VARIANTS.keys())
+def test_select_fused_aligned_starts_ties_pins_and_strides(kernel_device, variant):
+    # Starts at multiples of 4 (16-byte path) and not; equal maxima and +inf blocks tying with the pin.
+    logits, _, _, _ = case(6, 300, 7, "ties", device=kernel_device)
+    logits[:, 40] = float("inf")
+    logits[1, 120] = float("inf")
+    starts = torch.tensor([0, 4, 8, 3, 100, 61], dtype=torch.int32, device=kernel_device)
+    ends = torch.tensor([300, 297, 8, 300, 101, 299], dtype=torch.int32, device=kernel_device)
+    for num_blocks_k in (1, 2, 3, 40):
+        expected = select_candidate_blocks(logits, starts, ends, num_blocks_k, 8, backend="reference")
+        assert torch.equal(select_candidate_blocks_triton(logits, starts, ends, num_blocks_k, 8, 1, **variant),
+                           expected)
+    expected = select_candidate_blocks(logits, starts, ends, 5, 4, backend="reference")
+    padded = torch.full((6, 310), float("nan"), device=kernel_device)
+    padded[:, 7:307] = logits
+    out_base = torch.full((5, 6), -777, dtype=torch.int32, device=kernel_device)
+    for view in (logits.t().contiguous().t(), padded[:, 7:307]):
+        select_candidate_blocks_triton(view, starts, ends, 5, 4, 1, out_base.t(), **variant)
+        assert torch.equal(out_base.t(), expected)
+
+
+def test_select_fused_all_equal_unselectable_and_too_wide_rows(kernel_device):
+    # Equal keys everywhere (the search ends on a one-key bracket), rows without selectable logits, and
+    # rows wider than _FUSED_MAX_BLOCKS blocks (the two-launch path).
+    logits = torch.full((4, 3000), 0.5, device=kernel_device)
+    logits[1] = NEG_INF
+    logits[2] = float("nan")
+    logits[3, ::2] = -0.0
+    logits[3, 1::2] = 0.0
+    ends = torch.tensor([3000, 2999, 3000, 2500], dtype=torch.int32, device=kernel_device)
+    for num_blocks_k, block_size in ((5, 2), (700, 2), (2000, 1)):
+        expected = select_candidate_blocks(logits, None, ends, num_blocks_k, block_size, backend="reference")
+        actual = select_candidate_blocks_triton(logits, None, ends, num_blocks_k, block_size, 1, fused=True,
+                                                fused_step=1024)
+        assert torch.equal(actual, expected)
+    wide = torch.randn(2, 2 * candidates_triton._FUSED_MAX_BLOCKS + 3, device=kernel_device)
+    wide_ends = torch.tensor([wide.shape[1], 100], dtype=torch.int32, device=kernel_device)
+    expected = select_candidate_blocks(wide, None, wide_ends, 3, 1, backend="reference")
+    assert torch.equal(select_candidate_blocks_triton(wide, None, wide_ends, 3, 1, 1, fused=True), expected)
 
 
 MASK_VARIANTS = {
@@ -387,6 +454,24 @@ def test_v41_shapes_select_variants(data, variant):
     out = torch.empty_like(expected)
     candidates_triton.select_from_keys(keys, starts, ends, 2048, 8, 1, out)
     assert torch.equal(out, expected)
+
+
+# Bench-sized fused kernels (the configurations the sweep times).
+V41_FUSED_VARIANTS = {"fused": dict(fused=True), "fused_step_8192": dict(fused=True, fused_step=8192)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", V41_FUSED_VARIANTS.values(), ids=V41_FUSED_VARIANTS.keys())
+@pytest.mark.parametrize("data", ["random", "close", "ties", "relu"])
+def test_v41_shapes_fused_select(data, variant):
+    logits, starts, ends, expected = v41_case(data)
+    for _ in range(3):
+        assert torch.equal(select_candidate_blocks_triton(logits, starts, ends, 2048, 8, 1, **variant), expected)
+    logits, starts, ends, _ = case(64, 131072, 9, data, device="cuda")  # random windows, empty row first
+    for num_blocks_k in (2048, 1):
+        expected = select_candidate_blocks(logits, starts, ends, num_blocks_k, 8, backend="reference")
+        assert torch.equal(select_candidate_blocks_triton(logits, starts, ends, num_blocks_k, 8, 1, **variant),
+                           expected)
 
 
 V41_MASK_VARIANTS = {**MASK_VARIANTS, "tile_4096": dict(tile=4096), "tile_8192": dict(tile=8192),

@@ -199,11 +199,14 @@ def test_insert_launch_knobs_do_not_change_results(kernel_device, block_tokens, 
 
 
 
-# Both MXFP4 store layouts the insert wrapper can be told to use (explicitly, whatever the default).
+# Both MXFP4 encodes of bf16 keys, explicitly whatever the default (``INSERT_MXFP4_BF16X2``): on bf16 pairs (also
+# with the sweep's other launch, 64 tokens / 4 warps), and the fp32 path that other dtypes and strides take.
 MXFP4_LAYOUTS = {
-    "block_per_thread": dict(row_major_stores=False),
-    "row_major_stores": dict(row_major_stores=True),
+    "bf16x2": dict(bf16x2=True),
+    "bf16x2_64_tokens_4_warps": dict(bf16x2=True, block_tokens=64, num_warps=4),
+    "fp32_path": dict(bf16x2=False),
 }
+BF16X2_LAYOUTS = [name for name in MXFP4_LAYOUTS if name.startswith("bf16x2")]
 
 
 def insert_mxfp4_layout(poisoned: PoisonedCache, k, slots, layout: str) -> None:
@@ -223,6 +226,48 @@ def test_insert_mxfp4_layouts_match_reference(kernel_device, block_size, layout)
     slots = random_slots(poisoned, 45, seed=block_size + 1).to(kernel_device)
     insert_mxfp4_layout(poisoned, strided_rows(k, "element_strided" if block_size == 16 else "contiguous"), slots,
                         layout)
+
+
+def every_scaled_bf16_rows() -> torch.Tensor:
+    """bf16 rows of 32-value blocks: for every MXFP4 exponent ``e`` in [-126, 126], every bf16 ``v`` with
+    ``2**-4 <= |v| <= 6`` (and some smaller, and zeros) appears as ``v * 2**e`` in a block whose largest value
+    fixes the exponent at ``e`` (``6 * 2**e``, or bf16's largest finite value for ``e = 126``)."""
+    bits = torch.arange(0, 0x10000, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    small = bits[(bits.abs() <= 6) & (bits.abs() >= 2.0**-4)]
+    tiny = torch.tensor([0.0, -0.0, 2.0**-5, -(2.0**-5), 0.1, -0.1, 2.0**-20, -(2.0**-30), 1e-38, -1e-40])
+    values = torch.cat((small, tiny))
+    values = values[torch.randperm(values.numel(), generator=torch.Generator().manual_seed(31))]
+    values = torch.cat((values, values[: (-values.numel()) % 31])).reshape(-1, 31)  # [blocks, 31]
+    rows = []
+    for exponent in range(-126, 127):
+        largest = 6.0 * 2.0**exponent if exponent < 126 else 3.3895313892515355e38
+        scaled = (values * 2.0**exponent).clamp(-largest, largest).to(torch.bfloat16).float()
+        block = torch.cat((torch.full((values.shape[0], 1), largest), scaled), dim=1)  # [blocks, 32]
+        block[1::2, 0] = -largest
+        rows.append(block)
+    blocks = torch.cat(rows)
+    blocks = torch.cat((blocks, blocks[: (-blocks.shape[0]) % 4]))
+    return blocks.reshape(-1, 128).to(torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", BF16X2_LAYOUTS)
+def test_bf16x2_encode_of_every_scaled_bf16(kernel_device, layout):
+    k = every_scaled_bf16_rows().to(kernel_device)
+    block_size = 64
+    poisoned = PoisonedCache(-(-k.shape[0] // block_size), block_size, "mxfp4", device=kernel_device)
+    slots = torch.randperm(poisoned.cache.num_slots, generator=torch.Generator().manual_seed(32))[: k.shape[0]]
+    insert_mxfp4_layout(poisoned, k, slots.to(kernel_device), layout)
+
+
+@pytest.mark.parametrize("layout", BF16X2_LAYOUTS)
+def test_bf16x2_finite_edge_rows(kernel_device, layout):
+    """The edge rows without inf and NaN, in programs of their own (the encode for all-finite programs)."""
+    rows = edge_rows(torch.bfloat16)[3:]
+    poisoned = PoisonedCache(1, 64, "mxfp4", device=kernel_device)
+    k = torch.cat((rows, -rows, rows * 2.0**-100, rows * 2.0**80)).to(kernel_device)  # 36 rows
+    slots = torch.randperm(poisoned.cache.num_slots, generator=torch.Generator().manual_seed(33))[: k.shape[0]]
+    insert_mxfp4_layout(poisoned, k, slots.to(kernel_device), layout)
 
 
 def random_filled_cache(num_blocks, block_size, fmt, *, device, seed) -> PoisonedCache:

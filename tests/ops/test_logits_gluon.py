@@ -11,7 +11,6 @@ dispatch rule's tests run everywhere.
 
 from __future__ import annotations
 
-import os
 import pytest
 import torch
 
@@ -32,14 +31,6 @@ _HOPPER = (not backend.interpreter_enabled() and torch.cuda.is_available()
 needs_hopper = pytest.mark.skipif(
     not _HOPPER, reason="Gluon kernels cannot run under the Triton interpreter; they need a CUDA GPU with wgmma "
                         "(sm_90): run scripts/gpu-check on an H100/H200")
-
-PING_PONG_VARIANTS = [name for name, config in GLUON_SWEEP_CONFIGS.items() if len(config) > 10 and config[10] == 2]
-# The ping-pong configurations have not run on a GPU yet: scripts/gluon-pingpong-round runs them first, alone,
-# because a deadlock there would stall the whole suite.
-TRY_PING_PONG = os.environ.get("DSA_INDEXER_TRY_PING_PONG") == "1"
-unmeasured_ping_pong = pytest.mark.skipif(
-    not TRY_PING_PONG, reason="ping-pong decode is unmeasured: scripts/gluon-pingpong-round runs it first, alone")
-SWEEP_VARIANTS_TESTED = sorted(name for name in GLUON_SWEEP_CONFIGS if TRY_PING_PONG or name not in PING_PONG_VARIANTS)
 
 
 @pytest.fixture(autouse=True)
@@ -138,7 +129,7 @@ def test_gluon_decode_empty_rows_write_minus_inf_gpu(kernel_device):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("variant", ["persist1", *SWEEP_VARIANTS_TESTED])
+@pytest.mark.parametrize("variant", ["persist1", *sorted(GLUON_SWEEP_CONFIGS)])
 @pytest.mark.parametrize("next_n", [1, 2])
 def test_gluon_decode_sweep_configs_give_the_default_bits_gpu(kernel_device, variant, next_n):
     """Every configuration the benchmark sweep times matches the reference and gives the default's bits
@@ -157,7 +148,8 @@ def test_gluon_decode_sweep_configs_give_the_default_bits_gpu(kernel_device, var
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("variant, next_n", [("persist4-early", 1), ("persist2-early", 2), ("persist2-early", 3)])
+@pytest.mark.parametrize("variant, next_n", [("persist2-early", 2), ("persist2-coarse-early", 1),
+                                             ("persist2-coarse-early", 2), ("persist2-coarse-early", 3)])
 def test_gluon_decode_early_table_reads_stay_inside_the_table_gpu(kernel_device, variant, next_n):
     """An output wider than the block table (splits that start past its last column) and short requests
     beside a long one (first entries past a request's length are garbage ids): the early first-entry read
@@ -167,74 +159,6 @@ def test_gluon_decode_early_table_reads_stay_inside_the_table_gpu(kernel_device,
                            seed=49)
     check_gluon(inputs, clean=True, config=GLUON_SWEEP_CONFIGS[variant])
     check_gluon(inputs, clean=False, config=GLUON_SWEEP_CONFIGS[variant])
-
-
-
-
-@pytest.mark.gpu
-@needs_hopper
-@unmeasured_ping_pong
-@pytest.mark.parametrize("clean", [True, False])
-@pytest.mark.parametrize("next_n", [1, 2, 4])
-@pytest.mark.parametrize("variant", PING_PONG_VARIANTS)
-def test_gluon_decode_ping_pong_gives_the_default_bits_gpu(kernel_device, variant, next_n, clean):
-    """Two consumer warpgroups on alternate ring stages: odd and even tile counts per split (1, 2, 3, 5,
-    193 tiles; requests longer than a split), empty rows, items whose tiles all go to one consumer; the
-    reference tier, 20 reruns bitwise, and the default configuration's bits."""
-    from dsa_indexer.ops.logits.gluon_decode import gluon_decode_config
-
-    config = GLUON_SWEEP_CONFIGS[variant]
-    lengths = [[max(0, n - 7 * t) for t in range(next_n)]
-               for n in REQUEST_LENGTHS + [64 * 3, 64 * 5 - 1, 40001, 0, 130]]
-    inputs = decode_inputs("fp8", lengths, next_n, kernel_device, heads=64, block_size=64, seed=50 + next_n)
-    result = check_gluon(inputs, clean=clean, config=config)
-    default = run_gluon(inputs, clean, 8, config=gluon_decode_config(*inputs.q.shape[:2], inputs.max_context_len))
-    assert torch.equal(result.view(torch.int32), default.view(torch.int32))
-
-
-@pytest.mark.gpu
-@needs_hopper
-@unmeasured_ping_pong
-@pytest.mark.parametrize("variant", PING_PONG_VARIANTS)
-def test_gluon_decode_ping_pong_small_pages_heads_and_dim_gpu(kernel_device, variant):
-    """Ping-pong with pages smaller than a tile, 3 heads and D = 64 (the one-entry-per-key producer path)."""
-    inputs = decode_inputs("fp8", [[13, 0], [700, 701], [0, 40]], 2, kernel_device, heads=3, dim=64, block_size=16,
-                           seed=42)
-    check_gluon(inputs, clean=True, config=GLUON_SWEEP_CONFIGS[variant])
-    check_gluon(inputs, clean=False, config=GLUON_SWEEP_CONFIGS[variant])
-
-
-@pytest.mark.gpu
-@needs_hopper
-@unmeasured_ping_pong
-@pytest.mark.parametrize("variant", PING_PONG_VARIANTS)
-def test_gluon_decode_ping_pong_replays_in_a_cuda_graph_gpu(kernel_device, variant):
-    """Captured once, replayed after the lengths change in place (odd and even tile counts)."""
-    from dsa_indexer.ops.logits.gluon_decode import paged_mqa_logits_gluon
-
-    inputs = decode_inputs("fp8", [[900, 901], [0, 64], [300, 17]], 2, kernel_device, heads=64, block_size=64,
-                           seed=46)
-    out = torch.full((6, inputs.max_context_len), POISON, device=kernel_device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        paged_mqa_logits_gluon(*inputs.args(), True, out, config=GLUON_SWEEP_CONFIGS[variant])
-    inputs.context_lens.copy_(torch.tensor([[5, 640], [63, 0], [300, 299]], dtype=torch.int32))
-    graph.replay()
-    assert calc_diff(out, run_decode(inputs, "reference", True, 0)) < TIER
-
-
-@needs_gluon
-def test_gluon_decode_ping_pong_config_is_checked():
-    """Ping-pong configurations need an even stage count and the second consumer's registers."""
-    assert PING_PONG_VARIANTS
-    constants = gluon_decode.kernel_constants(64, 128, 64, 2, 16, True, 16, GLUON_SWEEP_CONFIGS["pingpong"])
-    assert constants["CONSUMERS"] == 2 and constants["CONSUMER_REGS"] == 208
-    default = gluon_decode.kernel_constants(64, 128, 64, 2, 16, True, 16, gluon_decode.GLUON_DECODE_CONFIG)
-    assert default["CONSUMERS"] == 1
-    for config in [(7, 8, 2, 32, 2, 4, 40, 168, 0, 0, 2, 208), (8, 8, 2, 32, 2, 4, 40, 168, 0, 0, 2),
-                   (8, 8, 2, 32, 2, 4, 40, 168, 0, 0, 3, 208)]:
-        with pytest.raises(ValueError, match="consumer warpgroups"):
-            gluon_decode.kernel_constants(64, 128, 64, 2, 16, True, 16, config)
 
 
 @pytest.mark.gpu
@@ -283,7 +207,7 @@ def test_gluon_decode_config_by_work_size():
         assert config(batch, next_n, length) == gluon_decode.GLUON_DECODE_CONFIG == (4, 8, 2, 32, 2, 4, 32, 80, 0)
     for batch, length, next_n in [(32, 32768, 2), (32, 32768, 4), (1, 131072, 2), (2, 1024, 3)]:
         assert config(batch, next_n, length) == gluon_decode.GLUON_DECODE_CONFIG_SMALL
-    assert gluon_decode.GLUON_DECODE_CONFIG_SMALL == (4, 8, 2, 32, 2, 4, 40, 128, 2)
+    assert gluon_decode.GLUON_DECODE_CONFIG_SMALL == (4, 4, 2, 32, 2, 4, 40, 128, 2, 1)
     defaults = {gluon_decode.GLUON_DECODE_CONFIG, gluon_decode.GLUON_DECODE_CONFIG_SMALL,
                 gluon_decode.GLUON_DECODE_CONFIG_ONE_ROW}
     assert defaults <= set(GLUON_SWEEP_CONFIGS.values())

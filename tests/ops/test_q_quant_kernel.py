@@ -188,21 +188,19 @@ def test_launch_knobs_do_not_change_results(kernel_device, fmt, block_heads, num
     assert_same_results(got, rope_quant_q_reference(q, positions, cos_sin, weights, 0.1, 0.3, **options))
 
 
-# Every MXFP4 store layout, rounding and warp count the wrapper can be told to use (explicitly, whatever
-# the defaults).
-MXFP4_VARIANTS = {
-    "block_per_thread": dict(row_major_stores=False, packed_bf16=False),
-    "row_major_stores": dict(row_major_stores=True, packed_bf16=False),
-    "packed_bf16": dict(row_major_stores=False, packed_bf16=True),
-    "row_major_stores_packed_bf16": dict(row_major_stores=True, packed_bf16=True),
-    "two_warps": dict(row_major_stores=True, packed_bf16=True, num_warps=2),
-}
+# Both MXFP4 encodes of a bf16 ``q``, explicitly whatever the default (``ROPE_MXFP4_BF16X2``): on bf16 pairs, and
+# the fp32 path that other dtypes and strides take.
+MXFP4_VARIANTS = {"bf16x2": dict(bf16x2=True), "fp32_path": dict(bf16x2=False)}
+BF16X2_VARIANTS = ["bf16x2"]
+ROPE_LAYOUTS = [(style, position) for style in ("neox", "interleaved") for position in ("first", "trailing")]
 
 
 @pytest.mark.parametrize("variant", list(MXFP4_VARIANTS))
 @pytest.mark.parametrize("rope_position", ["first", "trailing"])
 @pytest.mark.parametrize("rope_style", ["neox", "interleaved"])
 def test_mxfp4_variants_match_reference(kernel_device, rope_style, rope_position, variant):
+    if interpreter_enabled() and variant in BF16X2_VARIANTS and rope_style == "neox":
+        pytest.skip("the interpreter encodes bf16x2 on the fp32 path: the default-path tests cover NeoX")
     options = dict(rope_style=rope_style, rope_position=rope_position, fmt="mxfp4")
     heads = edge_q(128, torch.bfloat16)
     q = heads.unsqueeze(0).repeat(3, 1, 1)
@@ -215,6 +213,21 @@ def test_mxfp4_variants_match_reference(kernel_device, rope_style, rope_position
         got = q_kernels.rope_quant_q_triton(q, positions, cos_sin, weights, 0.1, 0.3, **options,
                                             **MXFP4_VARIANTS[variant])
         assert_same_results(got, rope_quant_q_reference(q, positions, cos_sin, weights, 0.1, 0.3, **options))
+
+
+@pytest.mark.parametrize("variant", BF16X2_VARIANTS)
+@pytest.mark.parametrize("rope_style, rope_position", ROPE_LAYOUTS)
+def test_bf16x2_finite_edge_values(kernel_device, rope_style, rope_position, variant):
+    """The edge heads without inf and NaN (each token's heads share a program: the encode for all-finite
+    programs), at three scales."""
+    options = dict(rope_style=rope_style, rope_position=rope_position, fmt="mxfp4")
+    heads = edge_q(128, torch.float32)[3:]
+    q = torch.stack((heads, -heads * 2.0**-100, heads * 2.0**80)).to(torch.bfloat16)
+    cos_sin = torch.tensor([[1.0] * 32 + [0.0] * 32, [0.0] * 32 + [1.0] * 32, [0.6] * 32 + [-0.8] * 32])
+    inputs = [t.to(kernel_device) for t in (q, torch.tensor([0, 1, 2]), cos_sin,
+                                            torch.randn(3, heads.shape[0]).to(torch.bfloat16))]
+    got = q_kernels.rope_quant_q_triton(*inputs, 0.1, 0.3, **options, **MXFP4_VARIANTS[variant])
+    assert_same_results(got, rope_quant_q_reference(*inputs, 0.1, 0.3, **options))
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
@@ -346,7 +359,7 @@ def test_realistic_shapes_and_reruns_are_bitwise_equal(kernel_device, fmt, rope_
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", list(MXFP4_VARIANTS))
-@pytest.mark.parametrize("rope_style, rope_position", [("interleaved", "trailing"), ("neox", "first")])
+@pytest.mark.parametrize("rope_style, rope_position", ROPE_LAYOUTS)
 def test_mxfp4_variants_at_realistic_shapes(kernel_device, rope_style, rope_position, variant):
     q, positions, cos_sin, weights = make_inputs(2048, 64, 128, 64, device=kernel_device, seed=14, max_pos=8192)
     options = dict(rope_style=rope_style, rope_position=rope_position, fmt="mxfp4")

@@ -21,6 +21,9 @@ from dsa_indexer.ops.topk import indices_to_slots, reference, topk, topk_decode,
 from dsa_indexer.testing import ADVERSARIAL_GENERATORS, count_topk_errors, with_garbage_past_ends
 
 pytest.importorskip("triton", reason="Triton kernel tests need triton (make test installs it)")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from dsa_indexer.ops.topk import triton as triton_impl  # noqa: E402  (after the skip: it imports triton)
 
 TopkConfig = triton_impl.TopkConfig
@@ -60,15 +63,19 @@ GPU_PIECES = TopkConfig(row_program_rows=1, gather_launch=True)
 GPU_PIECES_W8 = TopkConfig(row_program_rows=1, gather_launch=True, stream_warps=8, stream_tile=4096)
 GPU_WIDE = [GPU_SPLIT, GPU_STREAM, GPU_STREAM_IN_PROGRAM, GPU_STREAM_V4, GPU_STREAM_W8, GPU_PIECES, GPU_PIECES_W8]
 GPU_WIDE_IDS = ["split", "stream", "stream_in_program", "stream_v4", "stream_w8", "pieces", "pieces_w8"]
-ROW = TopkConfig()
+ROW = TopkConfig()  # whole rows: carry counts, plateau check every 16 bits
 ONE_ROW = TopkConfig(row_elements=16)  # one row per whole-row program
 # One launch per tile (64/32/16 columns): one row of 64 per program, two rows of 32 / four of 16 (packed),
 # and the v6 kernel (no copy, one tile).
 ROW_LAUNCHES = TopkConfig(row_tile_launches=True, row_elements=64, row_max_registers=128)
 ROW_V6 = TopkConfig(row_copy_short=False, row_tiles=1, row_tile_launches=False, row_warps=4, row_narrow_elements=None,
                     row_narrow_warps=None, row_max_registers=None)  # one kernel, one tile
-ROWS_FAST = [ROW, ROW_LAUNCHES, ROW_V6]
-ROWS_FAST_IDS = ["row", "row_launches", "row_v6"]
+# The whole-row search (the interpreter compares instead of taking carries) without the plateau check, and with it
+# in every round.
+ROW_NO_PLATEAU = TopkConfig(row_plateau_every=0)
+ROW_PLATEAU_EVERY_BIT = TopkConfig(row_plateau_every=1, row_elements=64, row_max_registers=128)
+ROWS_FAST = [ROW, ROW_LAUNCHES, ROW_V6, ROW_NO_PLATEAU, ROW_PLATEAU_EVERY_BIT]
+ROWS_FAST_IDS = ["row", "row_launches", "row_v6", "row_p0", "row_p1"]
 
 
 @pytest.fixture(autouse=True)
@@ -149,6 +156,34 @@ def test_stream_strict_bound(kernel_device, k):
     logits = torch.tensor([sum(groups, []), sum(groups[::-1], [])], device=kernel_device)
     assert_same(logits, k, None, None, TopkConfig(row_block_max=16, row_program_rows=1, stream_tile=16,
                                                     group_tile=8, candidate_block=8, bound_slack=0.0))
+
+
+@triton.jit
+def _search_kernel(keys_ptr, out_ptr, k, enough, N: tl.constexpr):
+    t, count = triton_impl._kth_largest(tl.load(keys_ptr + tl.arange(0, N)), k, enough)
+    tl.store(out_ptr, t)
+    tl.store(out_ptr + 1, count)
+
+
+def test_search_rounds(kernel_device):
+    # Keys over the whole int32 range (NONE included), clustered keys, plateaus: the exact k-th largest key
+    # (enough < k) and an early-stopped floor (enough >= k) reached by its count of keys.
+    rng = torch.Generator().manual_seed(2)
+    spread = torch.randint(-(2**31), 2**31 - 1, (64,), generator=rng, dtype=torch.int64)
+    spread[::9] = -(2**31)
+    clustered = 0x40000000 + torch.randint(0, 300, (64,), generator=rng, dtype=torch.int64)
+    plateaus = torch.randint(-2, 3, (64,), generator=rng, dtype=torch.int64) * 1000 - 7
+    for keys in (spread, clustered, plateaus, spread.sort().values):
+        keys32 = keys.to(torch.int32).to(kernel_device)
+        selectable = keys[keys != -(2**31)]
+        for k in (1, 5, 17, 40):
+            kth = int(selectable.sort(descending=True).values[k - 1])
+            for enough in (k - 1, k + 6):
+                out = torch.zeros(2, dtype=torch.int32, device=kernel_device)
+                _search_kernel[(1,)](keys32, out, k, enough, N=64)
+                t, count = (int(x) for x in out.cpu())
+                assert count == int((selectable >= t).sum()) and count >= k
+                assert t == kth or (enough >= k and count <= enough and t < kth), (k, enough, t, kth)
 
 
 @pytest.mark.parametrize("num_rows", [2, 3])
@@ -346,11 +381,14 @@ def test_gpu_generators_long_rows(name, width, num_rows, config):
 ONE_KERNEL = dict(row_tile_launches=False, row_warps=4, row_narrow_elements=None, row_narrow_warps=None,
                   row_max_registers=None)
 GPU_ROWS = [ROW, ROW_V6, TopkConfig(**ONE_KERNEL)]
-GPU_ROWS_IDS = ["rows", "rows_v6", "rows_one_kernel"]
+GPU_ROWS_IDS = ["rows_default", "rows_v6", "rows_one_kernel"]
 # One launch per tile with other widest-tile warps and register caps (the default: 8 warps, 80 registers).
 GPU_ROWS += [TopkConfig(row_warps=4, row_narrow_warps=None, row_max_registers=None),
              TopkConfig(row_warps=4, row_narrow_warps=None, row_max_registers=168), TopkConfig(row_max_registers=128)]
 GPU_ROWS_IDS += ["rows_launch", "rows_launch_r168", "rows_launch_w8_r128"]
+# The plateau check never and every 8 bits (the default: every 16).
+GPU_ROWS += [TopkConfig(row_plateau_every=0), TopkConfig(row_plateau_every=8)]
+GPU_ROWS_IDS += ["rows_p0", "rows_p8"]
 
 
 @pytest.mark.gpu

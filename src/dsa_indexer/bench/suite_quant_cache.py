@@ -20,19 +20,18 @@ from dsa_indexer.ops.k_cache.triton import gather_k_triton, insert_k_triton
 from dsa_indexer.ops.q_quant.reference import rope_quant_q_reference
 from dsa_indexer.ops.q_quant.triton import rope_quant_q_triton
 
-# Launch variants per format; the first of each list is the wrapper's default (MXFP4 tiles, rounding, hints:
-# the ``ROPE_MXFP4_*`` / ``INSERT_MXFP4_*`` constants), the second for MXFP4 the v3 baseline (block-per-thread
-# stores). Variants measured slower in earlier runs (benchmarks/NOTES_quant_cache.md) are left out.
+# Launch variants per format; the first of each list is the wrapper's default (for MXFP4 the encode on bf16 pairs,
+# ``ROPE_MXFP4_BF16X2`` / ``INSERT_MXFP4_BF16X2``), then for MXFP4 the fp32 path (what fp16 / fp32 inputs run) and,
+# for insert, the other launch that measured close (run 6). Variants measured slower in earlier runs
+# (benchmarks/NOTES_quant_cache.md) are left out.
 ROPE_VARIANTS = {
     "fp8": [dict(block_heads=64, num_warps=8), dict(block_heads=32, num_warps=4)],
-    "mxfp4": [dict(block_heads=64, num_warps=4),
-              dict(block_heads=64, num_warps=4, row_major_stores=False, packed_bf16=False),
-              dict(block_heads=64, num_warps=2)],
+    "mxfp4": [dict(block_heads=64, num_warps=4), dict(block_heads=64, num_warps=4, bf16x2=False)],
 }
 INSERT_VARIANTS = {
     "fp8": [dict(block_tokens=32, num_warps=4)],
-    "mxfp4": [dict(block_tokens=32, num_warps=2),
-              dict(block_tokens=32, num_warps=4, row_major_stores=False)],
+    "mxfp4": [dict(block_tokens=32, num_warps=2), dict(block_tokens=32, num_warps=2, bf16x2=False),
+              dict(block_tokens=64, num_warps=4)],
 }
 GATHER_VARIANTS = [dict(block_rows=64, num_warps=4)]
 
@@ -41,7 +40,7 @@ _SHORT_KNOBS = {"block_heads": "heads", "block_tokens": "tokens", "block_rows": 
 
 
 def variant_label(record: dict) -> str:
-    """``heads=64,warps=4,no_row_major_stores`` (flags named when given: ``no_`` when turned off),
+    """``heads=64,warps=4,no_bf16x2`` (flags named when given: ``no_`` when turned off),
     `` *`` for the wrapper's default."""
     parts = [key if value is True else f"no_{key}" if value is False else f"{_SHORT_KNOBS.get(key, key)}={value}"
              for key, value in record["variant"].items()]

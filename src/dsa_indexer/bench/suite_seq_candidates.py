@@ -10,8 +10,9 @@ the host, which would put a CPU round trip inside the timed region).
   (8 KiB): reads the valid rows, writes the whole padded grid.
 - unpack_seq: compacting int32 top-2048 rows (8 KiB) of the same batch: reads and writes the valid rows.
 - select_candidate_blocks: V4.1 sources, 128K compressed positions per row, blocks of 8, top 2048
-  blocks: reads each row's logits once (the block-key scratch, 1/8 of it, stays in L2 or is counted
-  as overhead). Stage records time the two kernels alone.
+  blocks: reads each row's logits once. The default is one fused kernel (keys in registers); the stage
+  records time the two kernels of the two-launch path (rows wider than 16384 blocks) alone, whose
+  block-key scratch (1/8 of the logits) is counted as overhead.
 - apply_candidate_mask: the same rows and the 2048 chosen blocks: writes -inf on every masked
   column (the kept ones are not touched), reads the candidate ids.
 - indices_to_slots (kernel owned by ``ops/topk``): 16384 top-2048 rows of 256 requests with 64K-token
@@ -24,9 +25,10 @@ included: at R 64 the host's launch cost of the three launches exceeds the GPU t
 is the host's), ``graph_us`` (warm CUDA-graph replays) and ``cold_graph_us`` (one graph replay after
 a 256 MB memset that evicts the L2): the last is the honest figure for these capturable ops.
 
-``python -m dsa_indexer.bench.suite_seq_candidates sweep [OUT_DIR] [--quick] [--rows R ...] [--no-slots]``
-times the kernel variants (keyword arguments of the Triton functions) against the current defaults in
-one process, with torch's ``fill_`` of the mask's bytes as the store-only ceiling.
+``python -m dsa_indexer.bench.suite_seq_candidates sweep [OUT_DIR] [--quick] [--rows R ...] [--no-slots]
+[--select-only]`` times the kernel variants (keyword arguments of the Triton functions) against the current
+defaults in one process, with torch's ``fill_`` of the mask's bytes as the store-only ceiling;
+``... warm VARIANT`` compiles one select variant (run several in parallel before a sweep).
 """
 
 from __future__ import annotations
@@ -178,10 +180,16 @@ def run(ceilings: dict[str, float]) -> list[dict]:
 
 
 # The defaults (runs 4 and 5 of session 3: 16-byte keys / mask / slot paths, mask fused with its
-# flags from 256 rows, streaming stores) against the switches that turn them off. The variants that
-# lost (register / split-histogram select, 4-warp radix, 16-warp mask, kept blocks rewritten) are
-# gone; their numbers are in benchmarks/NOTES_seq_candidates.md.
-SELECT_VARIANTS = {"default": {}, "scalar_keys": dict(vector=False)}
+# flags from 256 rows, streaming stores; run 6 of session 4: the fused one-launch select with the
+# interpolation search and prefetch) against the switches that turn them off. The variants that lost
+# (register / split-histogram select, 4-warp radix, 16-warp mask, kept blocks rewritten, scalar block
+# keys; fused: two bits a round, no prefetch, 32 warps, bracket compaction) are gone; their numbers are
+# in benchmarks/NOTES_seq_candidates.md.
+SELECT_VARIANTS = {
+    "default": {},
+    "two_launch": dict(fused=False),  # block keys + radix select (session 3's default)
+    "step_8192": dict(fused_step=8192),  # run 6: +4%
+}
 MASK_VARIANTS = {
     "default": {},
     "unfused": dict(fused_flags=False),
@@ -206,8 +214,10 @@ def _sweep_slots(record, generator, num_rows: int = 16384, k: int = 2048) -> Non
         record("indices_to_slots", num_rows, name, to_slots, moved, torch.equal(to_slots(), slots))
 
 
-def _sweep_candidates(record, generator, num_rows: int, width: int = 131072, num_blocks_k: int = 2048) -> None:
-    """select / its two stages / mask variants on the suite's candidate shape with ``num_rows`` rows."""
+def _sweep_candidates(record, generator, num_rows: int, width: int = 131072, num_blocks_k: int = 2048,
+                      select_only: bool = False) -> None:
+    """select / its two stages / mask variants on the suite's candidate shape with ``num_rows`` rows
+    (the select variants only with ``select_only``); the default select is checked against the reference."""
     block_size = 8
     logits = torch.randn(num_rows, width, device="cuda", generator=generator)
     starts = torch.zeros(num_rows, dtype=torch.int32, device="cuda")
@@ -215,12 +225,17 @@ def _sweep_candidates(record, generator, num_rows: int, width: int = 131072, num
     out = torch.empty((num_rows, num_blocks_k), dtype=torch.int32, device="cuda")
     select_bytes = num_rows * width * 4 + num_rows * num_blocks_k * 4
     chosen = candidates_triton.select_candidate_blocks_triton(logits, starts, ends, num_blocks_k, block_size, 1)
+    reference = select_candidate_blocks_reference(logits, starts, ends, num_blocks_k, block_size, 1)
+    if not torch.equal(chosen, reference):
+        raise AssertionError(f"select R {num_rows}: the default differs from the reference")
     for name, kwargs in SELECT_VARIANTS.items():
         def select(kwargs=kwargs):
             return candidates_triton.select_candidate_blocks_triton(logits, starts, ends, num_blocks_k, block_size,
                                                                     1, out, **kwargs)
         same = torch.equal(select().clone(), chosen)
         record("select", num_rows, name, select, select_bytes, same)
+    if select_only:
+        return
     keys_bytes = num_rows * width * 4 + num_rows * (width // block_size) * 4
     keys = candidates_triton.block_keys(logits, starts, ends, block_size, 1)
     def stage_keys():
@@ -244,10 +259,24 @@ def _sweep_candidates(record, generator, num_rows: int, width: int = 131072, num
     record("mask/torch_fill", num_rows, "fill_", lambda: fill.fill_(float("-inf")), mask_bytes, True)
 
 
+def warm(variant: str) -> None:
+    """Compile one select variant for the sweep's shapes (Triton's on-disk cache), so that several
+    processes can compile the variants in parallel before the sweep."""
+    width, block_size, num_blocks_k = 131072, 8, 2048
+    logits = torch.randn(2, width, device="cuda")
+    starts = torch.zeros(2, dtype=torch.int32, device="cuda")
+    ends = torch.full((2,), width, dtype=torch.int32, device="cuda")
+    out = torch.empty((2, num_blocks_k), dtype=torch.int32, device="cuda")
+    candidates_triton.select_candidate_blocks_triton(logits, starts, ends, num_blocks_k, block_size, 1, out,
+                                                     **SELECT_VARIANTS[variant])
+    torch.cuda.synchronize()
+
+
 def sweep(out_dir: str | None, quick: bool = False, rows_list: tuple[int, ...] = (512, 64),
-          with_slots: bool = True) -> list[dict]:
+          with_slots: bool = True, select_only: bool = False) -> list[dict]:
     """Time every variant against the default on the suite's shapes (candidate ops at each R of
-    ``rows_list``, indices_to_slots if ``with_slots``); each checked bit-equal to the default.
+    ``rows_list``, indices_to_slots if ``with_slots``; only the select variants with ``select_only``);
+    each checked bit-equal to the default.
     Rows: op, R, variant, event / warm-graph / cold-graph µs, % of the copy floor (on the cold-graph time)."""
     rep = 60 if quick else 120
     n = 1 << 30
@@ -276,9 +305,9 @@ def sweep(out_dir: str | None, quick: bool = False, rows_list: tuple[int, ...] =
     generator = torch.Generator(device="cuda").manual_seed(0)
     # The issue's shapes first: the lead's time cap may cut the tail.
     for num_rows in rows_list:
-        _sweep_candidates(record, generator, num_rows)
+        _sweep_candidates(record, generator, num_rows, select_only=select_only)
         torch.cuda.empty_cache()
-        if with_slots and num_rows == rows_list[0]:
+        if with_slots and not select_only and num_rows == rows_list[0]:
             _sweep_slots(record, generator)
     if out_dir:
         with open(os.path.join(out_dir, "cand_sweep.json"), "w") as f:
@@ -308,13 +337,17 @@ def _main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m dsa_indexer.bench.suite_seq_candidates",
                                      description="candidate / slot variant sweep (the suite runs through "
                                                  "dsa-indexer bench)")
-    parser.add_argument("command", choices=["sweep"])
-    parser.add_argument("out_dir", nargs="?")
+    parser.add_argument("command", choices=["sweep", "warm"])
+    parser.add_argument("out_dir", nargs="?", help="sweep: output folder; warm: the select variant to compile")
     parser.add_argument("--quick", action="store_true", help="shorter timing loops")
     parser.add_argument("--rows", type=int, nargs="+", default=[512, 64], help="candidate rows R to sweep")
     parser.add_argument("--no-slots", action="store_true", help="leave out indices_to_slots")
+    parser.add_argument("--select-only", action="store_true", help="only the select variants")
     args = parser.parse_args(argv)
-    sweep(args.out_dir, args.quick, tuple(args.rows), not args.no_slots)
+    if args.command == "warm":
+        warm(args.out_dir)
+    else:
+        sweep(args.out_dir, args.quick, tuple(args.rows), not args.no_slots, args.select_only)
 
 
 if __name__ == "__main__":

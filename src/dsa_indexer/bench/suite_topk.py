@@ -111,37 +111,25 @@ def run(ceilings: dict[str, float]) -> list[dict]:
 
 
 def _decode_sweep_plan() -> tuple[dict, list]:
-    """Decode variants of ``sweep_decode`` (names -> ``TopkConfig``) and its cells ``(data, rows, k, names)``.
-    ``split``: the split path at every R; ``rows``: row programs (maxima launch, vector + prefetched gather:
-    the default from ``row_program_rows`` on); ``rows_w8``: 8 warps; ``rows_t16k``: gather pieces of 16384
-    columns without prefetch; ``probe_bound`` / ``probe_gather``: row programs stopped after the lower bound
-    (and the compaction of the group ids) / after the gather (timing only: the output is incomplete, not
-    checked); ``pieces``: gather launch (one program per gather piece, the row's last one searches T and
-    emits); ``pieces_w8_t4k``: the same with 8 warps and pieces of 4096 columns."""
-    from dsa_indexer.ops.topk.triton import TopkConfig
+    """Decode variants of ``sweep_decode`` (names -> ``TopkConfig``) and its cells ``(data, rows, k, names)``; each
+    variant is the default (split path below 8 rows, gather-piece launches from 8 to 64, row programs above)
+    with one change, timed where it changes the path taken: ``split_w8`` / ``split_w16`` (R=1): split-path chunk
+    programs of 8 / 16 warps (the candidate search's last arriver then holds 16 / 8 keys per thread instead of
+    32). The other cells time ``base`` alone."""
+    from dataclasses import replace
 
-    every = 1 << 30
+    from dsa_indexer.ops.topk.triton import DEFAULT_CONFIG
+
     configs = {
-        "split": TopkConfig(row_program_rows=every),
-        "rows": TopkConfig(row_program_rows=1),
-        "rows_w8": TopkConfig(row_program_rows=1, stream_warps=8),
-        "rows_t16k": TopkConfig(row_program_rows=1, stream_tile=16384, prefetch_gather=False),
-        "probe_bound": TopkConfig(row_program_rows=1, row_stages=1),
-        "probe_gather": TopkConfig(row_program_rows=1, row_stages=2),
-        "pieces": TopkConfig(row_program_rows=1, gather_launch=True),
-        "pieces_w8_t4k": TopkConfig(row_program_rows=1, gather_launch=True, stream_warps=8, stream_tile=4096),
+        "split_w8": replace(DEFAULT_CONFIG, split_warps=8),
+        "split_w16": replace(DEFAULT_CONFIG, split_warps=16),
     }
-    full = list(configs)
-    crossover = ["split", "rows", "rows_w8", "pieces", "pieces_w8_t4k"]
-    skewed = ["split", "rows", "rows_w8", "pieces"]
     cells = []
-    for num_rows in (1, 8, 16, 24, 32, 64, 128):
+    for num_rows in (1, 32, 64, 128):
         for k in (2048, 512):
-            cells.append(("random", num_rows, k, full if num_rows in (1, 32, 128) else crossover))
-    for data in ("relu_sum", "one_bin"):
-        for num_rows in (1, 32, 128):
-            for k in (2048, 512):
-                cells.append((data, num_rows, k, skewed))
+            cells.append(("random", num_rows, k, list(configs) if num_rows == 1 else []))
+    for num_rows in (32, 128):
+        cells.append(("relu_sum", num_rows, 2048, []))
     return configs, cells
 
 
@@ -199,19 +187,22 @@ def sweep_decode(out_path: str | None = None, warm: str | None = None) -> None:
     """Cold µs of the decode variants of ``_decode_sweep_plan`` (``python -m dsa_indexer.bench.suite_topk
     sweep_decode [OUT_JSON]``) and of ``base`` (the committed default) on every cell, each checked bitwise
     against the reference first (probes excepted); a table last. ``warm="i/n"`` only compiles the i-th of n
-    shares of the variants (two rows, both k), to run beside the tests in parallel processes that fill
-    Triton's cache."""
+    shares of the variants (at each row count of the cells, both k), to run beside the tests in parallel
+    processes that fill Triton's cache."""
     from dsa_indexer.ops.topk import triton as kernels
 
     configs, cells = _decode_sweep_plan()
     configs = {"base": kernels.DEFAULT_CONFIG, **configs}
     if warm is not None:
         share, shares = (int(x) for x in warm.split("/"))
-        logits, lengths = _decode_rows("random", 2)
-        for name in list(configs)[share::shares]:
-            for k in (2048, 512):
-                out = torch.empty((2, k), dtype=torch.int32, device="cuda")
-                kernels.topk_triton(logits, k, None, lengths, out, config=configs[name])
+        names = list(configs)[share::shares]
+        for num_rows in sorted({cell[1] for cell in cells}):  # the row count picks the path: compile each one
+            logits, lengths = _decode_rows("random", num_rows)
+            for name in [n for n in names if any(num_rows == c[1] and n in ("base", *c[3]) for c in cells)]:
+                for k in (2048, 512):
+                    out = torch.empty((num_rows, k), dtype=torch.int32, device="cuda")
+                    kernels.topk_triton(logits, k, None, lengths, out, config=configs[name])
+            del logits
         torch.cuda.synchronize()
         return
     records = []
@@ -230,14 +221,16 @@ def sweep_decode(out_path: str | None = None, warm: str | None = None) -> None:
         records.append({"shape": label, "us": _time_variants(label, logits, k, lengths, inputs, cell_configs, 5,
                                                              unchecked)})
         _save_records(records, out_path)  # after every shape: a run stopped at its time limit keeps what it measured
-    _report_sweep(records, list(configs), ["_row_program_kernel", "_row_pieces_kernel"], out_path)
+    _report_sweep(records, list(configs), ["_row_program_kernel", "_row_pieces_kernel", "_split_low_bound_kernel",
+                                           "_split_candidates_kernel"], out_path)
 
 
 def _prefill_row_configs() -> dict:
     """Whole-row (prefill) variants timed by ``sweep_prefill``: ``base`` the committed default (one launch per
-    tile, the widest at 8 warps under an 80-register cap, short-row copy); ``one_kernel`` the three tiles in one
-    kernel at 4 warps (the round-2 default); ``v6`` one kernel, one tile, no copy; ``launch_r168`` /
-    ``launch_w8_r128``: the widest tile at 4 warps under 168 registers / 8 warps under 128."""
+    tile, the widest at 8 warps under an 80-register cap, short-row copy, carry counts with the plateau check
+    every 16 bits); ``one_kernel`` the three tiles in one kernel at 4 warps; ``v6`` one kernel, one tile, no copy;
+    ``launch_r168`` / ``launch_w8_r128``: the widest tile at 4 warps under 168 registers / 8 warps under 128;
+    ``p0`` / ``p8``: the plateau check never / every 8 bits (session 4: best on random / relu_sum rows)."""
     from dsa_indexer.ops.topk.triton import DEFAULT_CONFIG, TopkConfig
 
     one_kernel = dict(row_tile_launches=False, row_warps=4, row_narrow_elements=None, row_narrow_warps=None,
@@ -248,23 +241,37 @@ def _prefill_row_configs() -> dict:
         "v6": TopkConfig(**one_kernel, row_copy_short=False, row_tiles=1),
         "launch_r168": TopkConfig(row_warps=4, row_narrow_warps=None, row_max_registers=168),
         "launch_w8_r128": TopkConfig(row_max_registers=128),
+        "p0": TopkConfig(row_plateau_every=0),
+        "p8": TopkConfig(row_plateau_every=8),
     }
 
 
 def sweep_prefill(out_path: str | None = None, rep_ms: int = 5, only: list[str] | None = None,
-                  shapes_matching: list[str] | None = None) -> None:
+                  shapes_matching: list[str] | None = None, warm: str | None = None) -> None:
     """Cold µs of ``_prefill_row_configs`` on causal prefill rows (``python -m dsa_indexer.bench.suite_topk
-    sweep_prefill [json] [--only=NAME,...] [--shapes=TEXT,...]``): the 8K prompt (row i has i + 1 columns;
-    random and one_bin, k = 2048 and 512) and S = 2048 query rows over SKV = 8K / 32K keys (row i has
-    SKV - S + i + 1 columns; 32K rows are wider than the whole-row kernel: only ``base``, the default path).
+    sweep_prefill [json] [--only=NAME,...] [--shapes=TEXT,...] [--warm=I/N]``): the 8K prompt (row i has i + 1
+    columns; random and one_bin, k = 2048 and 512; relu_sum, k = 2048) and S = 2048 query rows over SKV = 8K /
+    32K keys (row i has SKV - S + i + 1 columns; 32K rows are wider than the whole-row kernel: only ``base``, the
+    default path).
     ``only`` keeps those variants, ``shapes_matching`` the shapes whose label contains one of the texts.
-    Each cell is checked bitwise first; table last."""
+    Each cell is checked bitwise first; table last. ``warm="i/n"`` only compiles the i-th of n shares of the
+    variants (on a few 8K-wide rows: the same kernels), to run beside the tests in parallel processes."""
     from dsa_indexer.ops.topk import triton as kernels
 
     configs = {n: c for n, c in _prefill_row_configs().items() if not only or n in only}
+    if warm is not None:
+        share, shares = (int(x) for x in warm.split("/"))
+        ends = torch.arange(1, PREFILL_S + 1, 512, dtype=torch.int32, device="cuda")
+        logits = torch.randn((ends.numel(), PREFILL_S), device="cuda")
+        out = torch.empty((ends.numel(), 2048), dtype=torch.int32, device="cuda")
+        for name in list(configs)[share::shares]:
+            kernels.topk_triton(logits, 2048, None, ends, out, config=configs[name])
+        torch.cuda.synchronize()
+        return
     records = []
     shapes = [(f"causal 8K k={k} {data}", data, PREFILL_S, PREFILL_S, k)
-              for data in ("random", "one_bin") for k in (2048, 512)]
+              for data, k in (("random", 2048), ("random", 512), ("relu_sum", 2048), ("one_bin", 2048),
+                              ("one_bin", 512))]
     shapes += [(f"S=2048 SKV={skv // 1024}K k=2048 random", "random", 2048, skv, 2048) for skv in (8192, 32768)]
     shapes = [s for s in shapes if not shapes_matching or any(text in s[0] for text in shapes_matching)]
     for label, data, num_rows, width, k in shapes:
@@ -285,12 +292,12 @@ if __name__ == "__main__":
         warm = next((a.split("=", 1)[1] for a in sys.argv[2:] if a.startswith("--warm=")), None)
         paths = [a for a in sys.argv[2:] if not a.startswith("--warm=")]
         sweep_decode(paths[0] if paths else None, warm)
-    elif sys.argv[1:2] == ["sweep_prefill"] and len(sys.argv) <= 5:
+    elif sys.argv[1:2] == ["sweep_prefill"] and len(sys.argv) <= 6:
         options = dict(a[2:].split("=", 1) for a in sys.argv[2:] if a.startswith("--"))
         paths = [a for a in sys.argv[2:] if not a.startswith("--")]
         only = options["only"].split(",") if "only" in options else None
         shapes_matching = options["shapes"].split(",") if "shapes" in options else None
-        sweep_prefill(paths[0] if paths else None, only=only, shapes_matching=shapes_matching)
+        sweep_prefill(paths[0] if paths else None, only=only, shapes_matching=shapes_matching, warm=options.get("warm"))
     else:
-        sys.exit("usage: python -m dsa_indexer.bench.suite_topk sweep_decode [OUT_JSON] [--warm=I/N] | sweep_prefill [OUT_JSON] [--only=A,B] [--shapes=T,U]   "
+        sys.exit("usage: python -m dsa_indexer.bench.suite_topk sweep_decode [OUT_JSON] [--warm=I/N] | sweep_prefill [OUT_JSON] [--only=A,B] [--shapes=T,U] [--warm=I/N]   "
                  "(the full suite runs through dsa-indexer bench)")

@@ -1,6 +1,7 @@
 """Triton kernels of the V4.1 candidate blocks (twins of ``reference.py``).
 
-``select_candidate_blocks`` runs two kernels.
+``select_candidate_blocks`` runs one fused kernel (the default since run 6 of session 4, below) on
+rows of at most ``_FUSED_MAX_BLOCKS`` blocks, and two kernels on wider logits (or with ``fused=False``):
 
 1. ``_block_keys_kernel``, grid ``(R, block tiles)``: each program reduces ``BLOCK_NB`` blocks of
    one row to their maximum over the selectable logits (NaN and ``-inf`` become ``-inf``; columns
@@ -25,6 +26,18 @@
    ascending; the rest of the row is -1. ``tl.histogram`` is a ballot histogram (about 65 warp
    instructions per 32 keys for 8 bits), so this kernel is issue-bound: the candidate compaction
    keeps the later passes to the keys of one bin.
+
+Fused path (``fused``, default ``_SELECT_FUSED``; rows of at most ``_FUSED_MAX_BLOCKS`` blocks and
+``next_power_of_2(block_size) <= step``): ``_fused_select_kernel``, one program of ``_FUSED_WARPS`` warps
+per row, streams the row in steps of ``step`` logits (16-byte loads on rows whose start is a multiple of 4;
+the next step's loads are issued before the current one is reduced), keeps the row's block keys in
+registers (int32 signed order keys, topk's convention: ``NONE`` for a block without selectable entries)
+and never reads the newest block (pinned). The threshold is searched over the other blocks for ``k - 1``
+places by ``_kth_largest_interpolated`` (four probes per round around the interpolated position of the
+k-th key, a bracket that at least halves every round). The emit is one prefix sum over the keys in
+block-id order (``greater + equal * 2**16``, as topk's ``_emit_taken``), then ``-1`` padding. One launch,
+no key round trip through memory. Run 6 (R 512, cold CUDA graph): 155.5 µs against 207.1 µs for the two
+launches (41% of the 64 µs floor; ``benchmarks/NOTES_seq_candidates.md``).
 
 ``apply_candidate_mask`` builds one flag byte per block and row (set for every listed id in
 ``[0, row blocks)``) and runs ``_mask_kernel``, which walks the row's tiles and stores ``-inf`` on
@@ -53,6 +66,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..topk.triton import INF_BITS, KEY_MAX, LOW_FIELD, NONE
+
 _KEYS_TILE = 8192
 _SELECT_CHUNK = 4096
 _SELECT_WARPS = 8
@@ -65,6 +80,12 @@ _KEYS_VECTOR = True  # 16-byte loads in the block-keys pass on aligned interior 
 _MASK_VECTOR = True  # 16-byte stores in the mask kernel on aligned interior tiles (90.6 -> 84.8 µs at R 512)
 _MASK_FUSED_MIN_ROWS = 256  # rows from which one mask kernel also builds the flags (None: never)
 _MASK_STREAMING = True  # streaming (.cs) stores in the mask kernel
+# Fused one-launch select, the default since run 6 (session 4): R 512 155.5 µs against 207.1 (two launches).
+_SELECT_FUSED = True
+_FUSED_MAX_BLOCKS = 16384  # 32 keys per thread of 16 warps; the search packs two counts per int32 (< 2**15 each)
+_FUSED_WARPS = 16  # 128 registers, one program per SM (32 warps, 64 registers, spilled: +27% in run 6)
+_FUSED_STEP = 16384  # logits per streaming step (BLOCK_J x blocks per step); 8192: +4% in run 6
+_PAD_BLOCK = 1024
 
 
 @triton.jit
@@ -211,6 +232,193 @@ def _select_kernel(
         slot = first + lanes  # [CHUNK]
         tl.store(out_row + slot * out_stride_col, tl.full([CHUNK], -1, tl.int32), mask=slot < num_blocks_k)
         first += CHUNK
+
+
+@triton.jit
+def _step_values(row_ptr, first_column, stride_col, blocks, readable, BLOCK_SIZE: tl.constexpr,
+                 BLOCK_J: tl.constexpr, UNIT_STRIDE: tl.constexpr):
+    """fp32 logits ``[STEP_NB, BLOCK_J]`` of ``blocks`` [STEP_NB] (``-inf`` past ``readable`` and past
+    the block). With ``UNIT_STRIDE`` and a 4-aligned ``first_column`` the mask is constant over each
+    block's ``BLOCK_SIZE`` (a multiple of 4) columns, so the loads are 16 bytes wide."""
+    inner = tl.arange(0, BLOCK_J)  # [BLOCK_J]
+    pos = blocks[:, None] * BLOCK_SIZE + inner[None, :]  # [STEP_NB, BLOCK_J] row-relative
+    if BLOCK_J == BLOCK_SIZE:
+        ok = tl.broadcast_to((blocks < readable)[:, None], [blocks.shape[0], BLOCK_J])
+    else:
+        ok = (blocks < readable)[:, None] & (inner < BLOCK_SIZE)[None, :]
+    if UNIT_STRIDE:
+        return tl.load(row_ptr + first_column + pos, mask=ok, other=float("-inf"))
+    return tl.load(row_ptr + (first_column + pos) * stride_col, mask=ok, other=float("-inf"))
+
+
+@triton.jit
+def _max_keys(values):
+    """int32 signed order keys (topk's convention, ``NONE`` when no entry is selectable) of the row
+    maxima of ``values`` [STEP_NB, BLOCK_J]."""
+    best = tl.max(tl.where(values != values, float("-inf"), values), axis=1)  # [STEP_NB]
+    bits = best.to(tl.int32, bitcast=True)
+    bits = tl.where(bits == NONE, 0, bits)  # -0.0 ranks as +0.0
+    key = bits ^ ((bits >> 31) & KEY_MAX)
+    return tl.where(best == float("-inf"), NONE, key)
+
+
+@triton.jit
+def _stream_row_keys(keys, row_ptr, first_column, stride_col, readable, STEPS: tl.constexpr,
+                     STEP_NB: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr,
+                     UNIT_STRIDE: tl.constexpr):
+    """``keys [STEPS, STEP_NB]`` with the block keys of the row's readable blocks. The next step's loads
+    are issued before the current step is reduced (two steps of logits in registers), so they are in
+    flight across the step's layout-conversion barrier (run 6: -4% against loading after the reduce)."""
+    step_ids = tl.arange(0, STEPS)  # [STEPS]
+    lanes = tl.arange(0, STEP_NB)  # [STEP_NB]
+    values = _step_values(row_ptr, first_column, stride_col, lanes, readable, BLOCK_SIZE, BLOCK_J, UNIT_STRIDE)
+    for s in tl.static_range(STEPS):
+        if s + 1 < STEPS:
+            following = _step_values(row_ptr, first_column, stride_col, (s + 1) * STEP_NB + lanes, readable,
+                                     BLOCK_SIZE, BLOCK_J, UNIT_STRIDE)
+        keys = tl.where(step_ids[:, None] == s, _max_keys(values)[None, :], keys)
+        if s + 1 < STEPS:
+            values = following
+    return keys
+
+
+@triton.jit
+def _add_pairs(a_first, a_second, b_first, b_second):
+    return a_first + b_first, a_second + b_second
+
+
+@triton.jit
+def _key_value(key):
+    """The fp32 value whose order key is the int32 ``key`` (the map is an involution on the bits)."""
+    return (key ^ ((key >> 31) & KEY_MAX)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _probe(value, low, high):
+    """int64 order key of the fp32 ``value``, clamped into ``[low + 1, high - 1]`` (NaN lands on a bound)."""
+    bits = value.to(tl.int32, bitcast=True)
+    key = (bits ^ ((bits >> 31) & KEY_MAX)).to(tl.int64)
+    return tl.minimum(tl.maximum(key, low + 1), high - 1)
+
+
+@triton.jit
+def _narrow(probe, count, k, low, low_count, high, high_count):
+    """Bracket ``[low, high)`` (``#(>= low) = low_count >= k > high_count = #(>= high)``) narrowed by a
+    probe inside it reached by ``count`` keys."""
+    up = (count >= k) & (probe > low)
+    down = (count < k) & (probe < high)
+    return (tl.where(up, probe, low), tl.where(up, count, low_count), tl.where(down, probe, high),
+            tl.where(down, count, high_count))
+
+
+@triton.jit
+def _interpolation_round(keys, k, low, low_count, high, high_count):
+    """One round of ``_kth_largest_interpolated``: the bracket narrowed by four probes, each reached by
+    its count among ``keys``."""
+    low_value = _key_value(low.to(tl.int32))
+    high_value = _key_value((high - 1).to(tl.int32))
+    span = high_value - low_value
+    in_bracket = (low_count - high_count).to(tl.float32)
+    guess = low_value + span * ((low_count - k).to(tl.float32) / in_bracket)
+    width = span * (0.015625 + 0.5 / in_bracket)  # 1/64 of the bracket, or half a key's share of it
+    below = _probe(guess - width, low, high)
+    above = _probe(guess + width, low, high)
+    middle = _probe(low_value + span * 0.5, low, high)
+    halving = low + (high - low) // 2
+    # Selects of constants (1 and 2**16) keep it to a compare, a select and half an add per key and probe.
+    first, second = tl.reduce(
+        (tl.where(keys >= below.to(tl.int32), 1, 0) + tl.where(keys >= above.to(tl.int32), 65536, 0),
+         tl.where(keys >= middle.to(tl.int32), 1, 0) + tl.where(keys >= halving.to(tl.int32), 65536, 0)),
+        0, _add_pairs)
+    low, low_count, high, high_count = _narrow(below, first & LOW_FIELD, k, low, low_count, high, high_count)
+    low, low_count, high, high_count = _narrow(above, first >> 16, k, low, low_count, high, high_count)
+    low, low_count, high, high_count = _narrow(middle, second & LOW_FIELD, k, low, low_count, high, high_count)
+    low, low_count, high, high_count = _narrow(halving, second >> 16, k, low, low_count, high, high_count)
+    return low, low_count, high, high_count
+
+
+@triton.jit
+def _kth_largest_interpolated(keys, k, selectable):
+    """A ``t`` that is the k-th largest of the 1-D int32 ``keys`` (fewer than 32768, ``selectable > k >= 1``
+    of them other than ``NONE``) or that exactly k keys reach; either gives the same selection.
+
+    Keeps a bracket ``[low, high)`` with ``#(keys >= low) >= k > #(keys >= high)`` and counts four
+    probes inside it per round (two packed int32 sums, one block reduction): the interpolated
+    position of the k-th key in value space (linear between the bracket's values, by the counts)
+    minus and plus a width, the bracket's midpoint in value space, and its midpoint in key space,
+    which at least halves the bracket every round (at most 32 rounds whatever the data; 4-10 on the
+    bench data against 10-13 for topk's two bits a round, run 6: -12%). Ends when
+    ``#(keys >= low) == k`` or the bracket is one key wide (then ``low`` is the k-th largest)."""
+    low = tl.min(tl.where(keys != NONE, keys, KEY_MAX), axis=0).to(tl.int64)
+    high = tl.max(keys, axis=0).to(tl.int64) + 1
+    low_count = selectable
+    high_count = selectable * 0
+    while (low_count > k) & (high - low > 1):
+        low, low_count, high, high_count = _interpolation_round(keys, k, low, low_count, high, high_count)
+    return low.to(tl.int32)
+
+
+@triton.jit(do_not_specialize=["row_repeat", "num_blocks_k"])
+def _fused_select_kernel(
+    logits_ptr, starts_ptr, ends_ptr, out_ptr,
+    row_repeat, num_blocks_k, stride_row, stride_col, out_stride_row, out_stride_col,
+    HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr, STEPS: tl.constexpr,
+    STEP_NB: tl.constexpr, VECTOR: tl.constexpr, PAD_BLOCK: tl.constexpr,
+):
+    """One program per row: stream the row, hold its ``STEPS * STEP_NB`` block keys in registers
+    (``[STEPS, STEP_NB]``, block ``s * STEP_NB + j`` at ``[s, j]``), find the threshold and emit.
+
+    The newest block is never read (its score is pinned): the search runs over the other blocks for
+    ``k - 1`` places, which gives the same threshold as searching all blocks with the pin for ``k`` (the
+    pin holds the largest key, ``+inf``'s; removing one copy of the maximum shifts every rank by one),
+    and keeps the pin's key out of the searched range (a narrower starting bracket). ``VECTOR`` (unit
+    column stride): rows whose start is a multiple of 4 load from a base the compiler knows to be
+    4-aligned (16-byte loads)."""
+    row = tl.program_id(0).to(tl.int64)
+    start, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS)
+    num_blocks = ((length + BLOCK_SIZE - 1) // BLOCK_SIZE).to(tl.int32)
+    readable = num_blocks - 1  # every block but the pinned newest one
+    row_ptr = logits_ptr + row * stride_row
+    keys = tl.full([STEPS, STEP_NB], NONE, tl.int32)
+    if VECTOR and (start % 4 == 0):
+        aligned_start = (start // 4) * 4  # == start; the product tells the compiler it is 4-aligned
+        keys = _stream_row_keys(keys, row_ptr, aligned_start, 1, readable, STEPS, STEP_NB, BLOCK_SIZE, BLOCK_J,
+                                True)
+    else:
+        keys = _stream_row_keys(keys, row_ptr, start, stride_col, readable, STEPS, STEP_NB, BLOCK_SIZE, BLOCK_J,
+                                False)
+    # Row-major flattening keeps block-id order (and is free: [s, j] and s * STEP_NB + j share a thread).
+    keys = tl.reshape(keys, [STEPS * STEP_NB])  # [NB]
+    block_ids = tl.arange(0, STEPS * STEP_NB)  # [NB]
+    # Threshold t: every key > t is taken, then the first (k - #(> t)) keys == t in id order.
+    selectable = tl.sum((keys != NONE).to(tl.int32), axis=0)
+    k_rest = num_blocks_k - (num_blocks > 0).to(tl.int32)
+    t = num_blocks_k * 0 + NONE
+    if selectable > k_rest:
+        if k_rest > 0:
+            t = _kth_largest_interpolated(keys, k_rest, selectable)
+        else:
+            t = num_blocks_k * 0 + INF_BITS
+    keys = tl.where(block_ids == num_blocks - 1, INF_BITS, keys)
+    greater = keys > t
+    equal = (keys == t) & (keys != NONE)
+    counts = greater.to(tl.int32) + (equal.to(tl.int32) << 16)  # [NB] two 16-bit fields
+    prefix = tl.cumsum(counts, axis=0)  # inclusive, in block-id order
+    totals = tl.sum(counts, axis=0)
+    ties = tl.where(t == NONE, 0, num_blocks_k - (totals & LOW_FIELD))
+    greater_rank = prefix & LOW_FIELD
+    equal_rank = prefix >> 16
+    take = greater | (equal & (equal_rank <= ties))
+    position = greater_rank + tl.minimum(equal_rank, ties) - 1
+    out_row = out_ptr + row * out_stride_row
+    tl.store(out_row + position.to(tl.int64) * out_stride_col, block_ids, mask=take)
+    taken = (totals & LOW_FIELD) + tl.minimum(totals >> 16, ties)
+    first = (taken // PAD_BLOCK) * PAD_BLOCK
+    while first < num_blocks_k:
+        slot = first + tl.arange(0, PAD_BLOCK)  # [PAD_BLOCK]
+        tl.store(out_row + slot.to(tl.int64) * out_stride_col, tl.full([PAD_BLOCK], -1, tl.int32),
+                 mask=(slot >= taken) & (slot < num_blocks_k))
+        first += PAD_BLOCK
 
 
 @triton.jit(do_not_specialize=["row_repeat", "num_candidates"])
@@ -368,6 +576,33 @@ def select_from_keys(keys: torch.Tensor, starts: torch.Tensor | None, ends: torc
     return out
 
 
+def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.Tensor, num_blocks_k: int,
+                 block_size: int, row_repeat: int, out: torch.Tensor, *, vector: bool | None = None,
+                 step: int = _FUSED_STEP) -> torch.Tensor:
+    """One launch, one program of ``_FUSED_WARPS`` warps per row (``_fused_select_kernel``), rows of at
+    most ``_FUSED_MAX_BLOCKS`` blocks; ``step`` logits per streaming step. Needs
+    ``next_power_of_2(block_size) <= step`` (``select_candidate_blocks_triton`` checks it)."""
+    num_rows, width = logits.shape
+    max_blocks = triton.cdiv(width, block_size)
+    padded_blocks = triton.next_power_of_2(max(max_blocks, 1))
+    assert padded_blocks <= _FUSED_MAX_BLOCKS, "the fused select holds at most _FUSED_MAX_BLOCKS keys per row"
+    if num_rows == 0:
+        return out
+    if width == 0:
+        return out.fill_(-1)
+    vector = (_KEYS_VECTOR if vector is None else vector) and logits.stride(1) == 1
+    starts_arg, has_starts = _bounds_args(starts, ends)
+    block_j = triton.next_power_of_2(block_size)
+    step_blocks = min(max(1, step // block_j), padded_blocks)
+    _fused_select_kernel[(num_rows,)](
+        logits, starts_arg, ends, out,
+        row_repeat, num_blocks_k, logits.stride(0), logits.stride(1), out.stride(0), out.stride(1),
+        HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_J=block_j, STEPS=padded_blocks // step_blocks,
+        STEP_NB=step_blocks, VECTOR=vector, PAD_BLOCK=_PAD_BLOCK, num_warps=_FUSED_WARPS,
+    )
+    return out
+
+
 def select_candidate_blocks_triton(
     logits: torch.Tensor,
     starts: torch.Tensor | None,
@@ -379,11 +614,20 @@ def select_candidate_blocks_triton(
     *,
     vector: bool | None = None,
     keys_tile: int = _KEYS_TILE,
+    fused: bool | None = None,
+    fused_step: int = _FUSED_STEP,
 ) -> torch.Tensor:
-    """Triton twin of ``select_candidate_blocks_reference``; ``vector`` and ``keys_tile`` go to
-    ``block_keys``."""
+    """Triton twin of ``select_candidate_blocks_reference``. ``fused`` (default ``_SELECT_FUSED``; only
+    logits of at most ``_FUSED_MAX_BLOCKS`` blocks per row and blocks of at most ``fused_step``
+    positions, others take the two launches) runs ``select_fused`` with ``fused_step``; ``vector`` goes
+    to whichever path runs, ``keys_tile`` to ``block_keys`` (two launches)."""
     if out is None:
         out = torch.empty((logits.shape[0], num_blocks_k), dtype=torch.int32, device=logits.device)
+    fused = _SELECT_FUSED if fused is None else fused
+    padded_blocks = triton.next_power_of_2(max(triton.cdiv(logits.shape[1], block_size), 1))
+    if fused and padded_blocks <= _FUSED_MAX_BLOCKS and triton.next_power_of_2(block_size) <= fused_step:
+        return select_fused(logits, starts, ends, num_blocks_k, block_size, row_repeat, out, vector=vector,
+                            step=fused_step)
     keys = block_keys(logits, starts, ends, block_size, row_repeat, vector=vector, tile=keys_tile)
     return select_from_keys(keys, starts, ends, num_blocks_k, block_size, row_repeat, out)
 

@@ -17,11 +17,9 @@ prologue (lengths, block table, first keys: dependent cold reads). What changes 
   M, heads on N, both operands from shared memory), then waits for row 0 only and runs its epilogue
   (``(s + |s|) * (w / 2)`` summed over the heads: in-thread adds and two quad shuffles) while row 1's
   wgmma runs, then row 1's.
-- Several programs share an SM, so one program's epilogue also overlaps another's wgmma and copies.
-- Ping-pong (a configuration option, off by default): two consumer warpgroups in one program take
-  alternate ring stages (uses ``u`` with ``u % 2`` their number), each with its own named barrier and
-  its own wgmma chains, so one's epilogue runs under the other's wgmma inside the program; the query slot
-  goes back when both are done (``query_empty`` counts two arrivals).
+- Several programs share an SM, so one program's epilogue also overlaps another's wgmma and copies (two
+  consumer warpgroups per program on alternate stages, "ping-pong", measured 0.77-0.92x of this:
+  NOTES_logits.md, session 4).
 
 The head sum of a row is the reduction over axis 1 of its own ``[64, BLOCK_H]`` accumulator (the
 Triton kernel reduces a ``[BLOCK_K, ROWS, BLOCK_H]`` view of one stacked accumulator); results agree
@@ -56,48 +54,36 @@ BLOCK_K = gl.constexpr(64)  # positions per key tile: one wgmma M tile
 # (cp.async ring stages, work items per SM aimed at, key tiles per split min/max, draft rows per program at
 # most (1 or 2), producer warps, producer registers per thread, register cap per thread at launch,
 # persistent programs per SM: 0 = one program per work item, and optionally whether each item's first
-# table entry is read beside its lengths: 0/1, default 0; consumer warpgroups per program: 1, or 2 for
-# ping-pong, default 1; with 2, the second consumer's registers). Warp specialisation rounds the warps up to whole
+# table entry is read beside its lengths: 0/1, default 0). Warp specialisation rounds the warps up to whole
 # warpgroups (4 consumer + 4 producer = 256 threads), so the cap decides the programs per SM: 128 gives
 # two, 80 three, 64 four (the consumer gets 2 * cap - producer registers). Measured winners (H200, cold-L2
-# graph replays, NOTES_logits.md run 6), picked per call by ``gluon_decode_config``: draft rows at
+# graph replays, NOTES_logits.md runs 6 and 9), picked per call by ``gluon_decode_config``: draft rows at
 # ``batch * max_context_len >= GLUON_LARGE_KEYS``: three programs per SM, one work item each.
 GLUON_DECODE_CONFIG = (4, 8, 2, 32, 2, 4, 32, 80, 0)
-# Draft rows below that: two persistent programs per SM (the next item's loads hide its prologue).
-GLUON_DECODE_CONFIG_SMALL = (4, 8, 2, 32, 2, 4, 40, 128, 2)
+# Draft rows below that: two persistent programs per SM (the next item's loads hide its prologue), 4 items
+# per SM aimed at (long splits: fewer per-item query copies and first-entry chains), each item's first table
+# entry read beside its lengths (``persist2-coarse-early``: 14.1 vs 15.2 µs at B = 1, L = 128K, 53.7 vs 56.3
+# at B = 32, L = 32K; run 9).
+GLUON_DECODE_CONFIG_SMALL = (4, 4, 2, 32, 2, 4, 40, 128, 2, 1)
 # next_n = 1: four persistent programs per SM (one accumulator: 104 consumer registers, no spills).
 GLUON_DECODE_CONFIG_ONE_ROW = (4, 8, 2, 32, 1, 4, 24, 64, 4)
 GLUON_LARGE_KEYS = 1 << 22
-# Candidates timed by the benchmark sweep (each is tested against the reference and the default's bits).
-# Consumer registers: 216 at cap 128 / producer 40, 128 at cap 80 / producer 32 (no spills at next_n = 2),
-# 104 at cap 64 / producer 24 (no spills at next_n = 1 only). Shared memory per program at next_n = 2:
-# ~50 KB, ~67 KB with two query slots (persistent), +8.4 KB a stage.
+# Configurations timed by the benchmark sweep (each is tested against the reference and the default's bits):
+# the three defaults and the steps from the previous small-shape default to the current one (the variants that
+# lost in runs 5-9 are recorded in NOTES_logits.md, not kept here). Consumer registers: 216 at cap 128 /
+# producer 40, 128 at cap 80 / producer 32 (no spills at next_n = 2), 104 at cap 64 / producer 24 (no spills
+# at next_n = 1 only). Shared memory per program at next_n = 2: ~50 KB, ~67 KB with two query slots
+# (persistent), +8.4 KB a stage.
 GLUON_SWEEP_CONFIGS = {
-    "round1": (4, 8, 2, 32, 2, 4, 40, 128, 0),
-    "cta3": (4, 8, 2, 32, 2, 4, 32, 80, 0),
+    "cta3": GLUON_DECODE_CONFIG,
+    "persist4-one-row": GLUON_DECODE_CONFIG_ONE_ROW,
+    # The small-shape default until session 4: 8 items per SM aimed at, the first table entry after the lengths.
     "persist2": (4, 8, 2, 32, 2, 4, 40, 128, 2),
-    "persist2-s6": (6, 8, 2, 32, 2, 4, 40, 128, 2),
-    "persist3": (4, 8, 2, 32, 2, 4, 32, 80, 3),
-    "persist3-fine": (4, 16, 1, 32, 2, 4, 32, 80, 3),
-    "persist4-one-row": (4, 8, 2, 32, 1, 4, 24, 64, 4),
-    # Shorter splits for next_n = 1 at ~1M keys (B = 32, L = 32K: 16 tiles a split at 8 items per SM aimed
-    # at; these aim at 16 / 32 items per SM, i.e. 8 / 4 tiles a split, so the four persistent programs of
-    # an SM end closer together; the next item's first loads hide the extra prologues).
-    "persist4-fine": (4, 16, 1, 32, 1, 4, 24, 64, 4),
-    "persist4-short": (4, 32, 1, 32, 1, 4, 24, 64, 4),
     # The first table entry beside the lengths: one cold read less in the chain before the first keys.
-    "persist4-early": (4, 8, 2, 32, 1, 4, 24, 64, 4, 1),
-    "persist4-fine-early": (4, 16, 1, 32, 1, 4, 24, 64, 4, 1),
     "persist2-early": (4, 8, 2, 32, 2, 4, 40, 128, 2, 1),
-    # Ping-pong (field 11 = 2 consumer warpgroups, field 12 = the second one's registers): one program per SM
-    # (12 warps at cap 168), the two consumers take alternate ring stages of an 8-stage ring, so one's
-    # epilogue runs under the other's wgmma. Triton gives the first consumer (the default partition) 256
-    # registers; 256 + 208 + 40 (producer) = 3 x 168 fills the launch budget exactly (setmaxnreg asks the
-    # program's pool: more would wait for ever). Two programs per SM are not possible: at cap 80 Triton
-    # gives the default partition 192, leaving the second consumer 16.
-    "pingpong": (8, 8, 2, 32, 2, 4, 40, 168, 0, 0, 2, 208),
-    # The same, one persistent program per SM (two query slots: 100 KB of shared memory).
-    "pingpong-persist": (8, 8, 2, 32, 2, 4, 40, 168, 1, 0, 2, 208),
+    # Twice the tiles a split (4 items per SM aimed at): half the items, so half the per-item query copies
+    # (16 KB each at next_n = 2, as much as a 2-tile item's keys) and first-entry chains at small shapes.
+    "persist2-coarse-early": GLUON_DECODE_CONFIG_SMALL,
 }
 # Smallest ``batch * max_context_len`` the dispatch sends to the Gluon kernel, by draft rows (see
 # ``gluon_decode_preferred``).
@@ -285,12 +271,11 @@ def _row_outputs(w_ptr, stride_wr, stride_wh, out_ptr, stride_or, request, t0, n
 
 
 @gluon.jit
-def _store_tail(out_row0, out_row1, present0, present1, split_start, split_end, read_end, key, ROWS: gl.constexpr,
-                CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr):
+def _store_tail(out_row0, out_row1, present0, present1, split_start, split_end, read_end, key, ROWS: gl.constexpr):
     """``-inf`` at the split's positions past what was read (``[max(split_start, read_end), split_end)``),
-    in 64-key blocks ``CONSUMER, CONSUMER + CONSUMERS, ...`` of it (``key``: arange over ``BLOCK_K``)."""
+    64 keys at a time (``key``: arange over ``BLOCK_K``)."""
     masked = gl.full([BLOCK_K], float("-inf"), gl.float32, layout=key.type.layout)
-    for first in range(gl.maximum(split_start, read_end) + CONSUMER * BLOCK_K, split_end, CONSUMERS * BLOCK_K):
+    for first in range(gl.maximum(split_start, read_end), split_end, BLOCK_K):
         positions = first + key
         gl.store(out_row0 + positions, masked, mask=(positions < split_end) & present0)
         if ROWS == 2:
@@ -302,13 +287,9 @@ def _consumer(w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_
               key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty,
               next_n, one_d, max_context_len, num_splits, num_groups, num_works,
               HEADS: gl.constexpr, BLOCK_H: gl.constexpr, ROWS: gl.constexpr, TILES: gl.constexpr,
-              NUM_STAGES: gl.constexpr, QUERY_SLOTS: gl.constexpr, CLEAN: gl.constexpr,
-              CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr):
+              NUM_STAGES: gl.constexpr, QUERY_SLOTS: gl.constexpr, CLEAN: gl.constexpr):
     """Per work item, per tile: one async wgmma per row, row 0's epilogue under row 1's wgmma; then the
-    item's ``-inf`` tail. Query slot and ring stages go back to the producer as soon as they are read.
-    With ``CONSUMERS = 2`` (ping-pong) this warpgroup, number ``CONSUMER``, takes the ring uses ``u`` with
-    ``u % 2 == CONSUMER`` (whole stages, as ``NUM_STAGES`` is even) and every other 64-key block of the
-    tail; the other consumer warpgroup runs the rest, so one's epilogue runs under the other's wgmma."""
+    item's ``-inf`` tail. Query slot and ring stages go back to the producer as soon as they are read."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_H, 32])
     head = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, mma_layout))
@@ -323,11 +304,7 @@ def _consumer(w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_
             w_ptr, stride_wr, stride_wh, out_ptr, stride_or, request, t0, next_n, head, HEADS, ROWS)
         query_slot = done % QUERY_SLOTS
         mbarrier.wait(query_ready.index(query_slot), (done // QUERY_SLOTS) & 1)
-        if CONSUMERS == 1:
-            first_tile = 0
-        else:
-            first_tile = (CONSUMER + CONSUMERS - uses % CONSUMERS) % CONSUMERS  # this warpgroup's first use
-        for tile in range(first_tile, num_tiles, CONSUMERS):
+        for tile in range(num_tiles):
             stage = (uses + tile) % NUM_STAGES
             mbarrier.wait(ready.index(stage), ((uses + tile) // NUM_STAGES) & 1)
             fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async one
@@ -358,8 +335,7 @@ def _consumer(w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_
         gl.thread_barrier()
         mbarrier.arrive(query_empty.index(query_slot), count=1)
         if CLEAN:
-            _store_tail(out_row0, out_row1, present0, present1, split_start, split_end, read_end, key, ROWS, CONSUMER,
-                        CONSUMERS)
+            _store_tail(out_row0, out_row1, present0, present1, split_start, split_end, read_end, key, ROWS)
         uses += num_tiles
         done += 1
 
@@ -378,7 +354,6 @@ def _paged_mqa_logits_ws_kernel(
     ROWS: gl.constexpr, TILES: gl.constexpr, NUM_STAGES: gl.constexpr, QUERY_SLOTS: gl.constexpr,
     CLEAN: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, COPY_ALIGN: gl.constexpr,
     KEY_SMEM_LAYOUT: gl.constexpr, COPY_LAYOUT: gl.constexpr, SCALE_LAYOUT: gl.constexpr, EARLY_TABLE: gl.constexpr,
-    CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """Work items ``pid, pid + programs, ...`` of ``num_works`` (draft rows ``[t0, t0 + ROWS)`` of one
     request over one split of ``TILES * BLOCK_K`` positions each; one item per program unless persistent)."""
@@ -395,39 +370,19 @@ def _paged_mqa_logits_ws_kernel(
         mbarrier.init(empty.index(s), count=1)
     for s in gl.static_range(QUERY_SLOTS):
         mbarrier.init(query_ready.index(s), count=32 * PRODUCER_WARPS)
-        mbarrier.init(query_empty.index(s), count=CONSUMERS)  # every consumer warpgroup reads each query slot
+        mbarrier.init(query_empty.index(s), count=1)
 
-    # (Gluon takes the partitions' arguments as literal tuples only: they are spelled out in each branch.)
-    if CONSUMERS == 1:
-        gl.warp_specialize([
-            (_consumer, (w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_lb, stride_lt,
-                         key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty,
-                         next_n, one_d, max_context_len, num_splits, num_groups, num_works,
-                         HEADS, BLOCK_H, ROWS, TILES, NUM_STAGES, QUERY_SLOTS, CLEAN, 0, 1)),
-            (_producer, (q_ptr, stride_qb, stride_qt, stride_qh, values_ptr, cache_ptr, page_units, table_ptr,
-                         stride_tb, table_columns, lens_ptr, stride_lb, stride_lt, key_ring, scale_ring, query_ring,
-                         ready, empty, query_ready, query_empty, next_n, one_d, max_context_len, num_splits,
-                         num_groups, num_works, HEADS, BLOCK_H, DIM, BLOCK_SIZE, ROWS, TILES, NUM_STAGES,
-                         QUERY_SLOTS, COPY_ALIGN, COPY_LAYOUT, SCALE_LAYOUT, EARLY_TABLE)),
-        ], [PRODUCER_WARPS], [PRODUCER_REGS])
-    else:
-        # Ping-pong: the second consumer warpgroup is a worker partition, listed before the producer so that it
-        # gets warps 4-7 (a warpgroup boundary, as wgmma needs).
-        gl.warp_specialize([
-            (_consumer, (w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_lb, stride_lt,
-                         key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty,
-                         next_n, one_d, max_context_len, num_splits, num_groups, num_works,
-                         HEADS, BLOCK_H, ROWS, TILES, NUM_STAGES, QUERY_SLOTS, CLEAN, 0, 2)),
-            (_consumer, (w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_lb, stride_lt,
-                         key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty,
-                         next_n, one_d, max_context_len, num_splits, num_groups, num_works,
-                         HEADS, BLOCK_H, ROWS, TILES, NUM_STAGES, QUERY_SLOTS, CLEAN, 1, 2)),
-            (_producer, (q_ptr, stride_qb, stride_qt, stride_qh, values_ptr, cache_ptr, page_units, table_ptr,
-                         stride_tb, table_columns, lens_ptr, stride_lb, stride_lt, key_ring, scale_ring, query_ring,
-                         ready, empty, query_ready, query_empty, next_n, one_d, max_context_len, num_splits,
-                         num_groups, num_works, HEADS, BLOCK_H, DIM, BLOCK_SIZE, ROWS, TILES, NUM_STAGES,
-                         QUERY_SLOTS, COPY_ALIGN, COPY_LAYOUT, SCALE_LAYOUT, EARLY_TABLE)),
-        ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+    gl.warp_specialize([
+        (_consumer, (w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_lb, stride_lt,
+                     key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty,
+                     next_n, one_d, max_context_len, num_splits, num_groups, num_works,
+                     HEADS, BLOCK_H, ROWS, TILES, NUM_STAGES, QUERY_SLOTS, CLEAN)),
+        (_producer, (q_ptr, stride_qb, stride_qt, stride_qh, values_ptr, cache_ptr, page_units, table_ptr,
+                     stride_tb, table_columns, lens_ptr, stride_lb, stride_lt, key_ring, scale_ring, query_ring,
+                     ready, empty, query_ready, query_empty, next_n, one_d, max_context_len, num_splits,
+                     num_groups, num_works, HEADS, BLOCK_H, DIM, BLOCK_SIZE, ROWS, TILES, NUM_STAGES,
+                     QUERY_SLOTS, COPY_ALIGN, COPY_LAYOUT, SCALE_LAYOUT, EARLY_TABLE)),
+    ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
 def kernel_constants(heads: int, dim: int, block_size: int, rows: int, tiles: int, clean: bool, copy_align: int,
@@ -435,10 +390,6 @@ def kernel_constants(heads: int, dim: int, block_size: int, rows: int, tiles: in
     """The kernel's compile-time arguments (launcher and ahead-of-time compilation share them); ``config``
     is a ``GLUON_DECODE_CONFIG``-like tuple, ``query_slots`` 2 when a program runs several work items."""
     num_stages, producer_warps, producer_regs = config[0], config[5], config[6]
-    consumers = config[10] if len(config) > 10 else 1
-    if consumers not in (1, 2) or num_stages % consumers or consumers == 2 and len(config) < 12:
-        raise ValueError(f"the Gluon decode kernel takes 1 or 2 consumer warpgroups dividing the stages (2 with the "
-                         f"second one's registers), got {consumers} for {num_stages} stages")
     if dim & (dim - 1) or not 32 <= dim <= 512:
         raise ValueError(f"the Gluon decode kernel needs a power-of-two head_dim in [32, 512], got {dim}")
     if heads > 128:
@@ -453,7 +404,6 @@ def kernel_constants(heads: int, dim: int, block_size: int, rows: int, tiles: in
         if lanes_per_row <= 32 else None,
         SCALE_LAYOUT=gl.BlockedLayout([1], [32], [producer_warps], [0]),
         EARLY_TABLE=bool(len(config) > 9 and config[9]) and block_size % BLOCK_K.value == 0,
-        CONSUMERS=consumers, CONSUMER_REGS=config[11] if consumers == 2 else 0,
     )
 
 

@@ -218,7 +218,7 @@ def _consumer(q_ptr, stride_qb, stride_qt, stride_qh, w_ptr, stride_wr, stride_w
                 acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, ))
                 _store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
     if CLEAN:
-        _store_tail(out_row0, out_row1, present0, present1, split_start, split_end, read_end, key, ROWS, 0, 1)
+        _store_tail(out_row0, out_row1, present0, present1, split_start, split_end, read_end, key, ROWS)
 
 
 @gluon.jit(do_not_specialize=["next_n", "one_d", "max_context_len", "num_splits", "num_groups"])

@@ -58,6 +58,18 @@ ue8m0 exponents without a division (``fp8_scale_exponent``, ``mxfp4_exponents``)
     floor) gives a subnormal quotient, clamped to -126, or 0 when ``amax <= 1.75 * 2**-142`` (bits
     ``<= 224``) rounds it to zero, whose ``frexp`` exponent is 0.
 
+MXFP4 of bf16 values on bf16 pairs (``bf16x2``: ``quantize_store_bf16_words``; the default, run 6)
+    When every value to quantise is a bf16 (a bf16 ``q`` or ``k``, and the rotated dims, which are rounded
+    to bf16 anyway), rows are loaded as 32-bit words of (even dim, odd dim) pairs in row-major tiles
+    (``load_bf16_words``: whole sectors per load) and the whole encode runs on packed bf16x2 instructions,
+    two values each: block amax by ``max.NaN.xorsign.abs.bf16x2``, then ``mxfp4_encode_bf16x2`` (the e2m1
+    magic add above, in bf16, proof in its docstring), about 4 instructions per value instead of 12; each
+    thread stores the packed word it computed (consecutive threads on consecutive words). It needs finite
+    values; a program holding an inf or NaN (one block-wide maximum decides) takes a saturating form of the
+    same encode on the finite block maxima. Other inputs (fp16 or fp32, strided dims; and every input under
+    the interpreter) take the fp32 path: ``load_pairs``' block-per-thread tiles, ``mxfp4_pack_pairs``,
+    ``store_mxfp4_rows``' row-major stores.
+
 Dividing by a power-of-two scale ``2**e`` is replaced by multiplying with ``2**-e``: both are one
 correctly rounded fp32 operation on the same real quotient (``-e`` stays within the normal range).
 Kernels launch with ``enable_fp_fusion=False``, so no product is fused into a sum (the RoPE rounds each
@@ -87,11 +99,9 @@ _E2M1_TO_SUBNORMAL = tl.constexpr(2.0**-126)
 _LOW_NIBBLE = tl.constexpr(2**10 + 2**4)  # umulhi: (b >> 22) + (b >> 28)
 _HIGH_NIBBLE = tl.constexpr(2**14 + 2**8)  # umulhi: (b >> 18) + (b >> 24)
 
-# MXFP4 launch choices the wrapper makes unless told: ``store_mxfp4_rows``'s tiles (block per thread, or
-# row-major) and the RoPE's bf16 rounding (one conversion per value, or per pair). Row-major stores with
-# packed rounding: fastest on an H200 (run 4).
-ROPE_MXFP4_ROW_MAJOR_STORES = True
-ROPE_MXFP4_PACKED_BF16 = True
+# MXFP4 of bf16 ``q`` (unit dim stride) unless told otherwise: encode on bf16 pairs (``quantize_store_bf16_words``)
+# rather than on fp32 values (94.8 against 123.4 us on an H200, run 6).
+ROPE_MXFP4_BF16X2 = True
 
 __all__ = ["rope_quant_q_triton"]
 
@@ -270,27 +280,22 @@ def load_pairs(row_ptrs, first_dim, stride, rows_ok, PAIRS: tl.constexpr, NB: tl
 
 
 @triton.jit
-def store_mxfp4_rows(value_rows, scale_rows, rows_ok, packed, scales, WIDTH: tl.constexpr, ROW_MAJOR: tl.constexpr):
+def store_mxfp4_rows(value_rows, scale_rows, rows_ok, packed, scales, WIDTH: tl.constexpr):
     """Store ``mxfp4_pack_pairs``'s ``packed [ROWS, NB, 4, 4]`` and ``scales [ROWS, NB]`` of dims ``[0, WIDTH)``
     of each row: bytes ``[0, WIDTH / 2)`` after ``value_rows [ROWS]`` (byte pointers), scales
     ``[0, WIDTH / 32)`` after ``scale_rows [ROWS]``; rows where ``rows_ok`` is false write nothing.
 
-    Default: stored from the layout they were computed in (a thread's 4-byte runs, a warp on 32 rows:
-    32 partly written sectors per store). ``ROW_MAJOR``: stored as ``[ROWS, NB * 16]`` and ``[ROWS, NB]``
-    tiles, whose coalesced layouts put up to 16 contiguous bytes in a thread and consecutive threads on
-    consecutive runs: one ``STG.128`` per 16 bytes, every 32-byte sector written whole by one instruction
-    (the compiler converts the layout through shared memory: one ``STS.128`` and one ``LDS.128``).
+    Stored as ``[ROWS, NB * 16]`` and ``[ROWS, NB]`` tiles, whose coalesced layouts put up to 16 contiguous
+    bytes in a thread and consecutive threads on consecutive runs: one ``STG.128`` per 16 bytes, every
+    32-byte sector written whole by one instruction (the compiler converts the layout through shared memory:
+    one ``STS.128`` and one ``LDS.128``). Stored from the block-per-thread layout they are computed in, a
+    warp's 4-byte stores would write 32 sectors partly: 16% slower (run 4).
     """
     rows: tl.constexpr = packed.shape[0]
     nb: tl.constexpr = packed.shape[1]
-    if ROW_MAJOR:
-        byte = tl.arange(0, nb * 16)  # [NB * 16]
-        tl.store(value_rows[:, None] + byte[None, :], tl.reshape(packed, [rows, nb * 16]),
-                 mask=rows_ok[:, None] & (byte < WIDTH // 2)[None, :])
-    else:
-        pair = pair_index(nb)  # [1, NB, 4, 4]
-        tl.store(value_rows[:, None, None, None] + pair, packed,
-                 mask=rows_ok[:, None, None, None] & (pair < WIDTH // 2))
+    byte = tl.arange(0, nb * 16)  # [NB * 16]
+    tl.store(value_rows[:, None] + byte[None, :], tl.reshape(packed, [rows, nb * 16]),
+             mask=rows_ok[:, None] & (byte < WIDTH // 2)[None, :])
     block = tl.arange(0, nb)
     tl.store(scale_rows[:, None] + block[None, :], scales,
              mask=rows_ok[:, None] & (block < WIDTH // _MXFP4_BLOCK)[None, :])
@@ -298,7 +303,7 @@ def store_mxfp4_rows(value_rows, scale_rows, rows_ok, packed, scales, WIDTH: tl.
 
 @triton.jit
 def _store_mxfp4_pairs(values_ptr, scales_ptr, head_rows, heads_ok, even, odd, START: tl.constexpr,
-                       WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, ROW_MAJOR: tl.constexpr, INTERPRETER: tl.constexpr):
+                       WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, INTERPRETER: tl.constexpr):
     """Quantise and store dims ``[START, START + WIDTH)`` of each head.
 
     ``even, odd``: those dims as ``load_pairs`` tiles ``[BLOCK_H, NB, 4, 4]``.
@@ -306,7 +311,194 @@ def _store_mxfp4_pairs(values_ptr, scales_ptr, head_rows, heads_ok, even, odd, S
     packed, scales = mxfp4_pack_pairs(even, odd, INTERPRETER)
     store_mxfp4_rows(values_ptr + head_rows * (HEAD_DIM // 2) + START // 2,
                      scales_ptr + head_rows * (HEAD_DIM // _MXFP4_BLOCK) + START // _MXFP4_BLOCK, heads_ok, packed,
-                     scales, WIDTH, ROW_MAJOR)
+                     scales, WIDTH)
+
+
+# Packed bf16x2 encode of four words (eight bf16 values) into four MXFP4 bytes; see ``mxfp4_encode_bf16x2``.
+# Inputs ``$1..$4`` the words, ``$5`` the scale ``2**-e`` in both halves; output ``$0``. ``{clamp}``: nothing, or
+# (saturating variant) ``v = copysign(min(max(|v|, 0), 6), v)``, which sends inf to 6 and NaN to ±0.
+_ENCODE_WORD = (
+    "mul.rn.bf16x2 v, {w}, $5; {clamp}and.b32 u, v, 0x7F807F80; max.bf16x2 u, u, one; "
+    "fma.rn.bf16x2 v, u, magic, v; fma.rn.bf16x2 v, u, neg_magic, v; mul.rn.bf16x2 b{i}, v, tiny; "
+    "mul.hi.u32 h{i}, b{i}, 0x04104000; "
+)
+_CLAMP_WORD = ("and.b32 u, v, 0x7FFF7FFF; max.bf16x2 u, u, zero; min.bf16x2 u, u, six; and.b32 v, v, 0x80008000; "
+               "or.b32 v, v, u; ")
+
+
+def _encode_words_asm(saturate: bool) -> str:
+    return (
+        "{ .reg .b32 v, u, one, magic, neg_magic, tiny, zero, six, b0, b1, b2, b3, h0, h1, h2, h3, lo, hi, codes, "
+        "signs; "
+        "mov.b32 one, 0x3F803F80; mov.b32 magic, 0x42C042C0; mov.b32 neg_magic, 0xC2C0C2C0; "
+        "mov.b32 tiny, 0x00800080; mov.b32 zero, 0; mov.b32 six, 0x40C040C0; "
+        + "".join(_ENCODE_WORD.format(w=f"${i + 1}", i=i, clamp=_CLAMP_WORD if saturate else "") for i in range(4))
+        + "prmt.b32 lo, h0, h1, 0x0040; prmt.b32 hi, h2, h3, 0x0040; prmt.b32 codes, lo, hi, 0x5410; "
+        "prmt.b32 lo, b0, b1, 0x0073; prmt.b32 hi, b2, b3, 0x0073; prmt.b32 signs, lo, hi, 0x5410; "
+        "and.b32 signs, signs, 0x80808080; or.b32 $0, codes, signs; }"
+    )
+
+
+_ENCODE_WORDS_ASM = tl.constexpr(_encode_words_asm(False))
+_ENCODE_WORDS_SATURATING_ASM = tl.constexpr(_encode_words_asm(True))
+
+
+@triton.jit
+def load_bf16_words(row_words, first_word, rows_ok, WORDS: tl.constexpr, NB: tl.constexpr):
+    """Words ``first_word + w``, ``w < WORDS``, after each of ``row_words [ROWS]`` (uint32 pointers) as
+    ``[ROWS, NB, 4, 4]`` uint32 tiles (word ``16b + 4g + i`` at ``[row, b, g, i]``); a word holds the bf16 pair
+    (dim ``2w``, dim ``2w + 1``), the even dim in its low half. Masked-off words read 0.
+
+    Loaded as a ``[ROWS, NB * 16]`` tile, whose coalesced layout puts 4 words in a thread and consecutive
+    threads on consecutive words (whole sectors per load); the tiles keep that layout, so a block spans 4
+    threads (two shuffles for its amax) and each thread encodes one packed word. (Loaded one block per thread,
+    as ``load_pairs`` does, a warp's 16-byte loads touch 32 rows: 12-15% slower, run 6.)
+    """
+    rows: tl.constexpr = row_words.shape[0]
+    word = tl.arange(0, NB * 16)  # [NB * 16]
+    words = tl.load(row_words[:, None] + first_word + word[None, :], mask=rows_ok[:, None] & (word < WORDS)[None, :],
+                    other=0)
+    return tl.reshape(words, [rows, NB, 4, 4])
+
+
+@triton.jit
+def unpack_bf16_words(words):
+    """fp32 ``(even, odd)`` of bf16 pair words (exact)."""
+    return (words << 16).to(tl.float32, bitcast=True), (words & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def pack_bf16_words(even, odd, INTERPRETER: tl.constexpr):
+    """uint32 words of ``(round_to_bf16(even), round_to_bf16(odd))``, the even value in the low half (on the GPU
+    one ``cvt.rn.bf16x2.f32`` per word)."""
+    if INTERPRETER:
+        low = round_to_bf16(even, INTERPRETER).to(tl.uint32, bitcast=True) >> 16
+        words = low | (round_to_bf16(odd, INTERPRETER).to(tl.uint32, bitcast=True) & 0xFFFF0000)
+    else:
+        words = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [even, odd], dtype=tl.uint32,
+                                          is_pure=True, pack=1)
+    return words
+
+
+@triton.jit
+def _abs_max_bf16x2(a, b):
+    """Per 16-bit half of bf16 pair words: ``max(|a|, |b|)``, NaN if either is NaN (result signs are meaningless)."""
+    return tl.inline_asm_elementwise("max.NaN.xorsign.abs.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.uint32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _max_bf16x2(a, b):
+    """Per 16-bit half of bf16 pair words: the maximum; NaN only if both are NaN."""
+    return tl.inline_asm_elementwise("max.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.uint32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def bf16x2_block_amax(words, INTERPRETER: tl.constexpr):
+    """bf16 bits (uint32, < 2**15) of the largest ``|x|`` of each 32-dim block of ``load_bf16_words`` tiles
+    ``[ROWS, NB, 4, 4]`` -> ``[ROWS, NB]``; ``>= 0x7F80`` (inf or NaN) when the block holds an inf or NaN
+    (on the GPU one ``max.NaN.xorsign.abs.bf16x2`` per word; integer maxima of ``|x|``'s bits under the interpreter)."""
+    if INTERPRETER:
+        amax = tl.max(tl.max(tl.maximum(words & 0x7FFF, (words >> 16) & 0x7FFF), 3), 2)
+    else:
+        halves = tl.reduce(tl.reduce(words, 3, _abs_max_bf16x2), 2, _abs_max_bf16x2)
+        amax = tl.maximum(halves & 0x7FFF, (halves >> 16) & 0x7FFF)
+    return amax
+
+
+@triton.jit
+def bf16x2_finite_block_amax(words):
+    """fp32 largest finite ``|x|`` of each block of ``load_bf16_words`` tiles -> ``[ROWS, NB]``, NaN for a block
+    without a finite value (GPU only): per word ``fma(x, 0, |x|)`` (NaN for inf and NaN) and NaN-dropping maxima."""
+    keys = tl.inline_asm_elementwise("{ .reg .b32 a, z; and.b32 a, $1, 0x7FFF7FFF; mov.b32 z, 0; "
+                                     "fma.rn.bf16x2 $0, $1, z, a; }", "=r,r", [words], dtype=tl.uint32,
+                                     is_pure=True, pack=1)
+    even, odd = unpack_bf16_words(tl.reduce(tl.reduce(keys, 3, _max_bf16x2), 2, _max_bf16x2))
+    return tl.maximum(even, odd)  # max.f32: drops NaN
+
+
+@triton.jit
+def mxfp4_encode_bf16x2(words, amax, SATURATE: tl.constexpr):
+    """MXFP4 of ``load_bf16_words`` tiles ``[ROWS, NB, 4, 4]`` given their blocks' largest finite ``|x|`` (fp32
+    ``amax [ROWS, NB]``; NaN counts as 0). GPU only. Without ``SATURATE`` every value must be finite.
+
+    Returns ``(packed uint32 [ROWS, NB, 4], scales uint8 [ROWS, NB])``: packed word ``4b + g`` holds bytes
+    ``16b + 4g .. + 3`` of the row (byte ``j`` = dims ``2j``, ``2j + 1``, the even one in the low nibble).
+
+    Every value is a bf16 (8 significant bits), so the arithmetic runs on bf16 pairs, two values per
+    instruction, each result rounded once to bf16 (nearest even, subnormals kept), as ``e2m1_bits`` does
+    in fp32: ``v = x * 2**-e`` is exact unless ``|v| < 2**-126`` (code 0 either way), and ``|v| <= 6``
+    for finite ``x``; ``SATURATE`` clamps inf to ±6 and NaN to ±0. ``u = max(2**exponent(v), 1)``;
+    ``(v + 96u) - 96u`` rounds ``v`` to the e2m1 grid ``u / 2`` (``96u`` has bf16 ulp ``u / 2``, is an even
+    number of them, and ``v + 96u`` stays in its binade since ``|v| < 2u``), small negatives giving +0;
+    times ``2**-126`` its bf16 bits are ``sign << 15 | code << 6`` (bf16 subnormals have e2m1's structure).
+    ``umulhi(b, 2**26 + 2**20 + 2**14) = (b >> 6) + (b >> 12) + (b >> 18)`` holds both codes and the low
+    half's sign in bits 0-6 (the dropped low parts sum below 1: no carry); the high half's sign (bit 31)
+    is merged from the byte-permuted words. Checked against ``formats.e2m1_codes`` for every finite bf16
+    and every exponent (exhaustively, by emulating the bf16 roundings).
+    """
+    rows: tl.constexpr = words.shape[0]
+    nb: tl.constexpr = words.shape[1]
+    exponent = mxfp4_exponents(amax)  # [ROWS, NB]
+    inverse = ((127 - exponent) << 7).to(tl.uint32) * 0x10001  # 2**-e in both halves
+    even_pairs, odd_pairs = tl.split(tl.reshape(words, [rows, nb, 4, 2, 2]))  # word i = 2 * i1 + i0
+    word0, word2 = tl.split(even_pairs)
+    word1, word3 = tl.split(odd_pairs)
+    args = [word0, word1, word2, word3, tl.broadcast_to(inverse[:, :, None], word0.shape)]
+    if SATURATE:
+        packed = tl.inline_asm_elementwise(_ENCODE_WORDS_SATURATING_ASM, "=r,r,r,r,r,r", args, dtype=tl.uint32,
+                                           is_pure=True, pack=1)
+    else:
+        packed = tl.inline_asm_elementwise(_ENCODE_WORDS_ASM, "=r,r,r,r,r,r", args, dtype=tl.uint32, is_pure=True,
+                                           pack=1)
+    return packed, (exponent + 127).to(tl.uint8)
+
+
+@triton.jit
+def store_mxfp4_words(value_rows, scale_rows, rows_ok, packed, scales, WIDTH: tl.constexpr):
+    """``store_mxfp4_rows`` for ``mxfp4_encode_bf16x2``'s ``packed [ROWS, NB, 4]`` words (``value_rows`` 4-byte
+    aligned), from the layout they were computed in: from ``load_bf16_words``' tiles, one word per thread and
+    consecutive threads on consecutive words, already coalesced (a row-major tile through shared memory was
+    not faster, run 6)."""
+    nb: tl.constexpr = packed.shape[1]
+    value_words = value_rows.to(tl.pointer_type(tl.uint32), bitcast=True)
+    word = tl.arange(0, nb)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]  # [1, NB, 4]
+    tl.store(value_words[:, None, None] + word, packed, mask=rows_ok[:, None, None] & (word < WIDTH // 8))
+    block = tl.arange(0, nb)
+    tl.store(scale_rows[:, None] + block[None, :], scales,
+             mask=rows_ok[:, None] & (block < WIDTH // _MXFP4_BLOCK)[None, :])
+
+
+@triton.jit
+def quantize_store_bf16_words(value_rows, scale_rows, rows_ok, words, amax, WIDTH: tl.constexpr,
+                              FINITE: tl.constexpr, INTERPRETER: tl.constexpr):
+    """MXFP4 of dims ``[0, WIDTH)`` of each row given as ``load_bf16_words`` tiles, stored as ``store_mxfp4_rows``
+    does. ``amax``: ``bf16x2_block_amax(words)``.
+
+    ``FINITE`` (the caller has checked that every value of the program is finite): ``mxfp4_encode_bf16x2``
+    (about 4 instructions per value instead of 12); otherwise its saturating form on the finite block
+    maxima. The interpreter takes the fp32 path (``mxfp4_pack_pairs``) either way.
+    """
+    if INTERPRETER:
+        even, odd = unpack_bf16_words(words)
+        packed, scales = mxfp4_pack_pairs(even, odd, INTERPRETER)
+        store_mxfp4_rows(value_rows, scale_rows, rows_ok, packed, scales, WIDTH)
+    else:
+        if FINITE:
+            packed_words, scales = mxfp4_encode_bf16x2(words, (amax << 16).to(tl.float32, bitcast=True), False)
+        else:
+            packed_words, scales = mxfp4_encode_bf16x2(words, bf16x2_finite_block_amax(words), True)
+        store_mxfp4_words(value_rows, scale_rows, rows_ok, packed_words, scales, WIDTH)
+
+
+@triton.jit
+def _quantize_store_words(values_ptr, scales_ptr, head_rows, heads_ok, words, amax, START: tl.constexpr,
+                          WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, FINITE: tl.constexpr, INTERPRETER: tl.constexpr):
+    """``quantize_store_bf16_words`` of dims ``[START, START + WIDTH)`` of each head (``words``: those dims)."""
+    quantize_store_bf16_words(values_ptr + head_rows * (HEAD_DIM // 2) + START // 2,
+                              scales_ptr + head_rows * (HEAD_DIM // _MXFP4_BLOCK) + START // _MXFP4_BLOCK, heads_ok,
+                              words, amax, WIDTH, FINITE, INTERPRETER)
 
 
 @triton.jit
@@ -320,11 +512,11 @@ def round_pair_to_bf16(x0, x1):
 
 
 @triton.jit
-def _rope_pairs(x0, x1, cos, sin, PACKED_BF16: tl.constexpr, INTERPRETER: tl.constexpr):
-    """bf16-rounded ``(x0 cos - x1 sin, x1 cos + x0 sin)``; ``PACKED_BF16`` rounds them as a pair on the GPU."""
+def _rope_pairs(x0, x1, cos, sin, PACKED: tl.constexpr, INTERPRETER: tl.constexpr):
+    """bf16-rounded ``(x0 cos - x1 sin, x1 cos + x0 sin)``; ``PACKED`` rounds them as a pair on the GPU."""
     r0 = x0 * cos - x1 * sin
     r1 = x1 * cos + x0 * sin
-    if PACKED_BF16 and not INTERPRETER:
+    if PACKED and not INTERPRETER:
         r0, r1 = round_pair_to_bf16(r0, r1)
     else:
         r0 = round_to_bf16(r0, INTERPRETER)
@@ -342,8 +534,7 @@ def _rope_quant_q_kernel(
     softmax_scale, head_scale,
     HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_START: tl.constexpr, INTERLEAVED: tl.constexpr,
     HALF_BLOCK: tl.constexpr, PASS_START: tl.constexpr, PASS_BLOCK: tl.constexpr,
-    MXFP4: tl.constexpr, BLOCK_H: tl.constexpr, ROW_MAJOR_STORES: tl.constexpr, PACKED_BF16: tl.constexpr,
-    INTERPRETER: tl.constexpr,
+    MXFP4: tl.constexpr, BLOCK_H: tl.constexpr, BF16X2: tl.constexpr, INTERPRETER: tl.constexpr,
 ):
     """One program: token ``program_id(0)``, heads ``[program_id(1) * BLOCK_H, +BLOCK_H)``.
 
@@ -352,9 +543,10 @@ def _rope_quant_q_kernel(
     ``[.., j, 2]`` and split). The other ``HEAD_DIM - ROPE_DIM`` dims start at ``PASS_START``.
     MXFP4 keeps every segment as (even dim, odd dim) pairs ``[BLOCK_H, NB, 16]`` from the load to the
     packed bytes, so no tile changes layout: interleaved rope pairs are such pairs already; NeoX
-    halves are loaded as pairs of consecutive dims, with ``cos``/``sin`` split the same way.
-    ``ROW_MAJOR_STORES`` (MXFP4 only) picks ``store_mxfp4_rows``'s row-major tiles; ``PACKED_BF16`` (MXFP4
-    only) rounds the rotated pairs with one packed conversion.
+    halves are loaded as pairs of consecutive dims, with ``cos``/``sin`` split the same way; the rotated
+    pairs are rounded to bf16 with one packed conversion each. ``BF16X2`` (MXFP4 of bf16 ``q`` with unit dim
+    stride and even token and head strides): segments are loaded as bf16 pair words (``load_bf16_words``),
+    the rotated pairs rounded into such words, and each segment quantised by ``quantize_store_bf16_words``.
     """
     half: tl.constexpr = ROPE_DIM // 2
     pass_width: tl.constexpr = HEAD_DIM - ROPE_DIM
@@ -370,16 +562,73 @@ def _rope_quant_q_kernel(
     softmax = tl.cast(softmax_scale, tl.float32)  # the interpreter passes tiny Python floats as fp64
     head = tl.cast(head_scale, tl.float32)
 
-    if MXFP4:
+    if MXFP4 and BF16X2:
+        q_words = q_rows.to(tl.pointer_type(tl.uint32), bitcast=True)  # [BLOCK_H]
+        if INTERLEAVED:
+            rope_nb: tl.constexpr = HALF_BLOCK // 16
+            pair = pair_index(rope_nb)  # [1, NB, 4, 4] rope pair j
+            cos = tl.load(table + pair * stride_cs_dim, mask=pair < half, other=0.0).to(tl.float32)
+            sin = tl.load(table + (pair + half) * stride_cs_dim, mask=pair < half, other=0.0).to(tl.float32)
+            pairs = load_bf16_words(q_words, ROPE_START // 2, heads_ok, half, rope_nb)
+            x0, x1 = unpack_bf16_words(pairs)
+            first = pack_bf16_words(x0 * cos - x1 * sin, x1 * cos + x0 * sin, INTERPRETER)  # [ROPE_START, +ROPE_DIM)
+            first_width: tl.constexpr = ROPE_DIM
+        else:
+            half_nb: tl.constexpr = HALF_BLOCK // 32
+            table_row = table + tl.zeros([1], tl.int64)  # [1]: cos/sin split like a row of q
+            table_ok = tl.full([1], True, tl.int1)
+            cos_even, cos_odd = load_pairs(table_row, 0, stride_cs_dim, table_ok, half // 2, half_nb)
+            sin_even, sin_odd = load_pairs(table_row, half, stride_cs_dim, table_ok, half // 2, half_nb)
+            x0_even, x0_odd = unpack_bf16_words(load_bf16_words(q_words, ROPE_START // 2, heads_ok, half // 2, half_nb))
+            x1_even, x1_odd = unpack_bf16_words(load_bf16_words(q_words, (ROPE_START + half) // 2, heads_ok, half // 2,
+                                                                half_nb))
+            first = pack_bf16_words(x0_even * cos_even - x1_even * sin_even, x0_odd * cos_odd - x1_odd * sin_odd,
+                                    INTERPRETER)  # dims [ROPE_START, +half)
+            second = pack_bf16_words(x1_even * cos_even + x0_even * sin_even, x1_odd * cos_odd + x0_odd * sin_odd,
+                                     INTERPRETER)  # dims [ROPE_START + half, +half)
+            first_width: tl.constexpr = half
+        first_amax = bf16x2_block_amax(first, INTERPRETER)  # [BLOCK_H, NB]
+        rope_amax = first_amax
+        if not INTERLEAVED:
+            second_amax = bf16x2_block_amax(second, INTERPRETER)
+            rope_amax = tl.maximum(rope_amax, second_amax)
+        largest = tl.max(rope_amax)  # one block-wide reduction (per tile shape)
+        if pass_width > 0:
+            kept = load_bf16_words(q_words, PASS_START // 2, heads_ok, pass_width // 2, PASS_BLOCK // 32)
+            kept_amax = bf16x2_block_amax(kept, INTERPRETER)
+            if PASS_BLOCK // 32 == rope_amax.shape[1]:
+                largest = tl.max(tl.maximum(rope_amax, kept_amax))
+            else:
+                largest = tl.maximum(largest, tl.max(kept_amax))
+        if largest < 0x7F80:  # every value of the program finite
+            _quantize_store_words(values_ptr, scales_ptr, head_rows, heads_ok, first, first_amax, ROPE_START,
+                                  first_width, HEAD_DIM, True, INTERPRETER)
+            if not INTERLEAVED:
+                _quantize_store_words(values_ptr, scales_ptr, head_rows, heads_ok, second, second_amax,
+                                      ROPE_START + half, half, HEAD_DIM, True, INTERPRETER)
+            if pass_width > 0:
+                _quantize_store_words(values_ptr, scales_ptr, head_rows, heads_ok, kept, kept_amax, PASS_START,
+                                      pass_width, HEAD_DIM, True, INTERPRETER)
+        else:
+            _quantize_store_words(values_ptr, scales_ptr, head_rows, heads_ok, first, first_amax, ROPE_START,
+                                  first_width, HEAD_DIM, False, INTERPRETER)
+            if not INTERLEAVED:
+                _quantize_store_words(values_ptr, scales_ptr, head_rows, heads_ok, second, second_amax,
+                                      ROPE_START + half, half, HEAD_DIM, False, INTERPRETER)
+            if pass_width > 0:
+                _quantize_store_words(values_ptr, scales_ptr, head_rows, heads_ok, kept, kept_amax, PASS_START,
+                                      pass_width, HEAD_DIM, False, INTERPRETER)
+        weights_out = (weights * softmax) * head
+    elif MXFP4:
         if INTERLEAVED:
             rope_nb: tl.constexpr = HALF_BLOCK // 16
             pair = pair_index(rope_nb)  # [1, NB, 4, 4] rope pair j
             cos = tl.load(table + pair * stride_cs_dim, mask=pair < half, other=0.0).to(tl.float32)
             sin = tl.load(table + (pair + half) * stride_cs_dim, mask=pair < half, other=0.0).to(tl.float32)
             x0, x1 = load_pairs(q_rows, ROPE_START, stride_qd, heads_ok, half, rope_nb)
-            r0, r1 = _rope_pairs(x0, x1, cos, sin, PACKED_BF16, INTERPRETER)
+            r0, r1 = _rope_pairs(x0, x1, cos, sin, True, INTERPRETER)
             _store_mxfp4_pairs(values_ptr, scales_ptr, head_rows, heads_ok, r0, r1, ROPE_START, ROPE_DIM, HEAD_DIM,
-                               ROW_MAJOR_STORES, INTERPRETER)
+                               INTERPRETER)
         else:
             half_nb: tl.constexpr = HALF_BLOCK // 32
             table_row = table + tl.zeros([1], tl.int64)  # [1]: cos/sin split like a row of q
@@ -388,17 +637,17 @@ def _rope_quant_q_kernel(
             sin_even, sin_odd = load_pairs(table_row, half, stride_cs_dim, table_ok, half // 2, half_nb)
             x0_even, x0_odd = load_pairs(q_rows, ROPE_START, stride_qd, heads_ok, half // 2, half_nb)
             x1_even, x1_odd = load_pairs(q_rows, ROPE_START + half, stride_qd, heads_ok, half // 2, half_nb)
-            r0_even, r1_even = _rope_pairs(x0_even, x1_even, cos_even, sin_even, PACKED_BF16, INTERPRETER)
-            r0_odd, r1_odd = _rope_pairs(x0_odd, x1_odd, cos_odd, sin_odd, PACKED_BF16, INTERPRETER)
+            r0_even, r1_even = _rope_pairs(x0_even, x1_even, cos_even, sin_even, True, INTERPRETER)
+            r0_odd, r1_odd = _rope_pairs(x0_odd, x1_odd, cos_odd, sin_odd, True, INTERPRETER)
             _store_mxfp4_pairs(values_ptr, scales_ptr, head_rows, heads_ok, r0_even, r0_odd, ROPE_START, half,
-                               HEAD_DIM, ROW_MAJOR_STORES, INTERPRETER)
+                               HEAD_DIM, INTERPRETER)
             _store_mxfp4_pairs(values_ptr, scales_ptr, head_rows, heads_ok, r1_even, r1_odd, ROPE_START + half, half,
-                               HEAD_DIM, ROW_MAJOR_STORES, INTERPRETER)
+                               HEAD_DIM, INTERPRETER)
         if pass_width > 0:
             kept_even, kept_odd = load_pairs(q_rows, PASS_START, stride_qd, heads_ok, pass_width // 2,
                                              PASS_BLOCK // 32)
             _store_mxfp4_pairs(values_ptr, scales_ptr, head_rows, heads_ok, kept_even, kept_odd, PASS_START,
-                               pass_width, HEAD_DIM, ROW_MAJOR_STORES, INTERPRETER)
+                               pass_width, HEAD_DIM, INTERPRETER)
         weights_out = (weights * softmax) * head
     else:
         pair = tl.arange(0, HALF_BLOCK)  # [HALF_BLOCK]
@@ -455,16 +704,16 @@ def rope_quant_q_triton(
     fmt: str,
     block_heads: int | None = None,
     num_warps: int | None = None,
-    row_major_stores: bool | None = None,
-    packed_bf16: bool | None = None,
+    bf16x2: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Triton twin of ``rope_quant_q_reference`` (same arguments and results, bit for bit).
 
     MXFP4 with a rope dim that ``mxfp4_kernel_supports`` refuses (not a multiple of 64 for NeoX, of 32
     for interleaved; no DeepSeek model has one) runs the reference instead, with the same results.
     ``block_heads`` (a power of two; default all heads, at most 64) and ``num_warps`` (default 8 for FP8,
-    4 for MXFP4: the fastest measured on an H200) tune the launch; so do, for MXFP4 only, ``row_major_stores``
-    and ``packed_bf16`` (defaults: the ``ROPE_MXFP4_*`` module constants; results identical).
+    4 for MXFP4: the fastest measured on an H200) tune the launch. ``bf16x2`` (MXFP4 only; default
+    ``ROPE_MXFP4_BF16X2``; results identical) encodes on bf16 pairs; it applies to bf16 ``q`` with unit dim
+    stride, even token and head strides, 4-byte aligned (other ``q`` take the fp32 path).
     No host synchronisation.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -487,6 +736,10 @@ def rope_quant_q_triton(
     if num_warps is None:
         num_warps = 4 if mxfp4 else 8
     first = rope_position == "first"
+    if bf16x2 is None:
+        bf16x2 = ROPE_MXFP4_BF16X2
+    words_ok = (q.dtype == torch.bfloat16 and q.stride(2) == 1 and q.stride(0) % 2 == 0 and q.stride(1) % 2 == 0
+                and q.data_ptr() % 4 == 0)
     grid = (num_tokens, triton.cdiv(num_heads, block_heads))
     _rope_quant_q_kernel[grid](
         q, positions, cos_sin, weights, values.view(torch.uint8), values if scales is None else scales, weights_out,
@@ -499,8 +752,7 @@ def rope_quant_q_triton(
         INTERLEAVED=rope_style == "interleaved", HALF_BLOCK=triton.next_power_of_2(rope_dim // 2),
         PASS_START=rope_dim if first else 0, PASS_BLOCK=triton.next_power_of_2(max(head_dim - rope_dim, 1)),
         MXFP4=mxfp4, BLOCK_H=block_heads,
-        ROW_MAJOR_STORES=mxfp4 and (ROPE_MXFP4_ROW_MAJOR_STORES if row_major_stores is None else row_major_stores),
-        PACKED_BF16=mxfp4 and (ROPE_MXFP4_PACKED_BF16 if packed_bf16 is None else packed_bf16),
+        BF16X2=mxfp4 and bf16x2 and words_ok,
         INTERPRETER=interpreter_enabled(),
         num_warps=num_warps, enable_fp_fusion=False,
     )

@@ -39,9 +39,14 @@ Rows of width ``<= row_block_max``: a program holds ``rows_per_program`` whole w
 finds each row's ``T`` (the rows share each round's reduction) and emits: one launch, no scratch.
 Programs whose rows are all selectable and at most k wide store the columns directly, and a program
 whose rows fit in a half (quarter) tile takes that narrower register tile (fewer keys per thread per
-round). Options (``TopkConfig``): one launch per tile, each program keeping the rows of its tile's width
-class (each kernel then holds one tile's body: its own register count, so narrow tiles fit more programs
-per SM, and no code of the other tiles); a register cap.
+round). The search runs on unsigned order images (``key ^ NONE``: NONE -> 0), where a key's count
+``[u >= t]`` is the carry out of ``u + (2**32 - t)`` (inline PTX, summed by 4 in the asm: ≈ 1.5 instructions
+per key instead of ≈ 3.3 for a compare and sum; the rounds are issue-bound), with a plateau check every 16
+bits (``#(u > t) < k`` means ``T = t``: a tie plateau at ``T``, such as many exact zeros, stops the search
+instead of confirming every remaining bit). Options (``TopkConfig``): one launch per tile, each program
+keeping the rows of its tile's width class (each kernel then holds one tile's body: its own register count,
+so narrow tiles fit more programs per SM, and no code of the other tiles); a register cap; the plateau
+check's period.
 
 Wider rows, calls of at least ``row_program_rows`` rows (row programs, two launches, no atomics):
 chunk programs (step 1 of the split path) store the maximum of each group of ``GROUP`` consecutive
@@ -110,6 +115,7 @@ usual tensors). Addresses are computed in int64.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -164,6 +170,10 @@ class TopkConfig:
         ``row_warps``).
     row_max_registers: register cap (ptxas ``maxnreg``) of whole-row programs (with ``row_tile_launches``: of
         the widest tile's), for more programs per SM; ``None``: the compiler's choice.
+    row_plateau_every: the whole-row search's rounds whose bit is a multiple of this also count the keys
+        ``> t`` (same reduction, packed), and a row whose count is below k stops there: ``T = t`` (tie plateaus,
+        e.g. relu_sum's zeros, otherwise search every remaining bit); 0: never (measured: 0 is best on random
+        rows, 8 on relu_sum, 16 in between; benchmarks/NOTES_topk.md, v8).
     row_program_rows: wider rows take one row program per row when the call has at least this many
         rows, else the split path.
     pieces_max_rows: calls of row programs with at most this many rows run them with ``gather_launch``,
@@ -204,6 +214,7 @@ class TopkConfig:
     row_narrow_elements: int | None = 4096
     row_narrow_warps: int | None = 4
     row_max_registers: int | None = 80
+    row_plateau_every: int = 16
     row_program_rows: int = 32
     pieces_max_rows: int = 0
     pieces_warps: int = 8
@@ -224,7 +235,8 @@ class TopkConfig:
 
 
 # Measured on the H200 (benchmarks/NOTES_topk.md, v6): the split path below 8 rows, gather-piece launches
-# (8 warps, 4096-column pieces) from 8 to 64 rows, plain row programs above.
+# (8 warps, 4096-column pieces) from 8 to 64 rows, plain row programs above; whole rows (v8): carry counts with
+# the plateau check every 16 bits (the class defaults).
 DEFAULT_CONFIG = TopkConfig(row_program_rows=8, pieces_max_rows=64)
 
 
@@ -323,27 +335,61 @@ def _kth_largest(keys, k, enough):
 
 
 @triton.jit
-def _kth_largest_rows(keys, k, active, reaching):
-    """Per row of ``keys [ROWS, BLOCK]`` where ``active`` (others: NONE): a ``t`` that is the k-th
-    largest key or that exactly k keys reach (``reaching [ROWS]`` = ``#(keys != NONE)``). Either
-    selects the same entries (those ``> t`` and the first ``k - #(> t)`` equal to it), so the search
-    stops once every row's count is exactly k. One bit per round (the whole-row tiles hold many keys per
-    thread: three counts per round would make the rounds arithmetic-bound); the rows share each
-    round's reduction."""
-    lo = tl.min(tl.where(keys != NONE, keys, KEY_MAX), axis=1)  # [ROWS]
-    hi = tl.max(keys, axis=1)  # [ROWS]
-    rounds = tl.where(active, _bit_length(lo ^ hi), 0)  # [ROWS]
-    t = _clear_low_bits(lo, rounds)
-    reaching = tl.where(active, reaching, k)  # [ROWS] #(keys >= t)
+def _reaches_unsigned(images, threshold, CARRY: tl.constexpr):
+    """int32 partial counts of ``images >= threshold`` over uint32 order images (``threshold >= 1``, broadcast to
+    ``images``): their sum along the rows' axis is each row's count. ``CARRY`` 0: compare. 1: each key's flag is
+    the carry out of ``images + (2**32 - threshold)`` (PTX ``add.cc`` + ``addc``: a carry exactly when
+    ``images >= threshold``). 4: the same, and the asm sums every 4 elements of a thread (an ``addc`` chain; the
+    other three outputs are 0, which ptxas folds away): ≈ 1.5 instructions per key against ≈ 3.3 for compare,
+    select and add; only where those 4 always lie in one row (one row per program) and a thread holds a multiple
+    of 4 elements (``_launch_row_tile`` decides)."""
+    if CARRY == 0:
+        return (images >= threshold).to(tl.int32)
+    negated = tl.broadcast_to(0 - threshold, images.shape)  # 2**32 - threshold
+    if CARRY == 4:
+        return tl.inline_asm_elementwise(
+            "{ .reg .u32 d; add.cc.u32 d, $4, $8; addc.u32 $0, 0, 0; add.cc.u32 d, $5, $9; addc.u32 $0, $0, 0; "
+            "add.cc.u32 d, $6, $10; addc.u32 $0, $0, 0; add.cc.u32 d, $7, $11; addc.u32 $0, $0, 0; "
+            "mov.u32 $1, 0; mov.u32 $2, 0; mov.u32 $3, 0; }",
+            "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [images, negated], dtype=tl.int32, is_pure=True, pack=4)
+    return tl.inline_asm_elementwise("{ .reg .u32 d; add.cc.u32 d, $1, $2; addc.u32 $0, 0, 0; }", "=r,r,r",
+                                     [images, negated], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _kth_largest_rows(images, k, active, reaching, CARRY: tl.constexpr, PLATEAU_EVERY: tl.constexpr):
+    """Per row of the uint32 order images ``images [ROWS, BLOCK]`` (``key ^ NONE``: NONE -> 0, unsigned order =
+    value order) where ``active`` (others: 0): the image of a ``t`` that is the k-th largest or that exactly k
+    images reach (``reaching [ROWS]`` = ``#(images != 0)``), 0 where not ``active``. Either selects the same
+    entries (those ``> t`` and the first ``k - #(> t)`` equal to it), so the search stops once every row's count
+    is exactly k. One bit per round (the whole-row tiles hold many keys per thread: three counts per round would
+    make the rounds arithmetic-bound), counts from ``_reaches_unsigned``; the rows share each round's reduction.
+    ``PLATEAU_EVERY`` > 0: a round whose bit is a multiple of it also counts ``#(images > t)`` in the same
+    reduction (16-bit fields; at most 16384 keys per row); fewer than k means ``T = t`` (``#(>= t) >= k``
+    always holds), so that row stops: a plateau of ties at ``T`` no longer costs every remaining bit."""
+    lo = tl.min(tl.where(images != 0, images, tl.full([], 0xFFFFFFFF, tl.uint32)), axis=1)  # [ROWS]
+    hi = tl.max(images, axis=1)  # [ROWS]
+    rounds = tl.where(active, _bit_length((lo ^ hi).to(tl.int32, bitcast=True)), 0)  # [ROWS]
+    t = (lo.to(tl.int64) & ~((tl.full([], 1, tl.int64) << rounds.to(tl.int64)) - 1)).to(tl.uint32)  # [ROWS]
+    reaching = tl.where(active, reaching, k)  # [ROWS] #(images >= t)
     bit = tl.max(rounds, axis=0)
     while (bit > 0) & (tl.max((reaching > k).to(tl.int32), axis=0) > 0):
         bit -= 1
-        candidate = t ^ (1 << bit)  # [ROWS]
-        count = tl.sum((keys >= candidate[:, None]).to(tl.int32), axis=1)  # [ROWS]
+        candidate = t ^ (tl.full([], 1, tl.uint32) << bit.to(tl.uint32))  # [ROWS]
+        reached = _reaches_unsigned(images, candidate[:, None], CARRY)  # [ROWS, BLOCK]
+        if PLATEAU_EVERY > 0:
+            if bit % PLATEAU_EVERY == 0:
+                packed = tl.sum(reached + (_reaches_unsigned(images, (t + 1)[:, None], CARRY) << 16), axis=1)
+                count = packed & LOW_FIELD
+                reaching = tl.where((packed >> 16) < k, k, reaching)
+            else:
+                count = tl.sum(reached, axis=1)
+        else:
+            count = tl.sum(reached, axis=1)  # [ROWS]
         take = (bit < rounds) & (count >= k)
         t = tl.where(take, candidate, t)
         reaching = tl.where(take, count, reaching)
-    return tl.where(active, t, NONE)
+    return tl.where(active, t, 0)
 
 
 @triton.jit
@@ -430,13 +476,16 @@ def _pad_rows(out_ptrs, out_stride_col, first, valid, k, PAD_BLOCK: tl.constexpr
 @triton.jit
 def _select_rows(logits_ptr, stride_row, stride_col, rows, valid, start, length, out_ptr, out_stride_row,
                  out_stride_col, k, table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request,
-                 BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr, COPY_SHORT: tl.constexpr):
-    """Top-k of the windows ``[start, start + length)`` (``length <= BLOCK``) of ``rows`` [ROWS] into ``out``."""
+                 BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr, COPY_SHORT: tl.constexpr,
+                 CARRY: tl.constexpr, PLATEAU_EVERY: tl.constexpr):
+    """Top-k of the windows ``[start, start + length)`` (``length <= BLOCK``) of ``rows`` [ROWS] into ``out``:
+    search (``_kth_largest_rows`` with ``CARRY``, ``PLATEAU_EVERY``) and emit on the uint32 order images."""
     columns = tl.arange(0, BLOCK)[None, :]  # [1, BLOCK] window-relative
     inside = columns < length[:, None]  # [ROWS, BLOCK]
     src = logits_ptr + rows.to(tl.int64)[:, None] * stride_row + (start[:, None] + columns).to(tl.int64) * stride_col
     keys = _order_keys(tl.load(src, mask=inside, other=0.0), inside)  # [ROWS, BLOCK]
-    selectable = tl.sum((keys != NONE).to(tl.int32), axis=1)  # [ROWS]
+    images = (keys ^ NONE).to(tl.uint32, bitcast=True)  # NONE -> 0; unsigned order = value order
+    selectable = tl.sum((images != 0).to(tl.int32), axis=1)  # [ROWS]
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * out_stride_row  # [ROWS, 1]
     pages = _page_rows(table_ptr, table_stride_row, rows, rows_per_request, SLOTS)[:, None]  # [ROWS, 1]
     copy = False
@@ -452,9 +501,9 @@ def _select_rows(logits_ptr, stride_row, stride_col, rows, valid, start, length,
         taken = length
     else:
         searching = selectable > k
-        threshold = _kth_largest_rows(keys, k, searching, selectable)  # [ROWS]
-        greater = keys > threshold[:, None]
-        equal = (keys == threshold[:, None]) & (keys != NONE)
+        threshold = _kth_largest_rows(images, k, searching, selectable, CARRY, PLATEAU_EVERY)  # [ROWS]
+        equal = (images == threshold[:, None]) & (images != 0)
+        greater = images > threshold[:, None]
         counts = greater.to(tl.int32) + (equal.to(tl.int32) << 16)  # [ROWS, BLOCK]
         totals = tl.sum(counts, axis=1)  # [ROWS]
         ties = tl.where(searching, k - (totals & LOW_FIELD), 0)
@@ -472,12 +521,13 @@ def _topk_row_kernel(
     table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request, class_above, class_upto,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
     PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr, COPY_SHORT: tl.constexpr, TILES: tl.constexpr,
-    CLASSED: tl.constexpr,
+    CLASSED: tl.constexpr, CARRY: tl.constexpr, PLATEAU_EVERY: tl.constexpr,
 ):
     """``ROWS`` whole rows per program. ``TILES`` > 1: a program whose windows all fit in ``BLOCK // 2``
     (``TILES`` = 3: ``BLOCK // 4``) takes that narrower register tile (fewer keys per thread per round).
     ``CLASSED`` (one launch per tile, ``TILES`` = 1): a program keeps only its rows whose window length lies
-    in ``(class_above, class_upto]`` and does nothing when none does; the other launches own the others."""
+    in ``(class_above, class_upto]`` and does nothing when none does; the other launches own the others.
+    ``CARRY``, ``PLATEAU_EVERY``: the search (``_select_rows``)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
     valid = rows < num_rows
     start, length = _row_window(rows, valid, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
@@ -489,21 +539,21 @@ def _topk_row_kernel(
     widest = tl.max(length, axis=0)
     if CLASSED:
         if tl.max(valid.to(tl.int32), axis=0) > 0:
-            _select_rows(*args, BLOCK, PAD_BLOCK, SLOTS, COPY_SHORT)
+            _select_rows(*args, BLOCK, PAD_BLOCK, SLOTS, COPY_SHORT, CARRY, PLATEAU_EVERY)
     elif TILES == 1:
-        _select_rows(*args, BLOCK, PAD_BLOCK, SLOTS, COPY_SHORT)
+        _select_rows(*args, BLOCK, PAD_BLOCK, SLOTS, COPY_SHORT, CARRY, PLATEAU_EVERY)
     elif TILES == 2:
         if widest <= BLOCK // 2:
-            _select_rows(*args, BLOCK // 2, PAD_BLOCK, SLOTS, COPY_SHORT)
+            _select_rows(*args, BLOCK // 2, PAD_BLOCK, SLOTS, COPY_SHORT, CARRY, PLATEAU_EVERY)
         else:
-            _select_rows(*args, BLOCK, PAD_BLOCK, SLOTS, COPY_SHORT)
+            _select_rows(*args, BLOCK, PAD_BLOCK, SLOTS, COPY_SHORT, CARRY, PLATEAU_EVERY)
     else:
         if widest <= BLOCK // 4:
-            _select_rows(*args, BLOCK // 4, PAD_BLOCK, SLOTS, COPY_SHORT)
+            _select_rows(*args, BLOCK // 4, PAD_BLOCK, SLOTS, COPY_SHORT, CARRY, PLATEAU_EVERY)
         elif widest <= BLOCK // 2:
-            _select_rows(*args, BLOCK // 2, PAD_BLOCK, SLOTS, COPY_SHORT)
+            _select_rows(*args, BLOCK // 2, PAD_BLOCK, SLOTS, COPY_SHORT, CARRY, PLATEAU_EVERY)
         else:
-            _select_rows(*args, BLOCK, PAD_BLOCK, SLOTS, COPY_SHORT)
+            _select_rows(*args, BLOCK, PAD_BLOCK, SLOTS, COPY_SHORT, CARRY, PLATEAU_EVERY)
 
 
 @triton.jit(do_not_specialize=["width", "next_n", "num_chunks"])
@@ -810,7 +860,8 @@ def _row_program_kernel(
     # Lower bound: stop as soon as at most `enough` group maxima reach it (candidates >= bound), else
     # the exact k-th largest maximum (candidates > bound: fewer than k groups hold one).
     slots = tl.arange(0, GROUP_TILE)  # [GROUP_TILE]
-    maxima = tl.load(maxima_row + slots, mask=slots < tl.cdiv(length, GROUP), other=NONE, cache_modifier=".cg")
+    num_groups = tl.cdiv(length, GROUP)
+    maxima = tl.load(maxima_row + slots, mask=slots < num_groups, other=NONE, cache_modifier=".cg")
     bound = row * 0 + NONE
     inclusive = row * 0 + 1
     if tl.sum((maxima != NONE).to(tl.int32), axis=0) >= k:
@@ -1018,7 +1069,9 @@ def _launch_rows(logits, k, bounds, out, next_n, bounds_flags, slot_args, config
     tiles = max(1, min(config.row_tiles, 4 if config.row_tile_launches else 3))
     while tiles > 1 and block >> (tiles - 1) < 16:
         tiles -= 1
-    common = dict(PAD_BLOCK=_PAD_BLOCK, COPY_SHORT=config.row_copy_short, **bounds_flags, **slot_args[1])
+    # The interpreter cannot run inline PTX: it takes the plain comparison (same counts).
+    search = dict(CARRY=os.environ.get("TRITON_INTERPRET") != "1", PLATEAU_EVERY=config.row_plateau_every)
+    common = dict(PAD_BLOCK=_PAD_BLOCK, COPY_SHORT=config.row_copy_short, **search, **bounds_flags, **slot_args[1])
     if config.row_tile_launches and tiles > 1:
         # One kernel per tile, widest first: each compiles one body, so narrow tiles keep fewer registers.
         for tile_index in range(tiles):
@@ -1042,10 +1095,13 @@ def _launch_row_tile(logits, k, bounds, out, next_n, slot_args, block, elements,
     rows = min(16, max(1, elements // block))
     warps = max(1, min(warps_max, rows * block // 256))
     registers = {} if max_registers is None else dict(maxnreg=max_registers)
+    # Carry counts summed by 4 in the asm need one row per program and 4k elements per thread (narrowest body).
+    narrowest = block >> (flags["TILES"] - 1)
+    carry = 0 if not flags["CARRY"] else (4 if rows == 1 and narrowest >= 4 * 32 * warps else 1)
     _topk_row_kernel[(triton.cdiv(num_rows, rows),)](
         logits, logits.stride(0), logits.stride(1), *bounds, out, out.stride(0), out.stride(1),
         num_rows, width, k, next_n, *slot_args[0], class_above, class_upto, ROWS=rows, BLOCK=block,
-        num_warps=warps, **registers, **flags,
+        num_warps=warps, **registers, **{**flags, "CARRY": carry},
     )
 
 

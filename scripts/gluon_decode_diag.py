@@ -1,0 +1,176 @@
+"""FP8 Gluon paged decode: the configurations of ``GLUON_SWEEP_CONFIGS`` against the library's default, and the
+defaults under several L2 states (where the small shapes' fixed cost goes). H=64, D=128, 64-token pages
+permuted over one pool of 16M keys (the logits suite's cases), CUDA-graph medians of 30 replays.
+
+Parts (each appends rows to $OUT/diag_<part>.jsonl as it goes, so a timeout keeps what was measured):
+  configs  ``auto`` and every ``GLUON_SWEEP_CONFIGS`` entry at the small shapes (``--large``: the 4M-16M-key
+           draft-row shapes too), under the suite's flush; ``auto`` is timed again last (the run-to-run spread)
+  flush    ``auto`` under each L2 state at the suite's shapes and at B = 1, L = 16K-64K (intercept = fixed cost)
+
+Variants: ``auto`` = the library's dispatch (``ops/logits``: Triton or Gluon with the default configuration),
+``empty`` = a one-element add (the graph launch and event floor), any other name = ``paged_mqa_logits_gluon``
+with that ``GLUON_SWEEP_CONFIGS`` entry. L2 state before each replay (``flush``): ``dirty`` = a 256 MB memset
+(the suite's method, ``harness.cold_graph_us``: the L2 ends full of dirty lines whose write-back the kernel
+pays), ``clean`` = a 256 MB read (clean lines of another buffer), ``meta`` = clean, then the lengths and block
+table read (only the keys cold), ``hot`` = no flush. ``bits``: bitwise equal to ``auto`` at the same shape.
+
+  OUT=/tmp/diag python scripts/gluon_decode_diag.py --part configs --table
+"""
+
+import argparse
+import json
+import os
+
+import torch
+
+from dsa_indexer.bench import harness
+from dsa_indexer.bench.suite_logits import _decode_case, _decode_pool, decode_floor
+from dsa_indexer.ops import logits as logits_ops
+from dsa_indexer.ops.logits import gluon_decode
+from dsa_indexer.ops.logits.gluon_decode import GLUON_SWEEP_CONFIGS, paged_mqa_logits_gluon
+
+K = 1024
+POOL_KEYS = 128 * 128 * K  # the suite's pool: its largest case (B = 128, L = 128K)
+SMALL_SHAPES = [(1, 128 * K, 2), (32, 32 * K, 2), (32, 32 * K, 1), (1, 128 * K, 1)]
+LARGE_SHAPES = [(32, 128 * K, 2), (128, 32 * K, 2), (128, 128 * K, 2)]
+# (B, L, next_n, flush, variants)
+FLUSH_CASES = [
+    (1, 128 * K, 2, "dirty", ("empty", "auto")),
+    (1, 128 * K, 2, "clean", ("empty", "auto")),
+    (1, 128 * K, 2, "meta", ("auto",)),
+    (1, 128 * K, 2, "hot", ("empty", "auto")),
+    *[(1, 128 * K, 1, flush, ("auto",)) for flush in ("dirty", "clean", "hot")],
+    *[(1, length * K, 2, flush, ("auto",)) for length in (16, 32, 64) for flush in ("dirty", "clean")],
+    *[(batch, length, next_n, flush, ("auto",)) for batch, length, next_n in SMALL_SHAPES[1:3] + LARGE_SHAPES[::2]
+      for flush in ("dirty", "clean")],
+]
+
+
+def config_cases(large):
+    variants = ("auto", *GLUON_SWEEP_CONFIGS, "auto-again")
+    return [(batch, length, next_n, "dirty", variants)
+            for batch, length, next_n in SMALL_SHAPES + (LARGE_SHAPES if large else [])]
+
+
+def decode_call(name, args, out):
+    """A no-argument callable running variant ``name`` on the decode arguments ``args`` into ``out``."""
+    if name in ("auto", "auto-again"):
+        return lambda: logits_ops._paged_mqa_logits_triton(*args, True, out)
+    if name == "empty":
+        tiny = torch.zeros(1, device="cuda")
+        return lambda: tiny.add_(1)
+    config = GLUON_SWEEP_CONFIGS[name]
+    return lambda: paged_mqa_logits_gluon(*args, True, out, config=config)
+
+
+def graph_us(call, flush, metadata, reps=30):
+    """Median µs of CUDA-graph replays of ``call`` with the L2 in state ``flush`` before each replay (see the
+    module docstring; ``metadata``: the lengths and block table, read for ``meta``)."""
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    buffer = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    words = buffer.view(torch.int32)
+    words.zero_()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        if flush == "dirty":
+            buffer.zero_()
+        elif flush in ("clean", "meta"):
+            words.max()
+            if flush == "meta":
+                for tensor in metadata:
+                    tensor.max()
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    times = sorted(start.elapsed_time(end) for start, end in events)
+    return times[reps // 2] * 1e3
+
+
+def ceilings_for(out_dir):
+    """The run's ceilings, measured once and shared by the parts through $OUT/ceilings.json."""
+    path = os.path.join(out_dir, "ceilings.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    ceilings = harness.measure_ceilings()
+    with open(path, "w") as f:
+        json.dump(ceilings, f)
+    return ceilings
+
+
+def run_part(part, cases, out_dir):
+    ceilings = ceilings_for(out_dir)
+    gen = torch.Generator().manual_seed(5)
+    cache = _decode_pool("fp8", POOL_KEYS // 64 + 64)
+    with open(os.path.join(out_dir, f"diag_{part}.jsonl"), "a") as log:
+        for batch, length, next_n, flush, variants in cases:
+            args = _decode_case(cache, batch, length, next_n, gen)[4]
+            auto = torch.empty((batch * next_n, length), device="cuda")
+            decode_call("auto", args, auto)()
+            for name in variants:
+                out = auto if name in ("auto", "empty") else torch.empty_like(auto)
+                try:
+                    us = graph_us(decode_call(name, args, out), flush, (args[4], args[5]))
+                except Exception as error:  # noqa: BLE001 - a failing variant must not hide the others
+                    print(f"{name} B={batch} L={length} n={next_n}: {type(error).__name__}: {error}"[:300], flush=True)
+                    continue
+                if name in GLUON_SWEEP_CONFIGS:
+                    config = list(GLUON_SWEEP_CONFIGS[name])
+                elif name.startswith("auto"):
+                    kernel = logits_ops.decode_kernel(args[0], cache, length)
+                    config = (kernel if kernel == "triton"
+                              else list(gluon_decode.gluon_decode_config(batch, next_n, length)))
+                else:
+                    config = None
+                floor_us = decode_floor("fp8", batch, length, next_n, ceilings)["floor_us"]
+                row = {"part": part, "B": batch, "L": length, "next_n": next_n, "flush": flush, "variant": name,
+                       "config": config, "us": round(us, 2), "floor_us": round(floor_us, 2),
+                       "pct_of_floor": round(100 * floor_us / us, 1),
+                       "same_bits": None if name == "empty"
+                       else torch.equal(out.view(torch.int32), auto.view(torch.int32))}
+                log.write(json.dumps(row) + "\n")
+                log.flush()
+                print(row, flush=True)
+            del auto
+    torch.cuda.synchronize()
+
+
+def print_table(out_dir):
+    rows = []
+    for part in ("configs", "flush"):
+        path = os.path.join(out_dir, f"diag_{part}.jsonl")
+        if os.path.exists(path):
+            with open(path) as f:
+                rows += [json.loads(line) for line in f if line.strip()]
+    base = {(r["part"], r["B"], r["L"], r["next_n"], r["flush"]): r["us"] for r in rows if r["variant"] == "auto"}
+    print(f"{'part':7} {'B':>3} {'L':>6} {'n':>1} {'flush':5} {'variant':21} {'us':>7} {'%floor':>6} {'vs auto':>7} "
+          "bits")
+    for r in rows:
+        ref = base.get((r["part"], r["B"], r["L"], r["next_n"], r["flush"]))
+        speedup = f"{ref / r['us']:7.3f}" if ref and r["variant"] not in ("auto", "empty") else f"{'':7}"
+        bits = {True: "same", False: "DIFF", None: "-"}[r["same_bits"]]
+        print(f"{r['part']:7} {r['B']:3} {r['L'] // K:5}K {r['next_n']:1} {r['flush']:5} {r['variant']:21} "
+              f"{r['us']:7.2f} {r['pct_of_floor']:6.1f} {speedup} {bits}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", choices=("configs", "flush"))
+    parser.add_argument("--large", action="store_true", help="configs: the 4M-16M-key draft-row shapes too")
+    parser.add_argument("--table", action="store_true", help="print the table of every part measured in $OUT")
+    options = parser.parse_args()
+    out_dir = os.environ.get("OUT", "/tmp/gluon_decode_diag")
+    os.makedirs(out_dir, exist_ok=True)
+    if options.part:
+        run_part(options.part, config_cases(options.large) if options.part == "configs" else FLUSH_CASES, out_dir)
+    if options.table:
+        print_table(out_dir)
+
+
+if __name__ == "__main__":
+    main()
