@@ -358,6 +358,40 @@ def test_select_fused_aligned_starts_ties_pins_and_strides(kernel_device, varian
         assert torch.equal(out_base.t(), expected)
 
 
+# Session 5 candidates (off by default): the streaming steps as a loop, block ids in one run per thread.
+FUSED_LAYOUT_VARIANTS = {"rolled": dict(fused_rolled=True), "thread_runs": dict(fused_thread_runs=True),
+                         "rolled_thread_runs": dict(fused_rolled=True, fused_thread_runs=True)}
+
+
+@pytest.mark.parametrize("variant", FUSED_LAYOUT_VARIANTS.values(), ids=FUSED_LAYOUT_VARIANTS.keys())
+@pytest.mark.parametrize("data", ["random", "ties", "nan_and_neg_inf"])
+@pytest.mark.parametrize("block_size,row_repeat,with_starts", [(8, 1, True), (3, 2, False)])
+def test_select_fused_layout_variants_match_reference(kernel_device, variant, data, block_size, row_repeat,
+                                                      with_starts):
+    logits, starts, ends, _ = case(7, 60, block_size, data, row_repeat=row_repeat, with_starts=with_starts,
+                                   device=kernel_device)
+    for num_blocks_k in (1, 5, 100):
+        expected = select_candidate_blocks(logits, starts, ends, num_blocks_k, block_size, row_repeat=row_repeat,
+                                           backend="reference")
+        actual = select_candidate_blocks_triton(logits, starts, ends, num_blocks_k, block_size, row_repeat,
+                                                fused_step=16, **variant)
+        assert torch.equal(actual, expected)
+
+
+@pytest.mark.parametrize("rolled", [False, True])
+def test_select_fused_thread_runs_two_slots_per_lane(kernel_device, rolled):
+    # Two steps of 1024 slots over 512 lanes (two slots per lane: each run interleaves steps and slots),
+    # a +inf block tying with the pin. One row: the interpreter's search costs ~5 s per 2048 keys.
+    logits, _, _, _ = case(1, 1100, 11, "random", device=kernel_device)
+    logits[0, 700] = float("inf")
+    starts = torch.tensor([4], dtype=torch.int32, device=kernel_device)
+    ends = torch.tensor([1090], dtype=torch.int32, device=kernel_device)
+    expected = select_candidate_blocks(logits, starts, ends, 300, 1, backend="reference")
+    actual = select_candidate_blocks_triton(logits, starts, ends, 300, 1, 1, fused_step=1024, fused_rolled=rolled,
+                                            fused_thread_runs=True)
+    assert torch.equal(actual, expected)
+
+
 def test_select_fused_all_equal_unselectable_and_too_wide_rows(kernel_device):
     # Equal keys everywhere (the search ends on a one-key bracket), rows without selectable logits, and
     # rows wider than _FUSED_MAX_BLOCKS blocks (the two-launch path).
@@ -457,7 +491,12 @@ def test_v41_shapes_select_variants(data, variant):
 
 
 # Bench-sized fused kernels (the configurations the sweep times).
-V41_FUSED_VARIANTS = {"fused": dict(fused=True), "fused_step_8192": dict(fused=True, fused_step=8192)}
+V41_FUSED_VARIANTS = {"fused": dict(fused=True), "fused_step_8192": dict(fused=True, fused_step=8192),
+                      "fused_rolled": dict(fused_rolled=True), "fused_thread_runs": dict(fused_thread_runs=True),
+                      "fused_rolled_thread_runs": dict(fused_rolled=True, fused_thread_runs=True),
+                      "fused_thread_runs_8192": dict(fused_thread_runs=True, fused_step=8192),
+                      "fused_rolled_thread_runs_8192": dict(fused_rolled=True, fused_thread_runs=True,
+                                                            fused_step=8192)}
 
 
 @pytest.mark.gpu

@@ -5,13 +5,14 @@ path (group maxima, exact or early-stopped lower bound, candidate buffer in regi
 chunked emit with look-back), the streaming row programs (group maxima streamed in the program or from
 a launch of chunk programs, lower bound with and without the early stop, gather pieces with and without
 masks, candidates in registers and in memory, emit from the candidates or from the row; or gathered by
-a launch of one program per piece) and the whole-row programs. GPU tests use the
-default tuning at realistic sizes, with each wide-row path forced in turn.
+a launch of one program per piece; the lower bound found by the maxima launch itself on both wide paths) and the
+whole-row programs. GPU tests use the default tuning at realistic sizes, with each wide-row path forced in turn.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -52,8 +53,14 @@ PIECES = TopkConfig(row_block_max=16, row_program_rows=1, stream_tile=16, group_
                     gather_launch=True)
 PIECES_LOOSE = TopkConfig(row_block_max=16, row_program_rows=1, stream_tile=16, group_tile=16, candidate_block=8,
                           chunk=16, gather_launch=True, bound_slack=3.0)
-WIDE = [SPLIT, SPLIT_LOOSE, SPLIT_EXACT, STREAM, STREAM_LOOSE, STREAM_SCALAR, PIECES, PIECES_LOOSE]
-WIDE_IDS = ["split", "split_loose", "split_exact", "stream", "stream_loose", "stream_scalar", "pieces", "pieces_loose"]
+# The lower bound found by the maxima launch's last program per row (split path, with the candidate search stopped
+# early too; row programs with and without the gather launch: only in the lengths test, which repeats calls).
+SPLIT_FUSED = replace(SPLIT, fused_bound=True, split_early_threshold=True)
+WIDE = [SPLIT, SPLIT_LOOSE, SPLIT_EXACT, STREAM, STREAM_LOOSE, STREAM_SCALAR, PIECES, PIECES_LOOSE, SPLIT_FUSED]
+WIDE_IDS = ["split", "split_loose", "split_exact", "stream", "stream_loose", "stream_scalar", "pieces", "pieces_loose",
+            "split_fused"]
+ROWS_FUSED = [replace(STREAM, fused_bound=True), replace(PIECES, fused_bound=True)]
+ROWS_FUSED_IDS = ["stream_fused", "pieces_fused"]
 GPU_SPLIT = TopkConfig(row_program_rows=1 << 30)
 GPU_STREAM = TopkConfig(row_program_rows=1)
 GPU_STREAM_IN_PROGRAM = TopkConfig(row_program_rows=1, maxima_launch=False)
@@ -63,6 +70,14 @@ GPU_PIECES = TopkConfig(row_program_rows=1, gather_launch=True)
 GPU_PIECES_W8 = TopkConfig(row_program_rows=1, gather_launch=True, stream_warps=8, stream_tile=4096)
 GPU_WIDE = [GPU_SPLIT, GPU_STREAM, GPU_STREAM_IN_PROGRAM, GPU_STREAM_V4, GPU_STREAM_W8, GPU_PIECES, GPU_PIECES_W8]
 GPU_WIDE_IDS = ["split", "stream", "stream_in_program", "stream_v4", "stream_w8", "pieces", "pieces_w8"]
+# Fused lower bound (`fused_bound`): the split path (also with the early candidate search and 8-warp chunk
+# programs), the default gather launch and plain row programs.
+GPU_WIDE += [replace(GPU_SPLIT, fused_bound=True), replace(GPU_SPLIT, split_early_threshold=True),
+             replace(GPU_SPLIT, fused_bound=True, split_early_threshold=True, split_warps=8),
+             replace(GPU_PIECES_W8, fused_bound=True), replace(GPU_PIECES_W8, fused_bound=True, split_warps=8),
+             replace(GPU_PIECES_W8, fused_bound=True, split_warps=16), replace(GPU_STREAM, fused_bound=True)]
+GPU_WIDE_IDS += ["split_fused", "split_early_t", "split_fused_early_t_w8", "pieces_w8_fused", "pieces_w8_fused_w8",
+                 "pieces_w8_fused_w16", "stream_fused"]
 ROW = TopkConfig()  # whole rows: carry counts, plateau check every 16 bits
 ONE_ROW = TopkConfig(row_elements=16)  # one row per whole-row program
 # One launch per tile (64/32/16 columns): one row of 64 per program, two rows of 32 / four of 16 (packed),
@@ -210,7 +225,7 @@ def tie_heavy(num_rows, width, seed, device):
     return values.to(device)
 
 
-@pytest.mark.parametrize("config", WIDE, ids=WIDE_IDS)
+@pytest.mark.parametrize("config", WIDE + ROWS_FUSED, ids=WIDE_IDS + ROWS_FUSED_IDS)
 @pytest.mark.parametrize("k", [1, 4, 15, 16, 17, 33])
 def test_lengths_around_wide_thresholds(kernel_device, k, config):
     # Row lengths at and around k, the chunk / stream tile (16) and its multiples, with garbage past each end.

@@ -189,6 +189,12 @@ SELECT_VARIANTS = {
     "default": {},
     "two_launch": dict(fused=False),  # block keys + radix select (session 3's default)
     "step_8192": dict(fused_step=8192),  # run 6: +4%
+    # Session 5 candidates (NOTES "Session 5 round"): streaming steps as a loop, one id run per thread.
+    "rolled": dict(fused_rolled=True),
+    "thread_runs": dict(fused_thread_runs=True),
+    "rolled_runs": dict(fused_rolled=True, fused_thread_runs=True),
+    "runs_8192": dict(fused_thread_runs=True, fused_step=8192),
+    "rolled_runs_8192": dict(fused_rolled=True, fused_thread_runs=True, fused_step=8192),
 }
 MASK_VARIANTS = {
     "default": {},

@@ -113,23 +113,34 @@ def run(ceilings: dict[str, float]) -> list[dict]:
 def _decode_sweep_plan() -> tuple[dict, list]:
     """Decode variants of ``sweep_decode`` (names -> ``TopkConfig``) and its cells ``(data, rows, k, names)``; each
     variant is the default (split path below 8 rows, gather-piece launches from 8 to 64, row programs above)
-    with one change, timed where it changes the path taken: ``split_w8`` / ``split_w16`` (R=1): split-path chunk
-    programs of 8 / 16 warps (the candidate search's last arriver then holds 16 / 8 keys per thread instead of
-    32). The other cells time ``base`` alone."""
+    with the changes its name lists, timed where they change the path taken: ``fused`` (every R): the maxima
+    launch's last program per row finds the lower bound (``fused_bound``: one launch less on the split path and
+    the gather-launch path; on plain row programs the bound overlaps the other rows' maxima); ``early_t`` (R=1):
+    the split path's candidate search stops at a floor that exactly k candidates reach
+    (``split_early_threshold``); ``w8`` / ``w16``: chunk programs (maxima, and on the split path every launch) of 8 /
+    16 warps (the fused maxima kernel holds the bound's 8192 maxima: 168 registers at 4 warps, 128 at 8)."""
     from dataclasses import replace
 
     from dsa_indexer.ops.topk.triton import DEFAULT_CONFIG
 
     configs = {
-        "split_w8": replace(DEFAULT_CONFIG, split_warps=8),
-        "split_w16": replace(DEFAULT_CONFIG, split_warps=16),
+        "early_t": replace(DEFAULT_CONFIG, split_early_threshold=True),
+        "fused": replace(DEFAULT_CONFIG, fused_bound=True),
+        "fused_early_t": replace(DEFAULT_CONFIG, fused_bound=True, split_early_threshold=True),
+        "fused_early_t_w8": replace(DEFAULT_CONFIG, fused_bound=True, split_early_threshold=True, split_warps=8),
+        "fused_w8": replace(DEFAULT_CONFIG, fused_bound=True, split_warps=8),
+        "fused_w16": replace(DEFAULT_CONFIG, fused_bound=True, split_warps=16),
     }
+    split_names = ["early_t", "fused", "fused_early_t", "fused_early_t_w8"]
+    rows_names = ["fused", "fused_w8", "fused_w16"]
     cells = []
     for num_rows in (1, 32, 64, 128):
         for k in (2048, 512):
-            cells.append(("random", num_rows, k, list(configs) if num_rows == 1 else []))
+            cells.append(("random", num_rows, k, split_names if num_rows == 1 else rows_names))
+    for data in ("relu_sum", "one_bin"):
+        cells.append((data, 1, 2048, split_names))
     for num_rows in (32, 128):
-        cells.append(("relu_sum", num_rows, 2048, []))
+        cells.append(("relu_sum", num_rows, 2048, rows_names))
     return configs, cells
 
 
@@ -222,7 +233,7 @@ def sweep_decode(out_path: str | None = None, warm: str | None = None) -> None:
                                                              unchecked)})
         _save_records(records, out_path)  # after every shape: a run stopped at its time limit keeps what it measured
     _report_sweep(records, list(configs), ["_row_program_kernel", "_row_pieces_kernel", "_split_low_bound_kernel",
-                                           "_split_candidates_kernel"], out_path)
+                                           "_split_candidates_kernel", "_maxima_bound_kernel"], out_path)
 
 
 def _prefill_row_configs() -> dict:

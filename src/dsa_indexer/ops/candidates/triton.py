@@ -37,7 +37,10 @@ places by ``_kth_largest_interpolated`` (four probes per round around the interp
 k-th key, a bracket that at least halves every round). The emit is one prefix sum over the keys in
 block-id order (``greater + equal * 2**16``, as topk's ``_emit_taken``), then ``-1`` padding. One launch,
 no key round trip through memory. Run 6 (R 512, cold CUDA graph): 155.5 µs against 207.1 µs for the two
-launches (41% of the 64 µs floor; ``benchmarks/NOTES_seq_candidates.md``).
+launches (41% of the 64 µs floor; ``benchmarks/NOTES_seq_candidates.md``). Two switches, off until measured
+(``_FUSED_ROLLED``, ``_FUSED_THREAD_RUNS``; keyword arguments ``fused_rolled``, ``fused_thread_runs``): the
+streaming steps as a loop instead of unrolled, and block ids laid out so that each thread's keys are one run
+of consecutive ids (the emit's prefix sum becomes an in-thread scan plus one scan of per-thread totals).
 
 ``apply_candidate_mask`` builds one flag byte per block and row (set for every listed id in
 ``[0, row blocks)``) and runs ``_mask_kernel``, which walks the row's tiles and stores ``-inf`` on
@@ -85,6 +88,10 @@ _SELECT_FUSED = True
 _FUSED_MAX_BLOCKS = 16384  # 32 keys per thread of 16 warps; the search packs two counts per int32 (< 2**15 each)
 _FUSED_WARPS = 16  # 128 registers, one program per SM (32 warps, 64 registers, spilled: +27% in run 6)
 _FUSED_STEP = 16384  # logits per streaming step (BLOCK_J x blocks per step); 8192: +4% in run 6
+# Session 5 candidates, off until measured (NOTES "Session 5 round"): the streaming steps as a loop instead of
+# unrolled (the kernel is ~8K SASS instructions), and block ids in one run per thread (a cheap emit).
+_FUSED_ROLLED = False
+_FUSED_THREAD_RUNS = False
 _PAD_BLOCK = 1024
 
 
@@ -263,23 +270,65 @@ def _max_keys(values):
 
 
 @triton.jit
+def _step_blocks(step, lanes, STEPS: tl.constexpr, STEP_NB: tl.constexpr, RUN_LANES: tl.constexpr):
+    """Block ids of the slots ``lanes`` [STEP_NB] of streaming step ``step``: ``step * STEP_NB + lanes``, or
+    with ``RUN_LANES`` (> 0) ids that give slot lane ``lanes % RUN_LANES`` one run of ``STEPS * STEP_NB //
+    RUN_LANES`` consecutive ids over the steps (slot ``rep * RUN_LANES + lane`` of step ``s`` is block
+    ``lane * STEPS * REPS + s * REPS + rep``)."""
+    if RUN_LANES == 0:
+        blocks = step * STEP_NB + lanes
+    else:
+        REPS: tl.constexpr = STEP_NB // RUN_LANES
+        blocks = (lanes % RUN_LANES) * (STEPS * REPS) + step * REPS + lanes // RUN_LANES
+    return blocks
+
+
+@triton.jit
 def _stream_row_keys(keys, row_ptr, first_column, stride_col, readable, STEPS: tl.constexpr,
                      STEP_NB: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr,
-                     UNIT_STRIDE: tl.constexpr):
+                     UNIT_STRIDE: tl.constexpr, RUN_LANES: tl.constexpr):
     """``keys [STEPS, STEP_NB]`` with the block keys of the row's readable blocks. The next step's loads
     are issued before the current step is reduced (two steps of logits in registers), so they are in
     flight across the step's layout-conversion barrier (run 6: -4% against loading after the reduce)."""
     step_ids = tl.arange(0, STEPS)  # [STEPS]
     lanes = tl.arange(0, STEP_NB)  # [STEP_NB]
-    values = _step_values(row_ptr, first_column, stride_col, lanes, readable, BLOCK_SIZE, BLOCK_J, UNIT_STRIDE)
+    # Without RUN_LANES the ids are written out here: the committed kernel's SASS stays byte-identical.
+    first_blocks = lanes if RUN_LANES == 0 else _step_blocks(0, lanes, STEPS, STEP_NB, RUN_LANES)
+    values = _step_values(row_ptr, first_column, stride_col, first_blocks, readable, BLOCK_SIZE, BLOCK_J, UNIT_STRIDE)
     for s in tl.static_range(STEPS):
         if s + 1 < STEPS:
-            following = _step_values(row_ptr, first_column, stride_col, (s + 1) * STEP_NB + lanes, readable,
-                                     BLOCK_SIZE, BLOCK_J, UNIT_STRIDE)
+            if RUN_LANES == 0:
+                next_blocks = (s + 1) * STEP_NB + lanes
+            else:
+                next_blocks = _step_blocks(s + 1, lanes, STEPS, STEP_NB, RUN_LANES)
+            following = _step_values(row_ptr, first_column, stride_col, next_blocks, readable, BLOCK_SIZE, BLOCK_J,
+                                     UNIT_STRIDE)
         keys = tl.where(step_ids[:, None] == s, _max_keys(values)[None, :], keys)
         if s + 1 < STEPS:
             values = following
     return keys
+
+
+@triton.jit
+def _stream_row_keys_rolled(keys, row_ptr, first_column, stride_col, readable, STEPS: tl.constexpr,
+                            STEP_NB: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr,
+                            UNIT_STRIDE: tl.constexpr, RUN_LANES: tl.constexpr):
+    """``_stream_row_keys`` as a loop (one copy of the step's code instead of ``STEPS``): the same loads,
+    the next step's issued before the current one is reduced, the step's keys placed by a compare with
+    the loop's step. Why: the unrolled kernel is ~8K SASS instructions (~128 KiB), ~5K of them run
+    straight through once per row; if the SM's instruction cache does not keep them between rows, every
+    row waits on instruction fetches (the loop: ~5.2K instructions in all, ~7% more of them executed)."""
+    step_ids = tl.arange(0, STEPS)  # [STEPS]
+    lanes = tl.arange(0, STEP_NB)  # [STEP_NB]
+    values = _step_values(row_ptr, first_column, stride_col, _step_blocks(0, lanes, STEPS, STEP_NB, RUN_LANES),
+                          readable, BLOCK_SIZE, BLOCK_J, UNIT_STRIDE)
+    for s in range(STEPS - 1):
+        following = _step_values(row_ptr, first_column, stride_col,
+                                 _step_blocks(s + 1, lanes, STEPS, STEP_NB, RUN_LANES), readable, BLOCK_SIZE,
+                                 BLOCK_J, UNIT_STRIDE)
+        keys = tl.where(step_ids[:, None] == s, _max_keys(values)[None, :], keys)
+        values = following
+    return tl.where(step_ids[:, None] == STEPS - 1, _max_keys(values)[None, :], keys)
 
 
 @triton.jit
@@ -363,17 +412,26 @@ def _fused_select_kernel(
     logits_ptr, starts_ptr, ends_ptr, out_ptr,
     row_repeat, num_blocks_k, stride_row, stride_col, out_stride_row, out_stride_col,
     HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr, STEPS: tl.constexpr,
-    STEP_NB: tl.constexpr, VECTOR: tl.constexpr, PAD_BLOCK: tl.constexpr,
+    STEP_NB: tl.constexpr, VECTOR: tl.constexpr, PAD_BLOCK: tl.constexpr, ROLLED: tl.constexpr,
+    RUN_LANES: tl.constexpr,
 ):
     """One program per row: stream the row, hold its ``STEPS * STEP_NB`` block keys in registers
-    (``[STEPS, STEP_NB]``, block ``s * STEP_NB + j`` at ``[s, j]``), find the threshold and emit.
+    (``[STEPS, STEP_NB]``, block ``_step_blocks(s, j)`` at ``[s, j]``), find the threshold and emit.
 
     The newest block is never read (its score is pinned): the search runs over the other blocks for
     ``k - 1`` places, which gives the same threshold as searching all blocks with the pin for ``k`` (the
     pin holds the largest key, ``+inf``'s; removing one copy of the maximum shifts every rank by one),
     and keeps the pin's key out of the searched range (a narrower starting bracket). ``VECTOR`` (unit
     column stride): rows whose start is a multiple of 4 load from a base the compiler knows to be
-    4-aligned (16-byte loads)."""
+    4-aligned (16-byte loads). ``ROLLED``: the steps run as a loop (``_stream_row_keys_rolled``).
+
+    ``RUN_LANES`` (0: off; else the program's thread count, capped at ``STEP_NB``): the keys' layout gives
+    thread ``j % RUN_LANES`` the slots ``[s, j]`` of every step; with ``step * STEP_NB + j`` ids each thread
+    holds ``STEPS * STEP_NB / RUN_LANES`` separate runs of one id, and the emit's prefix sum over the
+    flattened keys costs a warp scan and a cross-warp exchange per run (~3K of the ~8K SASS instructions
+    per thread). With ``_step_blocks``' run ids the same registers, viewed as ``[RUN_LANES, run]``, are one
+    run of consecutive ids per thread: an in-thread scan plus one scan of the per-thread totals. Each warp
+    load then covers 16 blocks 1 KiB apart (whole 32-byte sectors; every line still read within one step)."""
     row = tl.program_id(0).to(tl.int64)
     start, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS)
     num_blocks = ((length + BLOCK_SIZE - 1) // BLOCK_SIZE).to(tl.int32)
@@ -382,12 +440,22 @@ def _fused_select_kernel(
     keys = tl.full([STEPS, STEP_NB], NONE, tl.int32)
     if VECTOR and (start % 4 == 0):
         aligned_start = (start // 4) * 4  # == start; the product tells the compiler it is 4-aligned
-        keys = _stream_row_keys(keys, row_ptr, aligned_start, 1, readable, STEPS, STEP_NB, BLOCK_SIZE, BLOCK_J,
-                                True)
+        if ROLLED:
+            keys = _stream_row_keys_rolled(keys, row_ptr, aligned_start, 1, readable, STEPS, STEP_NB, BLOCK_SIZE,
+                                           BLOCK_J, True, RUN_LANES)
+        else:
+            keys = _stream_row_keys(keys, row_ptr, aligned_start, 1, readable, STEPS, STEP_NB, BLOCK_SIZE,
+                                    BLOCK_J, True, RUN_LANES)
     else:
-        keys = _stream_row_keys(keys, row_ptr, start, stride_col, readable, STEPS, STEP_NB, BLOCK_SIZE, BLOCK_J,
-                                False)
-    # Row-major flattening keeps block-id order (and is free: [s, j] and s * STEP_NB + j share a thread).
+        if ROLLED:
+            keys = _stream_row_keys_rolled(keys, row_ptr, start, stride_col, readable, STEPS, STEP_NB, BLOCK_SIZE,
+                                           BLOCK_J, False, RUN_LANES)
+        else:
+            keys = _stream_row_keys(keys, row_ptr, start, stride_col, readable, STEPS, STEP_NB, BLOCK_SIZE,
+                                    BLOCK_J, False, RUN_LANES)
+    step_keys = keys  # [STEPS, STEP_NB]
+    # Row-major flattening (free: [s, j] and s * STEP_NB + j share a thread) keeps block-id order without
+    # RUN_LANES; the search does not depend on the order.
     keys = tl.reshape(keys, [STEPS * STEP_NB])  # [NB]
     block_ids = tl.arange(0, STEPS * STEP_NB)  # [NB]
     # Threshold t: every key > t is taken, then the first (k - #(> t)) keys == t in id order.
@@ -399,12 +467,24 @@ def _fused_select_kernel(
             t = _kth_largest_interpolated(keys, k_rest, selectable)
         else:
             t = num_blocks_k * 0 + INF_BITS
+    if RUN_LANES > 0:
+        RUN: tl.constexpr = STEPS * STEP_NB // RUN_LANES
+        # [s, rep * RUN_LANES + lane] -> [lane, s * REPS + rep]: block lane * RUN + column, same registers.
+        keys = tl.reshape(tl.permute(tl.reshape(step_keys, [STEPS, STEP_NB // RUN_LANES, RUN_LANES]), [2, 0, 1]),
+                          [RUN_LANES, RUN])
+        block_ids = tl.arange(0, RUN_LANES)[:, None] * RUN + tl.arange(0, RUN)[None, :]  # [RUN_LANES, RUN]
     keys = tl.where(block_ids == num_blocks - 1, INF_BITS, keys)
     greater = keys > t
     equal = (keys == t) & (keys != NONE)
-    counts = greater.to(tl.int32) + (equal.to(tl.int32) << 16)  # [NB] two 16-bit fields
-    prefix = tl.cumsum(counts, axis=0)  # inclusive, in block-id order
-    totals = tl.sum(counts, axis=0)
+    counts = greater.to(tl.int32) + (equal.to(tl.int32) << 16)  # [NB] or [RUN_LANES, RUN]: two 16-bit fields
+    if RUN_LANES > 0:
+        run_totals = tl.sum(counts, axis=1)  # [RUN_LANES]
+        earlier_runs = tl.cumsum(run_totals, axis=0) - run_totals  # [RUN_LANES] exclusive
+        prefix = tl.cumsum(counts, axis=1) + earlier_runs[:, None]  # inclusive, in block-id order
+        totals = tl.sum(run_totals, axis=0)
+    else:
+        prefix = tl.cumsum(counts, axis=0)  # inclusive, in block-id order
+        totals = tl.sum(counts, axis=0)
     ties = tl.where(t == NONE, 0, num_blocks_k - (totals & LOW_FIELD))
     greater_rank = prefix & LOW_FIELD
     equal_rank = prefix >> 16
@@ -578,9 +658,12 @@ def select_from_keys(keys: torch.Tensor, starts: torch.Tensor | None, ends: torc
 
 def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.Tensor, num_blocks_k: int,
                  block_size: int, row_repeat: int, out: torch.Tensor, *, vector: bool | None = None,
-                 step: int = _FUSED_STEP) -> torch.Tensor:
+                 step: int = _FUSED_STEP, rolled: bool | None = None,
+                 thread_runs: bool | None = None) -> torch.Tensor:
     """One launch, one program of ``_FUSED_WARPS`` warps per row (``_fused_select_kernel``), rows of at
-    most ``_FUSED_MAX_BLOCKS`` blocks; ``step`` logits per streaming step. Needs
+    most ``_FUSED_MAX_BLOCKS`` blocks; ``step`` logits per streaming step; ``rolled`` (default
+    ``_FUSED_ROLLED``) streams the steps in a loop, ``thread_runs`` (default ``_FUSED_THREAD_RUNS``) gives
+    each thread one run of consecutive block ids (``RUN_LANES`` of the kernel). Needs
     ``next_power_of_2(block_size) <= step`` (``select_candidate_blocks_triton`` checks it)."""
     num_rows, width = logits.shape
     max_blocks = triton.cdiv(width, block_size)
@@ -591,6 +674,8 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
     if width == 0:
         return out.fill_(-1)
     vector = (_KEYS_VECTOR if vector is None else vector) and logits.stride(1) == 1
+    rolled = _FUSED_ROLLED if rolled is None else rolled
+    thread_runs = _FUSED_THREAD_RUNS if thread_runs is None else thread_runs
     starts_arg, has_starts = _bounds_args(starts, ends)
     block_j = triton.next_power_of_2(block_size)
     step_blocks = min(max(1, step // block_j), padded_blocks)
@@ -598,7 +683,9 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
         logits, starts_arg, ends, out,
         row_repeat, num_blocks_k, logits.stride(0), logits.stride(1), out.stride(0), out.stride(1),
         HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_J=block_j, STEPS=padded_blocks // step_blocks,
-        STEP_NB=step_blocks, VECTOR=vector, PAD_BLOCK=_PAD_BLOCK, num_warps=_FUSED_WARPS,
+        STEP_NB=step_blocks, VECTOR=vector, PAD_BLOCK=_PAD_BLOCK,
+        ROLLED=rolled, RUN_LANES=min(step_blocks, 32 * _FUSED_WARPS) if thread_runs else 0,
+        num_warps=_FUSED_WARPS,
     )
     return out
 
@@ -616,18 +703,21 @@ def select_candidate_blocks_triton(
     keys_tile: int = _KEYS_TILE,
     fused: bool | None = None,
     fused_step: int = _FUSED_STEP,
+    fused_rolled: bool | None = None,
+    fused_thread_runs: bool | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``select_candidate_blocks_reference``. ``fused`` (default ``_SELECT_FUSED``; only
     logits of at most ``_FUSED_MAX_BLOCKS`` blocks per row and blocks of at most ``fused_step``
-    positions, others take the two launches) runs ``select_fused`` with ``fused_step``; ``vector`` goes
-    to whichever path runs, ``keys_tile`` to ``block_keys`` (two launches)."""
+    positions, others take the two launches) runs ``select_fused`` with ``fused_step``, ``fused_rolled``
+    and ``fused_thread_runs``; ``vector`` goes to whichever path runs, ``keys_tile`` to ``block_keys`` (two
+    launches)."""
     if out is None:
         out = torch.empty((logits.shape[0], num_blocks_k), dtype=torch.int32, device=logits.device)
     fused = _SELECT_FUSED if fused is None else fused
     padded_blocks = triton.next_power_of_2(max(triton.cdiv(logits.shape[1], block_size), 1))
     if fused and padded_blocks <= _FUSED_MAX_BLOCKS and triton.next_power_of_2(block_size) <= fused_step:
         return select_fused(logits, starts, ends, num_blocks_k, block_size, row_repeat, out, vector=vector,
-                            step=fused_step)
+                            step=fused_step, rolled=fused_rolled, thread_runs=fused_thread_runs)
     keys = block_keys(logits, starts, ends, block_size, row_repeat, vector=vector, tile=keys_tile)
     return select_from_keys(keys, starts, ends, num_blocks_k, block_size, row_repeat, out)
 

@@ -28,8 +28,8 @@ reduction of an int64 holding three 16-bit counts); the whole-row kernel decides
 which is cheaper with its many keys per thread. A search may stop early at a ``t`` that exactly k
 keys reach: the entries ``> t`` plus the first ``k - #(> t)`` entries ``== t`` are then those k
 entries, the same selection as with ``T``. This holds wherever the emit reads the keys that were
-searched (whole rows, candidate buffers of the row programs), not where the split path searches its
-candidates and emits from the row.
+searched (whole rows, candidate buffers of the row programs); the split path, which searches its candidates
+and emits from the row, needs the floor above its smallest candidate (option ``split_early_threshold``).
 
 Slot output (``topk_decode_slots``): every path emits through one store helper, which can write the
 cache slot ``block_table[row // rows_per_request, p // block_size] * block_size + p % block_size`` of
@@ -101,6 +101,16 @@ Wider rows, fewer rows (split path, four launches, two full passes over the logi
    programs of lower ids, which the hardware dispatches first, as CUB's single-pass scan assumes; under
    the interpreter programs run in id order). Ties go to the lowest columns through the prefix count of
    ties; each program writes its taken columns at its prefix offset; the row's last chunk pads ``-1``.
+
+Option ``fused_bound`` (both wide paths): the launch of group maxima (``_maxima_bound_kernel``) also finds the
+lower bound: each chunk program arrives on a per-row counter (acq_rel) after storing its maxima, and the row's
+last one resets the counter to 0 and runs step 2 (row programs: the bound and the compaction of the qualifying
+group ids). One launch less on the split path and with the gather launch (whose pieces then follow the maxima
+launch); plain row programs start at the gather. The counters must be zero when a launch starts, so they live
+across calls (one buffer per device, made outside any graph capture; each row's last program leaves its counter
+at 0). Option ``split_early_threshold``: step 3's search stops at a floor that exactly k candidates reach (with
+more than k candidates, such a floor lies above the smallest one, so every entry of the row that reaches it is a
+candidate and the emit from the row selects the same entries).
 
 Step 3 walks the rows in reverse order so that it starts on the rows step 1 left in L2, step 4 in
 forward order for the same reason. All scratch comes from ``torch.empty`` in the wrappers (every word
@@ -203,6 +213,13 @@ class TopkConfig:
         split path, 8192 in row programs.
     candidate_block: candidates searched in registers; ``None`` = ``clamp(2k, 1024, 16384)``.
     split_warps: warps of the split-path chunk programs (the per-row lower-bound program uses 8).
+    fused_bound: the launch of group maxima also finds the lower bound: each row's last chunk program to finish
+        (an arrival counter per row that this program resets, kept across calls: ``_arrival_counters``) runs the
+        lower-bound search (split path) or the search and the compaction of the qualifying group ids (row
+        programs), so one launch less; calls whose rows exceed the counters, or captured before any call made
+        them, take the unfused launches. Calls on concurrent streams must not share it.
+    split_early_threshold: the split path's candidate search stops at a floor that exactly k candidates reach, as
+        the row programs' does (the same selection: every entry of the row ``>=`` that floor is a candidate).
     """
 
     row_block_max: int = 8192
@@ -232,6 +249,8 @@ class TopkConfig:
     group_tile: int | None = None
     candidate_block: int | None = None
     split_warps: int = 4
+    fused_bound: bool = False
+    split_early_threshold: bool = False
 
 
 # Measured on the H200 (benchmarks/NOTES_topk.md, v6): the split path below 8 rows, gather-piece launches
@@ -610,13 +629,79 @@ def _split_low_bound_kernel(
     tl.store(state_row + _ARRIVED, 0)
 
 
+@triton.jit(do_not_specialize=["width", "k", "next_n", "num_chunks", "enough"])
+def _maxima_bound_kernel(
+    logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, group_max_ptr, state_ptr, state_stride, arrivals_ptr,
+    width, k, next_n, num_chunks, enough,
+    HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr,
+    GROUP_TILE: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """Group maxima as ``_split_group_max_kernel``, then the lower bound in the same launch
+    (``TopkConfig.fused_bound``): ``arrivals[row]`` counts the row's chunk programs (acq_rel), and the last one
+    to arrive resets it to 0 (for the next call) and searches the row's maxima. ``SPLIT``: maxima at
+    ``group_max[row * GROUP_TILE + group]``, the chunk flags cleared, ``T_low`` and the state words of
+    ``_split_low_bound_kernel``. Else (row programs): maxima at ``group_max[row * 2 * GROUP_TILE + group]``, the
+    qualifying group ids compacted after them and the bound, its kind and their number in the state words that
+    ``_row_program_kernel`` writes with ``STORE_STATE``."""
+    GROUPS_PER_CHUNK: tl.constexpr = CHUNK // GROUP
+    pid = tl.program_id(0)
+    row = pid // num_chunks
+    chunk = pid % num_chunks
+    start, length = _row_window(row, row >= 0, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
+    row_chunks = tl.maximum(tl.cdiv(length, CHUNK), 1)
+    if chunk < row_chunks:
+        group_ids = tl.arange(0, GROUPS_PER_CHUNK)  # [GROUPS_PER_CHUNK]
+        columns = chunk * CHUNK + group_ids[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [GROUPS_PER_CHUNK, GROUP]
+        inside = columns < length
+        src = logits_ptr + row.to(tl.int64) * stride_row + (start + columns).to(tl.int64) * stride_col
+        if chunk < length // CHUNK:  # a whole chunk inside the row: no mask, so the loads can be 16 bytes wide
+            values = tl.load(src)
+        else:
+            values = tl.load(src, mask=inside, other=0.0)
+        keys = _order_keys(values, inside)  # [GROUPS_PER_CHUNK, GROUP]
+        if SPLIT:
+            maxima_row = group_max_ptr + row.to(tl.int64) * GROUP_TILE
+        else:
+            maxima_row = group_max_ptr + row.to(tl.int64) * (2 * GROUP_TILE)
+        tl.store(maxima_row + chunk * GROUPS_PER_CHUNK + group_ids, tl.max(keys, axis=1))
+        state_row = state_ptr + row.to(tl.int64) * state_stride
+        if SPLIT:
+            tl.store(state_row + _FLAGS + chunk, 0)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel", scope="gpu")
+        if arrived == row_chunks - 1:
+            tl.store(arrivals_ptr + row, 0)
+            slots = tl.arange(0, GROUP_TILE)  # [GROUP_TILE]
+            maxima = tl.load(maxima_row + slots, mask=slots < row_chunks * GROUPS_PER_CHUNK, other=NONE,
+                             cache_modifier=".cg")
+            bound = row * 0 + NONE
+            inclusive = row * 0 + 1
+            if tl.sum((maxima != NONE).to(tl.int32), axis=0) >= k:
+                bound, reaching = _kth_largest(maxima, k, enough)
+                inclusive = (reaching <= enough).to(tl.int32)
+            if SPLIT:
+                tl.store(state_row + _T_LOW, bound)
+                tl.store(state_row + _INCLUSIVE, inclusive)
+                tl.store(state_row + _NUM_CANDIDATES, 0)
+                tl.store(state_row + _ARRIVED, 0)
+            else:
+                qualifies = _reaches(maxima, bound, inclusive).to(tl.int32)
+                tl.store(maxima_row + GROUP_TILE + tl.cumsum(qualifies, axis=0) - 1, slots, mask=qualifies != 0)
+                tl.store(state_row + _PIECE_BOUND, bound)
+                tl.store(state_row + _PIECE_INCLUSIVE, inclusive)
+                tl.store(state_row + _PIECE_QUALIFYING, tl.sum(qualifies, axis=0))
+                tl.store(state_row + _PIECE_ARRIVED, 0)
+
+
 @triton.jit(do_not_specialize=["width", "k", "next_n", "num_rows", "num_chunks"])
 def _split_candidates_kernel(
     logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, group_max_ptr, cand_ptr, cand_stride,
     state_ptr, state_stride, width, k, next_n, num_rows, num_chunks,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr,
-    GROUP_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr,
+    GROUP_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, EARLY_THRESHOLD: tl.constexpr,
 ):
+    """Step 3 of the split path (module docstring). ``EARLY_THRESHOLD``: the search among candidates held in
+    registers stops at a floor that exactly k of them reach (``TopkConfig.split_early_threshold``)."""
     GROUPS_PER_CHUNK: tl.constexpr = CHUNK // GROUP
     pid = tl.program_id(0)
     row = num_rows - 1 - pid // num_chunks
@@ -650,7 +735,12 @@ def _split_candidates_kernel(
                 if total <= CANDIDATE_BLOCK:
                     tile = tl.arange(0, CANDIDATE_BLOCK)  # [CANDIDATE_BLOCK]
                     candidates = tl.load(cand_row + tile, mask=tile < total, other=NONE, cache_modifier=".cg")
-                    threshold, _ = _kth_largest(candidates, k, k - 1)
+                    if EARLY_THRESHOLD:
+                        # Every entry of the row >= a floor above the smallest candidate is a candidate, so
+                        # the floor selects as T does; with exactly k candidates the floor would lie below.
+                        threshold, _ = _kth_largest(candidates, k, tl.where(total > k, k, k - 1))
+                    else:
+                        threshold, _ = _kth_largest(candidates, k, k - 1)
                     ties = k - tl.sum((candidates > threshold).to(tl.int32), axis=0)
                 else:
                     threshold = _kth_largest_in_memory(cand_row, total, k, CANDIDATE_BLOCK)
@@ -815,7 +905,7 @@ def _row_program_kernel(
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
     STREAM_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr,
     STREAM: tl.constexpr, VECTOR_GATHER: tl.constexpr, PREFETCH_GATHER: tl.constexpr, STAGES: tl.constexpr,
-    STORE_STATE: tl.constexpr,
+    STORE_STATE: tl.constexpr, BOUND_FROM_STATE: tl.constexpr,
 ):
     """One program per row. ``STREAM``: the program computes the group maxima itself (else an earlier
     launch of ``_split_group_max_kernel`` stored them). ``VECTOR_GATHER``: unmasked group loads in every
@@ -823,7 +913,9 @@ def _row_program_kernel(
     this one is scanned and stored. ``STAGES`` (``TopkConfig.row_stages``): 1 stops after the compaction
     of the qualifying group ids, 2 after the gather, 3 runs everything. ``STORE_STATE`` (gather launch):
     the bound, its kind and the number of qualifying groups go to the row's state words at
-    ``state_ptr + row * state_stride`` for ``_row_pieces_kernel``."""
+    ``state_ptr + row * state_stride`` for ``_row_pieces_kernel``. ``BOUND_FROM_STATE`` (``fused_bound``, not
+    with ``STREAM``): ``_maxima_bound_kernel`` left the bound, its kind, the number of qualifying groups (those
+    state words) and their ids, so the program starts at the gather."""
     TILE_GROUPS: tl.constexpr = STREAM_TILE // GROUP
     row = tl.program_id(0)
     start, length = _row_window(row, row >= 0, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
@@ -857,25 +949,31 @@ def _row_program_kernel(
             tile += 1
         tl.debug_barrier()
 
-    # Lower bound: stop as soon as at most `enough` group maxima reach it (candidates >= bound), else
-    # the exact k-th largest maximum (candidates > bound: fewer than k groups hold one).
-    slots = tl.arange(0, GROUP_TILE)  # [GROUP_TILE]
-    num_groups = tl.cdiv(length, GROUP)
-    maxima = tl.load(maxima_row + slots, mask=slots < num_groups, other=NONE, cache_modifier=".cg")
-    bound = row * 0 + NONE
-    inclusive = row * 0 + 1
-    if tl.sum((maxima != NONE).to(tl.int32), axis=0) >= k:
-        bound, reaching = _kth_largest(maxima, k, enough)
-        inclusive = (reaching <= enough).to(tl.int32)
-    qualifies = _reaches(maxima, bound, inclusive).to(tl.int32)
-    num_qualifying = tl.sum(qualifies, axis=0)
-    tl.store(ids_row + tl.cumsum(qualifies, axis=0) - 1, slots, mask=qualifies != 0)
-    if STORE_STATE:
+    if BOUND_FROM_STATE:
         state_row = state_ptr + row.to(tl.int64) * state_stride
-        tl.store(state_row + _PIECE_BOUND, bound)
-        tl.store(state_row + _PIECE_INCLUSIVE, inclusive)
-        tl.store(state_row + _PIECE_QUALIFYING, num_qualifying)
-        tl.store(state_row + _PIECE_ARRIVED, 0)
+        bound = tl.load(state_row + _PIECE_BOUND)
+        inclusive = tl.load(state_row + _PIECE_INCLUSIVE)
+        num_qualifying = tl.load(state_row + _PIECE_QUALIFYING)
+    else:
+        # Lower bound: stop as soon as at most `enough` group maxima reach it (candidates >= bound), else
+        # the exact k-th largest maximum (candidates > bound: fewer than k groups hold one).
+        slots = tl.arange(0, GROUP_TILE)  # [GROUP_TILE]
+        num_groups = tl.cdiv(length, GROUP)
+        maxima = tl.load(maxima_row + slots, mask=slots < num_groups, other=NONE, cache_modifier=".cg")
+        bound = row * 0 + NONE
+        inclusive = row * 0 + 1
+        if tl.sum((maxima != NONE).to(tl.int32), axis=0) >= k:
+            bound, reaching = _kth_largest(maxima, k, enough)
+            inclusive = (reaching <= enough).to(tl.int32)
+        qualifies = _reaches(maxima, bound, inclusive).to(tl.int32)
+        num_qualifying = tl.sum(qualifies, axis=0)
+        tl.store(ids_row + tl.cumsum(qualifies, axis=0) - 1, slots, mask=qualifies != 0)
+        if STORE_STATE:
+            state_row = state_ptr + row.to(tl.int64) * state_stride
+            tl.store(state_row + _PIECE_BOUND, bound)
+            tl.store(state_row + _PIECE_INCLUSIVE, inclusive)
+            tl.store(state_row + _PIECE_QUALIFYING, num_qualifying)
+            tl.store(state_row + _PIECE_ARRIVED, 0)
     if STAGES >= 2:
         tl.debug_barrier()
 
@@ -1105,6 +1203,24 @@ def _launch_row_tile(logits, k, bounds, out, next_n, slot_args, block, elements,
     )
 
 
+# Rows of the per-device arrival counters of ``fused_bound`` launches (calls with more rows take the unfused ones).
+_ARRIVAL_ROWS = 4096
+_arrival_buffers: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device, num_rows: int) -> torch.Tensor | None:
+    """The per-row arrival counters of ``_maxima_bound_kernel``: zero between calls (each row's last program
+    resets its own), so one buffer per device serves every call on it. Made by the first call outside a CUDA-graph
+    capture and never freed (captured graphs keep its address); None while none exists during a capture, or
+    when the call has more than ``_ARRIVAL_ROWS`` rows."""
+    counters = _arrival_buffers.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = _arrival_buffers[device] = torch.zeros(_ARRIVAL_ROWS, dtype=torch.int32, device=device)
+    return counters if num_rows <= _ARRIVAL_ROWS else None
+
+
 def _launch_split(logits, k, bounds, out, next_n, bounds_flags, slot_args, config):
     num_rows, width = logits.shape
     chunk = config.chunk
@@ -1129,16 +1245,24 @@ def _launch_split(logits, k, bounds, out, next_n, bounds_flags, slot_args, confi
     rows_args = (logits, logits.stride(0), logits.stride(1), *bounds)
     warps = config.split_warps
     sizes = dict(CHUNK=chunk, GROUP=group, GROUP_TILE=group_tile)
-    _split_group_max_kernel[grid](
-        *rows_args, group_max, state, state_stride, width, next_n, num_chunks,
-        CHUNK=chunk, GROUP=group, MAXIMA_STRIDE=group_tile, CLEAR_FLAGS=True, num_warps=warps, **bounds_flags,
-    )
-    _split_low_bound_kernel[(num_rows,)](
-        *bounds, group_max, state, state_stride, width, k, next_n, enough, num_warps=8, **sizes, **bounds_flags,
-    )
+    arrivals = _arrival_counters(device, num_rows) if config.fused_bound else None
+    if arrivals is None:
+        _split_group_max_kernel[grid](
+            *rows_args, group_max, state, state_stride, width, next_n, num_chunks,
+            CHUNK=chunk, GROUP=group, MAXIMA_STRIDE=group_tile, CLEAR_FLAGS=True, num_warps=warps, **bounds_flags,
+        )
+        _split_low_bound_kernel[(num_rows,)](
+            *bounds, group_max, state, state_stride, width, k, next_n, enough, num_warps=8, **sizes, **bounds_flags,
+        )
+    else:
+        _maxima_bound_kernel[grid](
+            *rows_args, group_max, state, state_stride, arrivals, width, k, next_n, num_chunks, enough,
+            SPLIT=True, num_warps=warps, **sizes, **bounds_flags,
+        )
     _split_candidates_kernel[grid](
         *rows_args, group_max, candidates, capacity, state, state_stride, width, k, next_n, num_rows, num_chunks,
-        CANDIDATE_BLOCK=candidate_block, num_warps=warps, **sizes, **bounds_flags,
+        CANDIDATE_BLOCK=candidate_block, EARLY_THRESHOLD=config.split_early_threshold, num_warps=warps, **sizes,
+        **bounds_flags,
     )
     _split_emit_kernel[grid](
         *rows_args, out, out.stride(0), out.stride(1), state, state_stride, width, k, next_n, num_chunks,
@@ -1165,30 +1289,41 @@ def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args
     groups = torch.empty((num_rows, 2 * group_tile), dtype=torch.int32, device=device)
     stream = not (config.maxima_launch and group <= config.chunk <= stream_tile)
     pieces = config.gather_launch and config.row_stages >= 2
+    arrivals = _arrival_counters(device, num_rows) if config.fused_bound and not stream else None
     if pieces:
         # Each gather piece has its own candidate region of stream_tile slots.
         max_pieces = triton.cdiv(min(max(enough, k - 1), group_tile), stream_tile // group)
         state = torch.empty((num_rows, _PIECE_STATE_WORDS + max_pieces), dtype=torch.int32, device=device)
         cand_keys = torch.empty((num_rows, max_pieces * stream_tile), dtype=torch.int32, device=device)
     else:
-        state = groups
+        state = groups if arrivals is None else torch.empty((num_rows, _PIECE_STATE_WORDS), dtype=torch.int32,
+                                                             device=device)
         cand_keys = torch.empty((num_rows, capacity), dtype=torch.int32, device=device)
     cand_columns = torch.empty_like(cand_keys)
     if not stream:
         num_chunks = triton.cdiv(width, config.chunk)
-        _split_group_max_kernel[(num_rows * num_chunks,)](
-            logits, logits.stride(0), logits.stride(1), *bounds, groups, groups, 0, width, next_n, num_chunks,
-            CHUNK=config.chunk, GROUP=group, MAXIMA_STRIDE=2 * group_tile, CLEAR_FLAGS=False,
-            num_warps=config.split_warps, **bounds_flags,
+        maxima_args = (logits, logits.stride(0), logits.stride(1), *bounds, groups)
+        if arrivals is None:
+            _split_group_max_kernel[(num_rows * num_chunks,)](
+                *maxima_args, groups, 0, width, next_n, num_chunks,
+                CHUNK=config.chunk, GROUP=group, MAXIMA_STRIDE=2 * group_tile, CLEAR_FLAGS=False,
+                num_warps=config.split_warps, **bounds_flags,
+            )
+        else:
+            _maxima_bound_kernel[(num_rows * num_chunks,)](
+                *maxima_args, state, state.stride(0), arrivals, width, k, next_n, num_chunks, enough,
+                CHUNK=config.chunk, GROUP=group, GROUP_TILE=group_tile, SPLIT=False, num_warps=config.split_warps,
+                **bounds_flags,
+            )
+    if not (pieces and arrivals is not None):  # with the fused bound, the gather launch follows the maxima launch
+        _row_program_kernel[(num_rows,)](
+            logits, logits.stride(0), logits.stride(1), *bounds, out, out.stride(0), out.stride(1),
+            groups, cand_keys, cand_columns, capacity, state, state.stride(0), width, k, next_n, enough, *slot_args[0],
+            GROUP=group, GROUP_TILE=group_tile, STREAM_TILE=stream_tile, CANDIDATE_BLOCK=candidate_block,
+            PAD_BLOCK=_PAD_BLOCK, STREAM=stream, VECTOR_GATHER=config.vector_gather,
+            PREFETCH_GATHER=config.prefetch_gather, STAGES=1 if pieces else config.row_stages, STORE_STATE=pieces,
+            BOUND_FROM_STATE=arrivals is not None, num_warps=config.stream_warps, **bounds_flags, **slot_args[1],
         )
-    _row_program_kernel[(num_rows,)](
-        logits, logits.stride(0), logits.stride(1), *bounds, out, out.stride(0), out.stride(1),
-        groups, cand_keys, cand_columns, capacity, state, state.stride(0), width, k, next_n, enough, *slot_args[0],
-        GROUP=group, GROUP_TILE=group_tile, STREAM_TILE=stream_tile, CANDIDATE_BLOCK=candidate_block,
-        PAD_BLOCK=_PAD_BLOCK, STREAM=stream, VECTOR_GATHER=config.vector_gather,
-        PREFETCH_GATHER=config.prefetch_gather, STAGES=1 if pieces else config.row_stages, STORE_STATE=pieces,
-        num_warps=config.stream_warps, **bounds_flags, **slot_args[1],
-    )
     if pieces:
         flat_keys = torch.empty((num_rows, capacity), dtype=torch.int32, device=device)
         flat_columns = torch.empty_like(flat_keys)
