@@ -4,7 +4,9 @@ permuted over one pool of 16M keys (the logits suite's cases), CUDA-graph median
 
 Parts (each appends rows to $OUT/diag_<part>.jsonl as it goes, so a timeout keeps what was measured):
   configs  ``auto`` and every ``GLUON_SWEEP_CONFIGS`` entry at the small shapes (``--large``: the 4M-16M-key
-           draft-row shapes too), under the suite's flush; ``auto`` is timed again last (the run-to-run spread)
+           draft-row shapes too), under the suite's flush; ``auto`` is timed again last (the run-to-run spread);
+           ``--variants`` / ``--next-n`` narrow it, ``--warm`` only compiles (one call a case, nothing timed:
+           parallel warm-up processes fill Triton's cache before a timed run)
   flush    ``auto`` under each L2 state at the suite's shapes and at B = 1, L = 16K-64K (intercept = fixed cost)
 
 Variants: ``auto`` = the library's dispatch (``ops/logits``: Triton or Gluon with the default configuration),
@@ -15,6 +17,7 @@ pays), ``clean`` = a 256 MB read (clean lines of another buffer), ``meta`` = cle
 table read (only the keys cold), ``hot`` = no flush. ``bits``: bitwise equal to ``auto`` at the same shape.
 
   OUT=/tmp/diag python scripts/gluon_decode_diag.py --part configs --table
+  OUT=/tmp/diag python scripts/gluon_decode_diag.py --part configs --large --next-n 2 --variants auto cta2-stacked
 """
 
 import argparse
@@ -46,10 +49,11 @@ FLUSH_CASES = [
 ]
 
 
-def config_cases(large):
-    variants = ("auto", *GLUON_SWEEP_CONFIGS, "auto-again")
+def config_cases(large, variants=None, only_next_n=None):
+    variants = tuple(variants or ("auto", *GLUON_SWEEP_CONFIGS, "auto-again"))
     return [(batch, length, next_n, "dirty", variants)
-            for batch, length, next_n in SMALL_SHAPES + (LARGE_SHAPES if large else [])]
+            for batch, length, next_n in SMALL_SHAPES + (LARGE_SHAPES if large else [])
+            if only_next_n is None or next_n == only_next_n]
 
 
 def decode_call(name, args, out):
@@ -101,6 +105,21 @@ def ceilings_for(out_dir):
     with open(path, "w") as f:
         json.dump(ceilings, f)
     return ceilings
+
+
+def warm(cases):
+    """Compile every kernel ``cases`` would time (one call each, on the same shapes: the split, and so the
+    compiled constants, depends on the shape)."""
+    gen = torch.Generator().manual_seed(5)
+    cache = _decode_pool("fp8", POOL_KEYS // 64 + 64)
+    for batch, length, next_n, _, variants in cases:
+        args = _decode_case(cache, batch, length, next_n, gen)[4]
+        out = torch.empty((batch * next_n, length), device="cuda")
+        for name in variants:
+            if name != "auto-again":
+                decode_call(name, args, out)()
+        torch.cuda.synchronize()
+        print(f"warm B={batch} L={length} n={next_n}: {' '.join(variants)}", flush=True)
 
 
 def run_part(part, cases, out_dir):
@@ -162,12 +181,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=("configs", "flush"))
     parser.add_argument("--large", action="store_true", help="configs: the 4M-16M-key draft-row shapes too")
+    parser.add_argument("--variants", nargs="+", help="configs: these variants only (auto, auto-again, sweep names)")
+    parser.add_argument("--next-n", type=int, help="configs: the shapes with this next_n only")
+    parser.add_argument("--warm", action="store_true", help="configs: compile the kernels only (nothing timed)")
     parser.add_argument("--table", action="store_true", help="print the table of every part measured in $OUT")
     options = parser.parse_args()
     out_dir = os.environ.get("OUT", "/tmp/gluon_decode_diag")
     os.makedirs(out_dir, exist_ok=True)
-    if options.part:
-        run_part(options.part, config_cases(options.large) if options.part == "configs" else FLUSH_CASES, out_dir)
+    cases = (config_cases(options.large, options.variants, options.next_n) if options.part == "configs"
+             else FLUSH_CASES)
+    if options.part and options.warm:
+        warm(cases)
+    elif options.part:
+        run_part(options.part, cases, out_dir)
     if options.table:
         print_table(out_dir)
 

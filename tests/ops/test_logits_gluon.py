@@ -163,6 +163,42 @@ def test_gluon_decode_early_table_reads_stay_inside_the_table_gpu(kernel_device,
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("variant", ["cta2-stacked", "persist2-coarse-early-stacked"])
+@pytest.mark.parametrize("next_n, lens", [(2, "1d"), (3, "2d"), (4, "2d")])
+def test_gluon_decode_stacked_rows_give_the_unstacked_bits_gpu(kernel_device, variant, next_n, lens):
+    """Draft rows stacked on N (one wgmma, one ``[64, 2]`` epilogue a tile): the reference's tier and the
+    unstacked configuration's bits, clean or not, with an absent second row (odd next_n) and rows of
+    different lengths; then 16-key pages with 3 heads (N = 2 x 16) and D = 64."""
+    config = GLUON_SWEEP_CONFIGS[variant]
+    unstacked = config[:10] + (0,)
+    lengths = REQUEST_LENGTHS if lens == "1d" else [[max(0, n - 7 * t) for t in range(next_n)] for n in REQUEST_LENGTHS]
+    inputs = decode_inputs("fp8", lengths, next_n, kernel_device, heads=64, block_size=64, seed=53 + next_n)
+    for clean in (True, False):
+        result = check_gluon(inputs, clean, config=config)
+        assert torch.equal(result.view(torch.int32), run_gluon(inputs, clean, 8, config=unstacked).view(torch.int32))
+    inputs = decode_inputs("fp8", [[13, 0, 5], [700, 701, 690], [0, 40, 0]], 3, kernel_device, heads=3, dim=64,
+                           block_size=16, seed=57)
+    for clean in (True, False):
+        result = check_gluon(inputs, clean, config=config)
+        assert torch.equal(result.view(torch.int32), run_gluon(inputs, clean, 8, config=unstacked).view(torch.int32))
+
+
+def test_gluon_decode_stacked_rows_need_a_register_cap():
+    """The stacked accumulator (N = 2 x heads) does not fit ptxas' register target at cap 80: refused on
+    the host; at one row the field is ignored."""
+    if not _gluon_available():
+        pytest.skip("this Triton has no Gluon (triton.experimental.gluon)")
+    constants = gluon_decode.kernel_constants
+    stacked_cta3 = gluon_decode.GLUON_DECODE_CONFIG + (0, 1)
+    with pytest.raises(ValueError, match="register cap"):
+        constants(64, 128, 64, 2, 16, True, 16, stacked_cta3)
+    assert not constants(64, 128, 64, 1, 16, True, 16, stacked_cta3)["STACKED"]
+    assert constants(64, 128, 64, 2, 16, True, 16, GLUON_SWEEP_CONFIGS["cta2-stacked"])["STACKED"]
+    assert not constants(64, 128, 64, 2, 16, True, 16, gluon_decode.GLUON_DECODE_CONFIG)["STACKED"]
+
+
+@pytest.mark.gpu
+@needs_hopper
 @pytest.mark.parametrize("persistent", [False, True])
 def test_gluon_decode_replays_in_a_cuda_graph_with_changed_lengths_gpu(kernel_device, persistent):
     """The launcher reads nothing back to the host: captured once, replayed after the lengths change in

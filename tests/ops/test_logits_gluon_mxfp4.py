@@ -164,6 +164,60 @@ def test_gluon_mxfp4_decode_one_row_pipeline_gpu(kernel_device, variant, case):
         check_gluon(inputs, case == "tile_counts", same_bits_as_triton=True, config=config)
 
 
+def _aligned(inputs: DecodeInputs) -> DecodeInputs:
+    """The same call on an unpadded, 16-byte aligned copy of the cache (page stride 64 * 68 bytes: the TMA
+    page copies' condition)."""
+    cache = inputs.cache
+    aligned = IndexerKCache(cache.num_blocks, block_size=cache.block_size, head_dim=cache.head_dim, fmt="mxfp4",
+                            buffer=cache.buffer.contiguous())
+    return DecodeInputs(inputs.q, inputs.q_scale, aligned, inputs.weights, inputs.context_lens, inputs.block_table,
+                        inputs.max_context_len)
+
+
+@pytest.mark.parametrize("case", ["tile_counts", "not_clean", "long", "exponent_spreads"])
+@pytest.mark.parametrize("variant", ["tma-one-row", "tma-one-row-s8", "tma-ahead", "tma-one-row-local", "tma",
+                                     "tma-local", "copies-p24"])
+def test_gluon_mxfp4_decode_candidates_gpu(kernel_device, variant, case):
+    """``GLUON_MXFP4_CANDIDATE_CONFIGS`` (TMA page copies, the shuffle-free e_max, the 24-register control; the
+    draft-row configs at next_n = 2, the others at 1) on an aligned cache: the Triton kernel's bits for odd
+    and even tile counts, empty splits, clean or not, one long request, random bytes with block exponents
+    over 0..60."""
+    from dsa_indexer.ops.logits.gluon_decode_mxfp4 import GLUON_MXFP4_CANDIDATE_CONFIGS, _tma_pages
+
+    config = GLUON_MXFP4_CANDIDATE_CONFIGS[variant]
+    next_n = 2 if variant in ("tma", "tma-local", "copies-p24") else 1
+    if case == "long":
+        inputs = decode_inputs("mxfp4", [40001], next_n, kernel_device, heads=64, block_size=64, extra_width=70,
+                               seed=72)
+    else:
+        lengths = REQUEST_LENGTHS + [128, 129, 191, 192]
+        lengths = [[max(0, n - 7 * t) for t in range(next_n)] for n in lengths] if next_n == 2 else lengths
+        inputs = decode_inputs("mxfp4", lengths, next_n, kernel_device, heads=64, block_size=64, seed=73)
+    inputs = _aligned(inputs)
+    if case == "exponent_spreads":
+        gen = torch.Generator(device=kernel_device).manual_seed(74)
+        values, scales = inputs.cache.values_view(), inputs.cache.scales_view()
+        values.copy_(torch.randint(0, 256, values.shape, generator=gen, device=kernel_device, dtype=torch.uint8))
+        scales.copy_(torch.randint(70, 131, scales.shape, generator=gen, device=kernel_device, dtype=torch.uint8))
+    assert (_tma_pages(inputs.cache, config) is not None) == variant.startswith("tma")
+    check_gluon(inputs, case != "not_clean", same_bits_as_triton=True, config=config)
+
+
+@pytest.mark.parametrize("variant", ["tma-one-row", "tma"])
+def test_gluon_mxfp4_decode_candidates_tma_falls_back_to_copies_gpu(kernel_device, variant):
+    """A TMA config on a cache the descriptors cannot take (padded page stride, or pages smaller than a tile)
+    runs the cp.async producer: the reference tier, and the Triton kernel's bits at 64 heads."""
+    from dsa_indexer.ops.logits.gluon_decode_mxfp4 import GLUON_MXFP4_CANDIDATE_CONFIGS, _tma_pages
+
+    config = GLUON_MXFP4_CANDIDATE_CONFIGS[variant]
+    next_n = 2 if variant == "tma" else 1
+    padded = decode_inputs("mxfp4", REQUEST_LENGTHS, next_n, kernel_device, heads=64, block_size=64, seed=75)
+    small = decode_inputs("mxfp4", [13, 0, 700, 40], next_n, kernel_device, heads=3, block_size=16, seed=76)
+    assert _tma_pages(padded.cache, config) is None and _tma_pages(_aligned(small).cache, config) is None
+    check_gluon(padded, True, same_bits_as_triton=True, config=config)
+    check_gluon(_aligned(small), True, same_bits_as_triton=False, config=config)
+
+
 def test_gluon_mxfp4_decode_empty_rows_write_minus_inf_gpu(kernel_device):
     inputs = decode_inputs("mxfp4", [0, 0], 2, kernel_device, heads=64, block_size=64, extra_width=100, seed=67)
     result = run_gluon(inputs, True, 3)

@@ -16,7 +16,9 @@ prologue (lengths, block table, first keys: dependent cold reads). What changes 
   per tile it issues one asynchronous ``[64 keys, D] x [D, BLOCK_H heads]`` wgmma per draft row (keys on
   M, heads on N, both operands from shared memory), then waits for row 0 only and runs its epilogue
   (``(s + |s|) * (w / 2)`` summed over the heads: in-thread adds and two quad shuffles) while row 1's
-  wgmma runs, then row 1's.
+  wgmma runs, then row 1's. Optionally (config field 10, ``_consumer_stacked``) both rows run as ONE
+  ``[64 keys, D] x [D, 2 * BLOCK_H]`` wgmma (their queries stacked on N), so the key tile is read from
+  shared memory once, and one epilogue sums both rows.
 - Several programs share an SM, so one program's epilogue also overlaps another's wgmma and copies (two
   consumer warpgroups per program on alternate stages, "ping-pong", measured 0.77-0.92x of this:
   NOTES_logits.md, session 4).
@@ -54,11 +56,13 @@ BLOCK_K = gl.constexpr(64)  # positions per key tile: one wgmma M tile
 # (cp.async ring stages, work items per SM aimed at, key tiles per split min/max, draft rows per program at
 # most (1 or 2), producer warps, producer registers per thread, register cap per thread at launch,
 # persistent programs per SM: 0 = one program per work item, and optionally whether each item's first
-# table entry is read beside its lengths: 0/1, default 0). Warp specialisation rounds the warps up to whole
-# warpgroups (4 consumer + 4 producer = 256 threads), so the cap decides the programs per SM: 128 gives
-# two, 80 three, 64 four (the consumer gets 2 * cap - producer registers). Measured winners (H200, cold-L2
-# graph replays, NOTES_logits.md runs 6 and 9), picked per call by ``gluon_decode_config``: draft rows at
-# ``batch * max_context_len >= GLUON_LARGE_KEYS``: three programs per SM, one work item each.
+# table entry is read beside its lengths: 0/1, default 0, and whether two draft rows run as one wgmma with
+# their queries stacked on N (``_consumer_stacked``): 0/1, default 0, needs a cap >= 96). Warp specialisation
+# rounds the warps up to whole warpgroups (4 consumer + 4 producer = 256 threads), so the cap decides the
+# programs per SM: 128 gives two, 80 three, 64 four (the consumer gets 2 * cap - producer registers).
+# Measured winners (H200, cold-L2 graph replays, NOTES_logits.md runs 6 and 9), picked per call by
+# ``gluon_decode_config``: draft rows at ``batch * max_context_len >= GLUON_LARGE_KEYS``: three programs per
+# SM, one work item each.
 GLUON_DECODE_CONFIG = (4, 8, 2, 32, 2, 4, 32, 80, 0)
 # Draft rows below that: two persistent programs per SM (the next item's loads hide its prologue), 4 items
 # per SM aimed at (long splits: fewer per-item query copies and first-entry chains), each item's first table
@@ -84,6 +88,14 @@ GLUON_SWEEP_CONFIGS = {
     # Twice the tiles a split (4 items per SM aimed at): half the items, so half the per-item query copies
     # (16 KB each at next_n = 2, as much as a 2-tile item's keys) and first-entry chains at small shapes.
     "persist2-coarse-early": GLUON_DECODE_CONFIG_SMALL,
+    # Session 5 candidates (draft rows stacked on N: one [64, D] x [D, 128] wgmma a tile, the key tile read
+    # from shared memory once; measure first). The N = 128 accumulator does not fit ptxas' register target at
+    # cap 80, so two programs per SM: ``cta2`` is the unstacked control at that occupancy.
+    "cta2": (4, 8, 2, 32, 2, 4, 40, 128, 0),
+    "cta2-stacked": (4, 8, 2, 32, 2, 4, 40, 128, 0, 0, 1),
+    # Six stages: two programs keep as many bytes in flight as cta3's three (12 stages, ~100 KB per SM).
+    "cta2-stacked-s6": (6, 8, 2, 32, 2, 4, 40, 128, 0, 0, 1),
+    "persist2-coarse-early-stacked": (4, 4, 2, 32, 2, 4, 40, 128, 2, 1, 1),
 }
 # Smallest ``batch * max_context_len`` the dispatch sends to the Gluon kernel, by draft rows (see
 # ``gluon_decode_preferred``).
@@ -340,6 +352,77 @@ def _consumer(w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_
         done += 1
 
 
+@gluon.jit
+def _consumer_stacked(w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_lb, stride_lt,
+                      key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty,
+                      next_n, one_d, max_context_len, num_splits, num_groups, num_works,
+                      HEADS: gl.constexpr, BLOCK_H: gl.constexpr, DIM: gl.constexpr, TILES: gl.constexpr,
+                      NUM_STAGES: gl.constexpr, QUERY_SLOTS: gl.constexpr, CLEAN: gl.constexpr):
+    """``_consumer`` for two draft rows with their queries stacked on N: per tile ONE async
+    ``[64 keys, D] x [D, 2 * BLOCK_H]`` wgmma (the query slot's two ``[BLOCK_H, D]`` rows are adjacent in
+    shared memory), so the key tile is read from shared memory once instead of once per row (24 instead of
+    32 KB of wgmma operand reads a tile at H = 64, D = 128) and half the wgmma instructions and waits are
+    issued. The epilogue sums a ``[64, 2, BLOCK_H]`` view of the accumulator over its heads (each row's
+    head values in the same in-thread and lane order as ``_consumer``'s ``[64, BLOCK_H]`` sums, so the same
+    bits: the GPU tests compare them) and stores both rows with one ``[64, 2]`` store. No in-program overlap
+    of an epilogue with a wgmma: the other programs on the SM provide it."""
+    PAIR_H: gl.constexpr = 2 * BLOCK_H
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, PAIR_H, 32])
+    pair_head = gl.arange(0, PAIR_H, layout=gl.SliceLayout(0, mma_layout))  # row * BLOCK_H + head
+    pair_row = pair_head // BLOCK_H
+    head = pair_head % BLOCK_H
+    zero = gl.zeros([BLOCK_K, PAIR_H], gl.float32, layout=mma_layout)
+    # [QUERY_SLOTS, 2 * BLOCK_H, D]: the slot's two rows as one N operand (rows of DIM bytes, the swizzle
+    # repeats every 8 rows and BLOCK_H >= 16, so row 1 starts where the stacked row BLOCK_H does).
+    pair_queries = query_ring._reinterpret(gl.float8e4nv, [QUERY_SLOTS, PAIR_H, DIM], query_ring.layout)
+    # The layout of the [64, 2] sums (inferred from the reshape of the accumulator), for the stores' indices.
+    sums_layout: gl.constexpr = gl.sum(gl.reshape(zero, [BLOCK_K, 2, BLOCK_H]), axis=2).type.layout
+    key = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, sums_layout))
+    row = gl.arange(0, 2, layout=gl.SliceLayout(0, sums_layout))
+    uses = 0  # ring stages consumed so far (over all work items)
+    done = 0  # work items done by this program
+    for work in range(gl.program_id(0), num_works, gl.num_programs(0)):
+        request, t0, length0, length1, split_start, split_end, read_end, num_tiles = _work_item(
+            lens_ptr, stride_lb, stride_lt, work, next_n, one_d, max_context_len, num_splits, num_groups, 2, TILES)
+        first_row = request.to(gl.int64) * next_n + t0
+        half_w = gl.load(w_ptr + (first_row + pair_row) * stride_wr + head * stride_wh,
+                         mask=(head < HEADS) & (t0 + pair_row < next_n), other=0.0) * 0.5  # [2 * BLOCK_H]
+        present = t0 + row < next_n  # [2]
+        length = gl.where(row == 0, length0, length1)  # [2]
+        out_rows = out_ptr + (first_row + row) * stride_or  # [2]
+        query_slot = done % QUERY_SLOTS
+        mbarrier.wait(query_ready.index(query_slot), (done // QUERY_SLOTS) & 1)
+        for tile in range(num_tiles):
+            stage = (uses + tile) % NUM_STAGES
+            mbarrier.wait(ready.index(stage), ((uses + tile) // NUM_STAGES) & 1)
+            fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async one
+            acc = warpgroup_mma(key_ring.index(stage), pair_queries.index(query_slot).permute((1, 0)), zero,
+                                use_acc=False, is_async=True)
+            key_mul = scale_ring.index(stage).load(gl.SliceLayout(1, sums_layout))  # [BLOCK_K]
+            positions = split_start + tile * BLOCK_K + key  # [BLOCK_K]
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            gl.thread_barrier()  # every warp is past its reads of this stage
+            mbarrier.arrive(empty.index(stage), count=1)
+            scores = (acc + gl.abs(acc)) * half_w[None, :]
+            logits = gl.sum(gl.reshape(scores, [BLOCK_K, 2, BLOCK_H]), axis=2) * key_mul[:, None]  # [BLOCK_K, 2]
+            inside = positions[:, None] < length[None, :]
+            live = (positions < read_end)[:, None]
+            out_ptrs = out_rows[None, :] + positions[:, None]
+            if CLEAN:
+                gl.store(out_ptrs, gl.where(inside, logits, float("-inf")), mask=live & present[None, :])
+            else:
+                gl.store(out_ptrs, logits, mask=live & inside)
+        # As in ``_consumer``: the slot goes back once every warp is past this item.
+        gl.thread_barrier()
+        mbarrier.arrive(query_empty.index(query_slot), count=1)
+        if CLEAN:
+            _store_tail(out_ptr + first_row * stride_or, out_ptr + (first_row + 1) * stride_or, t0 < next_n,
+                        t0 + 1 < next_n, split_start, split_end, read_end, key, 2)
+        uses += num_tiles
+        done += 1
+
+
 @gluon.jit(do_not_specialize=["table_columns", "next_n", "one_d", "max_context_len", "num_splits", "num_groups",
                               "num_works"])
 def _paged_mqa_logits_ws_kernel(
@@ -354,6 +437,7 @@ def _paged_mqa_logits_ws_kernel(
     ROWS: gl.constexpr, TILES: gl.constexpr, NUM_STAGES: gl.constexpr, QUERY_SLOTS: gl.constexpr,
     CLEAN: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, COPY_ALIGN: gl.constexpr,
     KEY_SMEM_LAYOUT: gl.constexpr, COPY_LAYOUT: gl.constexpr, SCALE_LAYOUT: gl.constexpr, EARLY_TABLE: gl.constexpr,
+    STACKED: gl.constexpr = False,
 ):
     """Work items ``pid, pid + programs, ...`` of ``num_works`` (draft rows ``[t0, t0 + ROWS)`` of one
     request over one split of ``TILES * BLOCK_K`` positions each; one item per program unless persistent)."""
@@ -372,17 +456,30 @@ def _paged_mqa_logits_ws_kernel(
         mbarrier.init(query_ready.index(s), count=32 * PRODUCER_WARPS)
         mbarrier.init(query_empty.index(s), count=1)
 
-    gl.warp_specialize([
-        (_consumer, (w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_lb, stride_lt,
-                     key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty,
-                     next_n, one_d, max_context_len, num_splits, num_groups, num_works,
-                     HEADS, BLOCK_H, ROWS, TILES, NUM_STAGES, QUERY_SLOTS, CLEAN)),
-        (_producer, (q_ptr, stride_qb, stride_qt, stride_qh, values_ptr, cache_ptr, page_units, table_ptr,
-                     stride_tb, table_columns, lens_ptr, stride_lb, stride_lt, key_ring, scale_ring, query_ring,
-                     ready, empty, query_ready, query_empty, next_n, one_d, max_context_len, num_splits,
-                     num_groups, num_works, HEADS, BLOCK_H, DIM, BLOCK_SIZE, ROWS, TILES, NUM_STAGES,
-                     QUERY_SLOTS, COPY_ALIGN, COPY_LAYOUT, SCALE_LAYOUT, EARLY_TABLE)),
-    ], [PRODUCER_WARPS], [PRODUCER_REGS])
+    if STACKED:
+        gl.warp_specialize([
+            (_consumer_stacked, (w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_lb, stride_lt,
+                                 key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty,
+                                 next_n, one_d, max_context_len, num_splits, num_groups, num_works,
+                                 HEADS, BLOCK_H, DIM, TILES, NUM_STAGES, QUERY_SLOTS, CLEAN)),
+            (_producer, (q_ptr, stride_qb, stride_qt, stride_qh, values_ptr, cache_ptr, page_units, table_ptr,
+                         stride_tb, table_columns, lens_ptr, stride_lb, stride_lt, key_ring, scale_ring, query_ring,
+                         ready, empty, query_ready, query_empty, next_n, one_d, max_context_len, num_splits,
+                         num_groups, num_works, HEADS, BLOCK_H, DIM, BLOCK_SIZE, ROWS, TILES, NUM_STAGES,
+                         QUERY_SLOTS, COPY_ALIGN, COPY_LAYOUT, SCALE_LAYOUT, EARLY_TABLE)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_lb, stride_lt,
+                         key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty,
+                         next_n, one_d, max_context_len, num_splits, num_groups, num_works,
+                         HEADS, BLOCK_H, ROWS, TILES, NUM_STAGES, QUERY_SLOTS, CLEAN)),
+            (_producer, (q_ptr, stride_qb, stride_qt, stride_qh, values_ptr, cache_ptr, page_units, table_ptr,
+                         stride_tb, table_columns, lens_ptr, stride_lb, stride_lt, key_ring, scale_ring, query_ring,
+                         ready, empty, query_ready, query_empty, next_n, one_d, max_context_len, num_splits,
+                         num_groups, num_works, HEADS, BLOCK_H, DIM, BLOCK_SIZE, ROWS, TILES, NUM_STAGES,
+                         QUERY_SLOTS, COPY_ALIGN, COPY_LAYOUT, SCALE_LAYOUT, EARLY_TABLE)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
 def kernel_constants(heads: int, dim: int, block_size: int, rows: int, tiles: int, clean: bool, copy_align: int,
@@ -394,6 +491,10 @@ def kernel_constants(heads: int, dim: int, block_size: int, rows: int, tiles: in
         raise ValueError(f"the Gluon decode kernel needs a power-of-two head_dim in [32, 512], got {dim}")
     if heads > 128:
         raise ValueError(f"the Gluon decode kernel takes at most 128 heads, got {heads}")
+    stacked = bool(len(config) > 10 and config[10]) and rows == 2
+    if stacked and config[7] < 96:
+        raise ValueError(f"stacked draft rows need a register cap >= 96 (an N = 2 x heads accumulator), "
+                         f"got {config[7]}")
     lanes_per_row = dim // 16
     return dict(
         HEADS=heads, BLOCK_H=max(16, triton.next_power_of_2(heads)), DIM=dim, BLOCK_SIZE=block_size, ROWS=rows,
@@ -404,6 +505,7 @@ def kernel_constants(heads: int, dim: int, block_size: int, rows: int, tiles: in
         if lanes_per_row <= 32 else None,
         SCALE_LAYOUT=gl.BlockedLayout([1], [32], [producer_warps], [0]),
         EARLY_TABLE=bool(len(config) > 9 and config[9]) and block_size % BLOCK_K.value == 0,
+        STACKED=stacked,
     )
 
 
