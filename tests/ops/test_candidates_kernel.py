@@ -392,6 +392,50 @@ def test_select_fused_thread_runs_two_slots_per_lane(kernel_device, rolled):
     assert torch.equal(actual, expected)
 
 
+# Split select (off by default): several streaming programs per row, the last to finish selects.
+SPLIT_VARIANTS = {"pieces_4": dict(fused_pieces=4, fused_piece_step=16),
+                  "pieces_8_one_warp": dict(fused_pieces=8, fused_piece_warps=1, fused_piece_step=8),
+                  "pieces_4_chunk_4": dict(fused_pieces=4, fused_piece_step=16, fused_piece_chunk=4)}
+
+
+@pytest.mark.parametrize("variant", SPLIT_VARIANTS.values(), ids=SPLIT_VARIANTS.keys())
+@pytest.mark.parametrize("data", ["random", "ties", "nan_and_neg_inf"])
+@pytest.mark.parametrize("block_size,row_repeat,with_starts", [(8, 1, True), (3, 2, False)])
+def test_select_split_matches_reference(kernel_device, variant, data, block_size, row_repeat, with_starts):
+    # Random windows (an empty first row), K 1 (only the pin or a +inf block) to past the block count.
+    logits, starts, ends, _ = case(7, 60, block_size, data, row_repeat=row_repeat, with_starts=with_starts,
+                                   device=kernel_device)
+    for num_blocks_k in (1, 5, 100):
+        expected = select_candidate_blocks(logits, starts, ends, num_blocks_k, block_size, row_repeat=row_repeat,
+                                           backend="reference")
+        actual = select_candidate_blocks_triton(logits, starts, ends, num_blocks_k, block_size, row_repeat,
+                                                **variant)
+        assert torch.equal(actual, expected)
+
+
+@pytest.mark.parametrize("pieces,chunk", [(2, 0), (16, 0), (4, 64)])
+def test_select_split_runs_ties_pins_and_strides(kernel_device, pieces, chunk):
+    # One warp: 32 lanes, runs of 8 keys (256 padded blocks; chunk 64: runs of 2 in 4 chunks), several steps per
+    # piece (pieces 2), one step per piece (16). Aligned and unaligned starts, +inf blocks tying with the pin, equal
+    # maxima, an empty row, column-major and padded views, a strided out.
+    logits, _, _, _ = case(5, 500, 13, "ties", device=kernel_device)
+    logits[:, 90] = float("inf")
+    starts = torch.tensor([0, 4, 3, 100, 497], dtype=torch.int32, device=kernel_device)
+    ends = torch.tensor([500, 500, 499, 101, 497], dtype=torch.int32, device=kernel_device)
+    variant = dict(fused_pieces=pieces, fused_piece_warps=1, fused_piece_step=64, fused_piece_chunk=chunk)
+    for num_blocks_k in (1, 2, 40, 200):
+        expected = select_candidate_blocks(logits, starts, ends, num_blocks_k, 3, backend="reference")
+        assert torch.equal(select_candidate_blocks_triton(logits, starts, ends, num_blocks_k, 3, 1, **variant),
+                           expected)
+    expected = select_candidate_blocks(logits, starts, ends, 7, 4, backend="reference")
+    padded = torch.full((5, 510), float("nan"), device=kernel_device)
+    padded[:, 7:507] = logits
+    out_base = torch.full((7, 5), -777, dtype=torch.int32, device=kernel_device)
+    for view in (logits.t().contiguous().t(), padded[:, 7:507]):
+        select_candidate_blocks_triton(view, starts, ends, 7, 4, 1, out_base.t(), **variant)
+        assert torch.equal(out_base.t(), expected)
+
+
 def test_select_fused_all_equal_unselectable_and_too_wide_rows(kernel_device):
     # Equal keys everywhere (the search ends on a one-key bracket), rows without selectable logits, and
     # rows wider than _FUSED_MAX_BLOCKS blocks (the two-launch path).
@@ -491,12 +535,21 @@ def test_v41_shapes_select_variants(data, variant):
 
 
 # Bench-sized fused kernels (the configurations the sweep times).
+V41_SPLIT_CHUNKED = dict(fused_piece_warps=8, fused_piece_step=8192, fused_piece_chunk=2048,
+                         fused_piece_max_registers=80)
 V41_FUSED_VARIANTS = {"fused": dict(fused=True), "fused_step_8192": dict(fused=True, fused_step=8192),
                       "fused_rolled": dict(fused_rolled=True), "fused_thread_runs": dict(fused_thread_runs=True),
                       "fused_rolled_thread_runs": dict(fused_rolled=True, fused_thread_runs=True),
                       "fused_thread_runs_8192": dict(fused_thread_runs=True, fused_step=8192),
                       "fused_rolled_thread_runs_8192": dict(fused_rolled=True, fused_thread_runs=True,
-                                                            fused_step=8192)}
+                                                            fused_step=8192),
+                      "split_4": dict(fused_pieces=4), "split_8": dict(fused_pieces=8),
+                      "split_16": dict(fused_pieces=16),
+                      "split_4_chunk": dict(fused_pieces=4, **V41_SPLIT_CHUNKED),
+                      "split_8_chunk": dict(fused_pieces=8, **V41_SPLIT_CHUNKED),
+                      "split_16_chunk": dict(fused_pieces=16, **V41_SPLIT_CHUNKED),
+                      "split_8_chunk_16w": dict(fused_pieces=8, fused_piece_warps=16, fused_piece_step=8192,
+                                                fused_piece_chunk=4096, fused_piece_max_registers=64)}
 
 
 @pytest.mark.gpu

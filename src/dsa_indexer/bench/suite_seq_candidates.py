@@ -185,6 +185,8 @@ def run(ceilings: dict[str, float]) -> list[dict]:
 # (register / split-histogram select, 4-warp radix, 16-warp mask, kept blocks rewritten, scalar block
 # keys; fused: two bits a round, no prefetch, 32 warps, bracket compaction) are gone; their numbers are
 # in benchmarks/NOTES_seq_candidates.md.
+SPLIT_CHUNKED = dict(fused_piece_warps=8, fused_piece_step=8192, fused_piece_chunk=2048,
+                     fused_piece_max_registers=80)
 SELECT_VARIANTS = {
     "default": {},
     "two_launch": dict(fused=False),  # block keys + radix select (session 3's default)
@@ -195,6 +197,18 @@ SELECT_VARIANTS = {
     "rolled_runs": dict(fused_rolled=True, fused_thread_runs=True),
     "runs_8192": dict(fused_thread_runs=True, fused_step=8192),
     "rolled_runs_8192": dict(fused_rolled=True, fused_thread_runs=True, fused_step=8192),
+    # Split select (NOTES "Session 5 round, part 2"): programs per row, the last to finish selects.
+    # 16 warps, the keys in registers: one program per SM.
+    "split_4": dict(fused_pieces=4),
+    "split_8": dict(fused_pieces=8),
+    "split_16": dict(fused_pieces=16),
+    # 8 warps, keys re-read in chunks of 2048, 80 registers: three programs per SM.
+    "split_4_chunk": dict(fused_pieces=4, **SPLIT_CHUNKED),
+    "split_8_chunk": dict(fused_pieces=8, **SPLIT_CHUNKED),
+    "split_16_chunk": dict(fused_pieces=16, **SPLIT_CHUNKED),
+    # 16 warps, chunks of 4096 (half the passes' serial loads), 64 registers: two programs per SM.
+    "split_8_chunk_16w": dict(fused_pieces=8, fused_piece_warps=16, fused_piece_step=8192, fused_piece_chunk=4096,
+                              fused_piece_max_registers=64),
 }
 MASK_VARIANTS = {
     "default": {},

@@ -42,6 +42,13 @@ launches (41% of the 64 µs floor; ``benchmarks/NOTES_seq_candidates.md``). Two 
 streaming steps as a loop instead of unrolled, and block ids laid out so that each thread's keys are one run
 of consecutive ids (the emit's prefix sum becomes an in-thread scan plus one scan of per-thread totals).
 
+Split select (``fused_pieces``, default ``_SPLIT_PIECES`` = 0: off until measured): ``_split_select_kernel``
+runs ``pieces`` programs per row, each streaming its share of the row's blocks into a scratch row of block
+keys; the last of them to finish (an acq_rel arrival counter per row, zeroed by the host in the same stream)
+reads the row's keys back from L2 and runs the fused kernel's search and a thread-run emit, with the keys in
+registers or (``fused_piece_chunk``) re-read in chunks by every pass, which keeps the kernel's registers to the
+streaming's (several programs per SM). The selection of one row then overlaps the streaming of later rows.
+
 ``apply_candidate_mask`` builds one flag byte per block and row (set for every listed id in
 ``[0, row blocks)``) and runs ``_mask_kernel``, which walks the row's tiles and stores ``-inf`` on
 every column outside ``[starts, ends)`` or in an unlisted block. It never reads the logits: kept
@@ -92,6 +99,15 @@ _FUSED_STEP = 16384  # logits per streaming step (BLOCK_J x blocks per step); 81
 # unrolled (the kernel is ~8K SASS instructions), and block ids in one run per thread (a cheap emit).
 _FUSED_ROLLED = False
 _FUSED_THREAD_RUNS = False
+# Split select (NOTES "Session 5 round, part 2"), off until measured: programs per row (0: the one-program-per-row
+# fused kernel), their warps, their register cap and the selection's key chunk (0: the keys in registers; 16 warps
+# then take ~108 registers, one program per SM). With chunks of 2048, 8 warps fit 80 registers (no spills): three
+# programs per SM, a selecting one beside streaming ones.
+_SPLIT_PIECES = 0
+_SPLIT_WARPS = 16
+_SPLIT_MAX_REGISTERS = 128
+_SPLIT_CHUNK = 0  # keys re-read per selection pass in chunks of this many (0: held in registers)
+_SPLIT_STEP = 16384  # logits per streaming step of the split select
 _PAD_BLOCK = 1024
 
 
@@ -501,6 +517,206 @@ def _fused_select_kernel(
         first += PAD_BLOCK
 
 
+@triton.jit
+def _scratch_probe_counts(keys_row, first_probe, second_probe, third_probe, fourth_probe, NB: tl.constexpr,
+                          CHUNK: tl.constexpr):
+    """Two packed int32 counts over the NB keys at ``keys_row``, read in chunks of CHUNK: ``#(>= first) +
+    #(>= second) * 2**16`` and the same for the third and fourth probes (int32 scalars)."""
+    lanes = tl.arange(0, CHUNK)  # [CHUNK]
+    first = tl.zeros([CHUNK], tl.int32)
+    second = tl.zeros([CHUNK], tl.int32)
+    for c in range(NB // CHUNK):  # a loop: one chunk of keys in registers at a time
+        keys = tl.load(keys_row + c * CHUNK + lanes)  # [CHUNK]
+        first += tl.where(keys >= first_probe, 1, 0) + tl.where(keys >= second_probe, 65536, 0)
+        second += tl.where(keys >= third_probe, 1, 0) + tl.where(keys >= fourth_probe, 65536, 0)
+    return tl.reduce((first, second), 0, _add_pairs)
+
+
+@triton.jit
+def _kth_largest_in_scratch(keys_row, k, selectable, low, high, NB: tl.constexpr, CHUNK: tl.constexpr):
+    """``_kth_largest_interpolated`` over the NB keys at ``keys_row`` (re-read every round, chunk by chunk,
+    from L1 after the first round: the keys never sit in registers); ``low`` / ``high`` (int64) are the
+    smallest key other than ``NONE`` and the largest key plus one. Same probes, same result."""
+    low_count = selectable
+    high_count = selectable * 0
+    while (low_count > k) & (high - low > 1):
+        low_value = _key_value(low.to(tl.int32))
+        high_value = _key_value((high - 1).to(tl.int32))
+        span = high_value - low_value
+        in_bracket = (low_count - high_count).to(tl.float32)
+        guess = low_value + span * ((low_count - k).to(tl.float32) / in_bracket)
+        width = span * (0.015625 + 0.5 / in_bracket)
+        below = _probe(guess - width, low, high)
+        above = _probe(guess + width, low, high)
+        middle = _probe(low_value + span * 0.5, low, high)
+        halving = low + (high - low) // 2
+        first, second = _scratch_probe_counts(keys_row, below.to(tl.int32), above.to(tl.int32), middle.to(tl.int32),
+                                              halving.to(tl.int32), NB, CHUNK)
+        low, low_count, high, high_count = _narrow(below, first & LOW_FIELD, k, low, low_count, high, high_count)
+        low, low_count, high, high_count = _narrow(above, first >> 16, k, low, low_count, high, high_count)
+        low, low_count, high, high_count = _narrow(middle, second & LOW_FIELD, k, low, low_count, high, high_count)
+        low, low_count, high, high_count = _narrow(halving, second >> 16, k, low, low_count, high, high_count)
+    return low.to(tl.int32)
+
+
+@triton.jit
+def _emit_counts(keys, block_ids, t, num_blocks):
+    """Packed ``greater + equal * 2**16`` flags of ``keys`` against the threshold ``t``, the pinned newest
+    block (``num_blocks - 1``) given the key of ``+inf``."""
+    keys = tl.where(block_ids == num_blocks - 1, INF_BITS, keys)
+    return (keys > t).to(tl.int32) + (((keys == t) & (keys != NONE)).to(tl.int32) << 16)
+
+
+@triton.jit
+def _select_from_scratch(keys_row, num_blocks, num_blocks_k, out_row, out_stride_col, NB: tl.constexpr,
+                         CHUNK: tl.constexpr, LANES: tl.constexpr, PAD_BLOCK: tl.constexpr):
+    """The selection of ``_split_select_kernel`` with ``SELECT_CHUNK``: the row's NB keys read in chunks of
+    CHUNK (``[LANES, CHUNK // LANES]`` for the emit, one run of ids per row of the tensor) by every pass (bounds,
+    search rounds, totals, emit), so the selecting program needs no more registers than a streaming one."""
+    lanes = tl.arange(0, CHUNK)  # [CHUNK]
+    present = tl.zeros([CHUNK], tl.int32)
+    lowest = tl.full([CHUNK], KEY_MAX, tl.int32)
+    highest = tl.full([CHUNK], NONE, tl.int32)
+    for c in range(NB // CHUNK):  # a loop: one chunk of keys in registers at a time
+        keys = tl.load(keys_row + c * CHUNK + lanes)  # [CHUNK]
+        present += (keys != NONE).to(tl.int32)
+        lowest = tl.minimum(lowest, tl.where(keys != NONE, keys, KEY_MAX))
+        highest = tl.maximum(highest, keys)
+    selectable = tl.sum(present, axis=0)
+    k_rest = num_blocks_k - (num_blocks > 0).to(tl.int32)
+    t = num_blocks_k * 0 + NONE
+    if selectable > k_rest:
+        if k_rest > 0:
+            t = _kth_largest_in_scratch(keys_row, k_rest, selectable, tl.min(lowest, axis=0).to(tl.int64),
+                                        tl.max(highest, axis=0).to(tl.int64) + 1, NB, CHUNK)
+        else:
+            t = num_blocks_k * 0 + INF_BITS
+    RUN: tl.constexpr = CHUNK // LANES
+    chunk_ids = tl.arange(0, LANES)[:, None] * RUN + tl.arange(0, RUN)[None, :]  # [LANES, RUN]
+    counted = tl.zeros([LANES, RUN], tl.int32)
+    for c in range(NB // CHUNK):  # a loop: one chunk of keys in registers at a time
+        block_ids = c * CHUNK + chunk_ids
+        counted += _emit_counts(tl.load(keys_row + block_ids), block_ids, t, num_blocks)
+    totals = tl.sum(tl.sum(counted, axis=1), axis=0)
+    ties = tl.where(t == NONE, 0, num_blocks_k - (totals & LOW_FIELD))
+    before = totals * 0  # packed counts of the earlier chunks
+    for c in range(NB // CHUNK):  # a loop: one chunk of keys in registers at a time
+        block_ids = c * CHUNK + chunk_ids
+        counts = _emit_counts(tl.load(keys_row + block_ids), block_ids, t, num_blocks)  # [LANES, RUN]
+        run_totals = tl.sum(counts, axis=1)  # [LANES]
+        earlier_runs = tl.cumsum(run_totals, axis=0) - run_totals + before  # [LANES] exclusive
+        prefix = tl.cumsum(counts, axis=1) + earlier_runs[:, None]  # inclusive, in block-id order
+        before += tl.sum(run_totals, axis=0)
+        equal_rank = prefix >> 16
+        take = ((counts & LOW_FIELD) != 0) | (((counts >> 16) != 0) & (equal_rank <= ties))
+        position = (prefix & LOW_FIELD) + tl.minimum(equal_rank, ties) - 1
+        tl.store(out_row + position.to(tl.int64) * out_stride_col, block_ids, mask=take)
+    taken = (totals & LOW_FIELD) + tl.minimum(totals >> 16, ties)
+    first = (taken // PAD_BLOCK) * PAD_BLOCK
+    while first < num_blocks_k:
+        slot = first + tl.arange(0, PAD_BLOCK)  # [PAD_BLOCK]
+        tl.store(out_row + slot.to(tl.int64) * out_stride_col, tl.full([PAD_BLOCK], -1, tl.int32),
+                 mask=(slot >= taken) & (slot < num_blocks_k))
+        first += PAD_BLOCK
+
+
+@triton.jit
+def _stream_piece_keys(keys_row, row_ptr, first_column, stride_col, readable, first_block, STEPS: tl.constexpr,
+                       STEP_NB: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr,
+                       UNIT_STRIDE: tl.constexpr):
+    """Stores the block keys of blocks ``[first_block, first_block + STEPS * STEP_NB)`` of one row at
+    ``keys_row + block`` (``NONE`` past ``readable``), the next step's loads issued before the current
+    step is reduced."""
+    lanes = tl.arange(0, STEP_NB)  # [STEP_NB]
+    values = _step_values(row_ptr, first_column, stride_col, first_block + lanes, readable, BLOCK_SIZE, BLOCK_J,
+                          UNIT_STRIDE)
+    for s in tl.static_range(STEPS):
+        if s + 1 < STEPS:
+            following = _step_values(row_ptr, first_column, stride_col, first_block + (s + 1) * STEP_NB + lanes,
+                                     readable, BLOCK_SIZE, BLOCK_J, UNIT_STRIDE)
+        tl.store(keys_row + first_block + s * STEP_NB + lanes, _max_keys(values))
+        if s + 1 < STEPS:
+            values = following
+
+
+@triton.jit(do_not_specialize=["row_repeat", "num_blocks_k"])
+def _split_select_kernel(
+    logits_ptr, starts_ptr, ends_ptr, out_ptr, keys_ptr, arrivals_ptr,
+    row_repeat, num_blocks_k, stride_row, stride_col, out_stride_row, out_stride_col,
+    HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr, STEPS: tl.constexpr,
+    STEP_NB: tl.constexpr, PIECES: tl.constexpr, LANES: tl.constexpr, VECTOR: tl.constexpr,
+    PAD_BLOCK: tl.constexpr, SELECT_CHUNK: tl.constexpr,
+):
+    """``PIECES`` programs per row (program ``row * PIECES + piece``): each streams blocks ``[piece * NB /
+    PIECES, (piece + 1) * NB / PIECES)`` of its row (``STEPS`` steps of ``STEP_NB`` blocks) into the row's
+    scratch keys ``keys_ptr + row * NB`` (int32 [R, NB], ``NB = PIECES * STEPS * STEP_NB``; the pinned
+    newest block and blocks past the row get ``NONE``), then arrives on ``arrivals[row]`` (acq_rel, zero at
+    launch). The last program to arrive reads the row's NB keys back (``.cg``: from L2, written moments
+    ago) as ``[LANES, NB // LANES]``, block ``lane * RUN + column`` (one run of consecutive ids per row of the
+    tensor), and selects as ``_fused_select_kernel``: the search over the flattened keys (order-free),
+    then the emit as a scan within each run plus one scan of the run totals. Why: the selection of one row
+    overlaps the streaming of the later rows on the other SMs, instead of one program per row doing both
+    one after the other (run 6: ~39 µs a row, 4 rows per SM).
+
+    ``SELECT_CHUNK`` (> 0): the last arriver never holds the keys in registers: every pass of the selection
+    re-reads them in chunks of SELECT_CHUNK (``_select_from_scratch``; L1 hits after the first), so the kernel's
+    registers are the streaming's and several programs fit per SM (a selecting one beside streaming ones)."""
+    program = tl.program_id(0)
+    row = (program // PIECES).to(tl.int64)
+    piece = program % PIECES
+    start, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS)
+    num_blocks = ((length + BLOCK_SIZE - 1) // BLOCK_SIZE).to(tl.int32)
+    readable = num_blocks - 1  # every block but the pinned newest one
+    row_ptr = logits_ptr + row * stride_row
+    NB: tl.constexpr = PIECES * STEPS * STEP_NB
+    keys_row = keys_ptr + row * NB
+    first_block = piece * (STEPS * STEP_NB)
+    if VECTOR and (start % 4 == 0):
+        aligned_start = (start // 4) * 4  # == start; the product tells the compiler it is 4-aligned
+        _stream_piece_keys(keys_row, row_ptr, aligned_start, 1, readable, first_block, STEPS, STEP_NB, BLOCK_SIZE,
+                           BLOCK_J, True)
+    else:
+        _stream_piece_keys(keys_row, row_ptr, start, stride_col, readable, first_block, STEPS, STEP_NB, BLOCK_SIZE,
+                           BLOCK_J, False)
+    tl.debug_barrier()  # every thread's key stores precede the CTA's arrival (release)
+    arrived = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel", scope="gpu")
+    if arrived == PIECES - 1:
+        if SELECT_CHUNK > 0:
+            _select_from_scratch(keys_row, num_blocks, num_blocks_k, out_ptr + row * out_stride_row, out_stride_col,
+                                 NB, SELECT_CHUNK, LANES, PAD_BLOCK)
+        else:
+            RUN: tl.constexpr = NB // LANES
+            block_ids = tl.arange(0, LANES)[:, None] * RUN + tl.arange(0, RUN)[None, :]  # [LANES, RUN]
+            keys = tl.load(keys_row + block_ids, cache_modifier=".cg")  # [LANES, RUN]
+            flat = tl.reshape(keys, [NB], can_reorder=True)  # the search does not depend on the order
+            selectable = tl.sum((flat != NONE).to(tl.int32), axis=0)
+            k_rest = num_blocks_k - (num_blocks > 0).to(tl.int32)
+            t = num_blocks_k * 0 + NONE
+            if selectable > k_rest:
+                if k_rest > 0:
+                    t = _kth_largest_interpolated(flat, k_rest, selectable)
+                else:
+                    t = num_blocks_k * 0 + INF_BITS
+            counts = _emit_counts(keys, block_ids, t, num_blocks)  # [LANES, RUN]
+            run_totals = tl.sum(counts, axis=1)  # [LANES]
+            earlier_runs = tl.cumsum(run_totals, axis=0) - run_totals  # [LANES] exclusive
+            prefix = tl.cumsum(counts, axis=1) + earlier_runs[:, None]  # inclusive, in block-id order
+            totals = tl.sum(run_totals, axis=0)
+            ties = tl.where(t == NONE, 0, num_blocks_k - (totals & LOW_FIELD))
+            equal_rank = prefix >> 16
+            take = ((counts & LOW_FIELD) != 0) | (((counts >> 16) != 0) & (equal_rank <= ties))
+            position = (prefix & LOW_FIELD) + tl.minimum(equal_rank, ties) - 1
+            out_row = out_ptr + row * out_stride_row
+            tl.store(out_row + position.to(tl.int64) * out_stride_col, block_ids, mask=take)
+            taken = (totals & LOW_FIELD) + tl.minimum(totals >> 16, ties)
+            first = (taken // PAD_BLOCK) * PAD_BLOCK
+            while first < num_blocks_k:
+                slot = first + tl.arange(0, PAD_BLOCK)  # [PAD_BLOCK]
+                tl.store(out_row + slot.to(tl.int64) * out_stride_col, tl.full([PAD_BLOCK], -1, tl.int32),
+                         mask=(slot >= taken) & (slot < num_blocks_k))
+                first += PAD_BLOCK
+
+
 @triton.jit(do_not_specialize=["row_repeat", "num_candidates"])
 def _candidate_flags_kernel(
     candidates_ptr, starts_ptr, ends_ptr, flags_ptr,
@@ -659,12 +875,23 @@ def select_from_keys(keys: torch.Tensor, starts: torch.Tensor | None, ends: torc
 def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.Tensor, num_blocks_k: int,
                  block_size: int, row_repeat: int, out: torch.Tensor, *, vector: bool | None = None,
                  step: int = _FUSED_STEP, rolled: bool | None = None,
-                 thread_runs: bool | None = None) -> torch.Tensor:
+                 thread_runs: bool | None = None, pieces: int | None = None,
+                 piece_warps: int | None = None, piece_chunk: int | None = None,
+                 piece_max_registers: int | None = None, piece_step: int | None = None) -> torch.Tensor:
     """One launch, one program of ``_FUSED_WARPS`` warps per row (``_fused_select_kernel``), rows of at
     most ``_FUSED_MAX_BLOCKS`` blocks; ``step`` logits per streaming step; ``rolled`` (default
     ``_FUSED_ROLLED``) streams the steps in a loop, ``thread_runs`` (default ``_FUSED_THREAD_RUNS``) gives
     each thread one run of consecutive block ids (``RUN_LANES`` of the kernel). Needs
-    ``next_power_of_2(block_size) <= step`` (``select_candidate_blocks_triton`` checks it)."""
+    ``next_power_of_2(block_size) <= step`` (``select_candidate_blocks_triton`` checks it).
+
+    ``pieces`` (default ``_SPLIT_PIECES``; 0: off) runs ``_split_select_kernel`` instead: ``pieces`` programs
+    of ``piece_warps`` (default ``_SPLIT_WARPS``) warps per row (at most one per block), the last to finish
+    selecting (``piece_chunk``, default ``_SPLIT_CHUNK``: 0 holds the keys in registers, else they are re-read in
+    chunks of that many keys, capped at the row's; ``piece_max_registers``, default ``_SPLIT_MAX_REGISTERS``, is
+    ptxas' register cap; ``piece_step``, default ``_SPLIT_STEP``, the logits per streaming step instead of
+    ``step``); scratch keys ``[R, next_power_of_2(blocks)]`` and zeroed
+    arrival counters ``[R]`` are allocated per call (the zeroing is a memset in the same stream: CUDA-graph
+    capturable, no state across calls)."""
     num_rows, width = logits.shape
     max_blocks = triton.cdiv(width, block_size)
     padded_blocks = triton.next_power_of_2(max(max_blocks, 1))
@@ -678,6 +905,25 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
     thread_runs = _FUSED_THREAD_RUNS if thread_runs is None else thread_runs
     starts_arg, has_starts = _bounds_args(starts, ends)
     block_j = triton.next_power_of_2(block_size)
+    pieces = _SPLIT_PIECES if pieces is None else pieces
+    if pieces:
+        pieces = min(triton.next_power_of_2(pieces), padded_blocks)
+        piece_blocks = padded_blocks // pieces
+        piece_step = _SPLIT_STEP if piece_step is None else piece_step
+        piece_step_blocks = min(max(1, piece_step // block_j), piece_blocks)
+        warps = _SPLIT_WARPS if piece_warps is None else piece_warps
+        chunk = min(_SPLIT_CHUNK if piece_chunk is None else piece_chunk, padded_blocks)
+        keys = torch.empty((num_rows, padded_blocks), dtype=torch.int32, device=logits.device)
+        arrivals = torch.zeros((num_rows,), dtype=torch.int32, device=logits.device)
+        _split_select_kernel[(num_rows * pieces,)](
+            logits, starts_arg, ends, out, keys, arrivals,
+            row_repeat, num_blocks_k, logits.stride(0), logits.stride(1), out.stride(0), out.stride(1),
+            HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_J=block_j, STEPS=piece_blocks // piece_step_blocks,
+            STEP_NB=piece_step_blocks, PIECES=pieces, LANES=min(chunk or padded_blocks, 32 * warps), VECTOR=vector,
+            PAD_BLOCK=_PAD_BLOCK, SELECT_CHUNK=chunk, num_warps=warps,
+            maxnreg=_SPLIT_MAX_REGISTERS if piece_max_registers is None else piece_max_registers,
+        )
+        return out
     step_blocks = min(max(1, step // block_j), padded_blocks)
     _fused_select_kernel[(num_rows,)](
         logits, starts_arg, ends, out,
@@ -705,19 +951,27 @@ def select_candidate_blocks_triton(
     fused_step: int = _FUSED_STEP,
     fused_rolled: bool | None = None,
     fused_thread_runs: bool | None = None,
+    fused_pieces: int | None = None,
+    fused_piece_warps: int | None = None,
+    fused_piece_chunk: int | None = None,
+    fused_piece_max_registers: int | None = None,
+    fused_piece_step: int | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``select_candidate_blocks_reference``. ``fused`` (default ``_SELECT_FUSED``; only
     logits of at most ``_FUSED_MAX_BLOCKS`` blocks per row and blocks of at most ``fused_step``
-    positions, others take the two launches) runs ``select_fused`` with ``fused_step``, ``fused_rolled``
-    and ``fused_thread_runs``; ``vector`` goes to whichever path runs, ``keys_tile`` to ``block_keys`` (two
-    launches)."""
+    positions, others take the two launches) runs ``select_fused`` with ``fused_step``, ``fused_rolled``,
+    ``fused_thread_runs`` and the split select's ``fused_pieces``, ``fused_piece_warps``, ``fused_piece_chunk``,
+    ``fused_piece_max_registers`` and ``fused_piece_step``; ``vector`` goes to whichever path runs, ``keys_tile``
+    to ``block_keys`` (two launches)."""
     if out is None:
         out = torch.empty((logits.shape[0], num_blocks_k), dtype=torch.int32, device=logits.device)
     fused = _SELECT_FUSED if fused is None else fused
     padded_blocks = triton.next_power_of_2(max(triton.cdiv(logits.shape[1], block_size), 1))
     if fused and padded_blocks <= _FUSED_MAX_BLOCKS and triton.next_power_of_2(block_size) <= fused_step:
         return select_fused(logits, starts, ends, num_blocks_k, block_size, row_repeat, out, vector=vector,
-                            step=fused_step, rolled=fused_rolled, thread_runs=fused_thread_runs)
+                            step=fused_step, rolled=fused_rolled, thread_runs=fused_thread_runs,
+                            pieces=fused_pieces, piece_warps=fused_piece_warps, piece_chunk=fused_piece_chunk,
+                            piece_max_registers=fused_piece_max_registers, piece_step=fused_piece_step)
     keys = block_keys(logits, starts, ends, block_size, row_repeat, vector=vector, tile=keys_tile)
     return select_from_keys(keys, starts, ends, num_blocks_k, block_size, row_repeat, out)
 
