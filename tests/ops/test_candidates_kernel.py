@@ -337,6 +337,19 @@ def test_select_fused_matches_reference(kernel_device, data, block_size, row_rep
         assert torch.equal(actual, expected)
 
 
+def assert_views_and_strided_out_match(logits, starts, ends, num_blocks_k, variant):
+    """Column-major and NaN-padded views of ``logits`` selected (blocks of 4) into a transposed ``out``
+    equal the reference."""
+    rows, width = logits.shape
+    expected = select_candidate_blocks(logits, starts, ends, num_blocks_k, 4, backend="reference")
+    padded = torch.full((rows, width + 10), float("nan"), device=logits.device)
+    padded[:, 7:width + 7] = logits
+    out_base = torch.full((num_blocks_k, rows), -777, dtype=torch.int32, device=logits.device)
+    for view in (logits.t().contiguous().t(), padded[:, 7:width + 7]):
+        select_candidate_blocks_triton(view, starts, ends, num_blocks_k, 4, 1, out_base.t(), **variant)
+        assert torch.equal(out_base.t(), expected)
+
+
 @pytest.mark.parametrize("variant", FUSED_ALIGNMENT_VARIANTS.values(), ids=FUSED_ALIGNMENT_VARIANTS.keys())
 def test_select_fused_aligned_starts_ties_pins_and_strides(kernel_device, variant):
     # Starts at multiples of 4 (16-byte path) and not; equal maxima and +inf blocks tying with the pin.
@@ -349,13 +362,7 @@ def test_select_fused_aligned_starts_ties_pins_and_strides(kernel_device, varian
         expected = select_candidate_blocks(logits, starts, ends, num_blocks_k, 8, backend="reference")
         assert torch.equal(select_candidate_blocks_triton(logits, starts, ends, num_blocks_k, 8, 1, **variant),
                            expected)
-    expected = select_candidate_blocks(logits, starts, ends, 5, 4, backend="reference")
-    padded = torch.full((6, 310), float("nan"), device=kernel_device)
-    padded[:, 7:307] = logits
-    out_base = torch.full((5, 6), -777, dtype=torch.int32, device=kernel_device)
-    for view in (logits.t().contiguous().t(), padded[:, 7:307]):
-        select_candidate_blocks_triton(view, starts, ends, 5, 4, 1, out_base.t(), **variant)
-        assert torch.equal(out_base.t(), expected)
+    assert_views_and_strided_out_match(logits, starts, ends, 5, variant)
 
 
 # Session 5 candidates (off by default): the streaming steps as a loop, block ids in one run per thread.
@@ -427,13 +434,7 @@ def test_select_split_runs_ties_pins_and_strides(kernel_device, pieces, chunk):
         expected = select_candidate_blocks(logits, starts, ends, num_blocks_k, 3, backend="reference")
         assert torch.equal(select_candidate_blocks_triton(logits, starts, ends, num_blocks_k, 3, 1, **variant),
                            expected)
-    expected = select_candidate_blocks(logits, starts, ends, 7, 4, backend="reference")
-    padded = torch.full((5, 510), float("nan"), device=kernel_device)
-    padded[:, 7:507] = logits
-    out_base = torch.full((7, 5), -777, dtype=torch.int32, device=kernel_device)
-    for view in (logits.t().contiguous().t(), padded[:, 7:507]):
-        select_candidate_blocks_triton(view, starts, ends, 7, 4, 1, out_base.t(), **variant)
-        assert torch.equal(out_base.t(), expected)
+    assert_views_and_strided_out_match(logits, starts, ends, 7, variant)
 
 
 def test_select_fused_all_equal_unselectable_and_too_wide_rows(kernel_device):

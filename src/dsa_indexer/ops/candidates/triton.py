@@ -112,6 +112,19 @@ _PAD_BLOCK = 1024
 
 
 @triton.jit
+def _pad_after_taken(out_row, out_stride_col, totals, ties, num_blocks_k, PAD_BLOCK: tl.constexpr):
+    """Stores ``-1`` in the slots ``[taken, num_blocks_k)`` of one output row, ``taken`` being the blocks above
+    ``T`` (low field of ``totals``) plus the ties taken (at most ``ties`` of the high field)."""
+    taken = (totals & LOW_FIELD) + tl.minimum(totals >> 16, ties)
+    first = (taken // PAD_BLOCK) * PAD_BLOCK
+    while first < num_blocks_k:
+        slot = first + tl.arange(0, PAD_BLOCK)  # [PAD_BLOCK]
+        tl.store(out_row + slot.to(tl.int64) * out_stride_col, tl.full([PAD_BLOCK], -1, tl.int32),
+                 mask=(slot >= taken) & (slot < num_blocks_k))
+        first += PAD_BLOCK
+
+
+@triton.jit
 def _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS: tl.constexpr):
     """(first column, length) of ``row`` as int64 scalars."""
     bound = row // row_repeat
@@ -508,13 +521,7 @@ def _fused_select_kernel(
     position = greater_rank + tl.minimum(equal_rank, ties) - 1
     out_row = out_ptr + row * out_stride_row
     tl.store(out_row + position.to(tl.int64) * out_stride_col, block_ids, mask=take)
-    taken = (totals & LOW_FIELD) + tl.minimum(totals >> 16, ties)
-    first = (taken // PAD_BLOCK) * PAD_BLOCK
-    while first < num_blocks_k:
-        slot = first + tl.arange(0, PAD_BLOCK)  # [PAD_BLOCK]
-        tl.store(out_row + slot.to(tl.int64) * out_stride_col, tl.full([PAD_BLOCK], -1, tl.int32),
-                 mask=(slot >= taken) & (slot < num_blocks_k))
-        first += PAD_BLOCK
+    _pad_after_taken(out_row, out_stride_col, totals, ties, num_blocks_k, PAD_BLOCK)
 
 
 @triton.jit
@@ -611,13 +618,7 @@ def _select_from_scratch(keys_row, num_blocks, num_blocks_k, out_row, out_stride
         take = ((counts & LOW_FIELD) != 0) | (((counts >> 16) != 0) & (equal_rank <= ties))
         position = (prefix & LOW_FIELD) + tl.minimum(equal_rank, ties) - 1
         tl.store(out_row + position.to(tl.int64) * out_stride_col, block_ids, mask=take)
-    taken = (totals & LOW_FIELD) + tl.minimum(totals >> 16, ties)
-    first = (taken // PAD_BLOCK) * PAD_BLOCK
-    while first < num_blocks_k:
-        slot = first + tl.arange(0, PAD_BLOCK)  # [PAD_BLOCK]
-        tl.store(out_row + slot.to(tl.int64) * out_stride_col, tl.full([PAD_BLOCK], -1, tl.int32),
-                 mask=(slot >= taken) & (slot < num_blocks_k))
-        first += PAD_BLOCK
+    _pad_after_taken(out_row, out_stride_col, totals, ties, num_blocks_k, PAD_BLOCK)
 
 
 @triton.jit
@@ -708,13 +709,7 @@ def _split_select_kernel(
             position = (prefix & LOW_FIELD) + tl.minimum(equal_rank, ties) - 1
             out_row = out_ptr + row * out_stride_row
             tl.store(out_row + position.to(tl.int64) * out_stride_col, block_ids, mask=take)
-            taken = (totals & LOW_FIELD) + tl.minimum(totals >> 16, ties)
-            first = (taken // PAD_BLOCK) * PAD_BLOCK
-            while first < num_blocks_k:
-                slot = first + tl.arange(0, PAD_BLOCK)  # [PAD_BLOCK]
-                tl.store(out_row + slot.to(tl.int64) * out_stride_col, tl.full([PAD_BLOCK], -1, tl.int32),
-                         mask=(slot >= taken) & (slot < num_blocks_k))
-                first += PAD_BLOCK
+            _pad_after_taken(out_row, out_stride_col, totals, ties, num_blocks_k, PAD_BLOCK)
 
 
 @triton.jit(do_not_specialize=["row_repeat", "num_candidates"])
