@@ -575,6 +575,47 @@ def _topk_row_kernel(
             _select_rows(*args, BLOCK, PAD_BLOCK, SLOTS, COPY_SHORT, CARRY, PLATEAU_EVERY)
 
 
+@triton.jit
+def _maxima_lower_bound(maxima, k, enough, row):
+    """Lower bound of a row's k-th largest entry from its group maxima ``[GROUP_TILE]``: ``(bound, inclusive)``.
+    The search stops as soon as at most ``enough`` maxima reach its floor (candidates: entries ``>= bound``,
+    ``inclusive`` 1), else ``bound`` is the exact k-th largest maximum (candidates ``> bound``: fewer than k
+    groups hold one; ``inclusive`` 0). Fewer than k selectable maxima: ``NONE``, inclusive."""
+    bound = row * 0 + NONE
+    inclusive = row * 0 + 1
+    if tl.sum((maxima != NONE).to(tl.int32), axis=0) >= k:
+        bound, reaching = _kth_largest(maxima, k, enough)
+        inclusive = (reaching <= enough).to(tl.int32)
+    return bound, inclusive
+
+
+@triton.jit
+def _compact_qualifying(maxima, slots, bound, inclusive, ids_row):
+    """Stores, ascending at ``ids_row``, the group ids ``slots`` whose maxima reach the bound; returns their number."""
+    qualifies = _reaches(maxima, bound, inclusive).to(tl.int32)
+    num_qualifying = tl.sum(qualifies, axis=0)
+    tl.store(ids_row + tl.cumsum(qualifies, axis=0) - 1, slots, mask=qualifies != 0)
+    return num_qualifying
+
+
+@triton.jit
+def _store_split_state(state_row, t_low, inclusive):
+    """The split path's per-row state after its lower bound: bound, kind, no candidates yet, no arrivals."""
+    tl.store(state_row + _T_LOW, t_low)
+    tl.store(state_row + _INCLUSIVE, inclusive)
+    tl.store(state_row + _NUM_CANDIDATES, 0)
+    tl.store(state_row + _ARRIVED, 0)
+
+
+@triton.jit
+def _store_piece_state(state_row, bound, inclusive, num_qualifying):
+    """The gather-piece launch's per-row state: bound, kind, number of qualifying groups, no arrivals."""
+    tl.store(state_row + _PIECE_BOUND, bound)
+    tl.store(state_row + _PIECE_INCLUSIVE, inclusive)
+    tl.store(state_row + _PIECE_QUALIFYING, num_qualifying)
+    tl.store(state_row + _PIECE_ARRIVED, 0)
+
+
 @triton.jit(do_not_specialize=["width", "next_n", "num_chunks"])
 def _split_group_max_kernel(
     logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, group_max_ptr, state_ptr, state_stride,
@@ -617,16 +658,8 @@ def _split_low_bound_kernel(
     num_groups = tl.maximum(tl.cdiv(length, CHUNK), 1) * (CHUNK // GROUP)
     tile = tl.arange(0, GROUP_TILE)  # [GROUP_TILE]
     maxima = tl.load(group_max_ptr + row.to(tl.int64) * GROUP_TILE + tile, mask=tile < num_groups, other=NONE)
-    t_low = row * 0 + NONE
-    inclusive = row * 0 + 1
-    if tl.sum((maxima != NONE).to(tl.int32), axis=0) >= k:
-        t_low, reaching = _kth_largest(maxima, k, enough)
-        inclusive = (reaching <= enough).to(tl.int32)
-    state_row = state_ptr + row.to(tl.int64) * state_stride
-    tl.store(state_row + _T_LOW, t_low)
-    tl.store(state_row + _INCLUSIVE, inclusive)
-    tl.store(state_row + _NUM_CANDIDATES, 0)
-    tl.store(state_row + _ARRIVED, 0)
+    t_low, inclusive = _maxima_lower_bound(maxima, k, enough, row)
+    _store_split_state(state_ptr + row.to(tl.int64) * state_stride, t_low, inclusive)
 
 
 @triton.jit(do_not_specialize=["width", "k", "next_n", "num_chunks", "enough"])
@@ -674,23 +707,12 @@ def _maxima_bound_kernel(
             slots = tl.arange(0, GROUP_TILE)  # [GROUP_TILE]
             maxima = tl.load(maxima_row + slots, mask=slots < row_chunks * GROUPS_PER_CHUNK, other=NONE,
                              cache_modifier=".cg")
-            bound = row * 0 + NONE
-            inclusive = row * 0 + 1
-            if tl.sum((maxima != NONE).to(tl.int32), axis=0) >= k:
-                bound, reaching = _kth_largest(maxima, k, enough)
-                inclusive = (reaching <= enough).to(tl.int32)
+            bound, inclusive = _maxima_lower_bound(maxima, k, enough, row)
             if SPLIT:
-                tl.store(state_row + _T_LOW, bound)
-                tl.store(state_row + _INCLUSIVE, inclusive)
-                tl.store(state_row + _NUM_CANDIDATES, 0)
-                tl.store(state_row + _ARRIVED, 0)
+                _store_split_state(state_row, bound, inclusive)
             else:
-                qualifies = _reaches(maxima, bound, inclusive).to(tl.int32)
-                tl.store(maxima_row + GROUP_TILE + tl.cumsum(qualifies, axis=0) - 1, slots, mask=qualifies != 0)
-                tl.store(state_row + _PIECE_BOUND, bound)
-                tl.store(state_row + _PIECE_INCLUSIVE, inclusive)
-                tl.store(state_row + _PIECE_QUALIFYING, tl.sum(qualifies, axis=0))
-                tl.store(state_row + _PIECE_ARRIVED, 0)
+                num_qualifying = _compact_qualifying(maxima, slots, bound, inclusive, maxima_row + GROUP_TILE)
+                _store_piece_state(state_row, bound, inclusive, num_qualifying)
 
 
 @triton.jit(do_not_specialize=["width", "k", "next_n", "num_rows", "num_chunks"])
@@ -960,20 +982,10 @@ def _row_program_kernel(
         slots = tl.arange(0, GROUP_TILE)  # [GROUP_TILE]
         num_groups = tl.cdiv(length, GROUP)
         maxima = tl.load(maxima_row + slots, mask=slots < num_groups, other=NONE, cache_modifier=".cg")
-        bound = row * 0 + NONE
-        inclusive = row * 0 + 1
-        if tl.sum((maxima != NONE).to(tl.int32), axis=0) >= k:
-            bound, reaching = _kth_largest(maxima, k, enough)
-            inclusive = (reaching <= enough).to(tl.int32)
-        qualifies = _reaches(maxima, bound, inclusive).to(tl.int32)
-        num_qualifying = tl.sum(qualifies, axis=0)
-        tl.store(ids_row + tl.cumsum(qualifies, axis=0) - 1, slots, mask=qualifies != 0)
+        bound, inclusive = _maxima_lower_bound(maxima, k, enough, row)
+        num_qualifying = _compact_qualifying(maxima, slots, bound, inclusive, ids_row)
         if STORE_STATE:
-            state_row = state_ptr + row.to(tl.int64) * state_stride
-            tl.store(state_row + _PIECE_BOUND, bound)
-            tl.store(state_row + _PIECE_INCLUSIVE, inclusive)
-            tl.store(state_row + _PIECE_QUALIFYING, num_qualifying)
-            tl.store(state_row + _PIECE_ARRIVED, 0)
+            _store_piece_state(state_ptr + row.to(tl.int64) * state_stride, bound, inclusive, num_qualifying)
     if STAGES >= 2:
         tl.debug_barrier()
 
