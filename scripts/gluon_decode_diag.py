@@ -70,29 +70,18 @@ def decode_call(name, args, out):
 def graph_us(call, flush, metadata, reps=30):
     """Median µs of CUDA-graph replays of ``call`` with the L2 in state ``flush`` before each replay (see the
     module docstring; ``metadata``: the lengths and block table, read for ``meta``)."""
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    buffer = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-    words = buffer.view(torch.int32)
-    words.zero_()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, end in events:
-        if flush == "dirty":
-            buffer.zero_()
-        elif flush in ("clean", "meta"):
+    if flush == "dirty":
+        return harness.cold_graph_us(call, reps)
+    words = torch.zeros(64 << 20, dtype=torch.int32, device="cuda")  # 256 MB, read: clean lines
+
+    def before():
+        if flush in ("clean", "meta"):
             words.max()
-            if flush == "meta":
-                for tensor in metadata:
-                    tensor.max()
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    times = sorted(start.elapsed_time(end) for start, end in events)
-    return times[reps // 2] * 1e3
+        if flush == "meta":
+            for tensor in metadata:
+                tensor.max()
+
+    return harness.cold_graph_us(call, reps, before=before)
 
 
 def ceilings_for(out_dir):

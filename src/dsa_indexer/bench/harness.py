@@ -26,17 +26,20 @@ def median_us(fn, *, graph: bool = False, warmup_ms: int = 25, rep_ms: int = 200
     return ms * 1e3
 
 
-def cold_graph_us(fn, reps: int = 100) -> float:
-    """Median µs of CUDA-graph replays of ``fn``, each after a 256 MB memset that evicts the L2."""
+def cold_graph_us(fn, reps: int = 100, *, before=None) -> float:
+    """Median µs of CUDA-graph replays of ``fn``, each after a 256 MB memset that evicts the L2 (or, given
+    ``before``, after calling it instead: another L2 state, untimed)."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    if before is None:
+        flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+        before = flush.zero_
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for start, end in events:
-        flush.zero_()
+        before()
         start.record()
         graph.replay()
         end.record()
