@@ -128,13 +128,18 @@ def test_select_infinite_logits_tie_with_the_pinned_block(kernel_device):
     check_select(logits, None, ends, 3, 4)
 
 
-def test_select_all_equal_and_all_unselectable_rows(kernel_device):
-    logits = torch.full((4, 3000), 0.5, device=kernel_device)
+def all_equal_and_unselectable_rows(device):
+    """``[4, 3000]`` logits: all 0.5, all -inf, all NaN, alternating signed zeros; row ends just past or inside."""
+    logits = torch.full((4, 3000), 0.5, device=device)
     logits[1] = NEG_INF
     logits[2] = float("nan")
     logits[3, ::2] = -0.0
     logits[3, 1::2] = 0.0
-    ends = torch.tensor([3000, 2999, 3000, 2500], dtype=torch.int32, device=kernel_device)
+    return logits, torch.tensor([3000, 2999, 3000, 2500], dtype=torch.int32, device=device)
+
+
+def test_select_all_equal_and_all_unselectable_rows(kernel_device):
+    logits, ends = all_equal_and_unselectable_rows(kernel_device)
     result = check_select(logits, None, ends, 5, 2)
     assert result[1].tolist() == [1499, -1, -1, -1, -1]
     check_select(logits, None, ends, 2000, 1)
@@ -440,12 +445,7 @@ def test_select_split_runs_ties_pins_and_strides(kernel_device, pieces, chunk):
 def test_select_fused_all_equal_unselectable_and_too_wide_rows(kernel_device):
     # Equal keys everywhere (the search ends on a one-key bracket), rows without selectable logits, and
     # rows wider than _FUSED_MAX_BLOCKS blocks (the two-launch path).
-    logits = torch.full((4, 3000), 0.5, device=kernel_device)
-    logits[1] = NEG_INF
-    logits[2] = float("nan")
-    logits[3, ::2] = -0.0
-    logits[3, 1::2] = 0.0
-    ends = torch.tensor([3000, 2999, 3000, 2500], dtype=torch.int32, device=kernel_device)
+    logits, ends = all_equal_and_unselectable_rows(kernel_device)
     for num_blocks_k, block_size in ((5, 2), (700, 2), (2000, 1)):
         expected = select_candidate_blocks(logits, None, ends, num_blocks_k, block_size, backend="reference")
         actual = select_candidate_blocks_triton(logits, None, ends, num_blocks_k, block_size, 1, fused=True,
