@@ -199,8 +199,6 @@ ROPE_LAYOUTS = [(style, position) for style in ("neox", "interleaved") for posit
 @pytest.mark.parametrize("rope_position", ["first", "trailing"])
 @pytest.mark.parametrize("rope_style", ["neox", "interleaved"])
 def test_mxfp4_variants_match_reference(kernel_device, rope_style, rope_position, variant):
-    if interpreter_enabled() and variant in BF16X2_VARIANTS and rope_style == "neox":
-        pytest.skip("the interpreter encodes bf16x2 on the fp32 path: the default-path tests cover NeoX")
     options = dict(rope_style=rope_style, rope_position=rope_position, fmt="mxfp4")
     heads = edge_q(128, torch.bfloat16)
     q = heads.unsqueeze(0).repeat(3, 1, 1)
