@@ -4,9 +4,10 @@ permuted over one pool of 16M keys (the logits suite's cases), CUDA-graph median
 
 Parts (each appends rows to $OUT/diag_<part>.jsonl as it goes, so a timeout keeps what was measured):
   configs  ``auto`` and every ``GLUON_SWEEP_CONFIGS`` entry at the small shapes (``--large``: the 4M-16M-key
-           draft-row shapes too), under the suite's flush; ``auto`` is timed again last (the run-to-run spread);
-           ``--variants`` / ``--next-n`` narrow it, ``--warm`` only compiles (one call a case, nothing timed:
-           parallel warm-up processes fill Triton's cache before a timed run)
+           shapes too), under the suite's flush, each configuration at the row count it is built for (one-row
+           ones at next_n = 1, draft-row ones at next_n >= 2); ``auto`` is timed again last (the run-to-run
+           spread); ``--variants`` / ``--next-n`` / ``--shape`` narrow it, ``--warm`` only compiles (one call a
+           case, nothing timed: parallel warm-up processes fill Triton's cache before a timed run)
   flush    ``auto`` under each L2 state at the suite's shapes and at B = 1, L = 16K-64K (intercept = fixed cost)
 
 Variants: ``auto`` = the library's dispatch (``ops/logits``: Triton or Gluon with the default configuration),
@@ -17,7 +18,7 @@ pays), ``clean`` = a 256 MB read (clean lines of another buffer), ``meta`` = cle
 table read (only the keys cold), ``hot`` = no flush. ``bits``: bitwise equal to ``auto`` at the same shape.
 
   OUT=/tmp/diag python scripts/gluon_decode_diag.py --part configs --table
-  OUT=/tmp/diag python scripts/gluon_decode_diag.py --part configs --large --next-n 2 --variants auto cta2-stacked
+  OUT=/tmp/diag python scripts/gluon_decode_diag.py --part configs --large --next-n 2 --variants auto cta3 cta3-tma
 """
 
 import argparse
@@ -36,6 +37,7 @@ K = 1024
 POOL_KEYS = 128 * 128 * K  # the suite's pool: its largest case (B = 128, L = 128K)
 SMALL_SHAPES = [(1, 128 * K, 2), (32, 32 * K, 2), (32, 32 * K, 1), (1, 128 * K, 1)]
 LARGE_SHAPES = [(32, 128 * K, 2), (128, 32 * K, 2), (128, 128 * K, 2)]
+LARGE_SHAPES_ONE_ROW = [(32, 128 * K, 1), (128, 32 * K, 1)]
 # (B, L, next_n, flush, variants)
 FLUSH_CASES = [
     (1, 128 * K, 2, "dirty", ("empty", "auto")),
@@ -49,11 +51,21 @@ FLUSH_CASES = [
 ]
 
 
-def config_cases(large, variants=None, only_next_n=None):
+def applies(name, next_n):
+    """Whether variant ``name`` is timed at ``next_n``: a sweep configuration at the row count it is built for
+    (field 4: draft rows per program at most)."""
+    if name not in GLUON_SWEEP_CONFIGS:
+        return True
+    return (GLUON_SWEEP_CONFIGS[name][4] == 1) == (next_n == 1)
+
+
+def config_cases(large, variants=None, only_next_n=None, only_shapes=None):
+    """(B, L, next_n, flush, variants) of the configs part; ``only_shapes``: (B, L, next_n) to keep."""
     variants = tuple(variants or ("auto", *GLUON_SWEEP_CONFIGS, "auto-again"))
-    return [(batch, length, next_n, "dirty", variants)
-            for batch, length, next_n in SMALL_SHAPES + (LARGE_SHAPES if large else [])
-            if only_next_n is None or next_n == only_next_n]
+    shapes = SMALL_SHAPES + (LARGE_SHAPES + LARGE_SHAPES_ONE_ROW if large else [])
+    return [(batch, length, next_n, "dirty", tuple(name for name in variants if applies(name, next_n)))
+            for batch, length, next_n in shapes if (only_next_n is None or next_n == only_next_n)
+            and (not only_shapes or (batch, length, next_n) in only_shapes)]
 
 
 def decode_call(name, args, out):
@@ -169,15 +181,19 @@ def print_table(out_dir):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=("configs", "flush"))
-    parser.add_argument("--large", action="store_true", help="configs: the 4M-16M-key draft-row shapes too")
+    parser.add_argument("--large", action="store_true", help="configs: the 4M-16M-key shapes too")
     parser.add_argument("--variants", nargs="+", help="configs: these variants only (auto, auto-again, sweep names)")
     parser.add_argument("--next-n", type=int, help="configs: the shapes with this next_n only")
+    parser.add_argument("--shape", action="append", metavar="B,L_IN_K,NEXT_N",
+                        help="configs: this shape only (repeatable), e.g. 32,128,2")
     parser.add_argument("--warm", action="store_true", help="configs: compile the kernels only (nothing timed)")
     parser.add_argument("--table", action="store_true", help="print the table of every part measured in $OUT")
     options = parser.parse_args()
     out_dir = os.environ.get("OUT", "/tmp/gluon_decode_diag")
     os.makedirs(out_dir, exist_ok=True)
-    cases = (config_cases(options.large, options.variants, options.next_n) if options.part == "configs"
+    shapes = [tuple(int(x) for x in shape.split(",")) for shape in options.shape or ()]
+    shapes = [(batch, length * K, next_n) for batch, length, next_n in shapes]
+    cases = (config_cases(options.large, options.variants, options.next_n, shapes) if options.part == "configs"
              else FLUSH_CASES)
     if options.part and options.warm:
         warm(cases)

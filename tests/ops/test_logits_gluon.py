@@ -149,7 +149,8 @@ def test_gluon_decode_sweep_configs_give_the_default_bits_gpu(kernel_device, var
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("variant, next_n", [("persist2-early", 2), ("persist2-coarse-early", 1),
-                                             ("persist2-coarse-early", 2), ("persist2-coarse-early", 3)])
+                                             ("persist2-coarse-early", 2), ("persist2-coarse-early", 3),
+                                             ("persist2-coarse-early-tma", 2)])
 def test_gluon_decode_early_table_reads_stay_inside_the_table_gpu(kernel_device, variant, next_n):
     """An output wider than the block table (splits that start past its last column) and short requests
     beside a long one (first entries past a request's length are garbage ids): the early first-entry read
@@ -157,44 +158,94 @@ def test_gluon_decode_early_table_reads_stay_inside_the_table_gpu(kernel_device,
     lengths = [[max(0, n - 7 * t) for t in range(next_n)] for n in (40001, 0, 65, 3000)]
     inputs = decode_inputs("fp8", lengths, next_n, kernel_device, heads=64, block_size=64, extra_width=5000,
                            seed=49)
+    if variant.endswith("-tma"):
+        inputs = _aligned(inputs)
     check_gluon(inputs, clean=True, config=GLUON_SWEEP_CONFIGS[variant])
     check_gluon(inputs, clean=False, config=GLUON_SWEEP_CONFIGS[variant])
 
 
+def _aligned(inputs: DecodeInputs) -> DecodeInputs:
+    """The same call on an unpadded, 16-byte aligned copy of the cache (a page stride that is a multiple of a
+    key row: the TMA page copies' condition)."""
+    from dsa_indexer.cache import IndexerKCache
+
+    cache = inputs.cache
+    aligned = IndexerKCache(cache.num_blocks, block_size=cache.block_size, head_dim=cache.head_dim, fmt="fp8",
+                            buffer=cache.buffer.contiguous())
+    return DecodeInputs(inputs.q, inputs.q_scale, aligned, inputs.weights, inputs.context_lens, inputs.block_table,
+                        inputs.max_context_len)
+
+
+TMA_VARIANTS = ["cta3-tma", "persist2-coarse-early-tma", "persist4-one-row-tma"]
+
+
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("variant", ["cta2-stacked", "persist2-coarse-early-stacked"])
-@pytest.mark.parametrize("next_n, lens", [(2, "1d"), (3, "2d"), (4, "2d")])
-def test_gluon_decode_stacked_rows_give_the_unstacked_bits_gpu(kernel_device, variant, next_n, lens):
-    """Draft rows stacked on N (one wgmma, one ``[64, 2]`` epilogue a tile): the reference's tier and the
-    unstacked configuration's bits, clean or not, with an absent second row (odd next_n) and rows of
-    different lengths; then 16-key pages with 3 heads (N = 2 x 16) and D = 64."""
+@pytest.mark.parametrize("case", ["mixed", "dim64", "long"])
+@pytest.mark.parametrize("variant", TMA_VARIANTS)
+def test_gluon_decode_tma_pages_give_the_copies_bits_gpu(kernel_device, variant, case):
+    """Keys, scales and queries copied by TMA (config field 10) on aligned caches: the reference's tier and
+    the bits of the same configuration with cp.async copies. ``mixed``: 64 heads, odd and even tile counts,
+    empty splits, rows of different lengths (one row for the one-row configuration, two otherwise), clean or
+    not, and the default's bits; ``dim64``: D = 64 (64-byte swizzle, four scale rows a tile), 3 heads (the
+    query copies read 16 rows), 128-key pages (two tiles a page), next_n = 3 (an absent second row); ``long``:
+    one long request. The padded caches of the other tests fall back to cp.async (the sweep test runs them)."""
+    from dsa_indexer.ops.logits.gluon_decode import _tma_pages
+
     config = GLUON_SWEEP_CONFIGS[variant]
-    unstacked = config[:10] + (0,)
-    lengths = REQUEST_LENGTHS if lens == "1d" else [[max(0, n - 7 * t) for t in range(next_n)] for n in REQUEST_LENGTHS]
-    inputs = decode_inputs("fp8", lengths, next_n, kernel_device, heads=64, block_size=64, seed=53 + next_n)
-    for clean in (True, False):
+    copies = config[:5] + (4,) + config[6:10] + (0,)  # four cp.async warps, as where TMA cannot run
+    next_n = 1 if config[4] == 1 else 2
+    if case == "mixed":
+        lengths = [[max(0, n - 7 * t) for t in range(next_n)] for n in REQUEST_LENGTHS + [128, 129, 191, 192, 3200]]
+        inputs = decode_inputs("fp8", lengths, next_n, kernel_device, heads=64, block_size=64, seed=81)
+    elif case == "dim64":
+        inputs = decode_inputs("fp8", [[max(0, n - 3 * t) for t in range(3)] for n in (13, 700, 0, 4000)], 3,
+                               kernel_device, heads=3, dim=64, block_size=128, seed=85)
+    else:
+        inputs = decode_inputs("fp8", [40001], next_n, kernel_device, heads=64, block_size=64, extra_width=70,
+                               seed=86)
+    inputs = _aligned(inputs)
+    assert _tma_pages(inputs.cache, config) is not None and _tma_pages(inputs.cache, copies) is None
+    for clean in (True, False) if case == "mixed" else (True,):
         result = check_gluon(inputs, clean, config=config)
-        assert torch.equal(result.view(torch.int32), run_gluon(inputs, clean, 8, config=unstacked).view(torch.int32))
-    inputs = decode_inputs("fp8", [[13, 0, 5], [700, 701, 690], [0, 40, 0]], 3, kernel_device, heads=3, dim=64,
-                           block_size=16, seed=57)
-    for clean in (True, False):
-        result = check_gluon(inputs, clean, config=config)
-        assert torch.equal(result.view(torch.int32), run_gluon(inputs, clean, 8, config=unstacked).view(torch.int32))
+        assert torch.equal(result.view(torch.int32), run_gluon(inputs, clean, 8, config=copies).view(torch.int32))
+        if case == "mixed":
+            assert torch.equal(result.view(torch.int32), run_gluon(inputs, clean, 8).view(torch.int32))
 
 
-def test_gluon_decode_stacked_rows_need_a_register_cap():
-    """The stacked accumulator (N = 2 x heads) does not fit ptxas' register target at cap 80: refused on
-    the host; at one row the field is ignored."""
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("variant", ["cta3-tma", "persist4-one-row-tma"])
+def test_gluon_decode_tma_falls_back_to_copies_gpu(kernel_device, variant):
+    """A TMA configuration on caches the descriptors cannot take (padded page stride; 16-key pages with 3
+    heads) runs four cp.async warps: the reference's tier, and the default's bits."""
+    config = GLUON_SWEEP_CONFIGS[variant]
+    lengths = [[max(0, n - 7 * t) for t in range(2)] for n in REQUEST_LENGTHS]
+    padded = decode_inputs("fp8", lengths, 2, kernel_device, heads=64, block_size=64, seed=87)
+    result = check_gluon(padded, True, config=config)
+    assert torch.equal(result.view(torch.int32), run_gluon(padded, True, 8).view(torch.int32))
+    small = decode_inputs("fp8", [[13, 0], [700, 701], [0, 40]], 2, kernel_device, heads=3, dim=64, block_size=16,
+                          seed=88)
+    check_gluon(_aligned(small), False, config=config)
+
+
+def test_gluon_decode_tma_pages_only_where_the_cache_allows():
+    """The TMA descriptors are made only for 16-byte aligned caches of 64-key multiple pages whose page stride
+    is a multiple of a key row of at most 128 bytes, and only when the configuration asks."""
     if not _gluon_available():
         pytest.skip("this Triton has no Gluon (triton.experimental.gluon)")
-    constants = gluon_decode.kernel_constants
-    stacked_cta3 = gluon_decode.GLUON_DECODE_CONFIG + (0, 1)
-    with pytest.raises(ValueError, match="register cap"):
-        constants(64, 128, 64, 2, 16, True, 16, stacked_cta3)
-    assert not constants(64, 128, 64, 1, 16, True, 16, stacked_cta3)["STACKED"]
-    assert constants(64, 128, 64, 2, 16, True, 16, GLUON_SWEEP_CONFIGS["cta2-stacked"])["STACKED"]
-    assert not constants(64, 128, 64, 2, 16, True, 16, gluon_decode.GLUON_DECODE_CONFIG)["STACKED"]
+    from dsa_indexer.cache import IndexerKCache
+    from dsa_indexer.ops.logits.gluon_decode import _tma_pages
+
+    config = GLUON_SWEEP_CONFIGS["cta3-tma"]
+    assert _tma_pages(IndexerKCache(4, block_size=64, head_dim=128, fmt="fp8"), config) is not None
+    default = gluon_decode.GLUON_DECODE_CONFIG
+    assert _tma_pages(IndexerKCache(4, block_size=64, head_dim=128, fmt="fp8"), default) is None
+    assert _tma_pages(IndexerKCache(4, block_size=64, head_dim=64, fmt="fp8"), config) is not None
+    assert _tma_pages(IndexerKCache(4, block_size=16, head_dim=128, fmt="fp8"), config) is None
+    assert _tma_pages(IndexerKCache(4, block_size=64, head_dim=256, fmt="fp8"), config) is None
+    padded = decode_inputs("fp8", [100], 1, "cpu", heads=4, block_size=64)
+    assert _tma_pages(padded.cache, config) is None
 
 
 @pytest.mark.gpu
@@ -248,8 +299,8 @@ def test_gluon_decode_config_by_work_size():
                 gluon_decode.GLUON_DECODE_CONFIG_ONE_ROW}
     assert defaults <= set(GLUON_SWEEP_CONFIGS.values())
     mxfp4 = gluon_decode_mxfp4
-    assert mxfp4.GLUON_MXFP4_DECODE_CONFIG_ONE_ROW == (4, 8, 2, 32, 2, 4, 24, 64, 0)
-    assert mxfp4.GLUON_MXFP4_DECODE_CONFIG == (4, 8, 2, 32, 2, 4, 40, 80, 0)
+    assert mxfp4.GLUON_MXFP4_DECODE_CONFIG_ONE_ROW == (4, 8, 2, 32, 2, 1, 24, 64, 1)
+    assert mxfp4.GLUON_MXFP4_DECODE_CONFIG == (4, 8, 2, 32, 2, 1, 24, 80, 1)
 
 
 def test_decode_kernel_is_triton_off_hopper_and_when_forced(monkeypatch):

@@ -6,9 +6,10 @@ the ``-inf`` masks equal; the same bits as the Triton kernel (``paged_mqa_logits
 sum a row's heads in the same order (64 heads and at most 2 draft rows: the expansion, the contraction
 order and the per-row head sum are the same instructions); 20 reruns with identical bits. Outputs go
 through padded row strides of a poisoned allocation (the padding keeps its poison; with ``clean=False``
-only the valid entries are written), and the paged cache sits in a 0xFF-poisoned allocation with a padded page stride, so a read of
-a byte the kernel should not use shows (and the copies fall back to 4 bytes; one test also runs the
-16-byte path on an aligned copy of the cache).
+only the valid entries are written), and the paged cache sits in a 0xFF-poisoned allocation with a padded
+page stride, so a read of a byte the kernel should not use shows; such a cache takes the cp.async producer
+(4-byte copies: the TMA page copies need 64-byte multiple page strides), so the tests of the TMA producer
+(the default wherever the cache allows) and of 16-byte copies run on an aligned, unpadded copy of the cache.
 Gluon kernels do not run under the Triton interpreter: every test here needs a CUDA GPU with wgmma.
 """
 
@@ -96,18 +97,20 @@ def test_gluon_mxfp4_decode_block_exponent_spreads_gpu(kernel_device, next_n):
 
 @pytest.mark.parametrize("next_n", [1, 2])
 def test_gluon_mxfp4_decode_aligned_cache_uses_16_byte_copies_gpu(kernel_device, next_n):
-    """A 16-byte aligned cache with an unpadded page stride (the 16-byte copy path) gives the bits of
-    the same pages in the poisoned, padded cache (the 4-byte path)."""
+    """The cp.async producer on a 16-byte aligned cache with an unpadded page stride (16-byte copies) gives the
+    bits of the same pages in the poisoned, padded cache (4-byte copies) and of the TMA page copies."""
+    from dsa_indexer.ops.logits.gluon_decode_mxfp4 import GLUON_MXFP4_DECODE_CONFIG, GLUON_MXFP4_DECODE_CONFIG_ONE_ROW
+
     lengths = [[max(0, n - 5 * t) for t in range(next_n)] for n in REQUEST_LENGTHS]
     inputs = decode_inputs("mxfp4", lengths, next_n, kernel_device, heads=64, block_size=64, seed=63)
-    cache = inputs.cache
-    aligned = IndexerKCache(cache.num_blocks, block_size=cache.block_size, head_dim=cache.head_dim, fmt="mxfp4",
-                            buffer=cache.buffer.contiguous())
-    assert aligned.buffer.data_ptr() % 16 == 0 and aligned.page_stride % 16 == 0 and cache.page_stride % 16
-    aligned_inputs = DecodeInputs(inputs.q, inputs.q_scale, aligned, inputs.weights, inputs.context_lens,
-                                  inputs.block_table, inputs.max_context_len)
-    result = check_gluon(aligned_inputs, True, same_bits_as_triton=True)
+    aligned_inputs = _aligned(inputs)
+    cache = aligned_inputs.cache
+    assert cache.buffer.data_ptr() % 16 == 0 and cache.page_stride % 16 == 0 and inputs.cache.page_stride % 16
+    default = GLUON_MXFP4_DECODE_CONFIG_ONE_ROW if next_n == 1 else GLUON_MXFP4_DECODE_CONFIG
+    copies = default[:5] + (4,) + default[6:8] + (0,)  # four cp.async warps, as where TMA cannot run
+    result = check_gluon(aligned_inputs, True, same_bits_as_triton=True, config=copies)
     assert torch.equal(result.view(torch.int32), run_gluon(inputs, True, 8).view(torch.int32))
+    assert torch.equal(result.view(torch.int32), run_gluon(aligned_inputs, True, 8).view(torch.int32))
 
 
 @pytest.mark.parametrize("next_n", [1, 2])
@@ -142,28 +145,6 @@ def test_gluon_mxfp4_decode_sweep_variants_gpu(kernel_device, variant, next_n):
     check_gluon(inputs, True, same_bits_as_triton=True, config=GLUON_SWEEP_VARIANTS["mxfp4"][variant]["config"])
 
 
-@pytest.mark.parametrize("case", ["tile_counts", "not_clean", "long", "small_pages"])
-@pytest.mark.parametrize("variant", ["gluon-ahead", "gluon-ahead-regs64"])
-def test_gluon_mxfp4_decode_one_row_pipeline_gpu(kernel_device, variant, case):
-    """The one-row pipeline (epilogue a tile behind, tiles in pairs, zero-filled tiles past the split):
-    odd and even tile counts and empty splits, clean or not, one long request (the Triton kernel's bits);
-    pages smaller than a tile with 3 heads (reference tier)."""
-    from dsa_indexer.bench.suite_logits import GLUON_SWEEP_VARIANTS
-
-    config = GLUON_SWEEP_VARIANTS["mxfp4"][variant]["config"]
-    if case == "small_pages":
-        inputs = decode_inputs("mxfp4", [13, 0, 700, 40], 1, kernel_device, heads=3, block_size=16, seed=71)
-        check_gluon(inputs, True, same_bits_as_triton=False, config=config)
-        check_gluon(inputs, False, same_bits_as_triton=False, config=config)
-    elif case == "long":
-        inputs = decode_inputs("mxfp4", [40001], 1, kernel_device, heads=64, block_size=64, extra_width=70, seed=70)
-        check_gluon(inputs, True, same_bits_as_triton=True, config=config)
-    else:
-        inputs = decode_inputs("mxfp4", REQUEST_LENGTHS + [128, 129, 191, 192], 1, kernel_device, heads=64,
-                               block_size=64, seed=69)
-        check_gluon(inputs, case == "tile_counts", same_bits_as_triton=True, config=config)
-
-
 def _aligned(inputs: DecodeInputs) -> DecodeInputs:
     """The same call on an unpadded, 16-byte aligned copy of the cache (page stride 64 * 68 bytes: the TMA
     page copies' condition)."""
@@ -175,17 +156,12 @@ def _aligned(inputs: DecodeInputs) -> DecodeInputs:
 
 
 @pytest.mark.parametrize("case", ["tile_counts", "not_clean", "long", "exponent_spreads"])
-@pytest.mark.parametrize("variant", ["tma-one-row", "tma-one-row-s8", "tma-ahead", "tma-one-row-local", "tma",
-                                     "tma-local", "copies-p24"])
-def test_gluon_mxfp4_decode_candidates_gpu(kernel_device, variant, case):
-    """``GLUON_MXFP4_CANDIDATE_CONFIGS`` (TMA page copies, the shuffle-free e_max, the 24-register control; the
-    draft-row configs at next_n = 2, the others at 1) on an aligned cache: the Triton kernel's bits for odd
-    and even tile counts, empty splits, clean or not, one long request, random bytes with block exponents
-    over 0..60."""
-    from dsa_indexer.ops.logits.gluon_decode_mxfp4 import GLUON_MXFP4_CANDIDATE_CONFIGS, _tma_pages
+@pytest.mark.parametrize("next_n", [1, 2])
+def test_gluon_mxfp4_decode_tma_pages_gpu(kernel_device, next_n, case):
+    """The defaults (TMA page copies) on an aligned cache: the Triton kernel's bits for odd and even tile
+    counts, empty splits, clean or not, one long request, random bytes with block exponents over 0..60."""
+    from dsa_indexer.ops.logits.gluon_decode_mxfp4 import GLUON_MXFP4_DECODE_CONFIG, _tma_pages
 
-    config = GLUON_MXFP4_CANDIDATE_CONFIGS[variant]
-    next_n = 2 if variant in ("tma", "tma-local", "copies-p24") else 1
     if case == "long":
         inputs = decode_inputs("mxfp4", [40001], next_n, kernel_device, heads=64, block_size=64, extra_width=70,
                                seed=72)
@@ -199,23 +175,23 @@ def test_gluon_mxfp4_decode_candidates_gpu(kernel_device, variant, case):
         values, scales = inputs.cache.values_view(), inputs.cache.scales_view()
         values.copy_(torch.randint(0, 256, values.shape, generator=gen, device=kernel_device, dtype=torch.uint8))
         scales.copy_(torch.randint(70, 131, scales.shape, generator=gen, device=kernel_device, dtype=torch.uint8))
-    assert (_tma_pages(inputs.cache, config) is not None) == variant.startswith("tma")
-    check_gluon(inputs, case != "not_clean", same_bits_as_triton=True, config=config)
+    assert _tma_pages(inputs.cache, GLUON_MXFP4_DECODE_CONFIG) is not None
+    check_gluon(inputs, case != "not_clean", same_bits_as_triton=True)
 
 
-@pytest.mark.parametrize("variant", ["tma-one-row", "tma"])
-def test_gluon_mxfp4_decode_candidates_tma_falls_back_to_copies_gpu(kernel_device, variant):
-    """A TMA config on a cache the descriptors cannot take (padded page stride, or pages smaller than a tile)
-    runs the cp.async producer: the reference tier, and the Triton kernel's bits at 64 heads."""
-    from dsa_indexer.ops.logits.gluon_decode_mxfp4 import GLUON_MXFP4_CANDIDATE_CONFIGS, _tma_pages
+@pytest.mark.parametrize("next_n", [1, 2])
+def test_gluon_mxfp4_decode_tma_falls_back_to_copies_gpu(kernel_device, next_n):
+    """The defaults on caches the descriptors cannot take (padded page stride, or pages smaller than a tile)
+    run the cp.async producer: the reference tier, and the Triton kernel's bits at 64 heads."""
+    from dsa_indexer.ops.logits.gluon_decode_mxfp4 import GLUON_MXFP4_DECODE_CONFIG, _tma_pages
 
-    config = GLUON_MXFP4_CANDIDATE_CONFIGS[variant]
-    next_n = 2 if variant == "tma" else 1
     padded = decode_inputs("mxfp4", REQUEST_LENGTHS, next_n, kernel_device, heads=64, block_size=64, seed=75)
     small = decode_inputs("mxfp4", [13, 0, 700, 40], next_n, kernel_device, heads=3, block_size=16, seed=76)
+    config = GLUON_MXFP4_DECODE_CONFIG
     assert _tma_pages(padded.cache, config) is None and _tma_pages(_aligned(small).cache, config) is None
-    check_gluon(padded, True, same_bits_as_triton=True, config=config)
-    check_gluon(_aligned(small), True, same_bits_as_triton=False, config=config)
+    check_gluon(padded, True, same_bits_as_triton=True)
+    check_gluon(_aligned(small), True, same_bits_as_triton=False)
+    check_gluon(_aligned(small), False, same_bits_as_triton=False)
 
 
 def test_gluon_mxfp4_decode_empty_rows_write_minus_inf_gpu(kernel_device):

@@ -282,17 +282,14 @@ SWEEP_VARIANTS = {
 }
 # Gluon warp-specialised MXFP4 decode (``paged_mqa_logits_gluon_mxfp4``): name -> its ``config`` (fields of
 # ``GLUON_MXFP4_DECODE_CONFIG``: stages, programs/SM aimed at, tiles/split min/max, rows/program, producer
-# warps, producer registers, launch register cap, one-row pipeline with the epilogue a tile behind) and the
-# draft-row counts it is timed at.
+# warps, producer registers, launch register cap, TMA page copies) and the draft-row counts it is timed at:
+# the defaults (TMA) and the cp.async producer they replaced (what caches TMA cannot take still run).
 GLUON_SWEEP_VARIANTS = {
     "mxfp4": {
-        "gluon": {"config": (4, 8, 2, 32, 2, 4, 40, 80, 0), "next_n": (1, 2)},
-        "gluon-ahead": {"config": (4, 8, 2, 32, 2, 4, 40, 80, 1), "next_n": (1,)},
-        "gluon-ahead-regs64": {"config": (4, 8, 2, 32, 2, 4, 24, 64, 1), "next_n": (1,)},
-        "gluon-regs128": {"config": (4, 8, 2, 32, 2, 4, 40, 128, 0), "next_n": (1, 2)},
-        "gluon-regs64": {"config": (4, 8, 2, 32, 2, 4, 24, 64, 0), "next_n": (1,)},
-        "gluon-stages8": {"config": (8, 8, 2, 32, 2, 4, 40, 80, 0), "next_n": (1, 2)},
-        "gluon-rows1": {"config": (4, 8, 2, 32, 1, 4, 40, 64, 0), "next_n": (2,)},
+        "gluon": {"config": (4, 8, 2, 32, 2, 1, 24, 80, 1), "next_n": (2,)},
+        "gluon-one-row": {"config": (4, 8, 2, 32, 2, 1, 24, 64, 1), "next_n": (1,)},
+        "gluon-copies": {"config": (4, 8, 2, 32, 2, 4, 40, 80, 0), "next_n": (2,)},
+        "gluon-copies-one-row": {"config": (4, 8, 2, 32, 2, 4, 24, 64, 0), "next_n": (1,)},
     },
 }
 

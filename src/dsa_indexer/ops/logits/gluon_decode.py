@@ -11,14 +11,15 @@ prologue (lengths, block table, first keys: dependent cold reads). What changes 
   block-table entries (one tile ahead, in registers), the ``[64, D]`` e4m3 keys and their 64 fp32 scales
   with cp.async into a ``NUM_STAGES`` shared-memory ring whose use count runs on across items. Each copy
   signals a per-stage ``ready`` mbarrier (every producer thread arrives when its own copies land); the
-  consumer hands the stage back through an ``empty`` mbarrier.
+  consumer hands the stage back through an ``empty`` mbarrier. Optionally (config field 10, caches that
+  allow it: ``_tma_pages``) one producer warp issues TMA copies instead, two a tile and one per query row,
+  on the barriers' transaction counts (``_fill_tiles_tma``): a few instructions a tile instead of four
+  warps' address arithmetic and 16-byte cp.async (other caches keep the four cp.async warps).
 - The consumer (one warpgroup, the default partition) never waits for memory once the ring is ahead:
   per tile it issues one asynchronous ``[64 keys, D] x [D, BLOCK_H heads]`` wgmma per draft row (keys on
   M, heads on N, both operands from shared memory), then waits for row 0 only and runs its epilogue
   (``(s + |s|) * (w / 2)`` summed over the heads: in-thread adds and two quad shuffles) while row 1's
-  wgmma runs, then row 1's. Optionally (config field 10, ``_consumer_stacked``) both rows run as ONE
-  ``[64 keys, D] x [D, 2 * BLOCK_H]`` wgmma (their queries stacked on N), so the key tile is read from
-  shared memory once, and one epilogue sums both rows.
+  wgmma runs, then row 1's.
 - Several programs share an SM, so one program's epilogue also overlaps another's wgmma and copies (two
   consumer warpgroups per program on alternate stages, "ping-pong", measured 0.77-0.92x of this:
   NOTES_logits.md, session 4).
@@ -42,9 +43,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy,
     fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...cache import IndexerKCache
 from ...formats import FP8_DTYPE
@@ -56,8 +59,8 @@ BLOCK_K = gl.constexpr(64)  # positions per key tile: one wgmma M tile
 # (cp.async ring stages, work items per SM aimed at, key tiles per split min/max, draft rows per program at
 # most (1 or 2), producer warps, producer registers per thread, register cap per thread at launch,
 # persistent programs per SM: 0 = one program per work item, and optionally whether each item's first
-# table entry is read beside its lengths: 0/1, default 0, and whether two draft rows run as one wgmma with
-# their queries stacked on N (``_consumer_stacked``): 0/1, default 0, needs a cap >= 96). Warp specialisation
+# table entry is read beside its lengths: 0/1, default 0, and TMA page copies: 0/1, default 0, see
+# ``_fill_tiles_tma``, taken where the cache allows: ``_tma_pages``). Warp specialisation
 # rounds the warps up to whole warpgroups (4 consumer + 4 producer = 256 threads), so the cap decides the
 # programs per SM: 128 gives two, 80 three, 64 four (the consumer gets 2 * cap - producer registers).
 # Measured winners (H200, cold-L2 graph replays, NOTES_logits.md runs 6 and 9), picked per call by
@@ -88,14 +91,12 @@ GLUON_SWEEP_CONFIGS = {
     # Twice the tiles a split (4 items per SM aimed at): half the items, so half the per-item query copies
     # (16 KB each at next_n = 2, as much as a 2-tile item's keys) and first-entry chains at small shapes.
     "persist2-coarse-early": GLUON_DECODE_CONFIG_SMALL,
-    # Session 5 candidates (draft rows stacked on N: one [64, D] x [D, 128] wgmma a tile, the key tile read
-    # from shared memory once; measure first). The N = 128 accumulator does not fit ptxas' register target at
-    # cap 80, so two programs per SM: ``cta2`` is the unstacked control at that occupancy.
-    "cta2": (4, 8, 2, 32, 2, 4, 40, 128, 0),
-    "cta2-stacked": (4, 8, 2, 32, 2, 4, 40, 128, 0, 0, 1),
-    # Six stages: two programs keep as many bytes in flight as cta3's three (12 stages, ~100 KB per SM).
-    "cta2-stacked-s6": (6, 8, 2, 32, 2, 4, 40, 128, 0, 0, 1),
-    "persist2-coarse-early-stacked": (4, 4, 2, 32, 2, 4, 40, 128, 2, 1, 1),
+    # Session 5 round 2 candidates (measure first): the three defaults with keys, scales and queries copied by
+    # TMA (two copies a tile and one per query row from one producer warp, instead of four warps of cp.async).
+    # MXFP4's same change: 1.08-1.17x at next_n = 1, 1.05-1.10x at 2 (NOTES_logits.md, session 5 round 1).
+    "cta3-tma": (4, 8, 2, 32, 2, 1, 24, 80, 0, 0, 1),
+    "persist2-coarse-early-tma": (4, 4, 2, 32, 2, 1, 24, 128, 2, 1, 1),
+    "persist4-one-row-tma": (4, 8, 2, 32, 1, 1, 24, 64, 4, 0, 1),
 }
 # Smallest ``batch * max_context_len`` the dispatch sends to the Gluon kernel, by draft rows (see
 # ``gluon_decode_preferred``).
@@ -200,19 +201,56 @@ def _fill_tiles(values_ptr, cache_ptr, page_units, table_row, key_ring, scale_ri
 
 
 @gluon.jit
+def _fill_tiles_tma(key_desc, scale_desc, page_rows, table_row, key_ring, scale_ring, ready, empty, split_start,
+                    read_end, first_use, num_fills, first_page, ROW_BYTES: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                    NUM_STAGES: gl.constexpr, EARLY_TABLE: gl.constexpr):
+    """``_fill_tiles`` (pages a multiple of a tile) by TMA: per tile one copy of the ``[BLOCK_K, ROW_BYTES]``
+    key rows and one of the ``BLOCK_K`` 32-bit scales (as ``[4 * BLOCK_K / ROW_BYTES, ROW_BYTES]`` bytes), on
+    the ``ready`` barrier's transaction count: a few instructions a tile instead of address arithmetic and a
+    cp.async per thread and 16 bytes. The cache is viewed as rows of ``ROW_BYTES``
+    (``key_desc``/``scale_desc``, block shapes as above, the rings' layouts); a page is ``page_rows`` of them:
+    its ``BLOCK_SIZE`` key rows, then its scales. Positions ``>= read_end`` are not zero-filled: they read
+    page 0 (masked table entries) or the page's own slots, whose logits are never stored."""
+    key_stages = key_ring._reinterpret(key_ring.dtype, [NUM_STAGES, BLOCK_K, ROW_BYTES], key_desc.layout)
+    scale_stages = scale_ring._reinterpret(gl.uint8, [NUM_STAGES, 4 * BLOCK_K // ROW_BYTES, ROW_BYTES],
+                                           scale_desc.layout)
+    if EARLY_TABLE:
+        next_page = first_page
+    else:
+        next_page = gl.load(table_row + split_start // BLOCK_SIZE, mask=split_start < read_end, other=0)
+    for tile in range(num_fills):
+        stage = (first_use + tile) % NUM_STAGES
+        tile_start = split_start + tile * BLOCK_K
+        page_row = next_page * page_rows
+        ahead = tile_start + BLOCK_K
+        next_page = gl.load(table_row + ahead // BLOCK_SIZE, mask=ahead < read_end, other=0)
+        slot = tile_start % BLOCK_SIZE
+        # A fresh barrier has completed no phase; waiting on parity 1 passes, so the first round is free.
+        mbarrier.wait(empty.index(stage), (((first_use + tile) // NUM_STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(stage), BLOCK_K * (ROW_BYTES + 4))
+        tma.async_copy_global_to_shared(key_desc, [page_row + slot, 0], ready.index(stage), key_stages.index(stage))
+        tma.async_copy_global_to_shared(scale_desc, [page_row + BLOCK_SIZE + slot * 4 // ROW_BYTES, 0],
+                                        ready.index(stage), scale_stages.index(stage))
+
+
+@gluon.jit
 def _producer(q_ptr, stride_qb, stride_qt, stride_qh, values_ptr, cache_ptr, page_units, table_ptr, stride_tb,
-              table_columns, lens_ptr, stride_lb, stride_lt, key_ring, scale_ring, query_ring, ready, empty,
-              query_ready, query_empty,
+              table_columns, lens_ptr, stride_lb, stride_lt, key_desc, scale_desc, page_rows, query_desc,
+              key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty,
               next_n, one_d, max_context_len, num_splits, num_groups, num_works,
               HEADS: gl.constexpr, BLOCK_H: gl.constexpr, DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
               ROWS: gl.constexpr, TILES: gl.constexpr, NUM_STAGES: gl.constexpr, QUERY_SLOTS: gl.constexpr,
               COPY_ALIGN: gl.constexpr, COPY_LAYOUT: gl.constexpr, SCALE_LAYOUT: gl.constexpr,
-              EARLY_TABLE: gl.constexpr):
+              EARLY_TABLE: gl.constexpr, TMA_PAGES: gl.constexpr):
     """Per work item of this program: the group's queries ``[ROWS, BLOCK_H, DIM]`` into a query slot, then
     per tile ``[BLOCK_K, DIM]`` keys and ``[BLOCK_K]`` scales into the ring (``_fill_tiles``). The ring's use
     count runs on across work items, so the next item's first tiles load while the consumer still works on
     this one. ``EARLY_TABLE`` (pages a multiple of a tile only): an item's first table entry is read before
-    its lengths."""
+    its lengths. ``TMA_PAGES``: the tiles by ``_fill_tiles_tma`` (``key_desc``, ``scale_desc``, ``page_rows``)
+    and each query row by one TMA copy of ``[BLOCK_H, DIM]`` from ``query_desc`` (the queries as
+    ``[batch * next_n * HEADS, DIM]`` rows; with ``BLOCK_H > HEADS`` or a row past ``next_n`` it reads other
+    queries' values, or zeros past the tensor: their weights are 0 and their outputs never stored, so the
+    logits keep their bits); None otherwise."""
     head = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, COPY_LAYOUT))
     dim = gl.arange(0, DIM, layout=gl.SliceLayout(0, COPY_LAYOUT))
     key = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, COPY_LAYOUT))
@@ -235,16 +273,27 @@ def _producer(q_ptr, stride_qb, stride_qt, stride_qh, values_ptr, cache_ptr, pag
         query_slot = done % QUERY_SLOTS
         # A fresh barrier has completed no phase; waiting on parity 1 passes, so the first round is free.
         mbarrier.wait(query_empty.index(query_slot), ((done // QUERY_SLOTS) & 1) ^ 1)
-        for r in gl.static_range(ROWS):
-            t = t0 + r
-            query_rows = q_ptr + request.to(gl.int64) * stride_qb + t * stride_qt + head * stride_qh  # [BLOCK_H]
-            async_copy.async_copy_global_to_shared(query_ring.index(query_slot * ROWS + r),
-                                                   query_rows[:, None] + dim[None, :],
-                                                   mask=((head < HEADS) & (t < next_n))[:, None])
-        async_copy.mbarrier_arrive(query_ready.index(query_slot), increment_count=False)
-        _fill_tiles(values_ptr, cache_ptr, page_units, table_row, key_ring, scale_ring, ready, empty, split_start,
-                    read_end, uses, num_tiles, first_page, key, dim, scale_key, DIM, BLOCK_SIZE, NUM_STAGES, COPY_ALIGN,
-                    EARLY_TABLE)
+        if TMA_PAGES:
+            mbarrier.expect(query_ready.index(query_slot), ROWS * BLOCK_H * DIM)
+            for r in gl.static_range(ROWS):
+                tma.async_copy_global_to_shared(query_desc, [(request * next_n + t0 + r) * HEADS, 0],
+                                                query_ready.index(query_slot), query_ring.index(query_slot * ROWS + r))
+        else:
+            for r in gl.static_range(ROWS):
+                t = t0 + r
+                query_rows = q_ptr + request.to(gl.int64) * stride_qb + t * stride_qt + head * stride_qh  # [BLOCK_H]
+                async_copy.async_copy_global_to_shared(query_ring.index(query_slot * ROWS + r),
+                                                       query_rows[:, None] + dim[None, :],
+                                                       mask=((head < HEADS) & (t < next_n))[:, None])
+            async_copy.mbarrier_arrive(query_ready.index(query_slot), increment_count=False)
+        if TMA_PAGES:
+            _fill_tiles_tma(key_desc, scale_desc, page_rows, table_row, key_ring, scale_ring, ready, empty,
+                            split_start, read_end, uses, num_tiles, first_page, DIM, BLOCK_SIZE, NUM_STAGES,
+                            EARLY_TABLE)
+        else:
+            _fill_tiles(values_ptr, cache_ptr, page_units, table_row, key_ring, scale_ring, ready, empty,
+                        split_start, read_end, uses, num_tiles, first_page, key, dim, scale_key, DIM, BLOCK_SIZE,
+                        NUM_STAGES, COPY_ALIGN, EARLY_TABLE)
         uses += num_tiles
         done += 1
 
@@ -299,7 +348,7 @@ def _consumer(w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_
               key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty,
               next_n, one_d, max_context_len, num_splits, num_groups, num_works,
               HEADS: gl.constexpr, BLOCK_H: gl.constexpr, ROWS: gl.constexpr, TILES: gl.constexpr,
-              NUM_STAGES: gl.constexpr, QUERY_SLOTS: gl.constexpr, CLEAN: gl.constexpr):
+              NUM_STAGES: gl.constexpr, QUERY_SLOTS: gl.constexpr, CLEAN: gl.constexpr, TMA_PAGES: gl.constexpr):
     """Per work item, per tile: one async wgmma per row, row 0's epilogue under row 1's wgmma; then the
     item's ``-inf`` tail. Query slot and ring stages go back to the producer as soon as they are read."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -319,7 +368,8 @@ def _consumer(w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_
         for tile in range(num_tiles):
             stage = (uses + tile) % NUM_STAGES
             mbarrier.wait(ready.index(stage), ((uses + tile) // NUM_STAGES) & 1)
-            fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async one
+            if not TMA_PAGES:  # TMA writes through the async proxy, as wgmma reads
+                fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async one
             keys = key_ring.index(stage)
             acc0 = warpgroup_mma(keys, query_ring.index(query_slot * ROWS).permute((1, 0)), zero, use_acc=False,
                                  is_async=True)
@@ -352,77 +402,6 @@ def _consumer(w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_
         done += 1
 
 
-@gluon.jit
-def _consumer_stacked(w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_lb, stride_lt,
-                      key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty,
-                      next_n, one_d, max_context_len, num_splits, num_groups, num_works,
-                      HEADS: gl.constexpr, BLOCK_H: gl.constexpr, DIM: gl.constexpr, TILES: gl.constexpr,
-                      NUM_STAGES: gl.constexpr, QUERY_SLOTS: gl.constexpr, CLEAN: gl.constexpr):
-    """``_consumer`` for two draft rows with their queries stacked on N: per tile ONE async
-    ``[64 keys, D] x [D, 2 * BLOCK_H]`` wgmma (the query slot's two ``[BLOCK_H, D]`` rows are adjacent in
-    shared memory), so the key tile is read from shared memory once instead of once per row (24 instead of
-    32 KB of wgmma operand reads a tile at H = 64, D = 128) and half the wgmma instructions and waits are
-    issued. The epilogue sums a ``[64, 2, BLOCK_H]`` view of the accumulator over its heads (each row's
-    head values in the same in-thread and lane order as ``_consumer``'s ``[64, BLOCK_H]`` sums, so the same
-    bits: the GPU tests compare them) and stores both rows with one ``[64, 2]`` store. No in-program overlap
-    of an epilogue with a wgmma: the other programs on the SM provide it."""
-    PAIR_H: gl.constexpr = 2 * BLOCK_H
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, PAIR_H, 32])
-    pair_head = gl.arange(0, PAIR_H, layout=gl.SliceLayout(0, mma_layout))  # row * BLOCK_H + head
-    pair_row = pair_head // BLOCK_H
-    head = pair_head % BLOCK_H
-    zero = gl.zeros([BLOCK_K, PAIR_H], gl.float32, layout=mma_layout)
-    # [QUERY_SLOTS, 2 * BLOCK_H, D]: the slot's two rows as one N operand (rows of DIM bytes, the swizzle
-    # repeats every 8 rows and BLOCK_H >= 16, so row 1 starts where the stacked row BLOCK_H does).
-    pair_queries = query_ring._reinterpret(gl.float8e4nv, [QUERY_SLOTS, PAIR_H, DIM], query_ring.layout)
-    # The layout of the [64, 2] sums (inferred from the reshape of the accumulator), for the stores' indices.
-    sums_layout: gl.constexpr = gl.sum(gl.reshape(zero, [BLOCK_K, 2, BLOCK_H]), axis=2).type.layout
-    key = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, sums_layout))
-    row = gl.arange(0, 2, layout=gl.SliceLayout(0, sums_layout))
-    uses = 0  # ring stages consumed so far (over all work items)
-    done = 0  # work items done by this program
-    for work in range(gl.program_id(0), num_works, gl.num_programs(0)):
-        request, t0, length0, length1, split_start, split_end, read_end, num_tiles = _work_item(
-            lens_ptr, stride_lb, stride_lt, work, next_n, one_d, max_context_len, num_splits, num_groups, 2, TILES)
-        first_row = request.to(gl.int64) * next_n + t0
-        half_w = gl.load(w_ptr + (first_row + pair_row) * stride_wr + head * stride_wh,
-                         mask=(head < HEADS) & (t0 + pair_row < next_n), other=0.0) * 0.5  # [2 * BLOCK_H]
-        present = t0 + row < next_n  # [2]
-        length = gl.where(row == 0, length0, length1)  # [2]
-        out_rows = out_ptr + (first_row + row) * stride_or  # [2]
-        query_slot = done % QUERY_SLOTS
-        mbarrier.wait(query_ready.index(query_slot), (done // QUERY_SLOTS) & 1)
-        for tile in range(num_tiles):
-            stage = (uses + tile) % NUM_STAGES
-            mbarrier.wait(ready.index(stage), ((uses + tile) // NUM_STAGES) & 1)
-            fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async one
-            acc = warpgroup_mma(key_ring.index(stage), pair_queries.index(query_slot).permute((1, 0)), zero,
-                                use_acc=False, is_async=True)
-            key_mul = scale_ring.index(stage).load(gl.SliceLayout(1, sums_layout))  # [BLOCK_K]
-            positions = split_start + tile * BLOCK_K + key  # [BLOCK_K]
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            gl.thread_barrier()  # every warp is past its reads of this stage
-            mbarrier.arrive(empty.index(stage), count=1)
-            scores = (acc + gl.abs(acc)) * half_w[None, :]
-            logits = gl.sum(gl.reshape(scores, [BLOCK_K, 2, BLOCK_H]), axis=2) * key_mul[:, None]  # [BLOCK_K, 2]
-            inside = positions[:, None] < length[None, :]
-            live = (positions < read_end)[:, None]
-            out_ptrs = out_rows[None, :] + positions[:, None]
-            if CLEAN:
-                gl.store(out_ptrs, gl.where(inside, logits, float("-inf")), mask=live & present[None, :])
-            else:
-                gl.store(out_ptrs, logits, mask=live & inside)
-        # As in ``_consumer``: the slot goes back once every warp is past this item.
-        gl.thread_barrier()
-        mbarrier.arrive(query_empty.index(query_slot), count=1)
-        if CLEAN:
-            _store_tail(out_ptr + first_row * stride_or, out_ptr + (first_row + 1) * stride_or, t0 < next_n,
-                        t0 + 1 < next_n, split_start, split_end, read_end, key, 2)
-        uses += num_tiles
-        done += 1
-
-
 @gluon.jit(do_not_specialize=["table_columns", "next_n", "one_d", "max_context_len", "num_splits", "num_groups",
                               "num_works"])
 def _paged_mqa_logits_ws_kernel(
@@ -432,15 +411,17 @@ def _paged_mqa_logits_ws_kernel(
     lens_ptr, stride_lb, stride_lt,
     table_ptr, stride_tb, table_columns,
     out_ptr, stride_or,
-    next_n, one_d, max_context_len, num_splits, num_groups, num_works,
+    next_n, one_d, max_context_len, num_splits, num_groups, num_works, key_desc, scale_desc, page_rows, query_desc,
     HEADS: gl.constexpr, BLOCK_H: gl.constexpr, DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     ROWS: gl.constexpr, TILES: gl.constexpr, NUM_STAGES: gl.constexpr, QUERY_SLOTS: gl.constexpr,
     CLEAN: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, COPY_ALIGN: gl.constexpr,
     KEY_SMEM_LAYOUT: gl.constexpr, COPY_LAYOUT: gl.constexpr, SCALE_LAYOUT: gl.constexpr, EARLY_TABLE: gl.constexpr,
-    STACKED: gl.constexpr = False,
+    TMA_PAGES: gl.constexpr,
 ):
     """Work items ``pid, pid + programs, ...`` of ``num_works`` (draft rows ``[t0, t0 + ROWS)`` of one
-    request over one split of ``TILES * BLOCK_K`` positions each; one item per program unless persistent)."""
+    request over one split of ``TILES * BLOCK_K`` positions each; one item per program unless persistent).
+    ``key_desc``, ``scale_desc``, ``page_rows``, ``query_desc``: the TMA copies' arguments (``_producer``) with
+    ``TMA_PAGES``, None otherwise."""
     key_ring = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_K, DIM], KEY_SMEM_LAYOUT)
     scale_ring = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_K],
                                            gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
@@ -450,51 +431,36 @@ def _paged_mqa_logits_ws_kernel(
     query_ready = gl.allocate_shared_memory(gl.int64, [QUERY_SLOTS, 1], mbarrier.MBarrierLayout())
     query_empty = gl.allocate_shared_memory(gl.int64, [QUERY_SLOTS, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(s), count=32 * PRODUCER_WARPS)
+        mbarrier.init(ready.index(s), count=1 if TMA_PAGES else 32 * PRODUCER_WARPS)
         mbarrier.init(empty.index(s), count=1)
     for s in gl.static_range(QUERY_SLOTS):
-        mbarrier.init(query_ready.index(s), count=32 * PRODUCER_WARPS)
+        mbarrier.init(query_ready.index(s), count=1 if TMA_PAGES else 32 * PRODUCER_WARPS)
         mbarrier.init(query_empty.index(s), count=1)
 
-    if STACKED:
-        gl.warp_specialize([
-            (_consumer_stacked, (w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_lb, stride_lt,
-                                 key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty,
-                                 next_n, one_d, max_context_len, num_splits, num_groups, num_works,
-                                 HEADS, BLOCK_H, DIM, TILES, NUM_STAGES, QUERY_SLOTS, CLEAN)),
-            (_producer, (q_ptr, stride_qb, stride_qt, stride_qh, values_ptr, cache_ptr, page_units, table_ptr,
-                         stride_tb, table_columns, lens_ptr, stride_lb, stride_lt, key_ring, scale_ring, query_ring,
-                         ready, empty, query_ready, query_empty, next_n, one_d, max_context_len, num_splits,
-                         num_groups, num_works, HEADS, BLOCK_H, DIM, BLOCK_SIZE, ROWS, TILES, NUM_STAGES,
-                         QUERY_SLOTS, COPY_ALIGN, COPY_LAYOUT, SCALE_LAYOUT, EARLY_TABLE)),
-        ], [PRODUCER_WARPS], [PRODUCER_REGS])
-    else:
-        gl.warp_specialize([
-            (_consumer, (w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_lb, stride_lt,
-                         key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty,
-                         next_n, one_d, max_context_len, num_splits, num_groups, num_works,
-                         HEADS, BLOCK_H, ROWS, TILES, NUM_STAGES, QUERY_SLOTS, CLEAN)),
-            (_producer, (q_ptr, stride_qb, stride_qt, stride_qh, values_ptr, cache_ptr, page_units, table_ptr,
-                         stride_tb, table_columns, lens_ptr, stride_lb, stride_lt, key_ring, scale_ring, query_ring,
-                         ready, empty, query_ready, query_empty, next_n, one_d, max_context_len, num_splits,
-                         num_groups, num_works, HEADS, BLOCK_H, DIM, BLOCK_SIZE, ROWS, TILES, NUM_STAGES,
-                         QUERY_SLOTS, COPY_ALIGN, COPY_LAYOUT, SCALE_LAYOUT, EARLY_TABLE)),
-        ], [PRODUCER_WARPS], [PRODUCER_REGS])
+    gl.warp_specialize([
+        (_consumer, (w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_lb, stride_lt,
+                     key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty,
+                     next_n, one_d, max_context_len, num_splits, num_groups, num_works,
+                     HEADS, BLOCK_H, ROWS, TILES, NUM_STAGES, QUERY_SLOTS, CLEAN, TMA_PAGES)),
+        (_producer, (q_ptr, stride_qb, stride_qt, stride_qh, values_ptr, cache_ptr, page_units, table_ptr,
+                     stride_tb, table_columns, lens_ptr, stride_lb, stride_lt, key_desc, scale_desc, page_rows,
+                     query_desc, key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty, next_n,
+                     one_d, max_context_len, num_splits, num_groups, num_works, HEADS, BLOCK_H, DIM, BLOCK_SIZE,
+                     ROWS, TILES, NUM_STAGES, QUERY_SLOTS, COPY_ALIGN, COPY_LAYOUT, SCALE_LAYOUT, EARLY_TABLE,
+                     TMA_PAGES)),
+    ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
 def kernel_constants(heads: int, dim: int, block_size: int, rows: int, tiles: int, clean: bool, copy_align: int,
-                     config: tuple, query_slots: int = 1) -> dict:
+                     config: tuple, query_slots: int = 1, tma_pages: bool = False) -> dict:
     """The kernel's compile-time arguments (launcher and ahead-of-time compilation share them); ``config``
-    is a ``GLUON_DECODE_CONFIG``-like tuple, ``query_slots`` 2 when a program runs several work items."""
+    is a ``GLUON_DECODE_CONFIG``-like tuple, ``query_slots`` 2 when a program runs several work items,
+    ``tma_pages`` whether the launch copies the tiles by TMA (``_tma_pages``)."""
     num_stages, producer_warps, producer_regs = config[0], config[5], config[6]
     if dim & (dim - 1) or not 32 <= dim <= 512:
         raise ValueError(f"the Gluon decode kernel needs a power-of-two head_dim in [32, 512], got {dim}")
     if heads > 128:
         raise ValueError(f"the Gluon decode kernel takes at most 128 heads, got {heads}")
-    stacked = bool(len(config) > 10 and config[10]) and rows == 2
-    if stacked and config[7] < 96:
-        raise ValueError(f"stacked draft rows need a register cap >= 96 (an N = 2 x heads accumulator), "
-                         f"got {config[7]}")
     lanes_per_row = dim // 16
     return dict(
         HEADS=heads, BLOCK_H=max(16, triton.next_power_of_2(heads)), DIM=dim, BLOCK_SIZE=block_size, ROWS=rows,
@@ -505,8 +471,27 @@ def kernel_constants(heads: int, dim: int, block_size: int, rows: int, tiles: in
         if lanes_per_row <= 32 else None,
         SCALE_LAYOUT=gl.BlockedLayout([1], [32], [producer_warps], [0]),
         EARLY_TABLE=bool(len(config) > 9 and config[9]) and block_size % BLOCK_K.value == 0,
-        STACKED=stacked,
+        TMA_PAGES=tma_pages,
     )
+
+
+def _tma_pages(cache: IndexerKCache, config: tuple) -> tuple[TensorDescriptor, TensorDescriptor] | None:
+    """The key and scale descriptors of ``_fill_tiles_tma`` when ``config`` asks for TMA page copies (field
+    10) and the cache allows them: 16-byte aligned, pages of whole 64-key tiles, a page stride that is a
+    multiple of a key row, ``head_dim <= 128`` (a key row within one 128-byte swizzle span, as the key ring's
+    layout needs); None otherwise (the cp.async producer runs)."""
+    buffer = cache.buffer
+    row_bytes = cache.head_dim  # one e4m3 key row = one descriptor row
+    if (len(config) < 11 or not config[10] or buffer.data_ptr() % 16 or cache.page_stride % row_bytes
+            or cache.block_size % BLOCK_K.value or row_bytes > 128):
+        return None
+    rows = ((buffer.shape[0] - 1) * cache.page_stride + cache.block_size * (row_bytes + 4)) // row_bytes
+    key_layout = gl.NVMMASharedLayout(swizzle_byte_width=row_bytes, element_bitwidth=8, rank=2)
+    scale_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+    return (TensorDescriptor(buffer.view(FP8_DTYPE), [rows, row_bytes], [row_bytes, 1], [BLOCK_K.value, row_bytes],
+                             key_layout),
+            TensorDescriptor(buffer, [rows, row_bytes], [row_bytes, 1], [4 * BLOCK_K.value // row_bytes, row_bytes],
+                             scale_layout))
 
 
 def gluon_decode_preferred(batch: int, next_n: int, max_context_len: int) -> bool:
@@ -586,11 +571,23 @@ def paged_mqa_logits_gluon(
     if persistent_per_sm:
         programs = min(num_works, persistent_per_sm * _num_sms(_device_index(q.device)))
     buffer = cache.buffer
+    descriptors = _tma_pages(cache, config)
+    if descriptors is None and len(config) > 10 and config[10]:
+        # The cp.async producer instead: four warps' copies, in the same registers (the producer partition is
+        # a whole warpgroup either way).
+        config = config[:5] + (4,) + config[6:]
     constants = kernel_constants(heads, cache.head_dim, cache.block_size, rows, tiles, clean, copy_align, config,
-                                 query_slots=1 if programs == num_works else 2)
+                                 query_slots=1 if programs == num_works else 2, tma_pages=descriptors is not None)
+    key_desc, scale_desc = descriptors or (None, None)
     q_values = q
-    if q.data_ptr() % 16 or q.stride(3) != 1 or any(stride % 16 for stride in q.stride()[:3]):
-        q_values = q.clone(memory_format=torch.contiguous_format)  # 16-byte cp.async of each query row
+    if (q.data_ptr() % 16 or q.stride(3) != 1 or any(stride % 16 for stride in q.stride()[:3])
+            or descriptors and not q.is_contiguous()):
+        # 16-byte cp.async of each query row; TMA: the queries as [batch * next_n * heads, D] rows
+        q_values = q.clone(memory_format=torch.contiguous_format)
+    query_desc = None
+    if descriptors:
+        query_desc = TensorDescriptor(q_values, [batch * next_n * heads, cache.head_dim], [cache.head_dim, 1],
+                                      [constants["BLOCK_H"], cache.head_dim], constants["KEY_SMEM_LAYOUT"])
     one_d = context_lens.dim() == 1
     _paged_mqa_logits_ws_kernel[(programs,)](
         q_values, q_values.stride(0), q_values.stride(1), q_values.stride(2),
@@ -599,7 +596,8 @@ def paged_mqa_logits_gluon(
         context_lens, context_lens.stride(0), 0 if one_d else context_lens.stride(1),
         block_table, block_table.stride(0), block_table.shape[1],
         out, out.stride(0),
-        next_n, int(one_d), max_context_len, num_splits, num_groups, num_works,
+        next_n, int(one_d), max_context_len, num_splits, num_groups, num_works, key_desc, scale_desc,
+        cache.page_stride // cache.head_dim if descriptors else None, query_desc,
         **constants, num_warps=4, maxnreg=maxnreg,
     )
     return out

@@ -5,11 +5,14 @@ expansion and ``_dot_order``): programs over (request, group of ``ROWS`` draft r
 ``TILES * BLOCK_K`` positions), one key tile of ``BLOCK_K = 64`` positions at a time. What changes is who
 waits for what:
 
-- A producer partition (``PRODUCER_WARPS`` warps, few registers) copies, per key tile, the block-table
-  entries (one tile ahead, in registers), the ``[64, D/2]`` packed e2m1 bytes and the 64 ue8m0 scale
-  words (``D/32 = 4`` bytes a key, one 32-bit word) with cp.async into a ``NUM_STAGES`` shared-memory
-  ring; each copy signals a per-stage ``ready`` mbarrier and the consumer hands the stage back through
-  an ``empty`` one.
+- A producer partition (one warp, few registers) copies, per key tile, the block-table entry (one tile
+  ahead, in a register), the ``[64, D/2]`` packed e2m1 bytes and the 64 ue8m0 scale words (``D/32 = 4``
+  bytes a key, one 32-bit word) into a ``NUM_STAGES`` shared-memory ring: two TMA copies a tile on the
+  per-stage ``ready`` mbarrier's transaction count (``_fill_tiles_tma``; the cache is viewed as rows of 64
+  bytes). Caches TMA cannot take (unaligned, a page stride that is not a multiple of 64 bytes, pages smaller
+  than a tile: ``_tma_pages``) get the cp.async producer instead (``_fill_tiles``: per-thread copies by four
+  warps, slower, same bytes in shared memory). The consumer hands each stage back through an ``empty``
+  mbarrier.
 - The consumer (one warpgroup, the default partition) loads the group's de-interleaved e4m3 queries
   once into shared memory in ``_dot_order`` (the wgmma B operand, heads on N), then per tile reads the
   stage into registers and releases it at once (the keys never go back to shared memory), builds each
@@ -19,13 +22,7 @@ waits for what:
   the 16 bytes of scale block ``lane % 4``: after the expansion that is exactly the thread's share of
   the A operand in ``_dot_order`` (the layout conversion is a register renaming, asserted at compile
   time). One async wgmma chain per draft row (K = 128: the even half then the odd half, the Triton
-  kernel's two half-depth dots in the same order), row 0's epilogue under row 1's wgmma. With one row and
-  the pipeline option (config field 8) the epilogue runs a tile behind: tile i + 1's wait, loads and
-  expansion under tile i's wgmma, tile i's epilogue under tile i + 1's.
-- With config field 9 (``_producer_tma``, caches with 16-byte aligned pages of whole tiles) the producer is
-  one warp issuing two TMA copies a tile (keys, scales) on the ``ready`` barrier's transaction count,
-  instead of per-thread cp.async: fewer instructions a tile on the SM's schedulers; same bytes in shared
-  memory, same consumer.
+  kernel's two half-depth dots in the same order), row 0's epilogue under row 1's wgmma.
 - Several programs share an SM (the register cap decides how many), so one program's expansion and
   epilogue overlap another's wgmma, and the copies run ahead in the ring.
 
@@ -56,6 +53,7 @@ from ...cache import IndexerKCache
 from ...formats import FP8_DTYPE
 from .gluon_decode import (
     _fill_tiles,
+    _fill_tiles_tma,
     _launch_shape,
     _nothing_to_read,
     _row_outputs,
@@ -70,73 +68,38 @@ __all__ = ["paged_mqa_logits_gluon_mxfp4", "gluon_mxfp4_decode_preferred", "GLUO
 BLOCK_K = gl.constexpr(64)  # positions per key tile: one wgmma M tile
 DIM = gl.constexpr(128)  # head_dim this kernel takes: D/32 = 4 scale blocks, one per lane of a quad
 # (ring stages, programs per SM aimed at, key tiles per split min/max, draft rows per program at most (1 or
-# 2), producer warps, producer registers per thread, register cap per thread at launch, one-row pipeline:
-# 0/1, see ``_consumer``; ignored for two rows; optional, default 0: TMA page copies 0/1, see
-# ``_producer_tma``; e_max without shuffles 0/1, see ``_expand_tile``). Warp specialisation rounds the warps
-# up to whole warpgroups (4 consumer + 4 producer = 256 threads), so the cap decides the programs per SM: 128
-# gives two (consumer 216 registers), 80 three (consumer 120; 136 with 24 producer registers), 64 four
-# (consumer 104 with 24 producer registers).
-GLUON_MXFP4_DECODE_CONFIG = (4, 8, 2, 32, 2, 4, 40, 80, 0)
-# next_n = 1: four programs per SM (measured best at one row, NOTES_logits.md run 6: 150.6 vs 156.0 µs at
-# B = 32, L = 128K).
-GLUON_MXFP4_DECODE_CONFIG_ONE_ROW = (4, 8, 2, 32, 2, 4, 24, 64, 0)
-# Sweep candidates (measure first; NOTES_logits.md, "MXFP4 Gluon decode, TMA producer and shuffle-free e_max"):
-# the defaults with the producer as one warp issuing two TMA copies a tile instead of four warps of cp.async.
-GLUON_MXFP4_CANDIDATE_CONFIGS = {
-    "tma-one-row": (4, 8, 2, 32, 2, 1, 24, 64, 0, 1),
-    "tma-one-row-s8": (8, 8, 2, 32, 2, 1, 24, 64, 0, 1),
-    "tma-ahead": (4, 8, 2, 32, 2, 1, 24, 80, 1, 1),
-    "tma": (4, 8, 2, 32, 2, 1, 24, 80, 0, 1),
-    # The same with e_max from each thread's own scale word (``LOCAL_EMAX``).
-    "tma-one-row-local": (4, 8, 2, 32, 2, 1, 24, 64, 0, 1, 1),
-    "tma-local": (4, 8, 2, 32, 2, 1, 24, 80, 0, 1, 1),
-    # Control for the draft-row ones: the cp.async producer at 24 registers (the consumer's spills go, as with TMA).
-    "copies-p24": (4, 8, 2, 32, 2, 4, 24, 80, 0),
-}
+# 2), producer warps, producer registers per thread, register cap per thread at launch, TMA page copies 0/1:
+# ``_fill_tiles_tma`` where the cache allows, else the cp.async producer). Warp specialisation rounds the
+# warps up to whole warpgroups (4 consumer + 1 producer warp = 256 threads), so the cap decides the programs per SM:
+# 128 gives two, 80 three (consumer 136 registers with 24 producer registers), 64 four (consumer 104).
+# Draft rows: three programs per SM, TMA (NOTES_logits.md, session 5 round 1: 204.7 vs 220.5 µs with cp.async
+# at B = 32, L = 128K, next_n = 2).
+GLUON_MXFP4_DECODE_CONFIG = (4, 8, 2, 32, 2, 1, 24, 80, 1)
+# next_n = 1: four programs per SM, TMA (session 5 round 1: 131.6 vs 150.7 µs with cp.async at B = 32, L = 128K).
+GLUON_MXFP4_DECODE_CONFIG_ONE_ROW = (4, 8, 2, 32, 2, 1, 24, 64, 1)
 # Smallest ``batch * max_context_len`` the dispatch sends to this kernel (``gluon_mxfp4_decode_preferred``).
 GLUON_MXFP4_MIN_KEYS = 1 << 20
 
 
 @gluon.jit
-def _producer(values_ptr, cache_ptr, page_units, table_row, key_ring, scale_ring, ready, empty,
-              split_start, read_end, num_fills,
-              BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr, COPY_ALIGN: gl.constexpr,
+def _producer(values_ptr, cache_ptr, page_units, key_desc, scale_desc, page_rows, table_row, key_ring, scale_ring,
+              ready, empty, split_start, read_end, num_fills,
+              BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr, TMA_PAGES: gl.constexpr, COPY_ALIGN: gl.constexpr,
               COPY_LAYOUT: gl.constexpr, SCALE_LAYOUT: gl.constexpr):
     """Per tile ``[BLOCK_K, D/2]`` packed bytes and ``[BLOCK_K]`` scale words into the ring, ``num_fills``
-    tiles (``_fill_tiles``; positions ``>= read_end`` are zero-filled: code 0 in a block of exponent 0
-    expands to +0)."""
-    key = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, COPY_LAYOUT))
-    byte = gl.arange(0, DIM // 2, layout=gl.SliceLayout(0, COPY_LAYOUT))
-    scale_key = gl.arange(0, BLOCK_K, layout=SCALE_LAYOUT)
-    _fill_tiles(values_ptr, cache_ptr, page_units, table_row, key_ring, scale_ring, ready, empty, split_start, read_end,
-                0, num_fills, 0, key, byte, scale_key, DIM // 2, BLOCK_SIZE, NUM_STAGES, COPY_ALIGN, False)
-
-
-@gluon.jit
-def _producer_tma(key_desc, scale_desc, page_rows, table_row, key_ring, scale_ring, ready, empty, split_start, read_end,
-                  num_fills, BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """``_producer`` with one TMA copy of the tile's ``[BLOCK_K, D/2]`` packed bytes and one of its ``BLOCK_K``
-    scale words (as ``[BLOCK_K / 16, 64]`` bytes) per tile, on the ``ready`` barrier's transaction count: a
-    few instructions a tile instead of address arithmetic and cp.async per thread. The cache is viewed as
-    rows of 64 bytes (``key_desc``/``scale_desc``; a page is ``page_rows`` of them: its ``BLOCK_SIZE`` key
-    rows, then its scales). Positions ``>= read_end`` are not zero-filled: they read page 0 (masked table
-    entries) or the page's own slots, whose logits the consumer never stores."""
-    key_stages = key_ring._reinterpret(gl.uint8, [NUM_STAGES, BLOCK_K, DIM // 2], key_desc.layout)
-    scale_stages = scale_ring._reinterpret(gl.uint8, [NUM_STAGES, BLOCK_K // 16, DIM // 2], scale_desc.layout)
-    next_page = gl.load(table_row + split_start // BLOCK_SIZE, mask=split_start < read_end, other=0)
-    for tile in range(num_fills):
-        stage = tile % NUM_STAGES
-        tile_start = split_start + tile * BLOCK_K
-        page_row = next_page * page_rows
-        ahead = tile_start + BLOCK_K
-        next_page = gl.load(table_row + ahead // BLOCK_SIZE, mask=ahead < read_end, other=0)
-        slot = tile_start % BLOCK_SIZE
-        # A fresh barrier has completed no phase; waiting on parity 1 passes, so the first round is free.
-        mbarrier.wait(empty.index(stage), ((tile // NUM_STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(stage), BLOCK_K * (DIM // 2 + 4))
-        tma.async_copy_global_to_shared(key_desc, [page_row + slot, 0], ready.index(stage), key_stages.index(stage))
-        tma.async_copy_global_to_shared(scale_desc, [page_row + BLOCK_SIZE + slot // 16, 0], ready.index(stage),
-                                        scale_stages.index(stage))
+    tiles: two TMA copies a tile with ``TMA_PAGES`` (``_fill_tiles_tma``: the cache as rows of ``D/2`` bytes,
+    ``page_rows`` a page), else cp.async (``_fill_tiles``; positions ``>= read_end`` are zero-filled: code 0
+    in a block of exponent 0 expands to +0)."""
+    if TMA_PAGES:
+        _fill_tiles_tma(key_desc, scale_desc, page_rows, table_row, key_ring, scale_ring, ready, empty, split_start,
+                        read_end, 0, num_fills, 0, DIM // 2, BLOCK_SIZE, NUM_STAGES, False)
+    else:
+        key = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, COPY_LAYOUT))
+        byte = gl.arange(0, DIM // 2, layout=gl.SliceLayout(0, COPY_LAYOUT))
+        scale_key = gl.arange(0, BLOCK_K, layout=SCALE_LAYOUT)
+        _fill_tiles(values_ptr, cache_ptr, page_units, table_row, key_ring, scale_ring, ready, empty, split_start,
+                    read_end, 0, num_fills, 0, key, byte, scale_key, DIM // 2, BLOCK_SIZE, NUM_STAGES, COPY_ALIGN,
+                    False)
 
 
 @gluon.jit
@@ -156,22 +119,11 @@ def _load_queries(q_ptr, stride_qb, stride_qt, stride_qh, query_smem, request, t
 
 
 @gluon.jit
-def _max_byte(words):
-    """Largest of the four unsigned bytes of each int32 of ``words`` (same layout): bytes 0/2 against 1/3 in
-    one ``max.u16x2``, then the two halves."""
-    pairs = gl.inline_asm_elementwise("max.u16x2 $0, $1, $2;", "=r,r,r",
-                                      [words & 0x00FF00FF, (words >> 8) & 0x00FF00FF], dtype=gl.int32, is_pure=True,
-                                      pack=1)
-    return gl.maximum(pairs & 0xFFFF, pairs >> 16)
-
-
-@gluon.jit
 def _expand_tile(key_ring, scale_ring, stage, ROW_BYTES_LAYOUT: gl.constexpr, PACKED_LAYOUT: gl.constexpr,
-                 A_LAYOUT: gl.constexpr, ROW_LAYOUT: gl.constexpr, LOCAL_EMAX: gl.constexpr):
+                 A_LAYOUT: gl.constexpr, ROW_LAYOUT: gl.constexpr):
     """One stage's packed keys -> (e4m3 ``[BLOCK_K, D]`` in the wgmma A register layout, contraction in
-    ``_dot_order``: even half then odd half; fp32 ``[BLOCK_K]`` ``2**e_max`` per key in ``ROW_LAYOUT``).
-    ``e_max`` is the max over the quad's four blocks (two shuffles), or with ``LOCAL_EMAX`` over the four
-    bytes of the thread's own scale word (``_max_byte``: no shuffle on the chain, a few more instructions)."""
+    ``_dot_order``: even half then odd half; fp32 ``[BLOCK_K]`` ``2**e_max`` per key in ``ROW_LAYOUT``;
+    ``e_max``: the max over the quad's four blocks, two shuffles)."""
     block_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, PACKED_LAYOUT))  # [BLOCK_K, 4 blocks]
     # Byte 16q + 4k + j of a key row (block q, word k, byte j) read as [key, k, q, j]: a thread's 16 bytes
     # of one block and row are contiguous (one 16-byte shared load), its block is its lane's index in the quad.
@@ -181,10 +133,7 @@ def _expand_tile(key_ring, scale_ring, stage, ROW_BYTES_LAYOUT: gl.constexpr, PA
     words = scale_ring.index(stage).load(gl.SliceLayout(1, block_layout))  # [BLOCK_K] ue8m0 x4 (block b: byte b)
     block = gl.arange(0, 4, layout=gl.SliceLayout(0, block_layout))
     exponents = (words[:, None] >> (8 * block[None, :])) & 0xFF  # [BLOCK_K, 4]: this lane's block only
-    if LOCAL_EMAX:
-        top = _max_byte(words)  # [BLOCK_K]
-    else:
-        top = gl.max(exponents, axis=1)  # [BLOCK_K]
+    top = gl.max(exponents, axis=1)  # [BLOCK_K]
     # The Triton path's block multiplier 2**(14 + e_b - e_max) as fp16 exponent field (0: block dropped).
     scale_pair = gl.maximum(29 - (top[:, None] - exponents), 0) * 0x04000400  # fp16x2 bits
     table_low, table_high = gl.inline_asm_elementwise(
@@ -202,13 +151,11 @@ def _expand_tile(key_ring, scale_ring, stage, ROW_BYTES_LAYOUT: gl.constexpr, PA
 
 @gluon.jit
 def _take_tile(key_ring, scale_ring, ready, empty, tile, NUM_STAGES: gl.constexpr, ROW_BYTES_LAYOUT: gl.constexpr,
-               PACKED_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, ROW_LAYOUT: gl.constexpr,
-               LOCAL_EMAX: gl.constexpr):
+               PACKED_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, ROW_LAYOUT: gl.constexpr):
     """Wait for ``tile``'s stage, expand it into registers (``_expand_tile``) and hand the stage back."""
     stage = tile % NUM_STAGES
     mbarrier.wait(ready.index(stage), (tile // NUM_STAGES) & 1)
-    keys, key_mul = _expand_tile(key_ring, scale_ring, stage, ROW_BYTES_LAYOUT, PACKED_LAYOUT, A_LAYOUT, ROW_LAYOUT,
-                                 LOCAL_EMAX)
+    keys, key_mul = _expand_tile(key_ring, scale_ring, stage, ROW_BYTES_LAYOUT, PACKED_LAYOUT, A_LAYOUT, ROW_LAYOUT)
     gl.thread_barrier()  # every warp has its bytes of this stage in registers
     mbarrier.arrive(empty.index(stage), count=1)
     return keys, key_mul
@@ -219,11 +166,10 @@ def _consumer(q_ptr, stride_qb, stride_qt, stride_qh, w_ptr, stride_wr, stride_w
               key_ring, scale_ring, query_smem, ready, empty,
               request, t0, next_n, length0, length1, split_start, split_end, read_end, num_tiles,
               HEADS: gl.constexpr, BLOCK_H: gl.constexpr, ROWS: gl.constexpr, NUM_STAGES: gl.constexpr,
-              CLEAN: gl.constexpr, AHEAD: gl.constexpr, ROW_BYTES_LAYOUT: gl.constexpr,
-              PACKED_LAYOUT: gl.constexpr, QUERY_LAYOUT: gl.constexpr, LOCAL_EMAX: gl.constexpr):
-    """Queries once; per tile: expand, one async wgmma per row, row 0's epilogue under row 1's wgmma (or,
-    with ``AHEAD`` and one row, the previous tile's epilogue under this tile's wgmma); then the ``-inf``
-    tail."""
+              CLEAN: gl.constexpr, ROW_BYTES_LAYOUT: gl.constexpr, PACKED_LAYOUT: gl.constexpr,
+              QUERY_LAYOUT: gl.constexpr):
+    """Queries once; per tile: expand, one async wgmma per row, row 0's epilogue under row 1's wgmma; then the
+    ``-inf`` tail."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_H, 32])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=4)
@@ -237,50 +183,22 @@ def _consumer(q_ptr, stride_qb, stride_qt, stride_qh, w_ptr, stride_wr, stride_w
     present0, present1, half_w0, half_w1, out_row0, out_row1 = _row_outputs(
         w_ptr, stride_wr, stride_wh, out_ptr, stride_or, request, t0, next_n, head, HEADS, ROWS)
     zero = gl.zeros([BLOCK_K, BLOCK_H], gl.float32, layout=mma_layout)
-    if AHEAD:
-        # One row, epilogue one tile behind: tile i + 1 is expanded while tile i's wgmma runs, and tile i's
-        # epilogue runs under tile i + 1's. Tiles go in pairs so that each accumulator keeps its registers:
-        # the one carried over the loop edge is still in flight there, and a copy of it would make ptxas
-        # serialise the wgmma. Tiles 0 .. 2 * (num_tiles // 2) run (the producer fills the ones past the
-        # split with zeros, or with page 0 through TMA; their stores are masked off).
-        keys, key_mul_b = _take_tile(key_ring, scale_ring, ready, empty, 0, NUM_STAGES, ROW_BYTES_LAYOUT,
-                                     PACKED_LAYOUT, a_layout, row_layout, LOCAL_EMAX)
-        acc_b = warpgroup_mma(keys, query_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-        for first in range(1, num_tiles // 2 * 2 + 1, 2):
-            keys, key_mul_a = _take_tile(key_ring, scale_ring, ready, empty, first, NUM_STAGES, ROW_BYTES_LAYOUT,
-                                         PACKED_LAYOUT, a_layout, row_layout, LOCAL_EMAX)
-            acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_b, ))
-            acc_a = warpgroup_mma(keys, query_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-            positions = split_start + (first - 1) * BLOCK_K + key
-            _store_row(acc_b, half_w0, key_mul_b, out_row0, positions, positions < read_end, length0, present0,
-                       CLEAN)
-            keys, key_mul_b = _take_tile(key_ring, scale_ring, ready, empty, first + 1, NUM_STAGES,
-                                         ROW_BYTES_LAYOUT, PACKED_LAYOUT, a_layout, row_layout, LOCAL_EMAX)
-            acc_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, ))
-            acc_b = warpgroup_mma(keys, query_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-            positions = split_start + first * BLOCK_K + key
-            _store_row(acc_a, half_w0, key_mul_a, out_row0, positions, positions < read_end, length0, present0,
-                       CLEAN)
-        acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_b, ))
-        positions = split_start + num_tiles // 2 * 2 * BLOCK_K + key
-        _store_row(acc_b, half_w0, key_mul_b, out_row0, positions, positions < read_end, length0, present0, CLEAN)
-    else:
-        for tile in range(num_tiles):
-            keys, key_mul = _take_tile(key_ring, scale_ring, ready, empty, tile, NUM_STAGES, ROW_BYTES_LAYOUT,
-                                       PACKED_LAYOUT, a_layout, row_layout, LOCAL_EMAX)
-            acc0 = warpgroup_mma(keys, query_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-            if ROWS == 2:
-                acc1 = warpgroup_mma(keys, query_smem.index(1).permute((1, 0)), zero, use_acc=False, is_async=True)
-            positions = split_start + tile * BLOCK_K + key
-            live = positions < read_end
-            if ROWS == 2:
-                acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
-                _store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
-                acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
-                _store_row(acc1, half_w1, key_mul, out_row1, positions, live, length1, present1, CLEAN)
-            else:
-                acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, ))
-                _store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
+    for tile in range(num_tiles):
+        keys, key_mul = _take_tile(key_ring, scale_ring, ready, empty, tile, NUM_STAGES, ROW_BYTES_LAYOUT,
+                                   PACKED_LAYOUT, a_layout, row_layout)
+        acc0 = warpgroup_mma(keys, query_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+        if ROWS == 2:
+            acc1 = warpgroup_mma(keys, query_smem.index(1).permute((1, 0)), zero, use_acc=False, is_async=True)
+        positions = split_start + tile * BLOCK_K + key
+        live = positions < read_end
+        if ROWS == 2:
+            acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
+            _store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
+            acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
+            _store_row(acc1, half_w1, key_mul, out_row1, positions, live, length1, present1, CLEAN)
+        else:
+            acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, ))
+            _store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
     if CLEAN:
         _store_tail(out_row0, out_row1, present0, present1, split_start, split_end, read_end, key, ROWS)
 
@@ -295,15 +213,15 @@ def _paged_mqa_logits_mxfp4_ws_kernel(
     out_ptr, stride_or,
     next_n, one_d, max_context_len, num_splits, num_groups, key_desc, scale_desc, page_rows,
     HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-    ROWS: gl.constexpr, TILES: gl.constexpr, NUM_STAGES: gl.constexpr, CLEAN: gl.constexpr, AHEAD: gl.constexpr,
-    TMA_PAGES: gl.constexpr, LOCAL_EMAX: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    ROWS: gl.constexpr, TILES: gl.constexpr, NUM_STAGES: gl.constexpr, CLEAN: gl.constexpr,
+    TMA_PAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     COPY_ALIGN: gl.constexpr,
     QUERY_SMEM_LAYOUT: gl.constexpr, COPY_LAYOUT: gl.constexpr, SCALE_LAYOUT: gl.constexpr,
     ROW_BYTES_LAYOUT: gl.constexpr, PACKED_LAYOUT: gl.constexpr, QUERY_LAYOUT: gl.constexpr,
 ):
     """Draft rows ``[t0, t0 + ROWS)`` of one request over one split of ``TILES * BLOCK_K`` positions
-    (program ids: request, split, row group fastest, as in the Triton kernel). With ``TMA_PAGES`` the
-    producer is ``_producer_tma`` (``key_desc``, ``scale_desc``, ``page_rows``; None otherwise)."""
+    (program ids: request, split, row group fastest, as in the Triton kernel). ``key_desc``, ``scale_desc``,
+    ``page_rows``: ``_fill_tiles_tma``'s arguments with ``TMA_PAGES``, None otherwise."""
     request, t0, length0, length1, split_start, split_end, read_end, num_tiles = _work_item(
         lens_ptr, stride_lb, stride_lt, gl.program_id(0), next_n, one_d, max_context_len, num_splits, num_groups, ROWS,
         TILES)
@@ -319,42 +237,28 @@ def _paged_mqa_logits_mxfp4_ws_kernel(
         mbarrier.init(ready.index(s), count=1 if TMA_PAGES else 32 * PRODUCER_WARPS)
         mbarrier.init(empty.index(s), count=1)
 
-    if TMA_PAGES:
-        gl.warp_specialize([
-            (_consumer, (q_ptr, stride_qb, stride_qt, stride_qh, w_ptr, stride_wr, stride_wh, out_ptr, stride_or,
-                         key_ring, scale_ring, query_smem, ready, empty,
-                         request, t0, next_n, length0, length1, split_start, split_end, read_end, num_tiles,
-                         HEADS, BLOCK_H, ROWS, NUM_STAGES, CLEAN, AHEAD, ROW_BYTES_LAYOUT, PACKED_LAYOUT,
-                         QUERY_LAYOUT, LOCAL_EMAX)),
-            (_producer_tma, (key_desc, scale_desc, page_rows, table_row, key_ring, scale_ring, ready, empty,
-                             split_start, read_end, num_tiles // 2 * 2 + 1 if AHEAD else num_tiles,
-                             BLOCK_SIZE, NUM_STAGES)),
-        ], [PRODUCER_WARPS], [PRODUCER_REGS])
-    else:
-        gl.warp_specialize([
-            (_consumer, (q_ptr, stride_qb, stride_qt, stride_qh, w_ptr, stride_wr, stride_wh, out_ptr, stride_or,
-                         key_ring, scale_ring, query_smem, ready, empty,
-                         request, t0, next_n, length0, length1, split_start, split_end, read_end, num_tiles,
-                         HEADS, BLOCK_H, ROWS, NUM_STAGES, CLEAN, AHEAD, ROW_BYTES_LAYOUT, PACKED_LAYOUT,
-                         QUERY_LAYOUT, LOCAL_EMAX)),
-            (_producer, (values_ptr, cache_ptr, page_units, table_row, key_ring, scale_ring, ready, empty,
-                         split_start, read_end, num_tiles // 2 * 2 + 1 if AHEAD else num_tiles,
-                         BLOCK_SIZE, NUM_STAGES, COPY_ALIGN, COPY_LAYOUT, SCALE_LAYOUT)),
-        ], [PRODUCER_WARPS], [PRODUCER_REGS])
+    gl.warp_specialize([
+        (_consumer, (q_ptr, stride_qb, stride_qt, stride_qh, w_ptr, stride_wr, stride_wh, out_ptr, stride_or,
+                     key_ring, scale_ring, query_smem, ready, empty,
+                     request, t0, next_n, length0, length1, split_start, split_end, read_end, num_tiles,
+                     HEADS, BLOCK_H, ROWS, NUM_STAGES, CLEAN, ROW_BYTES_LAYOUT, PACKED_LAYOUT, QUERY_LAYOUT)),
+        (_producer, (values_ptr, cache_ptr, page_units, key_desc, scale_desc, page_rows, table_row, key_ring,
+                     scale_ring, ready, empty, split_start, read_end, num_tiles, BLOCK_SIZE, NUM_STAGES, TMA_PAGES,
+                     COPY_ALIGN, COPY_LAYOUT, SCALE_LAYOUT)),
+    ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
 def kernel_constants(heads: int, block_size: int, rows: int, tiles: int, clean: bool, copy_align: int,
                      config: tuple[int, ...], tma_pages: bool = False) -> dict:
     """The kernel's compile-time arguments (launcher and ahead-of-time compilation share them); ``tma_pages``:
     whether the launch takes the TMA producer (``_tma_pages``)."""
-    num_stages, _, _, _, _, producer_warps, producer_regs, _, ahead = config[:9]
+    num_stages, producer_warps, producer_regs = config[0], config[5], config[6]
     if heads > 128:
         raise ValueError(f"the Gluon MXFP4 decode kernel takes at most 128 heads, got {heads}")
     lanes_per_row = (DIM.value // 2) // copy_align  # copy_align bytes a thread, a packed row is D/2 bytes
     return dict(
         HEADS=heads, BLOCK_H=max(16, triton.next_power_of_2(heads)), BLOCK_SIZE=block_size, ROWS=rows,
-        TILES=tiles, NUM_STAGES=num_stages, CLEAN=clean, AHEAD=int(ahead) if rows == 1 else 0,
-        TMA_PAGES=int(tma_pages), LOCAL_EMAX=int(len(config) > 10 and config[10]), PRODUCER_WARPS=producer_warps,
+        TILES=tiles, NUM_STAGES=num_stages, CLEAN=clean, TMA_PAGES=int(tma_pages), PRODUCER_WARPS=producer_warps,
         PRODUCER_REGS=producer_regs, COPY_ALIGN=copy_align,
         QUERY_SMEM_LAYOUT=gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2),
         COPY_LAYOUT=gl.BlockedLayout([1, copy_align], [32 // lanes_per_row, lanes_per_row], [producer_warps, 1],
@@ -376,12 +280,12 @@ def kernel_constants(heads: int, block_size: int, rows: int, tiles: int, clean: 
 
 
 def _tma_pages(cache: IndexerKCache, config: tuple[int, ...]) -> tuple[TensorDescriptor, TensorDescriptor] | None:
-    """The key and scale descriptors of ``_producer_tma`` when ``config`` asks for TMA page copies and the
+    """The key and scale descriptors of ``_fill_tiles_tma`` when ``config`` asks for TMA page copies and the
     cache allows them (16-byte aligned base, 64-byte multiple page stride, pages of whole 64-key tiles);
     None otherwise (the cp.async producer runs)."""
     buffer = cache.buffer
     page_stride = cache.page_stride
-    if (len(config) < 10 or not config[9] or buffer.data_ptr() % 16 or page_stride % 64
+    if (len(config) < 9 or not config[8] or buffer.data_ptr() % 16 or page_stride % 64
             or cache.block_size % BLOCK_K.value):
         return None
     row_bytes = DIM.value // 2  # one packed key row = one descriptor row
@@ -429,6 +333,10 @@ def paged_mqa_logits_gluon_mxfp4(
     rows, num_groups, num_splits, tiles, copy_align = _launch_shape(q, cache, max_context_len, config)
     buffer = cache.buffer
     descriptors = _tma_pages(cache, config)
+    if descriptors is None and len(config) > 8 and config[8]:
+        # The cp.async producer instead: four warps' copies, in the same registers (the producer partition is
+        # a whole warpgroup either way).
+        config = config[:5] + (4,) + config[6:]
     constants = kernel_constants(heads, cache.block_size, rows, tiles, clean, copy_align, config,
                                  tma_pages=descriptors is not None)
     key_desc, scale_desc = descriptors or (None, None)
