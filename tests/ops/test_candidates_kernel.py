@@ -321,9 +321,10 @@ def test_select_variants_match_reference(kernel_device, variant, data):
 
 
 # The fused one-launch select (the default) in tiny streaming steps, so that interpreter rows span several.
-FUSED_SMALL_STEPS = dict(fused=True, fused_step=16)
-FUSED_ALIGNMENT_VARIANTS = {"vector": dict(fused=True, fused_step=128),
-                            "scalar": dict(fused=True, fused_step=128, vector=False)}
+FUSED_SMALL_STEPS = dict(fused=True, fused_pieces=0, fused_step=16)
+FUSED_ALIGNMENT_VARIANTS = {"vector": dict(fused=True, fused_pieces=0, fused_step=128),
+                            "scalar": dict(fused=True, fused_pieces=0, fused_step=128, vector=False),
+                            "carry": dict(fused=True, fused_pieces=0, fused_step=128, fused_carry=True)}
 
 
 @pytest.mark.parametrize("data", ["random", "ties", "close", "relu", "nan_and_neg_inf"])
@@ -370,44 +371,15 @@ def test_select_fused_aligned_starts_ties_pins_and_strides(kernel_device, varian
     assert_views_and_strided_out_match(logits, starts, ends, 5, variant)
 
 
-# Session 5 candidates (off by default): the streaming steps as a loop, block ids in one run per thread.
-FUSED_LAYOUT_VARIANTS = {"rolled": dict(fused_rolled=True), "thread_runs": dict(fused_thread_runs=True),
-                         "rolled_thread_runs": dict(fused_rolled=True, fused_thread_runs=True)}
-
-
-@pytest.mark.parametrize("variant", FUSED_LAYOUT_VARIANTS.values(), ids=FUSED_LAYOUT_VARIANTS.keys())
-@pytest.mark.parametrize("data", ["random", "ties", "nan_and_neg_inf"])
-@pytest.mark.parametrize("block_size,row_repeat,with_starts", [(8, 1, True), (3, 2, False)])
-def test_select_fused_layout_variants_match_reference(kernel_device, variant, data, block_size, row_repeat,
-                                                      with_starts):
-    logits, starts, ends, _ = case(7, 60, block_size, data, row_repeat=row_repeat, with_starts=with_starts,
-                                   device=kernel_device)
-    for num_blocks_k in (1, 5, 100):
-        expected = select_candidate_blocks(logits, starts, ends, num_blocks_k, block_size, row_repeat=row_repeat,
-                                           backend="reference")
-        actual = select_candidate_blocks_triton(logits, starts, ends, num_blocks_k, block_size, row_repeat,
-                                                fused_step=16, **variant)
-        assert torch.equal(actual, expected)
-
-
-@pytest.mark.parametrize("rolled", [False, True])
-def test_select_fused_thread_runs_two_slots_per_lane(kernel_device, rolled):
-    # Two steps of 1024 slots over 512 lanes (two slots per lane: each run interleaves steps and slots),
-    # a +inf block tying with the pin. One row: the interpreter's search costs ~5 s per 2048 keys.
-    logits, _, _, _ = case(1, 1100, 11, "random", device=kernel_device)
-    logits[0, 700] = float("inf")
-    starts = torch.tensor([4], dtype=torch.int32, device=kernel_device)
-    ends = torch.tensor([1090], dtype=torch.int32, device=kernel_device)
-    expected = select_candidate_blocks(logits, starts, ends, 300, 1, backend="reference")
-    actual = select_candidate_blocks_triton(logits, starts, ends, 300, 1, 1, fused_step=1024, fused_rolled=rolled,
-                                            fused_thread_runs=True)
-    assert torch.equal(actual, expected)
-
-
-# Split select (off by default): several streaming programs per row, the last to finish selects.
+# Split select (the default from _SPLIT_MIN_ROWS rows): several streaming programs per row, the last to finish
+# selects; with carry-chain counts (the interpreter compares: same counts) and the prescanned emit.
 SPLIT_VARIANTS = {"pieces_4": dict(fused_pieces=4, fused_piece_step=16),
                   "pieces_8_one_warp": dict(fused_pieces=8, fused_piece_warps=1, fused_piece_step=8),
-                  "pieces_4_chunk_4": dict(fused_pieces=4, fused_piece_step=16, fused_piece_chunk=4)}
+                  "pieces_4_chunk_4": dict(fused_pieces=4, fused_piece_step=16, fused_piece_chunk=4),
+                  "pieces_4_chunk_8_prescan_carry": dict(fused_pieces=4, fused_piece_step=16, fused_piece_chunk=8,
+                                                         fused_piece_prescan=True, fused_carry=True),
+                  "pieces_2_one_warp_prescan_carry": dict(fused_pieces=2, fused_piece_warps=1, fused_piece_step=16,
+                                                          fused_piece_prescan=True, fused_carry=True)}
 
 
 @pytest.mark.parametrize("variant", SPLIT_VARIANTS.values(), ids=SPLIT_VARIANTS.keys())
@@ -425,16 +397,19 @@ def test_select_split_matches_reference(kernel_device, variant, data, block_size
         assert torch.equal(actual, expected)
 
 
-@pytest.mark.parametrize("pieces,chunk", [(2, 0), (16, 0), (4, 64)])
-def test_select_split_runs_ties_pins_and_strides(kernel_device, pieces, chunk):
-    # One warp: 32 lanes, runs of 8 keys (256 padded blocks; chunk 64: runs of 2 in 4 chunks), several steps per
-    # piece (pieces 2), one step per piece (16). Aligned and unaligned starts, +inf blocks tying with the pin, equal
-    # maxima, an empty row, column-major and padded views, a strided out.
+@pytest.mark.parametrize("pieces,chunk,prescan,carry", [(2, 256, False, True), (16, 64, True, False),
+                                                        (2, 128, True, True)])
+def test_select_split_runs_ties_pins_and_strides(kernel_device, pieces, chunk, prescan, carry):
+    # One warp: 32 lanes over 256 padded blocks, several steps per piece (pieces 2), one step per piece (16); chunks
+    # of 256 (runs of 8; on a GPU 8 images per thread: 4-image carry sums), 128 (prescanned emit, two chunks, 4-image
+    # carry sums) and 64 (prescanned emit, four chunks). Aligned and unaligned starts, +inf blocks tying with the
+    # pin, equal maxima, an empty row, column-major and padded views, a strided out.
     logits, _, _, _ = case(5, 500, 13, "ties", device=kernel_device)
     logits[:, 90] = float("inf")
     starts = torch.tensor([0, 4, 3, 100, 497], dtype=torch.int32, device=kernel_device)
     ends = torch.tensor([500, 500, 499, 101, 497], dtype=torch.int32, device=kernel_device)
-    variant = dict(fused_pieces=pieces, fused_piece_warps=1, fused_piece_step=64, fused_piece_chunk=chunk)
+    variant = dict(fused_pieces=pieces, fused_piece_warps=1, fused_piece_step=64, fused_piece_chunk=chunk,
+                   fused_piece_prescan=prescan, fused_carry=carry)
     for num_blocks_k in (1, 2, 40, 200):
         expected = select_candidate_blocks(logits, starts, ends, num_blocks_k, 3, backend="reference")
         assert torch.equal(select_candidate_blocks_triton(logits, starts, ends, num_blocks_k, 3, 1, **variant),
@@ -442,14 +417,40 @@ def test_select_split_runs_ties_pins_and_strides(kernel_device, pieces, chunk):
     assert_views_and_strided_out_match(logits, starts, ends, 7, variant)
 
 
-def test_select_fused_all_equal_unselectable_and_too_wide_rows(kernel_device):
+class LaunchRecorder:
+    """Stands in for a Triton kernel: records the grids it is launched with, then launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+def test_select_default_path_follows_the_row_count(kernel_device, monkeypatch):
+    # From _SPLIT_MIN_ROWS rows on the default is the split select (with its defaults), below it the fused kernel.
+    logits, starts, ends, _ = case(7, 60, 8, "ties", device=kernel_device)
+    expected = select_candidate_blocks(logits, starts, ends, 5, 8, backend="reference")
+    for min_rows, split in ((8, False), (7, True)):
+        recorder = LaunchRecorder(candidates_triton._split_select_kernel)
+        monkeypatch.setattr(candidates_triton, "_split_select_kernel", recorder)
+        monkeypatch.setattr(candidates_triton, "_SPLIT_MIN_ROWS", min_rows)
+        assert torch.equal(select_candidate_blocks_triton(logits, starts, ends, 5, 8, 1), expected)
+        assert bool(recorder.grids) == split
+        monkeypatch.undo()
+
+
+@pytest.mark.parametrize("carry", [False, True])
+def test_select_fused_all_equal_unselectable_and_too_wide_rows(kernel_device, carry):
     # Equal keys everywhere (the search ends on a one-key bracket), rows without selectable logits, and
-    # rows wider than _FUSED_MAX_BLOCKS blocks (the two-launch path).
+    # rows wider than _FUSED_MAX_BLOCKS blocks (the two-launch path). 2048 and 4096 padded blocks: on a GPU,
+    # carry counts summed by 4 in the asm.
     logits, ends = all_equal_and_unselectable_rows(kernel_device)
     for num_blocks_k, block_size in ((5, 2), (700, 2), (2000, 1)):
         expected = select_candidate_blocks(logits, None, ends, num_blocks_k, block_size, backend="reference")
         actual = select_candidate_blocks_triton(logits, None, ends, num_blocks_k, block_size, 1, fused=True,
-                                                fused_step=1024)
+                                                fused_pieces=0, fused_step=1024, fused_carry=carry)
         assert torch.equal(actual, expected)
     wide = torch.randn(2, 2 * candidates_triton._FUSED_MAX_BLOCKS + 3, device=kernel_device)
     wide_ends = torch.tensor([wide.shape[1], 100], dtype=torch.int32, device=kernel_device)
@@ -535,22 +536,15 @@ def test_v41_shapes_select_variants(data, variant):
     assert torch.equal(out, expected)
 
 
-# Bench-sized fused kernels (the configurations the sweep times).
-V41_SPLIT_CHUNKED = dict(fused_piece_warps=8, fused_piece_step=8192, fused_piece_chunk=2048,
-                         fused_piece_max_registers=80)
-V41_FUSED_VARIANTS = {"fused": dict(fused=True), "fused_step_8192": dict(fused=True, fused_step=8192),
-                      "fused_rolled": dict(fused_rolled=True), "fused_thread_runs": dict(fused_thread_runs=True),
-                      "fused_rolled_thread_runs": dict(fused_rolled=True, fused_thread_runs=True),
-                      "fused_thread_runs_8192": dict(fused_thread_runs=True, fused_step=8192),
-                      "fused_rolled_thread_runs_8192": dict(fused_rolled=True, fused_thread_runs=True,
-                                                            fused_step=8192),
-                      "split_4": dict(fused_pieces=4), "split_8": dict(fused_pieces=8),
-                      "split_16": dict(fused_pieces=16),
-                      "split_4_chunk": dict(fused_pieces=4, **V41_SPLIT_CHUNKED),
-                      "split_8_chunk": dict(fused_pieces=8, **V41_SPLIT_CHUNKED),
-                      "split_16_chunk": dict(fused_pieces=16, **V41_SPLIT_CHUNKED),
-                      "split_8_chunk_16w": dict(fused_pieces=8, fused_piece_warps=16, fused_piece_step=8192,
-                                                fused_piece_chunk=4096, fused_piece_max_registers=64)}
+# Bench-sized kernels (the configurations the sweep times).
+V41_FUSED_VARIANTS = {"fused": dict(fused_pieces=0), "fused_step_8192": dict(fused_pieces=0, fused_step=8192),
+                      "fused_carry": dict(fused_pieces=0, fused_carry=True),
+                      "split_8": dict(fused_pieces=8), "split_4": dict(fused_pieces=4),
+                      "split_8_carry": dict(fused_pieces=8, fused_carry=True),
+                      "split_4_carry": dict(fused_pieces=4, fused_carry=True),
+                      "split_8_prescan": dict(fused_pieces=8, fused_piece_prescan=True),
+                      "split_8_carry_prescan": dict(fused_pieces=8, fused_carry=True, fused_piece_prescan=True),
+                      "split_4_carry_prescan": dict(fused_pieces=4, fused_carry=True, fused_piece_prescan=True)}
 
 
 @pytest.mark.gpu

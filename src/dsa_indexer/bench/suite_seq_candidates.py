@@ -10,7 +10,8 @@ the host, which would put a CPU round trip inside the timed region).
   (8 KiB): reads the valid rows, writes the whole padded grid.
 - unpack_seq: compacting int32 top-2048 rows (8 KiB) of the same batch: reads and writes the valid rows.
 - select_candidate_blocks: V4.1 sources, 128K compressed positions per row, blocks of 8, top 2048
-  blocks: reads each row's logits once. The default is one fused kernel (keys in registers); the stage
+  blocks: reads each row's logits once. The default is one launch: the split select (several streaming
+  programs per row, the last selects) from 256 rows, one program per row (keys in registers) below; the stage
   records time the two kernels of the two-launch path (rows wider than 16384 blocks) alone, whose
   block-key scratch (1/8 of the logits) is counted as overhead.
 - apply_candidate_mask: the same rows and the 2048 chosen blocks: writes -inf on every masked
@@ -26,8 +27,8 @@ is the host's), ``graph_us`` (warm CUDA-graph replays) and ``cold_graph_us`` (on
 a 256 MB memset that evicts the L2): the last is the honest figure for these capturable ops.
 
 ``python -m dsa_indexer.bench.suite_seq_candidates sweep [OUT_DIR] [--quick] [--rows R ...] [--no-slots]
-[--select-only]`` times the kernel variants (keyword arguments of the Triton functions) against the current
-defaults in one process, with torch's ``fill_`` of the mask's bytes as the store-only ceiling;
+[--select-only] [--subset-rows R ...]`` times the kernel variants (keyword arguments of the Triton functions)
+against the current defaults in one process, with torch's ``fill_`` of the mask's bytes as the store-only ceiling;
 ``... warm VARIANT`` compiles one select variant (run several in parallel before a sweep).
 """
 
@@ -181,35 +182,33 @@ def run(ceilings: dict[str, float]) -> list[dict]:
 
 # The defaults (runs 4 and 5 of session 3: 16-byte keys / mask / slot paths, mask fused with its
 # flags from 256 rows, streaming stores; run 6 of session 4: the fused one-launch select with the
-# interpolation search and prefetch) against the switches that turn them off. The variants that lost
-# (register / split-histogram select, 4-warp radix, 16-warp mask, kept blocks rewritten, scalar block
-# keys; fused: two bits a round, no prefetch, 32 warps, bracket compaction) are gone; their numbers are
-# in benchmarks/NOTES_seq_candidates.md.
-SPLIT_CHUNKED = dict(fused_piece_warps=8, fused_piece_step=8192, fused_piece_chunk=2048,
-                     fused_piece_max_registers=80)
+# interpolation search and prefetch; session 5: the split select from 256 rows) against the switches that turn
+# them off and the open candidates. The variants that lost (register / split-histogram select, 4-warp radix,
+# 16-warp mask, kept blocks rewritten, scalar block keys; fused: two bits a round, no prefetch, 32 warps, bracket
+# compaction, rolled steps, one id run per thread; split: keys in registers, 16 pieces, 16 warps) are gone;
+# their numbers are in benchmarks/NOTES_seq_candidates.md. A variant is a dict of keyword arguments or a function
+# of the row count returning one.
 SELECT_VARIANTS = {
     "default": {},
-    "two_launch": dict(fused=False),  # block keys + radix select (session 3's default)
-    "step_8192": dict(fused_step=8192),  # run 6: +4%
-    # Session 5 candidates (NOTES "Session 5 round"): streaming steps as a loop, one id run per thread.
-    "rolled": dict(fused_rolled=True),
-    "thread_runs": dict(fused_thread_runs=True),
-    "rolled_runs": dict(fused_rolled=True, fused_thread_runs=True),
-    "runs_8192": dict(fused_thread_runs=True, fused_step=8192),
-    "rolled_runs_8192": dict(fused_rolled=True, fused_thread_runs=True, fused_step=8192),
-    # Split select (NOTES "Session 5 round, part 2"): programs per row, the last to finish selects.
-    # 16 warps, the keys in registers: one program per SM.
+    # The path the default does not take at this row count (the split / fused crossover, _SPLIT_MIN_ROWS).
+    "other_path": lambda num_rows: dict(fused_pieces=0 if num_rows >= candidates_triton._SPLIT_MIN_ROWS
+                                        else candidates_triton._SPLIT_PIECES),
     "split_4": dict(fused_pieces=4),
-    "split_8": dict(fused_pieces=8),
-    "split_16": dict(fused_pieces=16),
-    # 8 warps, keys re-read in chunks of 2048, 80 registers: three programs per SM.
-    "split_4_chunk": dict(fused_pieces=4, **SPLIT_CHUNKED),
-    "split_8_chunk": dict(fused_pieces=8, **SPLIT_CHUNKED),
-    "split_16_chunk": dict(fused_pieces=16, **SPLIT_CHUNKED),
-    # 16 warps, chunks of 4096 (half the passes' serial loads), 64 registers: two programs per SM.
-    "split_8_chunk_16w": dict(fused_pieces=8, fused_piece_warps=16, fused_piece_step=8192, fused_piece_chunk=4096,
-                              fused_piece_max_registers=64),
+    # Session 5 round 2 (NOTES "Session 5 round 2"): carry-chain counts in the search, the prescanned split emit.
+    "fused_carry": dict(fused_pieces=0, fused_carry=True),
+    "split_8_carry": dict(fused_pieces=8, fused_carry=True),
+    "split_4_carry": dict(fused_pieces=4, fused_carry=True),
+    "split_8_carry_prescan": dict(fused_pieces=8, fused_carry=True, fused_piece_prescan=True),
+    "split_4_carry_prescan": dict(fused_pieces=4, fused_carry=True, fused_piece_prescan=True),
 }
+# The variants timed at the row counts of ``--subset-rows`` (the crossover's shapes).
+SUBSET_VARIANTS = ("default", "other_path", "split_4", "split_8_carry_prescan", "split_4_carry_prescan")
+
+
+def _select_kwargs(variant, num_rows: int) -> dict:
+    return variant(num_rows) if callable(variant) else variant
+
+
 MASK_VARIANTS = {
     "default": {},
     "unfused": dict(fused_flags=False),
@@ -235,9 +234,10 @@ def _sweep_slots(record, generator, num_rows: int = 16384, k: int = 2048) -> Non
 
 
 def _sweep_candidates(record, generator, num_rows: int, width: int = 131072, num_blocks_k: int = 2048,
-                      select_only: bool = False) -> None:
+                      select_only: bool = False, select_variants: tuple[str, ...] | None = None) -> None:
     """select / its two stages / mask variants on the suite's candidate shape with ``num_rows`` rows
-    (the select variants only with ``select_only``); the default select is checked against the reference."""
+    (the select variants only with ``select_only``; only ``select_variants`` if given); the default select is
+    checked against the reference."""
     block_size = 8
     logits = torch.randn(num_rows, width, device="cuda", generator=generator)
     starts = torch.zeros(num_rows, dtype=torch.int32, device="cuda")
@@ -248,7 +248,11 @@ def _sweep_candidates(record, generator, num_rows: int, width: int = 131072, num
     reference = select_candidate_blocks_reference(logits, starts, ends, num_blocks_k, block_size, 1)
     if not torch.equal(chosen, reference):
         raise AssertionError(f"select R {num_rows}: the default differs from the reference")
-    for name, kwargs in SELECT_VARIANTS.items():
+    for name, variant in SELECT_VARIANTS.items():
+        if select_variants is not None and name not in select_variants:
+            continue
+        kwargs = _select_kwargs(variant, num_rows)
+
         def select(kwargs=kwargs):
             return candidates_triton.select_candidate_blocks_triton(logits, starts, ends, num_blocks_k, block_size,
                                                                     1, out, **kwargs)
@@ -280,23 +284,25 @@ def _sweep_candidates(record, generator, num_rows: int, width: int = 131072, num
 
 
 def warm(variant: str) -> None:
-    """Compile one select variant for the sweep's shapes (Triton's on-disk cache), so that several
-    processes can compile the variants in parallel before the sweep."""
+    """Compile one select variant for the sweep's shapes (Triton's on-disk cache), both paths where the row count
+    picks the path, so that several processes can compile the variants in parallel before the sweep."""
     width, block_size, num_blocks_k = 131072, 8, 2048
-    logits = torch.randn(2, width, device="cuda")
-    starts = torch.zeros(2, dtype=torch.int32, device="cuda")
-    ends = torch.full((2,), width, dtype=torch.int32, device="cuda")
-    out = torch.empty((2, num_blocks_k), dtype=torch.int32, device="cuda")
-    candidates_triton.select_candidate_blocks_triton(logits, starts, ends, num_blocks_k, block_size, 1, out,
-                                                     **SELECT_VARIANTS[variant])
+    for num_rows in (1, candidates_triton._SPLIT_MIN_ROWS):
+        logits = torch.randn(num_rows, width, device="cuda")
+        starts = torch.zeros(num_rows, dtype=torch.int32, device="cuda")
+        ends = torch.full((num_rows,), width, dtype=torch.int32, device="cuda")
+        out = torch.empty((num_rows, num_blocks_k), dtype=torch.int32, device="cuda")
+        candidates_triton.select_candidate_blocks_triton(logits, starts, ends, num_blocks_k, block_size, 1, out,
+                                                         **_select_kwargs(SELECT_VARIANTS[variant], num_rows))
     torch.cuda.synchronize()
 
 
 def sweep(out_dir: str | None, quick: bool = False, rows_list: tuple[int, ...] = (512, 64),
-          with_slots: bool = True, select_only: bool = False) -> list[dict]:
+          with_slots: bool = True, select_only: bool = False, subset_rows: tuple[int, ...] = ()) -> list[dict]:
     """Time every variant against the default on the suite's shapes (candidate ops at each R of
-    ``rows_list``, indices_to_slots if ``with_slots``; only the select variants with ``select_only``);
-    each checked bit-equal to the default.
+    ``rows_list``, indices_to_slots if ``with_slots``; only the select variants with ``select_only``; at the R of
+    ``subset_rows``, after ``rows_list``, only the ``SUBSET_VARIANTS`` selects); each checked bit-equal to the
+    default.
     Rows: op, R, variant, event / warm-graph / cold-graph µs, % of the copy floor (on the cold-graph time)."""
     rep = 60 if quick else 120
     n = 1 << 30
@@ -329,6 +335,9 @@ def sweep(out_dir: str | None, quick: bool = False, rows_list: tuple[int, ...] =
         torch.cuda.empty_cache()
         if with_slots and not select_only and num_rows == rows_list[0]:
             _sweep_slots(record, generator)
+    for num_rows in subset_rows:
+        _sweep_candidates(record, generator, num_rows, select_only=True, select_variants=SUBSET_VARIANTS)
+        torch.cuda.empty_cache()
     if out_dir:
         with open(os.path.join(out_dir, "cand_sweep.json"), "w") as f:
             json.dump({"copy_tbs": copy_tbs, "environment": harness.environment(), "rows": rows}, f, indent=1)
@@ -363,11 +372,14 @@ def _main(argv: list[str]) -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[512, 64], help="candidate rows R to sweep")
     parser.add_argument("--no-slots", action="store_true", help="leave out indices_to_slots")
     parser.add_argument("--select-only", action="store_true", help="only the select variants")
+    parser.add_argument("--subset-rows", type=int, nargs="+", default=[],
+                        help="rows R (timed after --rows) at which only the SUBSET_VARIANTS selects run")
     args = parser.parse_args(argv)
     if args.command == "warm":
         warm(args.out_dir)
     else:
-        sweep(args.out_dir, args.quick, tuple(args.rows), not args.no_slots, args.select_only)
+        sweep(args.out_dir, args.quick, tuple(args.rows), not args.no_slots, args.select_only,
+              tuple(args.subset_rows))
 
 
 if __name__ == "__main__":

@@ -27,27 +27,28 @@ rows of at most ``_FUSED_MAX_BLOCKS`` blocks, and two kernels on wider logits (o
    instructions per 32 keys for 8 bits), so this kernel is issue-bound: the candidate compaction
    keeps the later passes to the keys of one bin.
 
-Fused path (``fused``, default ``_SELECT_FUSED``; rows of at most ``_FUSED_MAX_BLOCKS`` blocks and
-``next_power_of_2(block_size) <= step``): ``_fused_select_kernel``, one program of ``_FUSED_WARPS`` warps
-per row, streams the row in steps of ``step`` logits (16-byte loads on rows whose start is a multiple of 4;
-the next step's loads are issued before the current one is reduced), keeps the row's block keys in
-registers (int32 signed order keys, topk's convention: ``NONE`` for a block without selectable entries)
-and never reads the newest block (pinned). The threshold is searched over the other blocks for ``k - 1``
-places by ``_kth_largest_interpolated`` (four probes per round around the interpolated position of the
-k-th key, a bracket that at least halves every round). The emit is one prefix sum over the keys in
-block-id order (``greater + equal * 2**16``, as topk's ``_emit_taken``), then ``-1`` padding. One launch,
-no key round trip through memory. Run 6 (R 512, cold CUDA graph): 155.5 µs against 207.1 µs for the two
-launches (41% of the 64 µs floor; ``benchmarks/NOTES_seq_candidates.md``). Two switches, off until measured
-(``_FUSED_ROLLED``, ``_FUSED_THREAD_RUNS``; keyword arguments ``fused_rolled``, ``fused_thread_runs``): the
-streaming steps as a loop instead of unrolled, and block ids laid out so that each thread's keys are one run
-of consecutive ids (the emit's prefix sum becomes an in-thread scan plus one scan of per-thread totals).
+One-launch paths (``fused``, default ``_SELECT_FUSED``; rows of at most ``_FUSED_MAX_BLOCKS`` blocks and
+``next_power_of_2(block_size) <= step``). Both hold the row's block *images*: topk's order key ``^ NONE``
+(uint32, unsigned order = value order, 0 for a block without selectable entries), never read the newest block
+(pinned), search the threshold over the other blocks for ``k - 1`` places by interpolation (four probes per
+round around the interpolated position of the k-th image, a bracket that at least halves every round) and emit
+with a prefix sum of ``greater + equal * 2**16`` in block-id order (as topk's ``_emit_taken``), then ``-1``
+padding. ``fused_pieces`` (default: ``_SPLIT_PIECES`` from ``_SPLIT_MIN_ROWS`` rows on, else 0) picks:
 
-Split select (``fused_pieces``, default ``_SPLIT_PIECES`` = 0: off until measured): ``_split_select_kernel``
-runs ``pieces`` programs per row, each streaming its share of the row's blocks into a scratch row of block
-keys; the last of them to finish (an acq_rel arrival counter per row, zeroed by the host in the same stream)
-reads the row's keys back from L2 and runs the fused kernel's search and a thread-run emit, with the keys in
-registers or (``fused_piece_chunk``) re-read in chunks by every pass, which keeps the kernel's registers to the
-streaming's (several programs per SM). The selection of one row then overlaps the streaming of later rows.
+- 0: ``_fused_select_kernel``, one program of ``_FUSED_WARPS`` warps per row, streams the row in steps of
+  ``step`` logits (16-byte loads on rows whose start is a multiple of 4; the next step's loads are issued
+  before the current one is reduced) with the images in registers. Run 6 of session 4 (R 512, cold CUDA graph):
+  155.5 µs against 207.1 µs for the two launches; session 5: better below ~256 rows (R 64: 45.3 µs).
+- > 0: ``_split_select_kernel``, ``pieces`` programs per row, each streaming its share of the row's blocks into a
+  scratch row of images; the last of them to finish (an acq_rel arrival counter per row, zeroed by the host in
+  the same stream) selects the row, re-reading the images in chunks in every pass, which keeps the kernel's
+  registers to the streaming's (three programs per SM): the selection of one row overlaps the streaming of later
+  rows. Session 5 round 1 (R 512, cold CUDA graph): 134.9 µs (8 pieces) against 154.1 for one program per row.
+
+Candidates, off until measured: ``_CARRY_COUNTS`` (``fused_carry``): the search counts with carry chains
+(``_reach_pair``, ``_reach_accumulate``: ~1.5 instead of ~3.7-4.25 SASS instructions per image and probe);
+``_SPLIT_PRESCAN`` (``fused_piece_prescan``): the split select's emit with one scan for the whole row
+(``_emit_prescanned``) instead of one per chunk (``_emit_per_chunk``).
 
 ``apply_candidate_mask`` builds one flag byte per block and row (set for every listed id in
 ``[0, row blocks)``) and runs ``_mask_kernel``, which walks the row's tiles and stores ``-inf`` on
@@ -72,11 +73,15 @@ the ops are CUDA-graph capturable.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from ..topk.triton import INF_BITS, KEY_MAX, LOW_FIELD, NONE
+from ..topk.triton import KEY_MAX, LOW_FIELD, NONE, _reaches_unsigned
+
+INF_IMAGE = tl.constexpr(0xFF800000)  # order image of +inf (topk's key of +inf ^ NONE)
 
 _KEYS_TILE = 8192
 _SELECT_CHUNK = 4096
@@ -92,22 +97,24 @@ _MASK_FUSED_MIN_ROWS = 256  # rows from which one mask kernel also builds the fl
 _MASK_STREAMING = True  # streaming (.cs) stores in the mask kernel
 # Fused one-launch select, the default since run 6 (session 4): R 512 155.5 µs against 207.1 (two launches).
 _SELECT_FUSED = True
-_FUSED_MAX_BLOCKS = 16384  # 32 keys per thread of 16 warps; the search packs two counts per int32 (< 2**15 each)
+_FUSED_MAX_BLOCKS = 16384  # 32 images per thread of 16 warps; the search packs two counts per int32 (< 2**15 each)
 _FUSED_WARPS = 16  # 128 registers, one program per SM (32 warps, 64 registers, spilled: +27% in run 6)
 _FUSED_STEP = 16384  # logits per streaming step (BLOCK_J x blocks per step); 8192: +4% in run 6
-# Session 5 candidates, off until measured (NOTES "Session 5 round"): the streaming steps as a loop instead of
-# unrolled (the kernel is ~8K SASS instructions), and block ids in one run per thread (a cheap emit).
-_FUSED_ROLLED = False
-_FUSED_THREAD_RUNS = False
-# Split select (NOTES "Session 5 round, part 2"), off until measured: programs per row (0: the one-program-per-row
-# fused kernel), their warps, their register cap and the selection's key chunk (0: the keys in registers; 16 warps
-# then take ~108 registers, one program per SM). With chunks of 2048, 8 warps fit 80 registers (no spills): three
-# programs per SM, a selecting one beside streaming ones.
-_SPLIT_PIECES = 0
-_SPLIT_WARPS = 16
-_SPLIT_MAX_REGISTERS = 128
-_SPLIT_CHUNK = 0  # keys re-read per selection pass in chunks of this many (0: held in registers)
-_SPLIT_STEP = 16384  # logits per streaming step of the split select
+# Split select from _SPLIT_MIN_ROWS rows on (session 5 round 1, cold graph: R 512 134.9 µs against 154.1 for one
+# program per row; R 64 61.7 against 45.3; the crossover between 64 and 512 is unmeasured): programs per row, their
+# warps, register cap (three programs per SM: a selecting one beside streaming ones), the selection's chunk of
+# images re-read by every pass, and the logits per streaming step.
+_SPLIT_MIN_ROWS = 256
+_SPLIT_PIECES = 8
+_SPLIT_WARPS = 8
+_SPLIT_MAX_REGISTERS = 80
+_SPLIT_CHUNK = 2048
+_SPLIT_STEP = 8192
+# Session 5 round 2 candidate, off until measured: the search counts with carry chains (~1.5 instead of ~4.25
+# instructions per image and probe; the interpreter always compares).
+_CARRY_COUNTS = False
+# Session 5 round 2 candidate, off until measured: the split select's emit without a cross-thread scan per chunk.
+_SPLIT_PRESCAN = False
 _PAD_BLOCK = 1024
 
 
@@ -288,76 +295,35 @@ def _step_values(row_ptr, first_column, stride_col, blocks, readable, BLOCK_SIZE
 
 
 @triton.jit
-def _max_keys(values):
-    """int32 signed order keys (topk's convention, ``NONE`` when no entry is selectable) of the row
-    maxima of ``values`` [STEP_NB, BLOCK_J]."""
+def _max_images(values):
+    """uint32 order images of the row maxima of ``values`` [STEP_NB, BLOCK_J]: topk's order key ``^ NONE``
+    (unsigned order = value order), 0 when no entry is selectable (NaN and ``-inf`` only)."""
     best = tl.max(tl.where(values != values, float("-inf"), values), axis=1)  # [STEP_NB]
     bits = best.to(tl.int32, bitcast=True)
     bits = tl.where(bits == NONE, 0, bits)  # -0.0 ranks as +0.0
-    key = bits ^ ((bits >> 31) & KEY_MAX)
-    return tl.where(best == float("-inf"), NONE, key)
+    image = bits ^ ((bits >> 31) | NONE)  # negative: all bits flipped; else the sign bit set
+    return tl.where(best == float("-inf"), 0, image).to(tl.uint32, bitcast=True)
 
 
 @triton.jit
-def _step_blocks(step, lanes, STEPS: tl.constexpr, STEP_NB: tl.constexpr, RUN_LANES: tl.constexpr):
-    """Block ids of the slots ``lanes`` [STEP_NB] of streaming step ``step``: ``step * STEP_NB + lanes``, or
-    with ``RUN_LANES`` (> 0) ids that give slot lane ``lanes % RUN_LANES`` one run of ``STEPS * STEP_NB //
-    RUN_LANES`` consecutive ids over the steps (slot ``rep * RUN_LANES + lane`` of step ``s`` is block
-    ``lane * STEPS * REPS + s * REPS + rep``)."""
-    if RUN_LANES == 0:
-        blocks = step * STEP_NB + lanes
-    else:
-        REPS: tl.constexpr = STEP_NB // RUN_LANES
-        blocks = (lanes % RUN_LANES) * (STEPS * REPS) + step * REPS + lanes // RUN_LANES
-    return blocks
-
-
-@triton.jit
-def _stream_row_keys(keys, row_ptr, first_column, stride_col, readable, STEPS: tl.constexpr,
-                     STEP_NB: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr,
-                     UNIT_STRIDE: tl.constexpr, RUN_LANES: tl.constexpr):
-    """``keys [STEPS, STEP_NB]`` with the block keys of the row's readable blocks. The next step's loads
-    are issued before the current step is reduced (two steps of logits in registers), so they are in
-    flight across the step's layout-conversion barrier (run 6: -4% against loading after the reduce)."""
+def _stream_row_images(images, row_ptr, first_column, stride_col, readable, STEPS: tl.constexpr,
+                       STEP_NB: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr,
+                       UNIT_STRIDE: tl.constexpr):
+    """``images [STEPS, STEP_NB]`` (block ``s * STEP_NB + j`` at ``[s, j]``) with the block images of the
+    row's readable blocks. The next step's loads are issued before the current step is reduced (two steps
+    of logits in registers), so they are in flight across the step's layout-conversion barrier (run 6: -4%
+    against loading after the reduce)."""
     step_ids = tl.arange(0, STEPS)  # [STEPS]
     lanes = tl.arange(0, STEP_NB)  # [STEP_NB]
-    # Without RUN_LANES the ids are written out here: the committed kernel's SASS stays byte-identical.
-    first_blocks = lanes if RUN_LANES == 0 else _step_blocks(0, lanes, STEPS, STEP_NB, RUN_LANES)
-    values = _step_values(row_ptr, first_column, stride_col, first_blocks, readable, BLOCK_SIZE, BLOCK_J, UNIT_STRIDE)
+    values = _step_values(row_ptr, first_column, stride_col, lanes, readable, BLOCK_SIZE, BLOCK_J, UNIT_STRIDE)
     for s in tl.static_range(STEPS):
         if s + 1 < STEPS:
-            if RUN_LANES == 0:
-                next_blocks = (s + 1) * STEP_NB + lanes
-            else:
-                next_blocks = _step_blocks(s + 1, lanes, STEPS, STEP_NB, RUN_LANES)
-            following = _step_values(row_ptr, first_column, stride_col, next_blocks, readable, BLOCK_SIZE, BLOCK_J,
-                                     UNIT_STRIDE)
-        keys = tl.where(step_ids[:, None] == s, _max_keys(values)[None, :], keys)
+            following = _step_values(row_ptr, first_column, stride_col, (s + 1) * STEP_NB + lanes, readable,
+                                     BLOCK_SIZE, BLOCK_J, UNIT_STRIDE)
+        images = tl.where(step_ids[:, None] == s, _max_images(values)[None, :], images)
         if s + 1 < STEPS:
             values = following
-    return keys
-
-
-@triton.jit
-def _stream_row_keys_rolled(keys, row_ptr, first_column, stride_col, readable, STEPS: tl.constexpr,
-                            STEP_NB: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr,
-                            UNIT_STRIDE: tl.constexpr, RUN_LANES: tl.constexpr):
-    """``_stream_row_keys`` as a loop (one copy of the step's code instead of ``STEPS``): the same loads,
-    the next step's issued before the current one is reduced, the step's keys placed by a compare with
-    the loop's step. Why: the unrolled kernel is ~8K SASS instructions (~128 KiB), ~5K of them run
-    straight through once per row; if the SM's instruction cache does not keep them between rows, every
-    row waits on instruction fetches (the loop: ~5.2K instructions in all, ~7% more of them executed)."""
-    step_ids = tl.arange(0, STEPS)  # [STEPS]
-    lanes = tl.arange(0, STEP_NB)  # [STEP_NB]
-    values = _step_values(row_ptr, first_column, stride_col, _step_blocks(0, lanes, STEPS, STEP_NB, RUN_LANES),
-                          readable, BLOCK_SIZE, BLOCK_J, UNIT_STRIDE)
-    for s in range(STEPS - 1):
-        following = _step_values(row_ptr, first_column, stride_col,
-                                 _step_blocks(s + 1, lanes, STEPS, STEP_NB, RUN_LANES), readable, BLOCK_SIZE,
-                                 BLOCK_J, UNIT_STRIDE)
-        keys = tl.where(step_ids[:, None] == s, _max_keys(values)[None, :], keys)
-        values = following
-    return tl.where(step_ids[:, None] == STEPS - 1, _max_keys(values)[None, :], keys)
+    return images
 
 
 @triton.jit
@@ -366,23 +332,54 @@ def _add_pairs(a_first, a_second, b_first, b_second):
 
 
 @triton.jit
-def _key_value(key):
-    """The fp32 value whose order key is the int32 ``key`` (the map is an involution on the bits)."""
+def _image_value(image):
+    """The fp32 value whose order image is ``image`` (int64 in ``[1, 2**32)``)."""
+    key = image.to(tl.int32) ^ NONE  # the low 32 bits; topk's signed order key
     return (key ^ ((key >> 31) & KEY_MAX)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _probe(value, low, high):
-    """int64 order key of the fp32 ``value``, clamped into ``[low + 1, high - 1]`` (NaN lands on a bound)."""
+    """int64 order image of the fp32 ``value``, clamped into ``[low + 1, high - 1]`` (NaN lands on a bound)."""
     bits = value.to(tl.int32, bitcast=True)
-    key = (bits ^ ((bits >> 31) & KEY_MAX)).to(tl.int64)
-    return tl.minimum(tl.maximum(key, low + 1), high - 1)
+    image = (bits ^ ((bits >> 31) | NONE)).to(tl.uint32, bitcast=True).to(tl.int64)
+    return tl.minimum(tl.maximum(image, low + 1), high - 1)
+
+
+@triton.jit
+def _reach_pair(images, first, second, CARRY: tl.constexpr):
+    """int32 partial counts ``#(images >= first) + #(images >= second) * 2**16`` of the uint32 ``images``
+    (thresholds int64 scalars in ``[1, 2**32)``): summed over ``images`` they are the two packed counts.
+    ``CARRY`` 0: compare and select of a constant (a compare, a select and half an add per image and
+    threshold); 1 / 4: topk's ``_reaches_unsigned`` carry counts (PTX ``add.cc`` + ``addc``; 4 sums every 4
+    images of a thread in the asm: ~1.5 instructions per image and threshold; needs a multiple of 4 images
+    per thread)."""
+    first = first.to(tl.uint32)
+    second = second.to(tl.uint32)
+    if CARRY == 0:
+        return tl.where(images >= first, 1, 0) + tl.where(images >= second, 65536, 0)
+    return _reaches_unsigned(images, first, CARRY) + (_reaches_unsigned(images, second, CARRY) << 16)
+
+
+@triton.jit
+def _reach_accumulate(counts, images, threshold):
+    """``counts`` (int32, shaped as the uint32 ``images``) plus the carry counts of ``images >= threshold`` (an
+    int64 scalar in ``[1, 2**32)``; PTX ``add.cc`` + ``addc`` as topk's ``_reaches_unsigned``): the 4 carries of
+    every 4 images of a thread chained into the first of their 4 counts, the other 3 passed through (zeros from
+    the start stay zeros, which ptxas folds away): ~1.5 instructions per image, none to accumulate. Needs a
+    multiple of 4 images per thread; summed over all counts it is the count."""
+    negated = tl.broadcast_to(0 - threshold.to(tl.uint32), images.shape)  # 2**32 - threshold
+    return tl.inline_asm_elementwise(
+        "{ .reg .u32 d; add.cc.u32 d, $8, $12; addc.u32 $0, $4, 0; add.cc.u32 d, $9, $13; addc.u32 $0, $0, 0; "
+        "add.cc.u32 d, $10, $14; addc.u32 $0, $0, 0; add.cc.u32 d, $11, $15; addc.u32 $0, $0, 0; "
+        "mov.u32 $1, $5; mov.u32 $2, $6; mov.u32 $3, $7; }",
+        "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r", [counts, images, negated], dtype=tl.int32, is_pure=True, pack=4)
 
 
 @triton.jit
 def _narrow(probe, count, k, low, low_count, high, high_count):
     """Bracket ``[low, high)`` (``#(>= low) = low_count >= k > high_count = #(>= high)``) narrowed by a
-    probe inside it reached by ``count`` keys."""
+    probe inside it reached by ``count`` images."""
     up = (count >= k) & (probe > low)
     down = (count < k) & (probe < high)
     return (tl.where(up, probe, low), tl.where(up, count, low_count), tl.where(down, probe, high),
@@ -390,24 +387,26 @@ def _narrow(probe, count, k, low, low_count, high, high_count):
 
 
 @triton.jit
-def _interpolation_round(keys, k, low, low_count, high, high_count):
-    """One round of ``_kth_largest_interpolated``: the bracket narrowed by four probes, each reached by
-    its count among ``keys``."""
-    low_value = _key_value(low.to(tl.int32))
-    high_value = _key_value((high - 1).to(tl.int32))
+def _round_probes(k, low, low_count, high, high_count):
+    """The four probes of one round of ``_kth_largest_interpolated`` (int64 images inside ``(low, high)``):
+    the interpolated position of the k-th image in value space (linear between the bracket's values, by the
+    counts) minus and plus a width, the bracket's midpoint in value space and its midpoint in image space."""
+    low_value = _image_value(low)
+    high_value = _image_value(high - 1)
     span = high_value - low_value
     in_bracket = (low_count - high_count).to(tl.float32)
     guess = low_value + span * ((low_count - k).to(tl.float32) / in_bracket)
-    width = span * (0.015625 + 0.5 / in_bracket)  # 1/64 of the bracket, or half a key's share of it
+    width = span * (0.015625 + 0.5 / in_bracket)  # 1/64 of the bracket, or half an image's share of it
     below = _probe(guess - width, low, high)
     above = _probe(guess + width, low, high)
     middle = _probe(low_value + span * 0.5, low, high)
-    halving = low + (high - low) // 2
-    # Selects of constants (1 and 2**16) keep it to a compare, a select and half an add per key and probe.
-    first, second = tl.reduce(
-        (tl.where(keys >= below.to(tl.int32), 1, 0) + tl.where(keys >= above.to(tl.int32), 65536, 0),
-         tl.where(keys >= middle.to(tl.int32), 1, 0) + tl.where(keys >= halving.to(tl.int32), 65536, 0)),
-        0, _add_pairs)
+    return below, above, middle, low + (high - low) // 2
+
+
+@triton.jit
+def _narrow_by_probes(below, above, middle, halving, first, second, k, low, low_count, high, high_count):
+    """The bracket narrowed by the four probes reached by the packed counts ``first`` (``below`` and ``above``)
+    and ``second`` (``middle`` and ``halving``)."""
     low, low_count, high, high_count = _narrow(below, first & LOW_FIELD, k, low, low_count, high, high_count)
     low, low_count, high, high_count = _narrow(above, first >> 16, k, low, low_count, high, high_count)
     low, low_count, high, high_count = _narrow(middle, second & LOW_FIELD, k, low, low_count, high, high_count)
@@ -416,24 +415,42 @@ def _interpolation_round(keys, k, low, low_count, high, high_count):
 
 
 @triton.jit
-def _kth_largest_interpolated(keys, k, selectable):
-    """A ``t`` that is the k-th largest of the 1-D int32 ``keys`` (fewer than 32768, ``selectable > k >= 1``
-    of them other than ``NONE``) or that exactly k keys reach; either gives the same selection.
+def _kth_largest_interpolated(images, k, selectable, CARRY: tl.constexpr):
+    """A uint32 ``t`` that is the k-th largest of the 1-D uint32 ``images`` (fewer than 32768, ``selectable >
+    k >= 1`` of them other than 0) or that exactly k images reach; either gives the same selection.
 
-    Keeps a bracket ``[low, high)`` with ``#(keys >= low) >= k > #(keys >= high)`` and counts four
-    probes inside it per round (two packed int32 sums, one block reduction): the interpolated
-    position of the k-th key in value space (linear between the bracket's values, by the counts)
-    minus and plus a width, the bracket's midpoint in value space, and its midpoint in key space,
-    which at least halves the bracket every round (at most 32 rounds whatever the data; 4-10 on the
-    bench data against 10-13 for topk's two bits a round, run 6: -12%). Ends when
-    ``#(keys >= low) == k`` or the bracket is one key wide (then ``low`` is the k-th largest)."""
-    low = tl.min(tl.where(keys != NONE, keys, KEY_MAX), axis=0).to(tl.int64)
-    high = tl.max(keys, axis=0).to(tl.int64) + 1
+    Keeps a bracket ``[low, high)`` with ``#(images >= low) >= k > #(images >= high)`` and counts four probes
+    inside it per round (``_round_probes``; two packed int32 sums, one block reduction, ``_reach_pair`` with
+    ``CARRY``). The image-space midpoint at least halves the bracket every round (at most 32 rounds whatever
+    the data; 4-10 on the bench data against 10-13 for topk's two bits a round, run 6: -12%). Ends when
+    ``#(images >= low) == k`` or the bracket is one image wide (then ``low`` is the k-th largest)."""
+    low = tl.min(tl.where(images != 0, images, tl.full([], 0xFFFFFFFF, tl.uint32)), axis=0).to(tl.int64)
+    high = tl.max(images, axis=0).to(tl.int64) + 1
     low_count = selectable
     high_count = selectable * 0
     while (low_count > k) & (high - low > 1):
-        low, low_count, high, high_count = _interpolation_round(keys, k, low, low_count, high, high_count)
-    return low.to(tl.int32)
+        below, above, middle, halving = _round_probes(k, low, low_count, high, high_count)
+        first, second = tl.reduce((_reach_pair(images, below, above, CARRY),
+                                   _reach_pair(images, middle, halving, CARRY)), 0, _add_pairs)
+        low, low_count, high, high_count = _narrow_by_probes(below, above, middle, halving, first, second, k, low,
+                                                             low_count, high, high_count)
+    return low.to(tl.uint32)
+
+
+@triton.jit
+def _threshold(images, num_blocks, num_blocks_k, CARRY: tl.constexpr):
+    """The uint32 image ``t`` of a row's selection over its (unpinned) ``images``: every block above ``t`` is
+    taken, then the first ``k - #(> t)`` equal to it in id order (0: take every selectable block; the image of
+    ``+inf``: only the pin, ``k == 1``)."""
+    selectable = tl.sum((images != 0).to(tl.int32), axis=0)
+    k_rest = num_blocks_k - (num_blocks > 0).to(tl.int32)
+    t = tl.zeros([], tl.uint32)
+    if selectable > k_rest:
+        if k_rest > 0:
+            t = _kth_largest_interpolated(images, k_rest, selectable, CARRY)
+        else:
+            t = tl.full([], INF_IMAGE, tl.uint32)
+    return t
 
 
 @triton.jit(do_not_specialize=["row_repeat", "num_blocks_k"])
@@ -441,80 +458,45 @@ def _fused_select_kernel(
     logits_ptr, starts_ptr, ends_ptr, out_ptr,
     row_repeat, num_blocks_k, stride_row, stride_col, out_stride_row, out_stride_col,
     HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr, STEPS: tl.constexpr,
-    STEP_NB: tl.constexpr, VECTOR: tl.constexpr, PAD_BLOCK: tl.constexpr, ROLLED: tl.constexpr,
-    RUN_LANES: tl.constexpr,
+    STEP_NB: tl.constexpr, VECTOR: tl.constexpr, PAD_BLOCK: tl.constexpr, CARRY: tl.constexpr,
 ):
-    """One program per row: stream the row, hold its ``STEPS * STEP_NB`` block keys in registers
-    (``[STEPS, STEP_NB]``, block ``_step_blocks(s, j)`` at ``[s, j]``), find the threshold and emit.
+    """One program per row: stream the row, hold its ``STEPS * STEP_NB`` block images in registers
+    (``[STEPS, STEP_NB]``, block ``s * STEP_NB + j`` at ``[s, j]``), find the threshold and emit.
 
     The newest block is never read (its score is pinned): the search runs over the other blocks for
     ``k - 1`` places, which gives the same threshold as searching all blocks with the pin for ``k`` (the
-    pin holds the largest key, ``+inf``'s; removing one copy of the maximum shifts every rank by one),
-    and keeps the pin's key out of the searched range (a narrower starting bracket). ``VECTOR`` (unit
+    pin holds the largest image, ``+inf``'s; removing one copy of the maximum shifts every rank by one),
+    and keeps the pin's image out of the searched range (a narrower starting bracket). ``VECTOR`` (unit
     column stride): rows whose start is a multiple of 4 load from a base the compiler knows to be
-    4-aligned (16-byte loads). ``ROLLED``: the steps run as a loop (``_stream_row_keys_rolled``).
+    4-aligned (16-byte loads). ``CARRY``: the search's counting (``_reach_pair``).
 
-    ``RUN_LANES`` (0: off; else the program's thread count, capped at ``STEP_NB``): the keys' layout gives
-    thread ``j % RUN_LANES`` the slots ``[s, j]`` of every step; with ``step * STEP_NB + j`` ids each thread
-    holds ``STEPS * STEP_NB / RUN_LANES`` separate runs of one id, and the emit's prefix sum over the
-    flattened keys costs a warp scan and a cross-warp exchange per run (~3K of the ~8K SASS instructions
-    per thread). With ``_step_blocks``' run ids the same registers, viewed as ``[RUN_LANES, run]``, are one
-    run of consecutive ids per thread: an in-thread scan plus one scan of the per-thread totals. Each warp
-    load then covers 16 blocks 1 KiB apart (whole 32-byte sectors; every line still read within one step)."""
+    The emit's prefix sum runs over the flattened images, in which each thread holds ``NB / threads``
+    separate runs of one id: a warp scan and a cross-warp exchange per run (~3K of the ~8K SASS
+    instructions per thread; session 5's one-run-per-thread layout cut that but lost on the loads)."""
     row = tl.program_id(0).to(tl.int64)
     start, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS)
     num_blocks = ((length + BLOCK_SIZE - 1) // BLOCK_SIZE).to(tl.int32)
     readable = num_blocks - 1  # every block but the pinned newest one
     row_ptr = logits_ptr + row * stride_row
-    keys = tl.full([STEPS, STEP_NB], NONE, tl.int32)
+    images = tl.zeros([STEPS, STEP_NB], tl.uint32)
     if VECTOR and (start % 4 == 0):
         aligned_start = (start // 4) * 4  # == start; the product tells the compiler it is 4-aligned
-        if ROLLED:
-            keys = _stream_row_keys_rolled(keys, row_ptr, aligned_start, 1, readable, STEPS, STEP_NB, BLOCK_SIZE,
-                                           BLOCK_J, True, RUN_LANES)
-        else:
-            keys = _stream_row_keys(keys, row_ptr, aligned_start, 1, readable, STEPS, STEP_NB, BLOCK_SIZE,
-                                    BLOCK_J, True, RUN_LANES)
+        images = _stream_row_images(images, row_ptr, aligned_start, 1, readable, STEPS, STEP_NB, BLOCK_SIZE,
+                                    BLOCK_J, True)
     else:
-        if ROLLED:
-            keys = _stream_row_keys_rolled(keys, row_ptr, start, stride_col, readable, STEPS, STEP_NB, BLOCK_SIZE,
-                                           BLOCK_J, False, RUN_LANES)
-        else:
-            keys = _stream_row_keys(keys, row_ptr, start, stride_col, readable, STEPS, STEP_NB, BLOCK_SIZE,
-                                    BLOCK_J, False, RUN_LANES)
-    step_keys = keys  # [STEPS, STEP_NB]
-    # Row-major flattening (free: [s, j] and s * STEP_NB + j share a thread) keeps block-id order without
-    # RUN_LANES; the search does not depend on the order.
-    keys = tl.reshape(keys, [STEPS * STEP_NB])  # [NB]
+        images = _stream_row_images(images, row_ptr, start, stride_col, readable, STEPS, STEP_NB, BLOCK_SIZE,
+                                    BLOCK_J, False)
+    # Row-major flattening (free: [s, j] and s * STEP_NB + j share a thread) keeps block-id order.
+    images = tl.reshape(images, [STEPS * STEP_NB])  # [NB]
     block_ids = tl.arange(0, STEPS * STEP_NB)  # [NB]
-    # Threshold t: every key > t is taken, then the first (k - #(> t)) keys == t in id order.
-    selectable = tl.sum((keys != NONE).to(tl.int32), axis=0)
-    k_rest = num_blocks_k - (num_blocks > 0).to(tl.int32)
-    t = num_blocks_k * 0 + NONE
-    if selectable > k_rest:
-        if k_rest > 0:
-            t = _kth_largest_interpolated(keys, k_rest, selectable)
-        else:
-            t = num_blocks_k * 0 + INF_BITS
-    if RUN_LANES > 0:
-        RUN: tl.constexpr = STEPS * STEP_NB // RUN_LANES
-        # [s, rep * RUN_LANES + lane] -> [lane, s * REPS + rep]: block lane * RUN + column, same registers.
-        keys = tl.reshape(tl.permute(tl.reshape(step_keys, [STEPS, STEP_NB // RUN_LANES, RUN_LANES]), [2, 0, 1]),
-                          [RUN_LANES, RUN])
-        block_ids = tl.arange(0, RUN_LANES)[:, None] * RUN + tl.arange(0, RUN)[None, :]  # [RUN_LANES, RUN]
-    keys = tl.where(block_ids == num_blocks - 1, INF_BITS, keys)
-    greater = keys > t
-    equal = (keys == t) & (keys != NONE)
-    counts = greater.to(tl.int32) + (equal.to(tl.int32) << 16)  # [NB] or [RUN_LANES, RUN]: two 16-bit fields
-    if RUN_LANES > 0:
-        run_totals = tl.sum(counts, axis=1)  # [RUN_LANES]
-        earlier_runs = tl.cumsum(run_totals, axis=0) - run_totals  # [RUN_LANES] exclusive
-        prefix = tl.cumsum(counts, axis=1) + earlier_runs[:, None]  # inclusive, in block-id order
-        totals = tl.sum(run_totals, axis=0)
-    else:
-        prefix = tl.cumsum(counts, axis=0)  # inclusive, in block-id order
-        totals = tl.sum(counts, axis=0)
-    ties = tl.where(t == NONE, 0, num_blocks_k - (totals & LOW_FIELD))
+    t = _threshold(images, num_blocks, num_blocks_k, CARRY)
+    images = tl.where(block_ids == num_blocks - 1, INF_IMAGE, images)
+    greater = images > t
+    equal = (images == t) & (images != 0)
+    counts = greater.to(tl.int32) + (equal.to(tl.int32) << 16)  # [NB]: two 16-bit fields
+    prefix = tl.cumsum(counts, axis=0)  # inclusive, in block-id order
+    totals = tl.sum(counts, axis=0)
+    ties = tl.where(t == 0, 0, num_blocks_k - (totals & LOW_FIELD))
     greater_rank = prefix & LOW_FIELD
     equal_rank = prefix >> 16
     take = greater | (equal & (equal_rank <= ties))
@@ -525,91 +507,88 @@ def _fused_select_kernel(
 
 
 @triton.jit
-def _scratch_probe_counts(keys_row, first_probe, second_probe, third_probe, fourth_probe, NB: tl.constexpr,
-                          CHUNK: tl.constexpr):
-    """Two packed int32 counts over the NB keys at ``keys_row``, read in chunks of CHUNK: ``#(>= first) +
-    #(>= second) * 2**16`` and the same for the third and fourth probes (int32 scalars)."""
+def _load_images(keys_row, block_ids):
+    """uint32 images at ``keys_row + block_ids`` (the scratch is int32)."""
+    return tl.load(keys_row + block_ids).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _scratch_probe_counts(keys_row, below, above, middle, halving, NB: tl.constexpr, CHUNK: tl.constexpr,
+                          CARRY: tl.constexpr):
+    """Two packed int32 counts over the NB images at ``keys_row``, read in chunks of CHUNK: ``#(>= below) +
+    #(>= above) * 2**16`` and the same for ``middle`` and ``halving`` (``_reach_pair`` with ``CARRY``)."""
     lanes = tl.arange(0, CHUNK)  # [CHUNK]
     first = tl.zeros([CHUNK], tl.int32)
     second = tl.zeros([CHUNK], tl.int32)
-    for c in range(NB // CHUNK):  # a loop: one chunk of keys in registers at a time
-        keys = tl.load(keys_row + c * CHUNK + lanes)  # [CHUNK]
-        first += tl.where(keys >= first_probe, 1, 0) + tl.where(keys >= second_probe, 65536, 0)
-        second += tl.where(keys >= third_probe, 1, 0) + tl.where(keys >= fourth_probe, 65536, 0)
+    if CARRY == 4:
+        # One count per probe, chained through the asm (no per-chunk packing); unrolled (the compiler keeps the
+        # asm's loop rolled): the loads hoisted over the counting.
+        reach_below = tl.zeros([CHUNK], tl.int32)
+        reach_above = tl.zeros([CHUNK], tl.int32)
+        reach_middle = tl.zeros([CHUNK], tl.int32)
+        reach_halving = tl.zeros([CHUNK], tl.int32)
+        for c in tl.static_range(NB // CHUNK):
+            images = _load_images(keys_row, c * CHUNK + lanes)  # [CHUNK]
+            reach_below = _reach_accumulate(reach_below, images, below)
+            reach_above = _reach_accumulate(reach_above, images, above)
+            reach_middle = _reach_accumulate(reach_middle, images, middle)
+            reach_halving = _reach_accumulate(reach_halving, images, halving)
+        first = reach_below + (reach_above << 16)
+        second = reach_middle + (reach_halving << 16)
+    elif CARRY == 1:
+        for c in tl.static_range(NB // CHUNK):
+            images = _load_images(keys_row, c * CHUNK + lanes)  # [CHUNK]
+            first += _reach_pair(images, below, above, CARRY)
+            second += _reach_pair(images, middle, halving, CARRY)
+    else:
+        for c in range(NB // CHUNK):  # unrolled by the compiler (static_range: spills at 80 registers)
+            images = _load_images(keys_row, c * CHUNK + lanes)  # [CHUNK]
+            first += _reach_pair(images, below, above, CARRY)
+            second += _reach_pair(images, middle, halving, CARRY)
     return tl.reduce((first, second), 0, _add_pairs)
 
 
 @triton.jit
-def _kth_largest_in_scratch(keys_row, k, selectable, low, high, NB: tl.constexpr, CHUNK: tl.constexpr):
-    """``_kth_largest_interpolated`` over the NB keys at ``keys_row`` (re-read every round, chunk by chunk,
-    from L1 after the first round: the keys never sit in registers); ``low`` / ``high`` (int64) are the
-    smallest key other than ``NONE`` and the largest key plus one. Same probes, same result."""
+def _kth_largest_in_scratch(keys_row, k, selectable, low, high, NB: tl.constexpr, CHUNK: tl.constexpr,
+                            CARRY: tl.constexpr):
+    """``_kth_largest_interpolated`` over the NB images at ``keys_row`` (re-read every round, chunk by chunk,
+    from L1 after the first round: the images never sit in registers); ``low`` / ``high`` (int64) are the
+    smallest image other than 0 and the largest image plus one. Same probes, same result."""
     low_count = selectable
     high_count = selectable * 0
     while (low_count > k) & (high - low > 1):
-        low_value = _key_value(low.to(tl.int32))
-        high_value = _key_value((high - 1).to(tl.int32))
-        span = high_value - low_value
-        in_bracket = (low_count - high_count).to(tl.float32)
-        guess = low_value + span * ((low_count - k).to(tl.float32) / in_bracket)
-        width = span * (0.015625 + 0.5 / in_bracket)
-        below = _probe(guess - width, low, high)
-        above = _probe(guess + width, low, high)
-        middle = _probe(low_value + span * 0.5, low, high)
-        halving = low + (high - low) // 2
-        first, second = _scratch_probe_counts(keys_row, below.to(tl.int32), above.to(tl.int32), middle.to(tl.int32),
-                                              halving.to(tl.int32), NB, CHUNK)
-        low, low_count, high, high_count = _narrow(below, first & LOW_FIELD, k, low, low_count, high, high_count)
-        low, low_count, high, high_count = _narrow(above, first >> 16, k, low, low_count, high, high_count)
-        low, low_count, high, high_count = _narrow(middle, second & LOW_FIELD, k, low, low_count, high, high_count)
-        low, low_count, high, high_count = _narrow(halving, second >> 16, k, low, low_count, high, high_count)
-    return low.to(tl.int32)
+        below, above, middle, halving = _round_probes(k, low, low_count, high, high_count)
+        first, second = _scratch_probe_counts(keys_row, below, above, middle, halving, NB, CHUNK, CARRY)
+        low, low_count, high, high_count = _narrow_by_probes(below, above, middle, halving, first, second, k, low,
+                                                             low_count, high, high_count)
+    return low.to(tl.uint32)
 
 
 @triton.jit
-def _emit_counts(keys, block_ids, t, num_blocks):
-    """Packed ``greater + equal * 2**16`` flags of ``keys`` against the threshold ``t``, the pinned newest
-    block (``num_blocks - 1``) given the key of ``+inf``."""
-    keys = tl.where(block_ids == num_blocks - 1, INF_BITS, keys)
-    return (keys > t).to(tl.int32) + (((keys == t) & (keys != NONE)).to(tl.int32) << 16)
+def _emit_counts(images, block_ids, t, num_blocks):
+    """Packed ``greater + equal * 2**16`` flags of ``images`` against the threshold ``t``, the pinned newest
+    block (``num_blocks - 1``) given the image of ``+inf``."""
+    images = tl.where(block_ids == num_blocks - 1, INF_IMAGE, images)
+    return (images > t).to(tl.int32) + (((images == t) & (images != 0)).to(tl.int32) << 16)
 
 
 @triton.jit
-def _select_from_scratch(keys_row, num_blocks, num_blocks_k, out_row, out_stride_col, NB: tl.constexpr,
-                         CHUNK: tl.constexpr, LANES: tl.constexpr, PAD_BLOCK: tl.constexpr):
-    """The selection of ``_split_select_kernel`` with ``SELECT_CHUNK``: the row's NB keys read in chunks of
-    CHUNK (``[LANES, CHUNK // LANES]`` for the emit, one run of ids per row of the tensor) by every pass (bounds,
-    search rounds, totals, emit), so the selecting program needs no more registers than a streaming one."""
-    lanes = tl.arange(0, CHUNK)  # [CHUNK]
-    present = tl.zeros([CHUNK], tl.int32)
-    lowest = tl.full([CHUNK], KEY_MAX, tl.int32)
-    highest = tl.full([CHUNK], NONE, tl.int32)
-    for c in range(NB // CHUNK):  # a loop: one chunk of keys in registers at a time
-        keys = tl.load(keys_row + c * CHUNK + lanes)  # [CHUNK]
-        present += (keys != NONE).to(tl.int32)
-        lowest = tl.minimum(lowest, tl.where(keys != NONE, keys, KEY_MAX))
-        highest = tl.maximum(highest, keys)
-    selectable = tl.sum(present, axis=0)
-    k_rest = num_blocks_k - (num_blocks > 0).to(tl.int32)
-    t = num_blocks_k * 0 + NONE
-    if selectable > k_rest:
-        if k_rest > 0:
-            t = _kth_largest_in_scratch(keys_row, k_rest, selectable, tl.min(lowest, axis=0).to(tl.int64),
-                                        tl.max(highest, axis=0).to(tl.int64) + 1, NB, CHUNK)
-        else:
-            t = num_blocks_k * 0 + INF_BITS
+def _emit_per_chunk(keys_row, t, num_blocks, num_blocks_k, out_row, out_stride_col, NB: tl.constexpr,
+                    CHUNK: tl.constexpr, LANES: tl.constexpr, PAD_BLOCK: tl.constexpr):
+    """The emit of ``_select_from_scratch``: a pass for the totals, then per chunk (``[LANES, CHUNK // LANES]``,
+    one run of ids per row of the tensor) a scan within each run plus one scan of the run totals."""
     RUN: tl.constexpr = CHUNK // LANES
     chunk_ids = tl.arange(0, LANES)[:, None] * RUN + tl.arange(0, RUN)[None, :]  # [LANES, RUN]
     counted = tl.zeros([LANES, RUN], tl.int32)
-    for c in range(NB // CHUNK):  # a loop: one chunk of keys in registers at a time
+    for c in range(NB // CHUNK):  # a loop: one chunk of images in registers at a time
         block_ids = c * CHUNK + chunk_ids
-        counted += _emit_counts(tl.load(keys_row + block_ids), block_ids, t, num_blocks)
+        counted += _emit_counts(_load_images(keys_row, block_ids), block_ids, t, num_blocks)
     totals = tl.sum(tl.sum(counted, axis=1), axis=0)
-    ties = tl.where(t == NONE, 0, num_blocks_k - (totals & LOW_FIELD))
+    ties = tl.where(t == 0, 0, num_blocks_k - (totals & LOW_FIELD))
     before = totals * 0  # packed counts of the earlier chunks
-    for c in range(NB // CHUNK):  # a loop: one chunk of keys in registers at a time
+    for c in range(NB // CHUNK):  # a loop: one chunk of images in registers at a time
         block_ids = c * CHUNK + chunk_ids
-        counts = _emit_counts(tl.load(keys_row + block_ids), block_ids, t, num_blocks)  # [LANES, RUN]
+        counts = _emit_counts(_load_images(keys_row, block_ids), block_ids, t, num_blocks)  # [LANES, RUN]
         run_totals = tl.sum(counts, axis=1)  # [LANES]
         earlier_runs = tl.cumsum(run_totals, axis=0) - run_totals + before  # [LANES] exclusive
         prefix = tl.cumsum(counts, axis=1) + earlier_runs[:, None]  # inclusive, in block-id order
@@ -622,12 +601,86 @@ def _select_from_scratch(keys_row, num_blocks, num_blocks_k, out_row, out_stride
 
 
 @triton.jit
-def _stream_piece_keys(keys_row, row_ptr, first_column, stride_col, readable, first_block, STEPS: tl.constexpr,
-                       STEP_NB: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr,
-                       UNIT_STRIDE: tl.constexpr):
-    """Stores the block keys of blocks ``[first_block, first_block + STEPS * STEP_NB)`` of one row at
-    ``keys_row + block`` (``NONE`` past ``readable``), the next step's loads issued before the current
-    step is reduced."""
+def _emit_prescanned(keys_row, t, num_blocks, num_blocks_k, out_row, out_stride_col, NB: tl.constexpr,
+                     CHUNK: tl.constexpr, LANES: tl.constexpr, PAD_BLOCK: tl.constexpr):
+    """The emit of ``_select_from_scratch`` in two passes over the NB images at ``keys_row``, as ``[LANES,
+    RUN]`` chunks (``RUN = CHUNK // LANES`` consecutive ids per row of the tensor; with RUN 4 a row is one 16-byte
+    load of one thread). The first pass keeps every run's packed count (``[LANES, CHUNKS]``, run ``lane`` of chunk
+    ``c`` at ``[lane, c]``) and one scan gives every run's offset; the second pass then ranks within each run and
+    stores, with no cross-thread exchange per chunk. sm_90a SASS at the bench shape, per thread: ~220 instructions
+    a chunk plus ~1.2K once and ~10 barriers in all, against ``_emit_per_chunk``'s ~440 a chunk (its totals pass
+    included) and 13 barriers a chunk. Both passes are loops: unrolled, the compiler hoists every chunk's loads and
+    spills at 80 registers."""
+    RUN: tl.constexpr = CHUNK // LANES
+    CHUNKS: tl.constexpr = NB // CHUNK
+    # At least RUN columns (the extra ones stay 0): fewer put copies of a column in one thread, on which Triton
+    # 3.6's scan lowering asserts.
+    COLUMNS: tl.constexpr = CHUNKS if CHUNKS >= RUN else RUN
+    run_ids = tl.arange(0, LANES)[:, None] * RUN + tl.arange(0, RUN)[None, :]  # [LANES, RUN]
+    chunk_columns = tl.arange(0, COLUMNS)[None, :]  # [1, COLUMNS]
+    run_counts = tl.zeros([LANES, COLUMNS], tl.int32)
+    for c in range(CHUNKS):  # a loop: one chunk of images in registers at a time
+        block_ids = c * CHUNK + run_ids
+        counts = _emit_counts(_load_images(keys_row, block_ids), block_ids, t, num_blocks)  # [LANES, RUN]
+        run_counts = tl.where(chunk_columns == c, tl.sum(counts, axis=1)[:, None], run_counts)
+    chunk_counts = tl.sum(run_counts, axis=0)  # [COLUMNS]
+    totals = tl.sum(chunk_counts, axis=0)
+    earlier_chunks = tl.cumsum(chunk_counts, axis=0) - chunk_counts  # [COLUMNS] exclusive
+    earlier = tl.cumsum(run_counts, axis=0) - run_counts + earlier_chunks[None, :]  # [LANES, COLUMNS] exclusive
+    ties = tl.where(t == 0, 0, num_blocks_k - (totals & LOW_FIELD))
+    for c in range(CHUNKS):  # a loop: one chunk of images in registers at a time
+        block_ids = c * CHUNK + run_ids
+        counts = _emit_counts(_load_images(keys_row, block_ids), block_ids, t, num_blocks)  # [LANES, RUN]
+        run_offset = tl.sum(tl.where(chunk_columns == c, earlier, 0), axis=1)  # [LANES]: column c
+        prefix = tl.cumsum(counts, axis=1) + run_offset[:, None]  # inclusive, in block-id order
+        equal_rank = prefix >> 16
+        take = ((counts & LOW_FIELD) != 0) | (((counts >> 16) != 0) & (equal_rank <= ties))
+        position = (prefix & LOW_FIELD) + tl.minimum(equal_rank, ties) - 1
+        tl.store(out_row + position.to(tl.int64) * out_stride_col, block_ids, mask=take)
+    _pad_after_taken(out_row, out_stride_col, totals, ties, num_blocks_k, PAD_BLOCK)
+
+
+@triton.jit
+def _select_from_scratch(keys_row, num_blocks, num_blocks_k, out_row, out_stride_col, NB: tl.constexpr,
+                         CHUNK: tl.constexpr, LANES: tl.constexpr, PAD_BLOCK: tl.constexpr, CARRY: tl.constexpr,
+                         PRESCAN: tl.constexpr):
+    """The selection of ``_split_select_kernel``: the row's NB images read in chunks of CHUNK (``[LANES, CHUNK
+    // LANES]`` for the emit, one run of ids per row of the tensor) by every pass (bounds, search rounds, totals,
+    emit), so the selecting program needs no more registers than a streaming one. ``PRESCAN``: the emit of
+    ``_emit_prescanned`` instead of a scan per chunk."""
+    lanes = tl.arange(0, CHUNK)  # [CHUNK]
+    present = tl.zeros([CHUNK], tl.int32)
+    lowest = tl.full([CHUNK], 0xFFFFFFFF, tl.uint32)
+    highest = tl.zeros([CHUNK], tl.uint32)
+    for c in range(NB // CHUNK):  # a loop: one chunk of images in registers at a time
+        images = _load_images(keys_row, c * CHUNK + lanes)  # [CHUNK]
+        present += (images != 0).to(tl.int32)
+        lowest = tl.minimum(lowest, tl.where(images != 0, images, 0xFFFFFFFF))
+        highest = tl.maximum(highest, images)
+    selectable = tl.sum(present, axis=0)
+    k_rest = num_blocks_k - (num_blocks > 0).to(tl.int32)
+    t = tl.zeros([], tl.uint32)
+    if selectable > k_rest:
+        if k_rest > 0:
+            t = _kth_largest_in_scratch(keys_row, k_rest, selectable, tl.min(lowest, axis=0).to(tl.int64),
+                                        tl.max(highest, axis=0).to(tl.int64) + 1, NB, CHUNK, CARRY)
+        else:
+            t = tl.full([], INF_IMAGE, tl.uint32)
+    if PRESCAN:
+        _emit_prescanned(keys_row, t, num_blocks, num_blocks_k, out_row, out_stride_col, NB, CHUNK, LANES,
+                         PAD_BLOCK)
+    else:
+        _emit_per_chunk(keys_row, t, num_blocks, num_blocks_k, out_row, out_stride_col, NB, CHUNK, LANES,
+                        PAD_BLOCK)
+
+
+@triton.jit
+def _stream_piece_images(keys_row, row_ptr, first_column, stride_col, readable, first_block, STEPS: tl.constexpr,
+                         STEP_NB: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr,
+                         UNIT_STRIDE: tl.constexpr):
+    """Stores the block images of blocks ``[first_block, first_block + STEPS * STEP_NB)`` of one row at
+    ``keys_row + block`` (0 past ``readable``), the next step's loads issued before the current step is
+    reduced."""
     lanes = tl.arange(0, STEP_NB)  # [STEP_NB]
     values = _step_values(row_ptr, first_column, stride_col, first_block + lanes, readable, BLOCK_SIZE, BLOCK_J,
                           UNIT_STRIDE)
@@ -635,7 +688,7 @@ def _stream_piece_keys(keys_row, row_ptr, first_column, stride_col, readable, fi
         if s + 1 < STEPS:
             following = _step_values(row_ptr, first_column, stride_col, first_block + (s + 1) * STEP_NB + lanes,
                                      readable, BLOCK_SIZE, BLOCK_J, UNIT_STRIDE)
-        tl.store(keys_row + first_block + s * STEP_NB + lanes, _max_keys(values))
+        tl.store(keys_row + first_block + s * STEP_NB + lanes, _max_images(values).to(tl.int32, bitcast=True))
         if s + 1 < STEPS:
             values = following
 
@@ -646,22 +699,17 @@ def _split_select_kernel(
     row_repeat, num_blocks_k, stride_row, stride_col, out_stride_row, out_stride_col,
     HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr, STEPS: tl.constexpr,
     STEP_NB: tl.constexpr, PIECES: tl.constexpr, LANES: tl.constexpr, VECTOR: tl.constexpr,
-    PAD_BLOCK: tl.constexpr, SELECT_CHUNK: tl.constexpr,
+    PAD_BLOCK: tl.constexpr, SELECT_CHUNK: tl.constexpr, CARRY: tl.constexpr, PRESCAN: tl.constexpr,
 ):
     """``PIECES`` programs per row (program ``row * PIECES + piece``): each streams blocks ``[piece * NB /
     PIECES, (piece + 1) * NB / PIECES)`` of its row (``STEPS`` steps of ``STEP_NB`` blocks) into the row's
-    scratch keys ``keys_ptr + row * NB`` (int32 [R, NB], ``NB = PIECES * STEPS * STEP_NB``; the pinned
-    newest block and blocks past the row get ``NONE``), then arrives on ``arrivals[row]`` (acq_rel, zero at
-    launch). The last program to arrive reads the row's NB keys back (``.cg``: from L2, written moments
-    ago) as ``[LANES, NB // LANES]``, block ``lane * RUN + column`` (one run of consecutive ids per row of the
-    tensor), and selects as ``_fused_select_kernel``: the search over the flattened keys (order-free),
-    then the emit as a scan within each run plus one scan of the run totals. Why: the selection of one row
-    overlaps the streaming of the later rows on the other SMs, instead of one program per row doing both
-    one after the other (run 6: ~39 µs a row, 4 rows per SM).
-
-    ``SELECT_CHUNK`` (> 0): the last arriver never holds the keys in registers: every pass of the selection
-    re-reads them in chunks of SELECT_CHUNK (``_select_from_scratch``; L1 hits after the first), so the kernel's
-    registers are the streaming's and several programs fit per SM (a selecting one beside streaming ones)."""
+    scratch images ``keys_ptr + row * NB`` (int32 [R, NB], ``NB = PIECES * STEPS * STEP_NB``; the pinned
+    newest block and blocks past the row get 0), then arrives on ``arrivals[row]`` (acq_rel, zero at
+    launch). The last program to arrive selects the row (``_select_from_scratch``): every pass of the
+    selection re-reads the images in chunks of SELECT_CHUNK (L1 hits after the first), so the kernel's
+    registers are the streaming's and several programs fit per SM (a selecting one beside streaming ones).
+    Why: the selection of one row overlaps the streaming of the later rows on the other SMs, instead of one
+    program per row doing both one after the other (run 6: ~39 µs a row, 4 rows per SM)."""
     program = tl.program_id(0)
     row = (program // PIECES).to(tl.int64)
     piece = program % PIECES
@@ -674,42 +722,16 @@ def _split_select_kernel(
     first_block = piece * (STEPS * STEP_NB)
     if VECTOR and (start % 4 == 0):
         aligned_start = (start // 4) * 4  # == start; the product tells the compiler it is 4-aligned
-        _stream_piece_keys(keys_row, row_ptr, aligned_start, 1, readable, first_block, STEPS, STEP_NB, BLOCK_SIZE,
-                           BLOCK_J, True)
+        _stream_piece_images(keys_row, row_ptr, aligned_start, 1, readable, first_block, STEPS, STEP_NB,
+                             BLOCK_SIZE, BLOCK_J, True)
     else:
-        _stream_piece_keys(keys_row, row_ptr, start, stride_col, readable, first_block, STEPS, STEP_NB, BLOCK_SIZE,
-                           BLOCK_J, False)
-    tl.debug_barrier()  # every thread's key stores precede the CTA's arrival (release)
+        _stream_piece_images(keys_row, row_ptr, start, stride_col, readable, first_block, STEPS, STEP_NB,
+                             BLOCK_SIZE, BLOCK_J, False)
+    tl.debug_barrier()  # every thread's image stores precede the CTA's arrival (release)
     arrived = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel", scope="gpu")
     if arrived == PIECES - 1:
-        if SELECT_CHUNK > 0:
-            _select_from_scratch(keys_row, num_blocks, num_blocks_k, out_ptr + row * out_stride_row, out_stride_col,
-                                 NB, SELECT_CHUNK, LANES, PAD_BLOCK)
-        else:
-            RUN: tl.constexpr = NB // LANES
-            block_ids = tl.arange(0, LANES)[:, None] * RUN + tl.arange(0, RUN)[None, :]  # [LANES, RUN]
-            keys = tl.load(keys_row + block_ids, cache_modifier=".cg")  # [LANES, RUN]
-            flat = tl.reshape(keys, [NB], can_reorder=True)  # the search does not depend on the order
-            selectable = tl.sum((flat != NONE).to(tl.int32), axis=0)
-            k_rest = num_blocks_k - (num_blocks > 0).to(tl.int32)
-            t = num_blocks_k * 0 + NONE
-            if selectable > k_rest:
-                if k_rest > 0:
-                    t = _kth_largest_interpolated(flat, k_rest, selectable)
-                else:
-                    t = num_blocks_k * 0 + INF_BITS
-            counts = _emit_counts(keys, block_ids, t, num_blocks)  # [LANES, RUN]
-            run_totals = tl.sum(counts, axis=1)  # [LANES]
-            earlier_runs = tl.cumsum(run_totals, axis=0) - run_totals  # [LANES] exclusive
-            prefix = tl.cumsum(counts, axis=1) + earlier_runs[:, None]  # inclusive, in block-id order
-            totals = tl.sum(run_totals, axis=0)
-            ties = tl.where(t == NONE, 0, num_blocks_k - (totals & LOW_FIELD))
-            equal_rank = prefix >> 16
-            take = ((counts & LOW_FIELD) != 0) | (((counts >> 16) != 0) & (equal_rank <= ties))
-            position = (prefix & LOW_FIELD) + tl.minimum(equal_rank, ties) - 1
-            out_row = out_ptr + row * out_stride_row
-            tl.store(out_row + position.to(tl.int64) * out_stride_col, block_ids, mask=take)
-            _pad_after_taken(out_row, out_stride_col, totals, ties, num_blocks_k, PAD_BLOCK)
+        _select_from_scratch(keys_row, num_blocks, num_blocks_k, out_ptr + row * out_stride_row, out_stride_col,
+                             NB, SELECT_CHUNK, LANES, PAD_BLOCK, CARRY, PRESCAN)
 
 
 @triton.jit(do_not_specialize=["row_repeat", "num_candidates"])
@@ -867,26 +889,36 @@ def select_from_keys(keys: torch.Tensor, starts: torch.Tensor | None, ends: torc
     return out
 
 
+def _carry_mode(carry: bool | None, elements: int, threads: int) -> int:
+    """``CARRY`` of the search's counting for ``elements`` images counted at once by ``threads`` threads: 0
+    (compare) when off or under Triton's CPU interpreter (it cannot run inline PTX; the counts are the same), 4
+    when every thread holds a multiple of 4 of them, else 1."""
+    if not (_CARRY_COUNTS if carry is None else carry) or os.environ.get("TRITON_INTERPRET") == "1":
+        return 0
+    return 4 if elements % (4 * threads) == 0 else 1
+
+
 def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.Tensor, num_blocks_k: int,
                  block_size: int, row_repeat: int, out: torch.Tensor, *, vector: bool | None = None,
-                 step: int = _FUSED_STEP, rolled: bool | None = None,
-                 thread_runs: bool | None = None, pieces: int | None = None,
+                 step: int = _FUSED_STEP, carry: bool | None = None, pieces: int | None = None,
                  piece_warps: int | None = None, piece_chunk: int | None = None,
-                 piece_max_registers: int | None = None, piece_step: int | None = None) -> torch.Tensor:
-    """One launch, one program of ``_FUSED_WARPS`` warps per row (``_fused_select_kernel``), rows of at
-    most ``_FUSED_MAX_BLOCKS`` blocks; ``step`` logits per streaming step; ``rolled`` (default
-    ``_FUSED_ROLLED``) streams the steps in a loop, ``thread_runs`` (default ``_FUSED_THREAD_RUNS``) gives
-    each thread one run of consecutive block ids (``RUN_LANES`` of the kernel). Needs
-    ``next_power_of_2(block_size) <= step`` (``select_candidate_blocks_triton`` checks it).
+                 piece_max_registers: int | None = None, piece_step: int | None = None,
+                 piece_prescan: bool | None = None) -> torch.Tensor:
+    """Rows of at most ``_FUSED_MAX_BLOCKS`` blocks in one launch. ``pieces`` (default: ``_SPLIT_PIECES`` from
+    ``_SPLIT_MIN_ROWS`` rows on, else 0) picks the kernel:
 
-    ``pieces`` (default ``_SPLIT_PIECES``; 0: off) runs ``_split_select_kernel`` instead: ``pieces`` programs
-    of ``piece_warps`` (default ``_SPLIT_WARPS``) warps per row (at most one per block), the last to finish
-    selecting (``piece_chunk``, default ``_SPLIT_CHUNK``: 0 holds the keys in registers, else they are re-read in
-    chunks of that many keys, capped at the row's; ``piece_max_registers``, default ``_SPLIT_MAX_REGISTERS``, is
-    ptxas' register cap; ``piece_step``, default ``_SPLIT_STEP``, the logits per streaming step instead of
-    ``step``); scratch keys ``[R, next_power_of_2(blocks)]`` and zeroed
-    arrival counters ``[R]`` are allocated per call (the zeroing is a memset in the same stream: CUDA-graph
-    capturable, no state across calls)."""
+    - 0: ``_fused_select_kernel``, one program of ``_FUSED_WARPS`` warps per row, ``step`` logits per streaming
+      step. Needs ``next_power_of_2(block_size) <= step`` (``select_candidate_blocks_triton`` checks it).
+    - > 0: ``_split_select_kernel``, ``pieces`` programs of ``piece_warps`` (default ``_SPLIT_WARPS``) warps per
+      row (at most one per block), the last to finish selecting with the images re-read in chunks of
+      ``piece_chunk`` (default ``_SPLIT_CHUNK``, capped at the row's); ``piece_max_registers`` (default
+      ``_SPLIT_MAX_REGISTERS``) is ptxas' register cap, ``piece_step`` (default ``_SPLIT_STEP``) the logits per
+      streaming step instead of ``step``; ``piece_prescan`` (default ``_SPLIT_PRESCAN``) emits with
+      ``_emit_prescanned`` (runs of 4 ids per row of the emit's tensor) instead of ``_emit_per_chunk``. Scratch
+      images ``[R, next_power_of_2(blocks)]`` and zeroed arrival counters ``[R]`` are allocated per call (the
+      zeroing is a memset in the same stream: CUDA-graph capturable, no state across calls).
+
+    ``carry`` (default ``_CARRY_COUNTS``): the search counts with carry chains (``_reach_pair``)."""
     num_rows, width = logits.shape
     max_blocks = triton.cdiv(width, block_size)
     padded_blocks = triton.next_power_of_2(max(max_blocks, 1))
@@ -896,11 +928,10 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
     if width == 0:
         return out.fill_(-1)
     vector = (_KEYS_VECTOR if vector is None else vector) and logits.stride(1) == 1
-    rolled = _FUSED_ROLLED if rolled is None else rolled
-    thread_runs = _FUSED_THREAD_RUNS if thread_runs is None else thread_runs
     starts_arg, has_starts = _bounds_args(starts, ends)
     block_j = triton.next_power_of_2(block_size)
-    pieces = _SPLIT_PIECES if pieces is None else pieces
+    if pieces is None:
+        pieces = _SPLIT_PIECES if num_rows >= _SPLIT_MIN_ROWS else 0
     if pieces:
         pieces = min(triton.next_power_of_2(pieces), padded_blocks)
         piece_blocks = padded_blocks // pieces
@@ -908,14 +939,17 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
         piece_step_blocks = min(max(1, piece_step // block_j), piece_blocks)
         warps = _SPLIT_WARPS if piece_warps is None else piece_warps
         chunk = min(_SPLIT_CHUNK if piece_chunk is None else piece_chunk, padded_blocks)
+        prescan = _SPLIT_PRESCAN if piece_prescan is None else piece_prescan
+        lanes = chunk // min(4, chunk) if prescan else min(chunk, 32 * warps)
         keys = torch.empty((num_rows, padded_blocks), dtype=torch.int32, device=logits.device)
         arrivals = torch.zeros((num_rows,), dtype=torch.int32, device=logits.device)
         _split_select_kernel[(num_rows * pieces,)](
             logits, starts_arg, ends, out, keys, arrivals,
             row_repeat, num_blocks_k, logits.stride(0), logits.stride(1), out.stride(0), out.stride(1),
             HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_J=block_j, STEPS=piece_blocks // piece_step_blocks,
-            STEP_NB=piece_step_blocks, PIECES=pieces, LANES=min(chunk or padded_blocks, 32 * warps), VECTOR=vector,
-            PAD_BLOCK=_PAD_BLOCK, SELECT_CHUNK=chunk, num_warps=warps,
+            STEP_NB=piece_step_blocks, PIECES=pieces, LANES=lanes, VECTOR=vector,
+            PAD_BLOCK=_PAD_BLOCK, SELECT_CHUNK=chunk, CARRY=_carry_mode(carry, chunk, 32 * warps), PRESCAN=prescan,
+            num_warps=warps,
             maxnreg=_SPLIT_MAX_REGISTERS if piece_max_registers is None else piece_max_registers,
         )
         return out
@@ -925,8 +959,7 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
         row_repeat, num_blocks_k, logits.stride(0), logits.stride(1), out.stride(0), out.stride(1),
         HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_J=block_j, STEPS=padded_blocks // step_blocks,
         STEP_NB=step_blocks, VECTOR=vector, PAD_BLOCK=_PAD_BLOCK,
-        ROLLED=rolled, RUN_LANES=min(step_blocks, 32 * _FUSED_WARPS) if thread_runs else 0,
-        num_warps=_FUSED_WARPS,
+        CARRY=_carry_mode(carry, padded_blocks, 32 * _FUSED_WARPS), num_warps=_FUSED_WARPS,
     )
     return out
 
@@ -944,29 +977,29 @@ def select_candidate_blocks_triton(
     keys_tile: int = _KEYS_TILE,
     fused: bool | None = None,
     fused_step: int = _FUSED_STEP,
-    fused_rolled: bool | None = None,
-    fused_thread_runs: bool | None = None,
+    fused_carry: bool | None = None,
     fused_pieces: int | None = None,
     fused_piece_warps: int | None = None,
     fused_piece_chunk: int | None = None,
     fused_piece_max_registers: int | None = None,
     fused_piece_step: int | None = None,
+    fused_piece_prescan: bool | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``select_candidate_blocks_reference``. ``fused`` (default ``_SELECT_FUSED``; only
     logits of at most ``_FUSED_MAX_BLOCKS`` blocks per row and blocks of at most ``fused_step``
-    positions, others take the two launches) runs ``select_fused`` with ``fused_step``, ``fused_rolled``,
-    ``fused_thread_runs`` and the split select's ``fused_pieces``, ``fused_piece_warps``, ``fused_piece_chunk``,
-    ``fused_piece_max_registers`` and ``fused_piece_step``; ``vector`` goes to whichever path runs, ``keys_tile``
-    to ``block_keys`` (two launches)."""
+    positions, others take the two launches) runs ``select_fused`` with ``fused_step``, ``fused_carry`` and
+    the split select's ``fused_pieces`` (0: one program per row; default by row count), ``fused_piece_warps``,
+    ``fused_piece_chunk``, ``fused_piece_max_registers``, ``fused_piece_step`` and ``fused_piece_prescan``;
+    ``vector`` goes to whichever path runs, ``keys_tile`` to ``block_keys`` (two launches)."""
     if out is None:
         out = torch.empty((logits.shape[0], num_blocks_k), dtype=torch.int32, device=logits.device)
     fused = _SELECT_FUSED if fused is None else fused
     padded_blocks = triton.next_power_of_2(max(triton.cdiv(logits.shape[1], block_size), 1))
     if fused and padded_blocks <= _FUSED_MAX_BLOCKS and triton.next_power_of_2(block_size) <= fused_step:
         return select_fused(logits, starts, ends, num_blocks_k, block_size, row_repeat, out, vector=vector,
-                            step=fused_step, rolled=fused_rolled, thread_runs=fused_thread_runs,
-                            pieces=fused_pieces, piece_warps=fused_piece_warps, piece_chunk=fused_piece_chunk,
-                            piece_max_registers=fused_piece_max_registers, piece_step=fused_piece_step)
+                            step=fused_step, carry=fused_carry, pieces=fused_pieces, piece_warps=fused_piece_warps,
+                            piece_chunk=fused_piece_chunk, piece_max_registers=fused_piece_max_registers,
+                            piece_step=fused_piece_step, piece_prescan=fused_piece_prescan)
     keys = block_keys(logits, starts, ends, block_size, row_repeat, vector=vector, tile=keys_tile)
     return select_from_keys(keys, starts, ends, num_blocks_k, block_size, row_repeat, out)
 
