@@ -5,7 +5,7 @@ path (group maxima, exact or early-stopped lower bound, candidate buffer in regi
 chunked emit with look-back), the streaming row programs (group maxima streamed in the program or from
 a launch of chunk programs, lower bound with and without the early stop, gather pieces with and without
 masks, candidates in registers and in memory, emit from the candidates or from the row; or gathered by
-a launch of one program per piece; the lower bound found by the maxima launch itself on both wide paths) and the
+a launch of one program per piece; each also with the searches on order images from known brackets) and the
 whole-row programs. GPU tests use the default tuning at realistic sizes, with each wide-row path forced in turn.
 """
 
@@ -53,14 +53,17 @@ PIECES = TopkConfig(row_block_max=16, row_program_rows=1, stream_tile=16, group_
                     gather_launch=True)
 PIECES_LOOSE = TopkConfig(row_block_max=16, row_program_rows=1, stream_tile=16, group_tile=16, candidate_block=8,
                           chunk=16, gather_launch=True, bound_slack=3.0)
-# The lower bound found by the maxima launch's last program per row (split path, with the candidate search stopped
-# early too; row programs with and without the gather launch: only in the lengths test, which repeats calls).
-SPLIT_FUSED = replace(SPLIT, fused_bound=True, split_early_threshold=True)
-WIDE = [SPLIT, SPLIT_LOOSE, SPLIT_EXACT, STREAM, STREAM_LOOSE, STREAM_SCALAR, PIECES, PIECES_LOOSE, SPLIT_FUSED]
+# The searches on order images (the interpreter compares them where the GPU takes carries) from the brackets the
+# candidates' search already knows (gather launch; split path), the split path without its lower-bound launch (every
+# candidates program finds the bound) and/or its emit launch (candidates in column order, emitted by the row's last
+# candidates program), with the exact and early bounds.
+LEAN = dict(carry_search=True, lean_search=True)
+WIDE = [SPLIT, SPLIT_LOOSE, SPLIT_EXACT, STREAM, STREAM_LOOSE, STREAM_SCALAR, PIECES, PIECES_LOOSE,
+        replace(PIECES_LOOSE, **LEAN), replace(SPLIT_EXACT, split_ordered_candidates=True),
+        replace(SPLIT_LOOSE, split_chunk_bound=True, **LEAN),
+        replace(SPLIT, split_chunk_bound=True, split_ordered_candidates=True, **LEAN)]
 WIDE_IDS = ["split", "split_loose", "split_exact", "stream", "stream_loose", "stream_scalar", "pieces", "pieces_loose",
-            "split_fused"]
-ROWS_FUSED = [replace(STREAM, fused_bound=True), replace(PIECES, fused_bound=True)]
-ROWS_FUSED_IDS = ["stream_fused", "pieces_fused"]
+            "pieces_lean", "split_ordered_exact", "split_chunk_lean", "split_chunk_ordered_lean"]
 GPU_SPLIT = TopkConfig(row_program_rows=1 << 30)
 GPU_STREAM = TopkConfig(row_program_rows=1)
 GPU_STREAM_IN_PROGRAM = TopkConfig(row_program_rows=1, maxima_launch=False)
@@ -70,14 +73,27 @@ GPU_PIECES = TopkConfig(row_program_rows=1, gather_launch=True)
 GPU_PIECES_W8 = TopkConfig(row_program_rows=1, gather_launch=True, stream_warps=8, stream_tile=4096)
 GPU_WIDE = [GPU_SPLIT, GPU_STREAM, GPU_STREAM_IN_PROGRAM, GPU_STREAM_V4, GPU_STREAM_W8, GPU_PIECES, GPU_PIECES_W8]
 GPU_WIDE_IDS = ["split", "stream", "stream_in_program", "stream_v4", "stream_w8", "pieces", "pieces_w8"]
-# Fused lower bound (`fused_bound`): the split path (also with the early candidate search and 8-warp chunk
-# programs), the default gather launch and plain row programs.
-GPU_WIDE += [replace(GPU_SPLIT, fused_bound=True), replace(GPU_SPLIT, split_early_threshold=True),
-             replace(GPU_SPLIT, fused_bound=True, split_early_threshold=True, split_warps=8),
-             replace(GPU_PIECES_W8, fused_bound=True), replace(GPU_PIECES_W8, fused_bound=True, split_warps=8),
-             replace(GPU_PIECES_W8, fused_bound=True, split_warps=16), replace(GPU_STREAM, fused_bound=True)]
-GPU_WIDE_IDS += ["split_fused", "split_early_t", "split_fused_early_t_w8", "pieces_w8_fused", "pieces_w8_fused_w8",
-                 "pieces_w8_fused_w16", "stream_fused"]
+# Carry-chain counts and lean candidate searches (each alone and both) on the split path (4 and 8 warps), the
+# default gather launch (8 warps, 4096-column pieces) and plain row programs (16 warps).
+GPU_SPLIT_W8 = replace(GPU_SPLIT, split_warps=8)
+# The split path without its lower-bound launch (`split_chunk_bound`), alone and with both, at 4 and 8 warps; the
+# gather launch capped at 128 registers (two programs per SM); the split path without its emit launch
+# (`split_ordered_candidates`), alone, with both, and without either launch at 4 and 8 warps.
+GPU_WIDE += [GPU_SPLIT_W8, replace(GPU_SPLIT, carry_search=True), replace(GPU_SPLIT, lean_search=True),
+             replace(GPU_SPLIT, **LEAN), replace(GPU_SPLIT_W8, **LEAN), replace(GPU_PIECES_W8, carry_search=True),
+             replace(GPU_PIECES_W8, lean_search=True), replace(GPU_PIECES_W8, **LEAN), replace(GPU_STREAM, **LEAN),
+             replace(GPU_SPLIT, split_chunk_bound=True), replace(GPU_SPLIT, split_chunk_bound=True, **LEAN),
+             replace(GPU_SPLIT_W8, split_chunk_bound=True, **LEAN),
+             replace(GPU_PIECES_W8, pieces_max_registers=128), replace(GPU_PIECES_W8, pieces_max_registers=128, **LEAN),
+             replace(GPU_SPLIT, split_ordered_candidates=True),
+             replace(GPU_SPLIT, split_ordered_candidates=True, **LEAN),
+             replace(GPU_SPLIT, split_chunk_bound=True, split_ordered_candidates=True, **LEAN),
+             replace(GPU_SPLIT_W8, split_chunk_bound=True, split_ordered_candidates=True, **LEAN)]
+GPU_WIDE_IDS += ["split_w8", "split_carry", "split_lean", "split_carry_lean", "split_w8_carry_lean",
+                 "pieces_w8_carry", "pieces_w8_lean", "pieces_w8_carry_lean", "stream_carry_lean",
+                 "split_chunk", "split_chunk_carry_lean", "split_w8_chunk_carry_lean", "pieces_w8_r128",
+                 "pieces_w8_carry_lean_r128", "split_ordered", "split_ordered_carry_lean",
+                 "split_chunk_ordered_carry_lean", "split_w8_chunk_ordered_carry_lean"]
 ROW = TopkConfig()  # whole rows: carry counts, plateau check every 16 bits
 ONE_ROW = TopkConfig(row_elements=16)  # one row per whole-row program
 # One launch per tile (64/32/16 columns): one row of 64 per program, two rows of 32 / four of 16 (packed),
@@ -173,29 +189,49 @@ def test_stream_strict_bound(kernel_device, k):
                                                     group_tile=8, candidate_block=8, bound_slack=0.0))
 
 
+@pytest.mark.parametrize("config", [replace(SPLIT_EXACT, split_ordered_candidates=True), replace(STREAM, **LEAN),
+                                    replace(PIECES, **LEAN)], ids=["split_ordered", "stream_lean", "pieces_lean"])
+def test_strict_bound_ties_before_candidates(kernel_device, config):
+    # Rows of zeros (ties at T = 0, the strict exact bound) with a few positives late in the row (fewer than k
+    # candidates): the emit from the row stops once the ties are taken, the later candidates come from the buffer.
+    rng = torch.Generator().manual_seed(4)
+    logits = torch.zeros(6, 120)
+    for row in range(6):
+        logits[row, torch.randint(0, 120, (40,), generator=rng)] = -torch.rand(40, generator=rng)
+        logits[row, torch.randint(60 + 10 * (row % 3), 120, (row,), generator=rng)] = 1 + torch.rand(row, generator=rng)
+    ends = torch.tensor([120, 117, 100, 64, 33, 120], dtype=torch.int32, device=kernel_device)
+    for k in (3, 5, 9, 12):
+        assert_same(logits.to(kernel_device), k, None, ends, config)
+
+
 @triton.jit
-def _search_kernel(keys_ptr, out_ptr, k, enough, N: tl.constexpr):
-    t, count = triton_impl._kth_largest(tl.load(keys_ptr + tl.arange(0, N)), k, enough)
+def _search_kernel(keys_ptr, out_ptr, k, enough, N: tl.constexpr, CARRY: tl.constexpr):
+    t, count = triton_impl._kth_largest(tl.load(keys_ptr + tl.arange(0, N)), k, enough, CARRY)
     tl.store(out_ptr, t)
     tl.store(out_ptr + 1, count)
 
 
-def test_search_rounds(kernel_device):
+@pytest.mark.parametrize("carry", [-1, 0, 1, 4])
+def test_search_rounds(kernel_device, carry):
     # Keys over the whole int32 range (NONE included), clustered keys, plateaus: the exact k-th largest key
-    # (enough < k) and an early-stopped floor (enough >= k) reached by its count of keys.
+    # (enough < k) and an early-stopped floor (enough >= k) reached by its count of keys. Counts: compares of the
+    # keys (carry -1) or of their images (0), carries per key (1) and summed by 4 (one warp, 4 keys per thread).
+    if carry > 0 and kernel_device != "cuda":
+        pytest.skip("inline PTX runs on the GPU only")
     rng = torch.Generator().manual_seed(2)
     spread = torch.randint(-(2**31), 2**31 - 1, (64,), generator=rng, dtype=torch.int64)
     spread[::9] = -(2**31)
     clustered = 0x40000000 + torch.randint(0, 300, (64,), generator=rng, dtype=torch.int64)
     plateaus = torch.randint(-2, 3, (64,), generator=rng, dtype=torch.int64) * 1000 - 7
     for keys in (spread, clustered, plateaus, spread.sort().values):
-        keys32 = keys.to(torch.int32).to(kernel_device)
+        padded = torch.cat([keys, torch.full((64,), -(2**31), dtype=torch.int64)])  # 128 keys, NONE past 64
+        keys32 = padded.to(torch.int32).to(kernel_device)
         selectable = keys[keys != -(2**31)]
         for k in (1, 5, 17, 40):
             kth = int(selectable.sort(descending=True).values[k - 1])
             for enough in (k - 1, k + 6):
                 out = torch.zeros(2, dtype=torch.int32, device=kernel_device)
-                _search_kernel[(1,)](keys32, out, k, enough, N=64)
+                _search_kernel[(1,)](keys32, out, k, enough, N=128, CARRY=carry, num_warps=1)
                 t, count = (int(x) for x in out.cpu())
                 assert count == int((selectable >= t).sum()) and count >= k
                 assert t == kth or (enough >= k and count <= enough and t < kth), (k, enough, t, kth)
@@ -225,7 +261,7 @@ def tie_heavy(num_rows, width, seed, device):
     return values.to(device)
 
 
-@pytest.mark.parametrize("config", WIDE + ROWS_FUSED, ids=WIDE_IDS + ROWS_FUSED_IDS)
+@pytest.mark.parametrize("config", WIDE, ids=WIDE_IDS)
 @pytest.mark.parametrize("k", [1, 4, 15, 16, 17, 33])
 def test_lengths_around_wide_thresholds(kernel_device, k, config):
     # Row lengths at and around k, the chunk / stream tile (16) and its multiples, with garbage past each end.
@@ -313,8 +349,9 @@ def slot_table(num_requests, width, block_size, seed, device):
     return order.view(num_requests, pages).to(torch.int32).to(device)
 
 
-@pytest.mark.parametrize("config", [ROW, ONE_ROW, SPLIT, STREAM, STREAM_LOOSE, PIECES],
-                         ids=["row", "one_row", "split", "stream", "stream_loose", "pieces"])
+@pytest.mark.parametrize("config", [ROW, ONE_ROW, SPLIT, replace(SPLIT, split_ordered_candidates=True), STREAM,
+                                    STREAM_LOOSE, PIECES],
+                         ids=["row", "one_row", "split", "split_ordered", "stream", "stream_loose", "pieces"])
 def test_decode_slots_equal_positions_mapped(kernel_device, config):
     # Fused slot output = indices_to_slots(topk_decode(...)) on every path, 1-D and 2-D lengths, the
     # output row stride wider than k (columns past k stay poison).

@@ -113,34 +113,44 @@ def run(ceilings: dict[str, float]) -> list[dict]:
 def _decode_sweep_plan() -> tuple[dict, list]:
     """Decode variants of ``sweep_decode`` (names -> ``TopkConfig``) and its cells ``(data, rows, k, names)``; each
     variant is the default (split path below 8 rows, gather-piece launches from 8 to 64, row programs above)
-    with the changes its name lists, timed where they change the path taken: ``fused`` (every R): the maxima
-    launch's last program per row finds the lower bound (``fused_bound``: one launch less on the split path and
-    the gather-launch path; on plain row programs the bound overlaps the other rows' maxima); ``early_t`` (R=1):
-    the split path's candidate search stops at a floor that exactly k candidates reach
-    (``split_early_threshold``); ``w8`` / ``w16``: chunk programs (maxima, and on the split path every launch) of 8 /
-    16 warps (the fused maxima kernel holds the bound's 8192 maxima: 168 registers at 4 warps, 128 at 8)."""
+    with the changes its name lists, timed where they change the path taken: ``carry`` (every R): the two-bit
+    searches count with carry chains on order images (``carry_search``); ``lean`` (every R): the candidates' search
+    starts from the known bracket and skips the ties count when exactly k reach its threshold (``lean_search``);
+    ``chunk`` (R=1): no lower-bound launch on the split path, every candidates program finds the bound
+    (``split_chunk_bound``); ``ordered`` (R=1): no emit launch, the last candidates program emits from the candidates
+    stored in column order (``split_ordered_candidates``); ``w8``: split-path chunk programs of 8 warps
+    (``split_warps=8``); ``r128`` (R=32/64): the gather launch's programs capped at 128 registers, two per SM
+    (``pieces_max_registers``)."""
     from dataclasses import replace
 
     from dsa_indexer.ops.topk.triton import DEFAULT_CONFIG
 
+    lean = dict(carry_search=True, lean_search=True)
     configs = {
-        "early_t": replace(DEFAULT_CONFIG, split_early_threshold=True),
-        "fused": replace(DEFAULT_CONFIG, fused_bound=True),
-        "fused_early_t": replace(DEFAULT_CONFIG, fused_bound=True, split_early_threshold=True),
-        "fused_early_t_w8": replace(DEFAULT_CONFIG, fused_bound=True, split_early_threshold=True, split_warps=8),
-        "fused_w8": replace(DEFAULT_CONFIG, fused_bound=True, split_warps=8),
-        "fused_w16": replace(DEFAULT_CONFIG, fused_bound=True, split_warps=16),
+        "carry": replace(DEFAULT_CONFIG, carry_search=True),
+        "lean": replace(DEFAULT_CONFIG, lean_search=True),
+        "carry_lean": replace(DEFAULT_CONFIG, **lean),
+        "w8": replace(DEFAULT_CONFIG, split_warps=8),
+        "chunk_carry_lean": replace(DEFAULT_CONFIG, split_chunk_bound=True, **lean),
+        "ordered_carry_lean": replace(DEFAULT_CONFIG, split_ordered_candidates=True, **lean),
+        "chunk_ordered_carry_lean": replace(DEFAULT_CONFIG, split_chunk_bound=True, split_ordered_candidates=True,
+                                            **lean),
+        "chunk_ordered_carry_lean_w8": replace(DEFAULT_CONFIG, split_chunk_bound=True, split_ordered_candidates=True,
+                                               split_warps=8, **lean),
+        "r128": replace(DEFAULT_CONFIG, pieces_max_registers=128),
+        "carry_lean_r128": replace(DEFAULT_CONFIG, pieces_max_registers=128, **lean),
     }
-    split_names = ["early_t", "fused", "fused_early_t", "fused_early_t_w8"]
-    rows_names = ["fused", "fused_w8", "fused_w16"]
-    cells = []
-    for num_rows in (1, 32, 64, 128):
+    split_names = ["carry_lean", "w8", "chunk_carry_lean", "ordered_carry_lean", "chunk_ordered_carry_lean",
+                   "chunk_ordered_carry_lean_w8"]
+    split_skewed = ["carry_lean", "chunk_ordered_carry_lean", "chunk_ordered_carry_lean_w8"]
+    pieces_names = ["carry_lean", "r128", "carry_lean_r128"]
+    cells = [("random", 1, k, split_names) for k in (2048, 512)]
+    cells += [(data, 1, 2048, split_skewed) for data in ("relu_sum", "one_bin")]
+    for num_rows in (32, 64, 128):
         for k in (2048, 512):
-            cells.append(("random", num_rows, k, split_names if num_rows == 1 else rows_names))
-    for data in ("relu_sum", "one_bin"):
-        cells.append((data, 1, 2048, split_names))
-    for num_rows in (32, 128):
-        cells.append(("relu_sum", num_rows, 2048, rows_names))
+            cells.append(("random", num_rows, k, pieces_names if num_rows < 128 else ["carry", "lean", "carry_lean"]))
+    cells.append(("relu_sum", 32, 2048, ["carry_lean_r128"]))
+    cells.append(("relu_sum", 128, 2048, ["carry_lean"]))
     return configs, cells
 
 
@@ -233,7 +243,7 @@ def sweep_decode(out_path: str | None = None, warm: str | None = None) -> None:
                                                              unchecked)})
         _save_records(records, out_path)  # after every shape: a run stopped at its time limit keeps what it measured
     _report_sweep(records, list(configs), ["_row_program_kernel", "_row_pieces_kernel", "_split_low_bound_kernel",
-                                           "_split_candidates_kernel", "_maxima_bound_kernel"], out_path)
+                                           "_split_candidates_kernel"], out_path)
 
 
 def _prefill_row_configs() -> dict:

@@ -29,7 +29,14 @@ which is cheaper with its many keys per thread. A search may stop early at a ``t
 keys reach: the entries ``> t`` plus the first ``k - #(> t)`` entries ``== t`` are then those k
 entries, the same selection as with ``T``. This holds wherever the emit reads the keys that were
 searched (whole rows, candidate buffers of the row programs); the split path, which searches its candidates
-and emits from the row, needs the floor above its smallest candidate (option ``split_early_threshold``).
+and emits from the row, stops there only when the floor lies above its smallest candidate (more than k
+candidates), since every entry of the row that reaches such a floor is a candidate. Options
+(``TopkConfig``): ``carry_search`` counts on the unsigned images with carry chains (``_reaches_unsigned``,
+as the whole-row kernel does; ≈ 1.5 instead of ≈ 3.3 instructions per key and threshold where a thread holds
+a multiple of 4 keys); ``lean_search`` starts the candidates' search from the bracket the path already knows
+(``lo`` = the lower bound, ``hi`` = the row's largest group maximum, the count = the number of candidates)
+instead of three block reductions, and skips the count of the ties when exactly k candidates reach the
+threshold found (every tie is then taken).
 
 Slot output (``topk_decode_slots``): every path emits through one store helper, which can write the
 cache slot ``block_table[row // rows_per_request, p // block_size] * block_size + p % block_size`` of
@@ -102,21 +109,21 @@ Wider rows, fewer rows (split path, four launches, two full passes over the logi
    the interpreter programs run in id order). Ties go to the lowest columns through the prefix count of
    ties; each program writes its taken columns at its prefix offset; the row's last chunk pads ``-1``.
 
-Option ``fused_bound`` (both wide paths): the launch of group maxima (``_maxima_bound_kernel``) also finds the
-lower bound: each chunk program arrives on a per-row counter (acq_rel) after storing its maxima, and the row's
-last one resets the counter to 0 and runs step 2 (row programs: the bound and the compaction of the qualifying
-group ids). One launch less on the split path and with the gather launch (whose pieces then follow the maxima
-launch); plain row programs start at the gather. The counters must be zero when a launch starts, so they live
-across calls (one buffer per device, made outside any graph capture; each row's last program leaves its counter
-at 0). Option ``split_early_threshold``: step 3's search stops at a floor that exactly k candidates reach (with
-more than k candidates, such a floor lies above the smallest one, so every entry of the row that reaches it is a
-candidate and the emit from the row selects the same entries).
+Option ``split_chunk_bound``: no step 2 launch. Step 1 also clears each row's candidate cursor and arrival
+counter, and every step-3 program finds the row's lower bound itself from all the row's group maxima (the
+same search on each, so the same bound), while its whole chunk loads (L2: step 1 just read it); it then
+appends the chunk's entries that reach the bound. Three launches instead of four, and one dependent round
+trip less (bound, then chunk maxima, then logits) in step 3. Option ``split_ordered_candidates``: no step 4 launch.
+Step 3 stores the candidates' keys and columns in column order (each program's offset from a decoupled look-back
+over its row's chunk flags, which hold count + 1, instead of an atomic cursor), and the row's last program to
+arrive finds ``T`` among them and emits the row from them (``_select_and_emit``, as a row program does).
 
 Step 3 walks the rows in reverse order so that it starts on the rows step 1 left in L2, step 4 in
 forward order for the same reason. All scratch comes from ``torch.empty`` in the wrappers (every word
 is written before it is read); nothing is read back to the host, so the launches are CUDA-graph
 capturable. Scratch per row: split path ``4 * (group tile + min(max(enough, k - 1) * GROUP, width) + 8 + flags)``
-bytes; row programs ``4 * (2 * group tile + 2 * min(max(enough, k - 1) * GROUP, width))`` bytes.
+bytes (the candidates' columns as many again with ``split_ordered_candidates``); row programs
+``4 * (2 * group tile + 2 * min(max(enough, k - 1) * GROUP, width))`` bytes.
 
 Strides: any logits strides (column stride 0 or > 1 included) and any ``out`` strides are honoured in
 the kernels; no copy is made. ``starts``/``ends``/``seq_lens`` are made contiguous (a no-op for the
@@ -145,6 +152,7 @@ _T_LOW = tl.constexpr(3)
 _THRESHOLD = tl.constexpr(4)
 _TIES = tl.constexpr(5)
 _INCLUSIVE = tl.constexpr(6)
+_ROW_MAX = tl.constexpr(7)
 _FLAGS = tl.constexpr(8)
 _STATE_WORDS = 8
 # Per-row state words of row programs with a gather launch, then one candidate count per gather piece.
@@ -152,10 +160,12 @@ _PIECE_BOUND = tl.constexpr(0)
 _PIECE_INCLUSIVE = tl.constexpr(1)
 _PIECE_QUALIFYING = tl.constexpr(2)
 _PIECE_ARRIVED = tl.constexpr(3)
-_PIECE_COUNTS = tl.constexpr(4)
-_PIECE_STATE_WORDS = 4
+_PIECE_ROW_MAX = tl.constexpr(4)
+_PIECE_COUNTS = tl.constexpr(5)
+_PIECE_STATE_WORDS = 5
 
 _PAD_BLOCK = 1024
+_UNROLLED_PIECES = tl.constexpr(16)  # gather pieces per row whose slot mapping is unrolled (more: a loop)
 _SLOT_BLOCK = 2048  # indices_to_slots: run 4 (session 3), 82.0 µs with 16-byte rows against 88.3 for 1024
 
 
@@ -190,6 +200,8 @@ class TopkConfig:
         ``pieces_warps`` and ``pieces_tile`` (their gather pieces then spread a row over several SMs, which
         pays while the rows fill less than a wave); 0: never.
     pieces_warps, pieces_tile: ``stream_warps`` and ``stream_tile`` of those calls.
+    pieces_max_registers: register cap (ptxas ``maxnreg``) of the gather launch's programs, for more of them per
+        SM (``None``: the compiler's choice: 144 at 8 warps and 4096-column pieces for k=2048, one per SM).
     stream_tile: columns per streaming step of a row program, and per gather piece (power of two, at
         most 16384).
     stream_warps: warps of a row program.
@@ -213,13 +225,21 @@ class TopkConfig:
         split path, 8192 in row programs.
     candidate_block: candidates searched in registers; ``None`` = ``clamp(2k, 1024, 16384)``.
     split_warps: warps of the split-path chunk programs (the per-row lower-bound program uses 8).
-    fused_bound: the launch of group maxima also finds the lower bound: each row's last chunk program to finish
-        (an arrival counter per row that this program resets, kept across calls: ``_arrival_counters``) runs the
-        lower-bound search (split path) or the search and the compaction of the qualifying group ids (row
-        programs), so one launch less; calls whose rows exceed the counters, or captured before any call made
-        them, take the unfused launches. Calls on concurrent streams must not share it.
-    split_early_threshold: the split path's candidate search stops at a floor that exactly k candidates reach, as
-        the row programs' does (the same selection: every entry of the row ``>=`` that floor is a candidate).
+    carry_search: the two-bit searches of the wide paths (lower bounds, candidates held in registers) count on
+        uint32 order images with carry chains (``_reaches_unsigned``, 4 keys per asm where each thread holds a
+        multiple of 4 keys: ≈ 1.5 instructions per key and threshold) instead of compares (≈ 3.3).
+    lean_search: the candidates' search (split path, row programs) starts from the bracket it already knows (the
+        lower bound, the row's largest key from the group maxima, the number of candidates) instead of three block
+        reductions over the candidates, and counts the ties only when more than k candidates reach the
+        threshold found (else every tie is taken: exactly k entries reach it). Row programs also stop streaming a
+        row they emit from the row (strict bound, fewer than k candidates) once its ties are taken.
+    split_chunk_bound: the split path runs no lower-bound launch: every chunk program of its candidates launch
+        finds the row's lower bound itself from all the row's group maxima (the same result on each) while its
+        whole chunk loads, instead of loading the bound and then its chunk's qualifying groups (one graph node
+        and one dependent round trip less, the bound's search repeated per chunk).
+    split_ordered_candidates: the split path's candidates (keys and columns) are stored in column order (offsets
+        from a look-back over the row's chunk counts instead of an atomic cursor), and the row's last candidates
+        program emits the row from them, as row programs do: no emit launch.
     """
 
     row_block_max: int = 8192
@@ -236,6 +256,7 @@ class TopkConfig:
     pieces_max_rows: int = 0
     pieces_warps: int = 8
     pieces_tile: int = 4096
+    pieces_max_registers: int | None = None
     stream_tile: int = 8192
     stream_warps: int = 16
     bound_slack: float = 0.25
@@ -249,8 +270,10 @@ class TopkConfig:
     group_tile: int | None = None
     candidate_block: int | None = None
     split_warps: int = 4
-    fused_bound: bool = False
-    split_early_threshold: bool = False
+    carry_search: bool = False
+    lean_search: bool = False
+    split_chunk_bound: bool = False
+    split_ordered_candidates: bool = False
 
 
 # Measured on the H200 (benchmarks/NOTES_topk.md, v6): the split path below 8 rows, gather-piece launches
@@ -303,17 +326,39 @@ def _clear_low_bits(lo, rounds):
 
 
 @triton.jit
-def _search_step(keys, t, count, bit, k):
+def _image(keys):
+    """uint32 order images of int32 keys (``key ^ NONE``: NONE -> 0, unsigned order = key order)."""
+    return (keys ^ NONE).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _reaching(searched, threshold, CARRY: tl.constexpr):
+    """int32 partial counts of ``searched >= threshold`` over a 1-D tile (their sum is the count), ``threshold``
+    an int32 key above NONE. ``CARRY`` -1: ``searched`` holds int32 keys, compared. Else it holds their uint32
+    images (``_image``), counted by ``_reaches_unsigned`` with that ``CARRY``."""
+    if CARRY < 0:
+        return (searched >= threshold).to(tl.int32)
+    return _reaches_unsigned(searched, _image(threshold), CARRY)
+
+
+@triton.jit
+def _search_step(searched, t, count, bit, k, CARRY: tl.constexpr):
     """Decide bits ``bit + 1`` and ``bit`` of ``t`` (both still clear in the unsigned image): the largest
-    of ``t``, ``t + 2**bit``, ``t + 2 * 2**bit``, ``t + 3 * 2**bit`` that ``>= k`` of the 1-D ``keys``
-    reach, with that number (``count`` = ``#(keys >= t)`` on entry). The three counts of a tile of at most
-    16384 keys share one int64 (16-bit fields), so a round costs one block reduction."""
+    of ``t``, ``t + 2**bit``, ``t + 2 * 2**bit``, ``t + 3 * 2**bit`` that ``>= k`` keys of the 1-D tile
+    ``searched`` reach (keys or images, ``_reaching``), with that number (``count`` = ``#(>= t)`` on entry).
+    The three counts of a tile of at most 16384 keys share one int64 (16-bit fields), so a round costs one
+    block reduction."""
     low = 1 << bit
     first = t ^ low
     second = t ^ (low << 1)
     third = second ^ low
-    packed = tl.sum((keys >= first).to(tl.int64) + ((keys >= second).to(tl.int64) << 16)
-                    + ((keys >= third).to(tl.int64) << 32), axis=0)
+    if CARRY < 0:
+        packed = tl.sum((searched >= first).to(tl.int64) + ((searched >= second).to(tl.int64) << 16)
+                        + ((searched >= third).to(tl.int64) << 32), axis=0)
+    else:
+        # Per 4 keys (CARRY 4): three carry chains, one shift-add; ptxas folds the asm's zero outputs away.
+        near = _reaching(searched, first, CARRY) + (_reaching(searched, second, CARRY) << 16)
+        packed = tl.sum(near.to(tl.int64) + (_reaching(searched, third, CARRY).to(tl.int64) << 32), axis=0)
     first_count = (packed & LOW_FIELD).to(tl.int32)
     second_count = ((packed >> 16) & LOW_FIELD).to(tl.int32)
     third_count = (packed >> 32).to(tl.int32)
@@ -330,26 +375,44 @@ def _search_step(keys, t, count, bit, k):
 
 
 @triton.jit
-def _kth_largest(keys, k, enough):
-    """``(t, #(keys >= t))`` for a 1-D ``keys`` (at most 16384) holding at least k keys other than NONE:
-    ``t`` is the k-th largest key, or, once the count at the bracket's floor is ``<= enough`` (``>= k``),
-    that floor (so ``enough < k`` always gives the k-th largest). Two bits per round."""
+def _bracket(keys):
+    """``(count, lo, hi)`` of a 1-D tile of keys: its number of selectable keys, the smallest and the largest."""
     selectable = keys != NONE
     count = tl.sum(selectable.to(tl.int32), axis=0)
     lo = tl.min(tl.where(selectable, keys, KEY_MAX), axis=0)
     hi = tl.max(keys, axis=0)
+    return count, lo, hi
+
+
+@triton.jit
+def _kth_largest(keys, k, enough, CARRY: tl.constexpr):
+    """``_kth_largest_within`` the tile's own bracket (three reductions)."""
+    count, lo, hi = _bracket(keys)
+    return _kth_largest_within(keys, k, enough, count, lo, hi, CARRY)
+
+
+@triton.jit
+def _kth_largest_within(keys, k, enough, count, lo, hi, CARRY: tl.constexpr):
+    """``(t, #(keys >= t))`` for a 1-D ``keys`` (at most 16384) holding ``count >= k`` selectable keys, all
+    ``>= lo``, whose k-th largest is ``<= hi``: ``t`` is the k-th largest key, or, once the count at the
+    bracket's floor is ``<= enough`` (``>= k``), that floor (so ``enough < k`` always gives the k-th largest).
+    Two bits per round, counted as ``_reaching`` with ``CARRY`` (>= 0: on the keys' images)."""
+    if CARRY < 0:
+        searched = keys
+    else:
+        searched = _image(keys)
     bit = _bit_length(lo ^ hi)
     t = _clear_low_bits(lo, bit)
     if (bit % 2 == 1) & (count > enough):
         bit -= 1
         candidate = t ^ (1 << bit)
-        candidate_count = tl.sum((keys >= candidate).to(tl.int32), axis=0)
+        candidate_count = tl.sum(_reaching(searched, candidate, CARRY), axis=0)
         reaches = candidate_count >= k
         t = tl.where(reaches, candidate, t)
         count = tl.where(reaches, candidate_count, count)
     while (bit > 0) & (count > enough):
         bit -= 2
-        t, count = _search_step(keys, t, count, bit, k)
+        t, count = _search_step(searched, t, count, bit, k, CARRY)
     return t, count
 
 
@@ -576,17 +639,19 @@ def _topk_row_kernel(
 
 
 @triton.jit
-def _maxima_lower_bound(maxima, k, enough, row):
-    """Lower bound of a row's k-th largest entry from its group maxima ``[GROUP_TILE]``: ``(bound, inclusive)``.
-    The search stops as soon as at most ``enough`` maxima reach its floor (candidates: entries ``>= bound``,
-    ``inclusive`` 1), else ``bound`` is the exact k-th largest maximum (candidates ``> bound``: fewer than k
-    groups hold one; ``inclusive`` 0). Fewer than k selectable maxima: ``NONE``, inclusive."""
+def _maxima_lower_bound(maxima, k, enough, row, CARRY: tl.constexpr):
+    """Lower bound of a row's k-th largest entry from its group maxima ``[GROUP_TILE]``: ``(bound, inclusive,
+    row_max)``. The search stops as soon as at most ``enough`` maxima reach its floor (candidates: entries
+    ``>= bound``, ``inclusive`` 1), else ``bound`` is the exact k-th largest maximum (candidates ``> bound``:
+    fewer than k groups hold one; ``inclusive`` 0). Fewer than k selectable maxima: ``NONE``, inclusive.
+    ``row_max``: the largest key of the row (the largest maximum), an upper bracket of the candidates' search."""
     bound = row * 0 + NONE
     inclusive = row * 0 + 1
-    if tl.sum((maxima != NONE).to(tl.int32), axis=0) >= k:
-        bound, reaching = _kth_largest(maxima, k, enough)
+    count, lo, row_max = _bracket(maxima)
+    if count >= k:
+        bound, reaching = _kth_largest_within(maxima, k, enough, count, lo, row_max, CARRY)
         inclusive = (reaching <= enough).to(tl.int32)
-    return bound, inclusive
+    return bound, inclusive, row_max
 
 
 @triton.jit
@@ -599,19 +664,23 @@ def _compact_qualifying(maxima, slots, bound, inclusive, ids_row):
 
 
 @triton.jit
-def _store_split_state(state_row, t_low, inclusive):
-    """The split path's per-row state after its lower bound: bound, kind, no candidates yet, no arrivals."""
+def _store_split_state(state_row, t_low, inclusive, row_max):
+    """The split path's per-row state after its lower bound: bound, kind, the row's largest key, no candidates
+    yet, no arrivals."""
     tl.store(state_row + _T_LOW, t_low)
     tl.store(state_row + _INCLUSIVE, inclusive)
+    tl.store(state_row + _ROW_MAX, row_max)
     tl.store(state_row + _NUM_CANDIDATES, 0)
     tl.store(state_row + _ARRIVED, 0)
 
 
 @triton.jit
-def _store_piece_state(state_row, bound, inclusive, num_qualifying):
-    """The gather-piece launch's per-row state: bound, kind, number of qualifying groups, no arrivals."""
+def _store_piece_state(state_row, bound, inclusive, row_max, num_qualifying):
+    """The gather-piece launch's per-row state: bound, kind, the row's largest key, number of qualifying groups,
+    no arrivals."""
     tl.store(state_row + _PIECE_BOUND, bound)
     tl.store(state_row + _PIECE_INCLUSIVE, inclusive)
+    tl.store(state_row + _PIECE_ROW_MAX, row_max)
     tl.store(state_row + _PIECE_QUALIFYING, num_qualifying)
     tl.store(state_row + _PIECE_ARRIVED, 0)
 
@@ -622,10 +691,12 @@ def _split_group_max_kernel(
     width, next_n, num_chunks,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr,
     CHUNK: tl.constexpr, GROUP: tl.constexpr, MAXIMA_STRIDE: tl.constexpr, CLEAR_FLAGS: tl.constexpr,
+    CLEAR_COUNTS: tl.constexpr,
 ):
     """Group maxima of chunks of ``CHUNK`` columns: ``group_max[row * MAXIMA_STRIDE + column // GROUP]`` for
     the chunks up to the row's length (one chunk at least); with ``CLEAR_FLAGS``, the chunk's emit flag
-    (split path) is cleared too. Also the streaming pass of row programs of calls with few rows."""
+    (split path) is cleared too, with ``CLEAR_COUNTS`` the row's candidate cursor and arrival counter (split
+    path without its lower-bound launch). Also the streaming pass of row programs of calls with few rows."""
     GROUPS_PER_CHUNK: tl.constexpr = CHUNK // GROUP
     pid = tl.program_id(0)
     row = pid // num_chunks
@@ -645,85 +716,60 @@ def _split_group_max_kernel(
         tl.store(group_row + chunk * GROUPS_PER_CHUNK + group_ids, tl.max(keys, axis=1))
         if CLEAR_FLAGS:
             tl.store(state_ptr + row.to(tl.int64) * state_stride + _FLAGS + chunk, 0)
+        if CLEAR_COUNTS:
+            if chunk == 0:
+                tl.store(state_ptr + row.to(tl.int64) * state_stride + _NUM_CANDIDATES, 0)
+                tl.store(state_ptr + row.to(tl.int64) * state_stride + _ARRIVED, 0)
 
 
 @triton.jit(do_not_specialize=["width", "k", "next_n", "enough"])
 def _split_low_bound_kernel(
     starts_ptr, ends_ptr, group_max_ptr, state_ptr, state_stride, width, k, next_n, enough,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr,
-    GROUP_TILE: tl.constexpr,
+    GROUP_TILE: tl.constexpr, CARRY: tl.constexpr,
 ):
+    """Step 2 of the split path (module docstring); ``CARRY``: the search's counts (``_reaching``)."""
     row = tl.program_id(0)
     start, length = _row_window(row, row >= 0, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
     num_groups = tl.maximum(tl.cdiv(length, CHUNK), 1) * (CHUNK // GROUP)
     tile = tl.arange(0, GROUP_TILE)  # [GROUP_TILE]
     maxima = tl.load(group_max_ptr + row.to(tl.int64) * GROUP_TILE + tile, mask=tile < num_groups, other=NONE)
-    t_low, inclusive = _maxima_lower_bound(maxima, k, enough, row)
-    _store_split_state(state_ptr + row.to(tl.int64) * state_stride, t_low, inclusive)
+    t_low, inclusive, row_max = _maxima_lower_bound(maxima, k, enough, row, CARRY)
+    _store_split_state(state_ptr + row.to(tl.int64) * state_stride, t_low, inclusive, row_max)
 
 
-@triton.jit(do_not_specialize=["width", "k", "next_n", "num_chunks", "enough"])
-def _maxima_bound_kernel(
-    logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, group_max_ptr, state_ptr, state_stride, arrivals_ptr,
-    width, k, next_n, num_chunks, enough,
-    HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr,
-    GROUP_TILE: tl.constexpr, SPLIT: tl.constexpr,
-):
-    """Group maxima as ``_split_group_max_kernel``, then the lower bound in the same launch
-    (``TopkConfig.fused_bound``): ``arrivals[row]`` counts the row's chunk programs (acq_rel), and the last one
-    to arrive resets it to 0 (for the next call) and searches the row's maxima. ``SPLIT``: maxima at
-    ``group_max[row * GROUP_TILE + group]``, the chunk flags cleared, ``T_low`` and the state words of
-    ``_split_low_bound_kernel``. Else (row programs): maxima at ``group_max[row * 2 * GROUP_TILE + group]``, the
-    qualifying group ids compacted after them and the bound, its kind and their number in the state words that
-    ``_row_program_kernel`` writes with ``STORE_STATE``."""
-    GROUPS_PER_CHUNK: tl.constexpr = CHUNK // GROUP
-    pid = tl.program_id(0)
-    row = pid // num_chunks
-    chunk = pid % num_chunks
-    start, length = _row_window(row, row >= 0, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
-    row_chunks = tl.maximum(tl.cdiv(length, CHUNK), 1)
-    if chunk < row_chunks:
-        group_ids = tl.arange(0, GROUPS_PER_CHUNK)  # [GROUPS_PER_CHUNK]
-        columns = chunk * CHUNK + group_ids[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [GROUPS_PER_CHUNK, GROUP]
-        inside = columns < length
-        src = logits_ptr + row.to(tl.int64) * stride_row + (start + columns).to(tl.int64) * stride_col
-        if chunk < length // CHUNK:  # a whole chunk inside the row: no mask, so the loads can be 16 bytes wide
-            values = tl.load(src)
-        else:
-            values = tl.load(src, mask=inside, other=0.0)
-        keys = _order_keys(values, inside)  # [GROUPS_PER_CHUNK, GROUP]
-        if SPLIT:
-            maxima_row = group_max_ptr + row.to(tl.int64) * GROUP_TILE
-        else:
-            maxima_row = group_max_ptr + row.to(tl.int64) * (2 * GROUP_TILE)
-        tl.store(maxima_row + chunk * GROUPS_PER_CHUNK + group_ids, tl.max(keys, axis=1))
-        state_row = state_ptr + row.to(tl.int64) * state_stride
-        if SPLIT:
-            tl.store(state_row + _FLAGS + chunk, 0)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel", scope="gpu")
-        if arrived == row_chunks - 1:
-            tl.store(arrivals_ptr + row, 0)
-            slots = tl.arange(0, GROUP_TILE)  # [GROUP_TILE]
-            maxima = tl.load(maxima_row + slots, mask=slots < row_chunks * GROUPS_PER_CHUNK, other=NONE,
-                             cache_modifier=".cg")
-            bound, inclusive = _maxima_lower_bound(maxima, k, enough, row)
-            if SPLIT:
-                _store_split_state(state_row, bound, inclusive)
-            else:
-                num_qualifying = _compact_qualifying(maxima, slots, bound, inclusive, maxima_row + GROUP_TILE)
-                _store_piece_state(state_row, bound, inclusive, num_qualifying)
+@triton.jit
+def _flags_before(flags_row, chunk, FLAG_TILE: tl.constexpr):
+    """The flags of chunks ``[0, chunk)`` of a row (``flags_row [FLAG_TILE]``; 1 at the others) once every one is
+    published (non-zero): decoupled look-back, a program waits only for programs of lower ids."""
+    lower = tl.arange(0, FLAG_TILE)  # [FLAG_TILE]
+    is_lower = lower < chunk
+    flags = tl.load(flags_row + lower, mask=is_lower, other=1, volatile=True)
+    while tl.min(flags, axis=0) == 0:
+        flags = tl.load(flags_row + lower, mask=is_lower, other=1, volatile=True)
+    return flags
 
 
-@triton.jit(do_not_specialize=["width", "k", "next_n", "num_rows", "num_chunks"])
+@triton.jit(do_not_specialize=["width", "k", "next_n", "num_rows", "num_chunks", "enough", "block_size",
+                               "rows_per_request"])
 def _split_candidates_kernel(
-    logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, group_max_ptr, cand_ptr, cand_stride,
-    state_ptr, state_stride, width, k, next_n, num_rows, num_chunks,
+    logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, group_max_ptr, cand_ptr, cand_columns_ptr, cand_stride,
+    state_ptr, state_stride, width, k, next_n, num_rows, num_chunks, enough, out_ptr, out_stride_row, out_stride_col,
+    table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr,
-    GROUP_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, EARLY_THRESHOLD: tl.constexpr,
+    GROUP_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, CARRY: tl.constexpr, LEAN: tl.constexpr,
+    CHUNK_BOUND: tl.constexpr, CARRY_BOUND: tl.constexpr, ORDERED: tl.constexpr, FLAG_TILE: tl.constexpr,
+    PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr,
 ):
-    """Step 3 of the split path (module docstring). ``EARLY_THRESHOLD``: the search among candidates held in
-    registers stops at a floor that exactly k of them reach (``TopkConfig.split_early_threshold``)."""
+    """Step 3 of the split path (module docstring). The search among candidates held in registers counts as
+    ``_reaching`` with ``CARRY``; ``LEAN`` (``TopkConfig.lean_search``): it starts from the bracket
+    ``[T_low, row max]`` and the number of candidates (no reductions over them), and the ties are counted only
+    when more than k candidates reach the threshold found. ``CHUNK_BOUND`` (``TopkConfig.split_chunk_bound``):
+    no step 2 ran; every program finds the row's lower bound itself from all its group maxima (the same on
+    each; ``enough``, counts with ``CARRY_BOUND``) while its whole chunk loads (L2: step 1 just read it).
+    ``ORDERED`` (``TopkConfig.split_ordered_candidates``): the candidates (keys and columns) land in column order
+    (each program's offset from a look-back over its row's chunk flags, which hold count + 1), and the row's last
+    arriver finds T and emits the row from them (``_select_and_emit``): no step 4."""
     GROUPS_PER_CHUNK: tl.constexpr = CHUNK // GROUP
     pid = tl.program_id(0)
     row = num_rows - 1 - pid // num_chunks
@@ -732,24 +778,56 @@ def _split_candidates_kernel(
     row_chunks = tl.maximum(tl.cdiv(length, CHUNK), 1)
     if chunk < row_chunks:
         state_row = state_ptr + row.to(tl.int64) * state_stride
-        t_low = tl.load(state_row + _T_LOW)
-        inclusive = tl.load(state_row + _INCLUSIVE)
+        maxima_row = group_max_ptr + row.to(tl.int64) * GROUP_TILE
         group_ids = tl.arange(0, GROUPS_PER_CHUNK)  # [GROUPS_PER_CHUNK]
-        maxima = tl.load(group_max_ptr + row.to(tl.int64) * GROUP_TILE + chunk * GROUPS_PER_CHUNK + group_ids)
         columns = chunk * CHUNK + group_ids[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [GROUPS_PER_CHUNK, GROUP]
-        needed = (columns < length) & _reaches(maxima[:, None], t_low, inclusive)
         src = logits_ptr + row.to(tl.int64) * stride_row + (start + columns).to(tl.int64) * stride_col
-        keys = _order_keys(tl.load(src, mask=needed, other=0.0), needed)  # [GROUPS_PER_CHUNK, GROUP]
+        if CHUNK_BOUND:
+            inside = columns < length
+            if chunk < length // CHUNK:  # a whole chunk inside the row: no mask, so the loads can be 16 bytes wide
+                values = tl.load(src)
+            else:
+                values = tl.load(src, mask=inside, other=0.0)
+            slots = tl.arange(0, GROUP_TILE)  # [GROUP_TILE]
+            all_maxima = tl.load(maxima_row + slots, mask=slots < row_chunks * GROUPS_PER_CHUNK, other=NONE)
+            t_low, inclusive, row_max = _maxima_lower_bound(all_maxima, k, enough, row, CARRY_BOUND)
+            keys = _order_keys(values, inside)  # [GROUPS_PER_CHUNK, GROUP]
+        else:
+            t_low = tl.load(state_row + _T_LOW)
+            inclusive = tl.load(state_row + _INCLUSIVE)
+            maxima = tl.load(maxima_row + chunk * GROUPS_PER_CHUNK + group_ids)
+            needed = (columns < length) & _reaches(maxima[:, None], t_low, inclusive)
+            keys = _order_keys(tl.load(src, mask=needed, other=0.0), needed)  # [GROUPS_PER_CHUNK, GROUP]
         is_candidate = _reaches(keys, t_low, inclusive).to(tl.int32)
         per_group = tl.sum(is_candidate, axis=1)  # [GROUPS_PER_CHUNK]
-        first = tl.atomic_add(state_row + _NUM_CANDIDATES, tl.sum(per_group, axis=0), sem="relaxed", scope="gpu")
+        chunk_count = tl.sum(per_group, axis=0)
+        if ORDERED:
+            tl.atomic_xchg(state_row + _FLAGS + chunk, chunk_count + 1, sem="relaxed", scope="gpu")
+            first = tl.sum(_flags_before(state_row + _FLAGS, chunk, FLAG_TILE) - 1, axis=0)
+        else:
+            first = tl.atomic_add(state_row + _NUM_CANDIDATES, chunk_count, sem="relaxed", scope="gpu")
         group_first = first + tl.cumsum(per_group, axis=0) - per_group  # [GROUPS_PER_CHUNK]
         position = group_first[:, None] + tl.cumsum(is_candidate, axis=1) - 1  # [GROUPS_PER_CHUNK, GROUP]
         cand_row = cand_ptr + row.to(tl.int64) * cand_stride
         tl.store(cand_row + position, keys, mask=is_candidate != 0)
+        if ORDERED:
+            cand_columns_row = cand_columns_ptr + row.to(tl.int64) * cand_stride
+            tl.store(cand_columns_row + position, columns, mask=is_candidate != 0)
         tl.debug_barrier()
         arrived = tl.atomic_add(state_row + _ARRIVED, 1, sem="acq_rel", scope="gpu")
-        if arrived == row_chunks - 1:
+        if ORDERED:
+            if arrived == row_chunks - 1:
+                # Every program published its flag before arriving: their sum is the number of candidates.
+                every = tl.arange(0, FLAG_TILE)  # [FLAG_TILE]
+                flags = tl.load(state_row + _FLAGS + every, mask=every < row_chunks, other=1, volatile=True)
+                if not CHUNK_BOUND:
+                    row_max = tl.load(state_row + _ROW_MAX)
+                _select_and_emit(row, logits_ptr + row.to(tl.int64) * stride_row, start, stride_col, length, k, t_low,
+                                 inclusive, row_max, tl.sum(flags - 1, axis=0), tl.arange(0, CANDIDATE_BLOCK),
+                                 cand_row, cand_columns_row, out_ptr, out_stride_row, out_stride_col, table_ptr,
+                                 table_stride_row, table_stride_col, block_size, rows_per_request, CHUNK,
+                                 CANDIDATE_BLOCK, PAD_BLOCK, SLOTS, CARRY, LEAN, True)
+        elif arrived == row_chunks - 1:
             total = tl.load(state_row + _NUM_CANDIDATES, volatile=True)
             threshold = t_low
             ties = tl.where(t_low != NONE, k - total, 0)
@@ -757,13 +835,20 @@ def _split_candidates_kernel(
                 if total <= CANDIDATE_BLOCK:
                     tile = tl.arange(0, CANDIDATE_BLOCK)  # [CANDIDATE_BLOCK]
                     candidates = tl.load(cand_row + tile, mask=tile < total, other=NONE, cache_modifier=".cg")
-                    if EARLY_THRESHOLD:
-                        # Every entry of the row >= a floor above the smallest candidate is a candidate, so
-                        # the floor selects as T does; with exactly k candidates the floor would lie below.
-                        threshold, _ = _kth_largest(candidates, k, tl.where(total > k, k, k - 1))
+                    # Every entry of the row >= a floor above the smallest candidate is a candidate, so the
+                    # floor selects as T does; with exactly k candidates the floor would lie below: exact T.
+                    enough = tl.where(total > k, k, k - 1)
+                    if LEAN:
+                        # Every candidate reaches T_low; none exceeds the row's largest key.
+                        if not CHUNK_BOUND:
+                            row_max = tl.load(state_row + _ROW_MAX)
+                        threshold, reaching = _kth_largest_within(candidates, k, enough, total, t_low, row_max, CARRY)
+                        ties = k  # exactly k entries of the row reach the threshold: every tie is taken
+                        if reaching > k:
+                            ties = k - tl.sum((candidates > threshold).to(tl.int32), axis=0)
                     else:
-                        threshold, _ = _kth_largest(candidates, k, k - 1)
-                    ties = k - tl.sum((candidates > threshold).to(tl.int32), axis=0)
+                        threshold, _ = _kth_largest(candidates, k, enough, CARRY)
+                        ties = k - tl.sum((candidates > threshold).to(tl.int32), axis=0)
                 else:
                     threshold = _kth_largest_in_memory(cand_row, total, k, CANDIDATE_BLOCK)
                     ties = k - _count_above_in_memory(cand_row, total, threshold, CANDIDATE_BLOCK)
@@ -801,11 +886,7 @@ def _split_emit_kernel(
         counts = greater.to(tl.int32) + (equal.to(tl.int32) << 16)  # [CHUNK]
         total = tl.sum(counts, axis=0)
         tl.atomic_xchg(state_row + _FLAGS + chunk, total + 1, sem="relaxed", scope="gpu")
-        lower = tl.arange(0, FLAG_TILE)  # [FLAG_TILE]
-        is_lower = lower < chunk
-        flags = tl.load(state_row + _FLAGS + lower, mask=is_lower, other=1, volatile=True)  # [FLAG_TILE]
-        while tl.min(flags, axis=0) == 0:
-            flags = tl.load(state_row + _FLAGS + lower, mask=is_lower, other=1, volatile=True)
+        flags = _flags_before(state_row + _FLAGS, chunk, FLAG_TILE)  # [FLAG_TILE]
         greater_before = tl.sum((flags & LOW_FIELD) - 1, axis=0)
         equal_before = tl.sum(flags >> 16, axis=0)
         out_row = out_ptr + row.to(tl.int64) * out_stride_row
@@ -864,23 +945,31 @@ def _gather_piece(src_row, start, stride_col, ids, piece_first, num_qualifying, 
 
 
 @triton.jit
-def _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusive, num_candidates, held_slots,
-                     cand_keys_row, cand_columns_row, out_ptr, out_stride_row, out_stride_col, table_ptr,
+def _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusive, row_max, num_candidates,
+                     held_slots, cand_keys_row, cand_columns_row, out_ptr, out_stride_row, out_stride_col, table_ptr,
                      table_stride_row, table_stride_col, block_size, rows_per_request, STREAM_TILE: tl.constexpr,
-                     CANDIDATE_BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr):
-    """The end of a row program: ``T`` among the ``num_candidates`` candidates (keys and columns, in
-    column order; the j-th at buffer slot ``held_slots[j]`` when they fit in ``CANDIDATE_BLOCK``, else at
-    slot j) of the ``bound``, then the ordered emit of the row's k picks and the padding."""
+                     CANDIDATE_BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr,
+                     CARRY: tl.constexpr, LEAN: tl.constexpr, STOP_TIES: tl.constexpr):
+    """The end of a row program (and of the split path's ordered candidates): ``T`` among the ``num_candidates``
+    candidates (keys and columns, in column order; the j-th at buffer slot ``held_slots[j]`` when they fit in
+    ``CANDIDATE_BLOCK``, else at slot j) of the ``bound``, then the ordered emit of the row's k picks and the
+    padding (a row emitted from the row itself goes in tiles of ``STREAM_TILE``). The search in registers counts
+    as ``_reaching`` with ``CARRY``; ``LEAN``: from the bracket ``[bound, row_max]`` and ``num_candidates`` (no
+    reductions over the candidates), ties counted only when more than k candidates reach the threshold found.
+    ``STOP_TIES``: a row emitted from the row (strict bound, fewer than k candidates) is streamed only until its
+    ties are taken (the first ones in column order; e.g. the zeros of a row without positive entries lie in its
+    first few tiles), then the remaining candidates are emitted from the buffer (fewer than k: held slots)."""
     # T and the ties, then the ordered emit: from the candidates, or from the row when T is the bound
     # itself and its ties (not candidates) are taken.
     out_row = out_ptr + row.to(tl.int64) * out_stride_row
     pages = _page_rows(table_ptr, table_stride_row, row, rows_per_request, SLOTS)
     taken = row * 0
     if (inclusive == 0) & (num_candidates < k):
+        # Every entry > T = bound is a candidate; the first k - num_candidates ties come from the row.
         ties = k - num_candidates
         line = tl.arange(0, STREAM_TILE)
         line_first = row * 0
-        while line_first < length:
+        while (line_first < length) & ((ties > 0) | (STOP_TIES == 0)):
             line_columns = line_first + line
             line_inside = line_columns < length
             line_keys = _order_keys(tl.load(src_row + (start + line_columns).to(tl.int64) * stride_col,
@@ -888,6 +977,16 @@ def _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusiv
             taken, ties = _emit_ordered(line_keys, line_columns, bound, ties, taken, out_row, out_stride_col,
                                         pages, table_stride_col, block_size, SLOTS)
             line_first += STREAM_TILE
+        if STOP_TIES:
+            # The candidates past the streamed columns follow in column order: the j-th at position taken + j -
+            # emitted (emitted = candidates already streamed = taken minus the ties taken).
+            emitted = taken - (k - num_candidates - ties)
+            held = tl.arange(0, CANDIDATE_BLOCK)
+            remaining = (held >= emitted) & (held < num_candidates)
+            held_columns = tl.load(cand_columns_row + held_slots, mask=remaining, other=0, cache_modifier=".cg")
+            _emit_taken(remaining.to(tl.int32), remaining, held < 0, held_columns, 0, taken, out_row, out_stride_col,
+                        pages, table_stride_col, block_size, 0, SLOTS)
+            taken += num_candidates - emitted
     elif num_candidates <= CANDIDATE_BLOCK:
         held = tl.arange(0, CANDIDATE_BLOCK) < num_candidates
         held_keys = tl.load(cand_keys_row + held_slots, mask=held, other=NONE, cache_modifier=".cg")
@@ -895,8 +994,15 @@ def _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusiv
         threshold = row * 0 + NONE
         ties = row * 0
         if num_candidates > k:
-            threshold, _ = _kth_largest(held_keys, k, k)
-            ties = k - tl.sum((held_keys > threshold).to(tl.int32), axis=0)
+            if LEAN:
+                # Every candidate reaches the bound; none exceeds the row's largest key.
+                threshold, reaching = _kth_largest_within(held_keys, k, k, num_candidates, bound, row_max, CARRY)
+                ties = k  # exactly k candidates reach the threshold: every tie is taken
+                if reaching > k:
+                    ties = k - tl.sum((held_keys > threshold).to(tl.int32), axis=0)
+            else:
+                threshold, _ = _kth_largest(held_keys, k, k, CARRY)
+                ties = k - tl.sum((held_keys > threshold).to(tl.int32), axis=0)
         taken, ties = _emit_ordered(held_keys, held_columns, threshold, ties, taken, out_row, out_stride_col, pages,
                                     table_stride_col, block_size, SLOTS)
     else:
@@ -927,17 +1033,17 @@ def _row_program_kernel(
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
     STREAM_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr,
     STREAM: tl.constexpr, VECTOR_GATHER: tl.constexpr, PREFETCH_GATHER: tl.constexpr, STAGES: tl.constexpr,
-    STORE_STATE: tl.constexpr, BOUND_FROM_STATE: tl.constexpr,
+    STORE_STATE: tl.constexpr, CARRY_BOUND: tl.constexpr, CARRY_SEARCH: tl.constexpr, LEAN: tl.constexpr,
 ):
     """One program per row. ``STREAM``: the program computes the group maxima itself (else an earlier
     launch of ``_split_group_max_kernel`` stored them). ``VECTOR_GATHER``: unmasked group loads in every
     gather piece but the last. ``PREFETCH_GATHER``: the next gather piece's loads are in flight while
     this one is scanned and stored. ``STAGES`` (``TopkConfig.row_stages``): 1 stops after the compaction
     of the qualifying group ids, 2 after the gather, 3 runs everything. ``STORE_STATE`` (gather launch):
-    the bound, its kind and the number of qualifying groups go to the row's state words at
-    ``state_ptr + row * state_stride`` for ``_row_pieces_kernel``. ``BOUND_FROM_STATE`` (``fused_bound``, not
-    with ``STREAM``): ``_maxima_bound_kernel`` left the bound, its kind, the number of qualifying groups (those
-    state words) and their ids, so the program starts at the gather."""
+    the bound, its kind, the row's largest key and the number of qualifying groups go to the row's state words
+    at ``state_ptr + row * state_stride`` for ``_row_pieces_kernel``. ``CARRY_BOUND`` / ``CARRY_SEARCH``: the
+    counts (``_reaching``) of the lower-bound search and of the candidates' search; ``LEAN``: the latter as
+    ``_select_and_emit`` says."""
     TILE_GROUPS: tl.constexpr = STREAM_TILE // GROUP
     row = tl.program_id(0)
     start, length = _row_window(row, row >= 0, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
@@ -971,21 +1077,15 @@ def _row_program_kernel(
             tile += 1
         tl.debug_barrier()
 
-    if BOUND_FROM_STATE:
-        state_row = state_ptr + row.to(tl.int64) * state_stride
-        bound = tl.load(state_row + _PIECE_BOUND)
-        inclusive = tl.load(state_row + _PIECE_INCLUSIVE)
-        num_qualifying = tl.load(state_row + _PIECE_QUALIFYING)
-    else:
-        # Lower bound: stop as soon as at most `enough` group maxima reach it (candidates >= bound), else
-        # the exact k-th largest maximum (candidates > bound: fewer than k groups hold one).
-        slots = tl.arange(0, GROUP_TILE)  # [GROUP_TILE]
-        num_groups = tl.cdiv(length, GROUP)
-        maxima = tl.load(maxima_row + slots, mask=slots < num_groups, other=NONE, cache_modifier=".cg")
-        bound, inclusive = _maxima_lower_bound(maxima, k, enough, row)
-        num_qualifying = _compact_qualifying(maxima, slots, bound, inclusive, ids_row)
-        if STORE_STATE:
-            _store_piece_state(state_ptr + row.to(tl.int64) * state_stride, bound, inclusive, num_qualifying)
+    # Lower bound: stop as soon as at most `enough` group maxima reach it (candidates >= bound), else
+    # the exact k-th largest maximum (candidates > bound: fewer than k groups hold one).
+    slots = tl.arange(0, GROUP_TILE)  # [GROUP_TILE]
+    num_groups = tl.cdiv(length, GROUP)
+    maxima = tl.load(maxima_row + slots, mask=slots < num_groups, other=NONE, cache_modifier=".cg")
+    bound, inclusive, row_max = _maxima_lower_bound(maxima, k, enough, row, CARRY_BOUND)
+    num_qualifying = _compact_qualifying(maxima, slots, bound, inclusive, ids_row)
+    if STORE_STATE:
+        _store_piece_state(state_ptr + row.to(tl.int64) * state_stride, bound, inclusive, row_max, num_qualifying)
     if STAGES >= 2:
         tl.debug_barrier()
 
@@ -1028,10 +1128,34 @@ def _row_program_kernel(
 
     if STAGES >= 3:
         held = tl.arange(0, CANDIDATE_BLOCK)
-        _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusive, num_candidates, held,
+        _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusive, row_max, num_candidates, held,
                          cand_keys_row, cand_columns_row, out_ptr, out_stride_row, out_stride_col, table_ptr,
                          table_stride_row, table_stride_col, block_size, rows_per_request, STREAM_TILE,
-                         CANDIDATE_BLOCK, PAD_BLOCK, SLOTS)
+                         CANDIDATE_BLOCK, PAD_BLOCK, SLOTS, CARRY_SEARCH, LEAN, LEAN)
+
+
+@triton.jit
+def _map_piece(state_row, piece, num_pieces, piece_capacity, held, held_slots, before):
+    """Candidates ``held`` of the row numbered from ``before`` that gather ``piece`` stored get their slots
+    ``piece * piece_capacity + held - before`` in ``held_slots``; returns those and the next ``before``."""
+    count = tl.load(state_row + _PIECE_COUNTS + piece, mask=piece < num_pieces, other=0, cache_modifier=".cg")
+    in_piece = (held >= before) & (held < before + count)
+    return tl.where(in_piece, piece * piece_capacity + held - before, held_slots), before + count
+
+
+@triton.jit
+def _copy_piece(state_row, piece, num_pieces, piece_capacity, keys_row, columns_row, flat_keys_row,
+                flat_columns_row, copied, STREAM_TILE: tl.constexpr):
+    """Copies the candidates of gather ``piece`` (keys and columns) to the contiguous buffers from position
+    ``copied``; returns the next position."""
+    count = tl.load(state_row + _PIECE_COUNTS + piece, mask=piece < num_pieces, other=0, cache_modifier=".cg")
+    copy = tl.arange(0, STREAM_TILE)
+    moving = copy < count
+    tl.store(flat_keys_row + copied + copy,
+             tl.load(keys_row + piece * piece_capacity + copy, mask=moving, cache_modifier=".cg"), mask=moving)
+    tl.store(flat_columns_row + copied + copy,
+             tl.load(columns_row + piece * piece_capacity + copy, mask=moving, cache_modifier=".cg"), mask=moving)
+    return copied + count
 
 
 @triton.jit(do_not_specialize=["width", "k", "next_n", "state_stride", "piece_capacity", "flat_capacity",
@@ -1043,7 +1167,7 @@ def _row_pieces_kernel(
     table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
     STREAM_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, MAX_PIECES: tl.constexpr, PAD_BLOCK: tl.constexpr,
-    SLOTS: tl.constexpr,
+    SLOTS: tl.constexpr, CARRY: tl.constexpr, LEAN: tl.constexpr,
 ):
     """Gather launch of row programs: program ``row * MAX_PIECES + piece`` re-reads the qualifying groups
     ``[piece * TILE_GROUPS, (piece + 1) * TILE_GROUPS)`` of its row (ids and bound from the row program
@@ -1051,7 +1175,8 @@ def _row_pieces_kernel(
     region (``piece_capacity`` slots), and ``count`` in the row's state. The row's last piece program to
     finish (an acq_rel arrival counter) maps the candidates' positions to slots across the pieces (in
     registers; above ``CANDIDATE_BLOCK`` they are first copied to one contiguous buffer) and runs
-    ``_select_and_emit``. A row without qualifying groups still runs piece 0 (nothing gathered), which pads."""
+    ``_select_and_emit`` (with ``CARRY``, ``LEAN``). A row without qualifying groups still runs piece 0 (nothing
+    gathered), which pads."""
     TILE_GROUPS: tl.constexpr = STREAM_TILE // GROUP
     pid = tl.program_id(0)
     row = pid // MAX_PIECES
@@ -1087,39 +1212,40 @@ def _row_pieces_kernel(
             # at most j: slot p * piece_capacity + j - (counts before p).
             keys_row = cand_keys_ptr + row.to(tl.int64) * MAX_PIECES * piece_capacity
             columns_row = cand_columns_ptr + row.to(tl.int64) * MAX_PIECES * piece_capacity
+            # Unrolled (the pieces' count loads all in flight at once) up to _UNROLLED_PIECES pieces; more (rows
+            # far wider than 128K) loop, since unrolling them made compiles take minutes.
             held = tl.arange(0, CANDIDATE_BLOCK)
             held_slots = held
             before = row * 0
-            for other in tl.static_range(MAX_PIECES):
-                count = tl.load(state_row + _PIECE_COUNTS + other, mask=other < num_pieces, other=0,
-                                cache_modifier=".cg")
-                in_other = (held >= before) & (held < before + count)
-                held_slots = tl.where(in_other, other * piece_capacity + held - before, held_slots)
-                before += count
+            if MAX_PIECES <= _UNROLLED_PIECES:
+                for other in tl.static_range(MAX_PIECES):
+                    held_slots, before = _map_piece(state_row, other, num_pieces, piece_capacity, held, held_slots,
+                                                    before)
+            else:
+                for other in range(MAX_PIECES):
+                    held_slots, before = _map_piece(state_row, other, num_pieces, piece_capacity, held, held_slots,
+                                                    before)
             num_candidates = before
             if num_candidates > CANDIDATE_BLOCK:
                 flat_keys_row = flat_keys_ptr + row.to(tl.int64) * flat_capacity
                 flat_columns_row = flat_columns_ptr + row.to(tl.int64) * flat_capacity
-                copy = tl.arange(0, STREAM_TILE)
                 copied = row * 0
-                for other in tl.static_range(MAX_PIECES):
-                    count = tl.load(state_row + _PIECE_COUNTS + other, mask=other < num_pieces, other=0,
-                                    cache_modifier=".cg")
-                    moving = copy < count
-                    tl.store(flat_keys_row + copied + copy,
-                             tl.load(keys_row + other * piece_capacity + copy, mask=moving, cache_modifier=".cg"),
-                             mask=moving)
-                    tl.store(flat_columns_row + copied + copy,
-                             tl.load(columns_row + other * piece_capacity + copy, mask=moving, cache_modifier=".cg"),
-                             mask=moving)
-                    copied += count
+                if MAX_PIECES <= _UNROLLED_PIECES:
+                    for other in tl.static_range(MAX_PIECES):
+                        copied = _copy_piece(state_row, other, num_pieces, piece_capacity, keys_row, columns_row,
+                                             flat_keys_row, flat_columns_row, copied, STREAM_TILE)
+                else:
+                    for other in range(MAX_PIECES):
+                        copied = _copy_piece(state_row, other, num_pieces, piece_capacity, keys_row, columns_row,
+                                             flat_keys_row, flat_columns_row, copied, STREAM_TILE)
                 tl.debug_barrier()
                 keys_row = flat_keys_row
                 columns_row = flat_columns_row
-            _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusive, num_candidates,
+            row_max = tl.load(state_row + _PIECE_ROW_MAX)
+            _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusive, row_max, num_candidates,
                              held_slots, keys_row, columns_row, out_ptr, out_stride_row, out_stride_col, table_ptr,
                              table_stride_row, table_stride_col, block_size, rows_per_request, STREAM_TILE,
-                             CANDIDATE_BLOCK, PAD_BLOCK, SLOTS)
+                             CANDIDATE_BLOCK, PAD_BLOCK, SLOTS, CARRY, LEAN, LEAN)
 
 
 @triton.jit(do_not_specialize=["k", "block_size"])
@@ -1215,22 +1341,15 @@ def _launch_row_tile(logits, k, bounds, out, next_n, slot_args, block, elements,
     )
 
 
-# Rows of the per-device arrival counters of ``fused_bound`` launches (calls with more rows take the unfused ones).
-_ARRIVAL_ROWS = 4096
-_arrival_buffers: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrival_counters(device: torch.device, num_rows: int) -> torch.Tensor | None:
-    """The per-row arrival counters of ``_maxima_bound_kernel``: zero between calls (each row's last program
-    resets its own), so one buffer per device serves every call on it. Made by the first call outside a CUDA-graph
-    capture and never freed (captured graphs keep its address); None while none exists during a capture, or
-    when the call has more than ``_ARRIVAL_ROWS`` rows."""
-    counters = _arrival_buffers.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = _arrival_buffers[device] = torch.zeros(_ARRIVAL_ROWS, dtype=torch.int32, device=device)
-    return counters if num_rows <= _ARRIVAL_ROWS else None
+def _carry(config, tile, warps):
+    """``CARRY`` of the two-bit searches over a 1-D tile of ``tile`` keys in ``warps`` warps (``_reaching``): -1
+    (compare the keys) without ``config.carry_search``; else 0 under the interpreter (no inline PTX there: the
+    images compared), 4 where each thread holds a multiple of 4 of the tile's keys, else 1."""
+    if not config.carry_search:
+        return -1
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return 0
+    return 4 if tile % (4 * 32 * warps) == 0 else 1
 
 
 def _launch_split(logits, k, bounds, out, next_n, bounds_flags, slot_args, config):
@@ -1253,34 +1372,35 @@ def _launch_split(logits, k, bounds, out, next_n, bounds_flags, slot_args, confi
     state = torch.empty((num_rows, state_stride), dtype=torch.int32, device=device)
     group_max = torch.empty((num_rows, group_tile), dtype=torch.int32, device=device)
     candidates = torch.empty((num_rows, capacity), dtype=torch.int32, device=device)
+    ordered = config.split_ordered_candidates
+    candidate_columns = torch.empty_like(candidates) if ordered else candidates
     grid = (num_rows * num_chunks,)
     rows_args = (logits, logits.stride(0), logits.stride(1), *bounds)
     warps = config.split_warps
     sizes = dict(CHUNK=chunk, GROUP=group, GROUP_TILE=group_tile)
-    arrivals = _arrival_counters(device, num_rows) if config.fused_bound else None
-    if arrivals is None:
-        _split_group_max_kernel[grid](
-            *rows_args, group_max, state, state_stride, width, next_n, num_chunks,
-            CHUNK=chunk, GROUP=group, MAXIMA_STRIDE=group_tile, CLEAR_FLAGS=True, num_warps=warps, **bounds_flags,
-        )
+    chunk_bound = config.split_chunk_bound
+    _split_group_max_kernel[grid](
+        *rows_args, group_max, state, state_stride, width, next_n, num_chunks, CHUNK=chunk, GROUP=group,
+        MAXIMA_STRIDE=group_tile, CLEAR_FLAGS=True, CLEAR_COUNTS=chunk_bound, num_warps=warps, **bounds_flags,
+    )
+    if not chunk_bound:
         _split_low_bound_kernel[(num_rows,)](
-            *bounds, group_max, state, state_stride, width, k, next_n, enough, num_warps=8, **sizes, **bounds_flags,
-        )
-    else:
-        _maxima_bound_kernel[grid](
-            *rows_args, group_max, state, state_stride, arrivals, width, k, next_n, num_chunks, enough,
-            SPLIT=True, num_warps=warps, **sizes, **bounds_flags,
+            *bounds, group_max, state, state_stride, width, k, next_n, enough, CARRY=_carry(config, group_tile, 8),
+            num_warps=8, **sizes, **bounds_flags,
         )
     _split_candidates_kernel[grid](
-        *rows_args, group_max, candidates, capacity, state, state_stride, width, k, next_n, num_rows, num_chunks,
-        CANDIDATE_BLOCK=candidate_block, EARLY_THRESHOLD=config.split_early_threshold, num_warps=warps, **sizes,
-        **bounds_flags,
+        *rows_args, group_max, candidates, candidate_columns, capacity, state, state_stride, width, k, next_n, num_rows,
+        num_chunks, enough, out, out.stride(0), out.stride(1), *slot_args[0], CANDIDATE_BLOCK=candidate_block,
+        CARRY=_carry(config, candidate_block, warps), LEAN=config.lean_search, CHUNK_BOUND=chunk_bound,
+        CARRY_BOUND=_carry(config, group_tile, warps), ORDERED=ordered, FLAG_TILE=flag_tile, PAD_BLOCK=_PAD_BLOCK,
+        num_warps=warps, **sizes, **bounds_flags, **slot_args[1],
     )
-    _split_emit_kernel[grid](
-        *rows_args, out, out.stride(0), out.stride(1), state, state_stride, width, k, next_n, num_chunks,
-        *slot_args[0], CHUNK=chunk, FLAG_TILE=flag_tile, PAD_BLOCK=_PAD_BLOCK, num_warps=warps, **bounds_flags,
-        **slot_args[1],
-    )
+    if not ordered:
+        _split_emit_kernel[grid](
+            *rows_args, out, out.stride(0), out.stride(1), state, state_stride, width, k, next_n, num_chunks,
+            *slot_args[0], CHUNK=chunk, FLAG_TILE=flag_tile, PAD_BLOCK=_PAD_BLOCK, num_warps=warps, **bounds_flags,
+            **slot_args[1],
+        )
 
 
 def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args, config):
@@ -1301,51 +1421,44 @@ def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args
     groups = torch.empty((num_rows, 2 * group_tile), dtype=torch.int32, device=device)
     stream = not (config.maxima_launch and group <= config.chunk <= stream_tile)
     pieces = config.gather_launch and config.row_stages >= 2
-    arrivals = _arrival_counters(device, num_rows) if config.fused_bound and not stream else None
     if pieces:
         # Each gather piece has its own candidate region of stream_tile slots.
         max_pieces = triton.cdiv(min(max(enough, k - 1), group_tile), stream_tile // group)
         state = torch.empty((num_rows, _PIECE_STATE_WORDS + max_pieces), dtype=torch.int32, device=device)
         cand_keys = torch.empty((num_rows, max_pieces * stream_tile), dtype=torch.int32, device=device)
     else:
-        state = groups if arrivals is None else torch.empty((num_rows, _PIECE_STATE_WORDS), dtype=torch.int32,
-                                                             device=device)
+        state = groups
         cand_keys = torch.empty((num_rows, capacity), dtype=torch.int32, device=device)
     cand_columns = torch.empty_like(cand_keys)
     if not stream:
         num_chunks = triton.cdiv(width, config.chunk)
-        maxima_args = (logits, logits.stride(0), logits.stride(1), *bounds, groups)
-        if arrivals is None:
-            _split_group_max_kernel[(num_rows * num_chunks,)](
-                *maxima_args, groups, 0, width, next_n, num_chunks,
-                CHUNK=config.chunk, GROUP=group, MAXIMA_STRIDE=2 * group_tile, CLEAR_FLAGS=False,
-                num_warps=config.split_warps, **bounds_flags,
-            )
-        else:
-            _maxima_bound_kernel[(num_rows * num_chunks,)](
-                *maxima_args, state, state.stride(0), arrivals, width, k, next_n, num_chunks, enough,
-                CHUNK=config.chunk, GROUP=group, GROUP_TILE=group_tile, SPLIT=False, num_warps=config.split_warps,
-                **bounds_flags,
-            )
-    if not (pieces and arrivals is not None):  # with the fused bound, the gather launch follows the maxima launch
-        _row_program_kernel[(num_rows,)](
-            logits, logits.stride(0), logits.stride(1), *bounds, out, out.stride(0), out.stride(1),
-            groups, cand_keys, cand_columns, capacity, state, state.stride(0), width, k, next_n, enough, *slot_args[0],
-            GROUP=group, GROUP_TILE=group_tile, STREAM_TILE=stream_tile, CANDIDATE_BLOCK=candidate_block,
-            PAD_BLOCK=_PAD_BLOCK, STREAM=stream, VECTOR_GATHER=config.vector_gather,
-            PREFETCH_GATHER=config.prefetch_gather, STAGES=1 if pieces else config.row_stages, STORE_STATE=pieces,
-            BOUND_FROM_STATE=arrivals is not None, num_warps=config.stream_warps, **bounds_flags, **slot_args[1],
+        _split_group_max_kernel[(num_rows * num_chunks,)](
+            logits, logits.stride(0), logits.stride(1), *bounds, groups, groups, 0, width, next_n, num_chunks,
+            CHUNK=config.chunk, GROUP=group, MAXIMA_STRIDE=2 * group_tile, CLEAR_FLAGS=False, CLEAR_COUNTS=False,
+            num_warps=config.split_warps, **bounds_flags,
         )
+    warps = config.stream_warps
+    carry_search = _carry(config, candidate_block, warps)
+    _row_program_kernel[(num_rows,)](
+        logits, logits.stride(0), logits.stride(1), *bounds, out, out.stride(0), out.stride(1),
+        groups, cand_keys, cand_columns, capacity, state, state.stride(0), width, k, next_n, enough, *slot_args[0],
+        GROUP=group, GROUP_TILE=group_tile, STREAM_TILE=stream_tile, CANDIDATE_BLOCK=candidate_block,
+        PAD_BLOCK=_PAD_BLOCK, STREAM=stream, VECTOR_GATHER=config.vector_gather,
+        PREFETCH_GATHER=config.prefetch_gather, STAGES=1 if pieces else config.row_stages, STORE_STATE=pieces,
+        CARRY_BOUND=_carry(config, group_tile, warps), CARRY_SEARCH=carry_search, LEAN=config.lean_search,
+        num_warps=warps, **bounds_flags, **slot_args[1],
+    )
     if pieces:
         flat_keys = torch.empty((num_rows, capacity), dtype=torch.int32, device=device)
         flat_columns = torch.empty_like(flat_keys)
+        registers = {} if config.pieces_max_registers is None else dict(maxnreg=config.pieces_max_registers)
         _row_pieces_kernel[(num_rows * max_pieces,)](
             logits, logits.stride(0), logits.stride(1), *bounds, out, out.stride(0), out.stride(1),
             groups, state, state.stride(0), cand_keys, cand_columns, stream_tile, flat_keys, flat_columns, capacity,
             width, k, next_n, *slot_args[0],
             GROUP=group, GROUP_TILE=group_tile, STREAM_TILE=stream_tile, CANDIDATE_BLOCK=candidate_block,
-            MAX_PIECES=max_pieces, PAD_BLOCK=_PAD_BLOCK, num_warps=config.stream_warps, **bounds_flags,
-            **slot_args[1],
+            MAX_PIECES=max_pieces, PAD_BLOCK=_PAD_BLOCK, CARRY=carry_search, LEAN=config.lean_search, num_warps=warps,
+            **registers, **bounds_flags, **slot_args[1],
         )
 
 
