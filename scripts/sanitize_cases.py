@@ -3,7 +3,9 @@
 The CUDA demo with both presets (Q RoPE + quantisation, K insert and gather, prefill and paged decode
 logits in FP8 and MXFP4, whole-row top-k), again with the decode logits forced onto the Gluon kernels on
 Hopper, then the wide-row top-k paths (few rows: split; some: gather pieces; many: row programs), with
-positions and with slots. Exits non-zero if a result differs from the
+positions and with slots, then the rows of a causal prompt (whole-row programs, carry-chain counts on the
+widest tiles), then the V4.1 candidate blocks on both select kernels (one program per row; split
+streaming with the last program selecting) and the mask. Exits non-zero if a result differs from the
 reference; the sanitizer reports bad accesses. Arguments pick parts (``demo``, ``gluon``, ``topk``;
 default: all), so that a time-capped run can be split.
 """
@@ -35,7 +37,34 @@ def wide_topk_cases() -> bool:
     return ok
 
 
-PARTS = ("demo", "gluon", "topk")
+def prefill_topk_case() -> bool:
+    """The rows of a 6000-token causal prompt (row i has i + 1 columns), k 2048: every whole-row tile width."""
+    gen = torch.Generator().manual_seed(1)
+    length, k = 6000, 2048
+    logits = torch.randn(length, length, generator=gen).cuda()
+    ends = torch.arange(1, length + 1, dtype=torch.int32).cuda()
+    return torch.equal(dsa.topk(logits, k, ends=ends), dsa.topk(logits, k, ends=ends, backend="reference"))
+
+
+def candidate_cases() -> bool:
+    """Candidate blocks of 8 over ragged windows of 20000-column rows, K 300: the fused and the split select."""
+    from dsa_indexer.ops.candidates.triton import select_candidate_blocks_triton
+
+    gen = torch.Generator().manual_seed(2)
+    rows, width, num_blocks_k, block_size = 6, 20000, 300, 8
+    logits = torch.randn(rows, width, generator=gen).cuda()
+    starts = torch.randint(0, 3000, (rows,), generator=gen).to(torch.int32).cuda()
+    ends = (starts + torch.randint(0, width - 3000, (rows,), generator=gen).to(torch.int32).cuda()).clamp(max=width)
+    expected = dsa.select_candidate_blocks(logits, starts, ends, num_blocks_k, block_size, backend="reference")
+    ok = all(torch.equal(select_candidate_blocks_triton(logits, starts, ends, num_blocks_k, block_size, 1,
+                                                        fused_pieces=pieces), expected) for pieces in (0, 8))
+    masked, masked_reference = logits.clone(), logits.clone()
+    dsa.apply_candidate_mask(masked, starts, ends, expected, block_size)
+    dsa.apply_candidate_mask(masked_reference, starts, ends, expected, block_size, backend="reference")
+    return ok and torch.equal(masked.view(torch.int32), masked_reference.view(torch.int32))
+
+
+PARTS = ("demo", "gluon", "topk", "candidates")
 
 if __name__ == "__main__":
     parts = sys.argv[1:] or list(PARTS)
@@ -50,6 +79,8 @@ if __name__ == "__main__":
         codes += [main(demo + ["--config", config]) for config in ("v32", "v41")]
         del os.environ[DECODE_KERNEL_ENV]
     torch.cuda.synchronize()
-    topk_ok = wide_topk_cases() if "topk" in parts else True
-    print(f"sanitize cases {parts}: demo exit codes {codes}, wide top-k equal to the reference: {topk_ok}")
-    sys.exit(0 if not any(codes) and topk_ok else 1)
+    topk_ok = wide_topk_cases() and prefill_topk_case() if "topk" in parts else True
+    candidates_ok = candidate_cases() if "candidates" in parts else True
+    print(f"sanitize cases {parts}: demo exit codes {codes}, top-k equal to the reference: {topk_ok}, "
+          f"candidate blocks equal to the reference: {candidates_ok}")
+    sys.exit(0 if not any(codes) and topk_ok and candidates_ok else 1)
