@@ -135,9 +135,7 @@ def test_gluon_decode_sweep_configs_give_the_default_bits_gpu(kernel_device, var
     """Every configuration the benchmark sweep times matches the reference and gives the default's bits
     (each draft row has its own accumulator whatever the schedule). ``persist1``: one persistent program
     per SM, so each program runs many work items (empty ones too) through the same ring and query slots."""
-    from dsa_indexer.ops.logits.gluon_decode import GLUON_DECODE_CONFIG
-
-    config = GLUON_SWEEP_CONFIGS.get(variant, GLUON_DECODE_CONFIG[:8] + (1,))
+    config = GLUON_SWEEP_CONFIGS.get(variant, GLUON_SWEEP_CONFIGS["cta3-copies"][:8] + (1,))
     lengths = [[max(0, n - 7 * t) for t in range(next_n)] for n in REQUEST_LENGTHS + [0, 3000, 64 * 50]]
     inputs = decode_inputs("fp8", lengths, next_n, kernel_device, heads=64, block_size=64, seed=45)
     result = check_gluon(inputs, clean=True, config=config)
@@ -148,9 +146,9 @@ def test_gluon_decode_sweep_configs_give_the_default_bits_gpu(kernel_device, var
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("variant, next_n", [("persist2-early", 2), ("persist2-coarse-early", 1),
-                                             ("persist2-coarse-early", 2), ("persist2-coarse-early", 3),
-                                             ("persist2-coarse-early-tma", 2)])
+@pytest.mark.parametrize("variant, next_n", [("persist2-early", 2), ("persist2-coarse-early-copies", 1),
+                                             ("persist2-coarse-early-copies", 2), ("persist2-coarse-early-copies", 3),
+                                             ("persist2-coarse-early", 2)])
 def test_gluon_decode_early_table_reads_stay_inside_the_table_gpu(kernel_device, variant, next_n):
     """An output wider than the block table (splits that start past its last column) and short requests
     beside a long one (first entries past a request's length are garbage ids): the early first-entry read
@@ -158,10 +156,14 @@ def test_gluon_decode_early_table_reads_stay_inside_the_table_gpu(kernel_device,
     lengths = [[max(0, n - 7 * t) for t in range(next_n)] for n in (40001, 0, 65, 3000)]
     inputs = decode_inputs("fp8", lengths, next_n, kernel_device, heads=64, block_size=64, extra_width=5000,
                            seed=49)
-    if variant.endswith("-tma"):
+    if _asks_tma(GLUON_SWEEP_CONFIGS[variant]):
         inputs = _aligned(inputs)
     check_gluon(inputs, clean=True, config=GLUON_SWEEP_CONFIGS[variant])
     check_gluon(inputs, clean=False, config=GLUON_SWEEP_CONFIGS[variant])
+
+
+def _asks_tma(config: tuple) -> bool:
+    return len(config) > 10 and bool(config[10])
 
 
 def _aligned(inputs: DecodeInputs) -> DecodeInputs:
@@ -176,7 +178,7 @@ def _aligned(inputs: DecodeInputs) -> DecodeInputs:
                         inputs.max_context_len)
 
 
-TMA_VARIANTS = ["cta3-tma", "persist2-coarse-early-tma", "persist4-one-row-tma"]
+TMA_VARIANTS = ["cta3", "persist2-coarse-early", "persist4-one-row"]  # the three defaults
 
 
 @pytest.mark.gpu
@@ -215,7 +217,7 @@ def test_gluon_decode_tma_pages_give_the_copies_bits_gpu(kernel_device, variant,
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("variant", ["cta3-tma", "persist4-one-row-tma"])
+@pytest.mark.parametrize("variant", ["cta3", "persist4-one-row"])
 def test_gluon_decode_tma_falls_back_to_copies_gpu(kernel_device, variant):
     """A TMA configuration on caches the descriptors cannot take (padded page stride; 16-key pages with 3
     heads) runs four cp.async warps: the reference's tier, and the default's bits."""
@@ -237,10 +239,10 @@ def test_gluon_decode_tma_pages_only_where_the_cache_allows():
     from dsa_indexer.cache import IndexerKCache
     from dsa_indexer.ops.logits.gluon_decode import _tma_pages
 
-    config = GLUON_SWEEP_CONFIGS["cta3-tma"]
+    config = GLUON_SWEEP_CONFIGS["cta3"]
     assert _tma_pages(IndexerKCache(4, block_size=64, head_dim=128, fmt="fp8"), config) is not None
-    default = gluon_decode.GLUON_DECODE_CONFIG
-    assert _tma_pages(IndexerKCache(4, block_size=64, head_dim=128, fmt="fp8"), default) is None
+    copies = GLUON_SWEEP_CONFIGS["cta3-copies"]
+    assert _tma_pages(IndexerKCache(4, block_size=64, head_dim=128, fmt="fp8"), copies) is None
     assert _tma_pages(IndexerKCache(4, block_size=64, head_dim=64, fmt="fp8"), config) is not None
     assert _tma_pages(IndexerKCache(4, block_size=16, head_dim=128, fmt="fp8"), config) is None
     assert _tma_pages(IndexerKCache(4, block_size=64, head_dim=256, fmt="fp8"), config) is None
@@ -254,9 +256,9 @@ def test_gluon_decode_tma_pages_only_where_the_cache_allows():
 def test_gluon_decode_replays_in_a_cuda_graph_with_changed_lengths_gpu(kernel_device, persistent):
     """The launcher reads nothing back to the host: captured once, replayed after the lengths change in
     place, it matches the reference on the new values."""
-    from dsa_indexer.ops.logits.gluon_decode import GLUON_DECODE_CONFIG, paged_mqa_logits_gluon
+    from dsa_indexer.ops.logits.gluon_decode import paged_mqa_logits_gluon
 
-    config = GLUON_DECODE_CONFIG[:8] + (1 if persistent else 0,)
+    config = GLUON_SWEEP_CONFIGS["cta3-copies"][:8] + (1 if persistent else 0,)
     inputs = decode_inputs("fp8", [[900, 901], [0, 64], [300, 17]], 2, kernel_device, heads=64, block_size=64,
                            seed=46)
     out = torch.full((6, inputs.max_context_len), POISON, device=kernel_device)
@@ -289,12 +291,12 @@ def test_gluon_decode_config_by_work_size():
     tested) configurations. MXFP4: the one-row configuration at next_n = 1."""
     config = gluon_decode.gluon_decode_config
     for batch, length in [(1, 131072), (32, 32768), (128, 131072)]:
-        assert config(batch, 1, length) == gluon_decode.GLUON_DECODE_CONFIG_ONE_ROW == (4, 8, 2, 32, 1, 4, 24, 64, 4)
+        assert config(batch, 1, length) == gluon_decode.GLUON_DECODE_CONFIG_ONE_ROW == (4, 8, 2, 32, 1, 1, 24, 64, 4, 0, 1)
     for batch, length, next_n in [(32, 131072, 2), (128, 32768, 2), (128, 131072, 2), (32, 131072, 4)]:
-        assert config(batch, next_n, length) == gluon_decode.GLUON_DECODE_CONFIG == (4, 8, 2, 32, 2, 4, 32, 80, 0)
+        assert config(batch, next_n, length) == gluon_decode.GLUON_DECODE_CONFIG == (4, 8, 2, 32, 2, 1, 24, 80, 0, 0, 1)
     for batch, length, next_n in [(32, 32768, 2), (32, 32768, 4), (1, 131072, 2), (2, 1024, 3)]:
         assert config(batch, next_n, length) == gluon_decode.GLUON_DECODE_CONFIG_SMALL
-    assert gluon_decode.GLUON_DECODE_CONFIG_SMALL == (4, 4, 2, 32, 2, 4, 40, 128, 2, 1)
+    assert gluon_decode.GLUON_DECODE_CONFIG_SMALL == (4, 4, 2, 32, 2, 1, 24, 128, 2, 1, 1)
     defaults = {gluon_decode.GLUON_DECODE_CONFIG, gluon_decode.GLUON_DECODE_CONFIG_SMALL,
                 gluon_decode.GLUON_DECODE_CONFIG_ONE_ROW}
     assert defaults <= set(GLUON_SWEEP_CONFIGS.values())

@@ -100,21 +100,23 @@ _SELECT_FUSED = True
 _FUSED_MAX_BLOCKS = 16384  # 32 images per thread of 16 warps; the search packs two counts per int32 (< 2**15 each)
 _FUSED_WARPS = 16  # 128 registers, one program per SM (32 warps, 64 registers, spilled: +27% in run 6)
 _FUSED_STEP = 16384  # logits per streaming step (BLOCK_J x blocks per step); 8192: +4% in run 6
-# Split select from _SPLIT_MIN_ROWS rows on (session 5 round 1, cold graph: R 512 134.9 µs against 154.1 for one
-# program per row; R 64 61.7 against 45.3; the crossover between 64 and 512 is unmeasured): programs per row, their
-# warps, register cap (three programs per SM: a selecting one beside streaming ones), the selection's chunk of
-# images re-read by every pass, and the logits per streaming step.
+# Split select from _SPLIT_MIN_ROWS rows on (session 5 rounds 1-2, cold graph, the defaults below: R 512 127.7 µs
+# against 150.5 for one program per row, R 256 85.9 against 89.4; below, one program per row wins: R 128 54.9
+# against 69.2, R 64 43.9 against 49.2): programs per row, their warps, register cap (three programs per SM: a
+# selecting one beside streaming ones), the selection's chunk of images re-read by every pass, and the logits per
+# streaming step.
 _SPLIT_MIN_ROWS = 256
-_SPLIT_PIECES = 8
+_SPLIT_PIECES = 4  # round 2: 127.7 µs against 130.9 for 8 pieces at R 512
 _SPLIT_WARPS = 8
 _SPLIT_MAX_REGISTERS = 80
 _SPLIT_CHUNK = 2048
 _SPLIT_STEP = 8192
-# Session 5 round 2 candidate, off until measured: the search counts with carry chains (~1.5 instead of ~4.25
-# instructions per image and probe; the interpreter always compares).
-_CARRY_COUNTS = False
-# Session 5 round 2 candidate, off until measured: the split select's emit without a cross-thread scan per chunk.
-_SPLIT_PRESCAN = False
+# Both kernels' searches count with carry chains (~1.5 instead of ~4.25 instructions per image and probe; the
+# interpreter compares): session 5 round 2, R 512 split 132.5 against 134.3 µs, R 64 fused 43.9 against 45.9.
+_CARRY_COUNTS = True
+# The split select's emit scans the row's run counts once instead of once per chunk (round 2: 127.7 against
+# 132.5 µs at R 512).
+_SPLIT_PRESCAN = True
 _PAD_BLOCK = 1024
 
 

@@ -63,40 +63,40 @@ BLOCK_K = gl.constexpr(64)  # positions per key tile: one wgmma M tile
 # ``_fill_tiles_tma``, taken where the cache allows: ``_tma_pages``). Warp specialisation
 # rounds the warps up to whole warpgroups (4 consumer + 4 producer = 256 threads), so the cap decides the
 # programs per SM: 128 gives two, 80 three, 64 four (the consumer gets 2 * cap - producer registers).
-# Measured winners (H200, cold-L2 graph replays, NOTES_logits.md runs 6 and 9), picked per call by
-# ``gluon_decode_config``: draft rows at ``batch * max_context_len >= GLUON_LARGE_KEYS``: three programs per
-# SM, one work item each.
-GLUON_DECODE_CONFIG = (4, 8, 2, 32, 2, 4, 32, 80, 0)
+# Measured winners (H200, cold-L2 graph replays, NOTES_logits.md runs 6 and 9, session 5 round 2), picked per
+# call by ``gluon_decode_config``; all three take keys, scales and queries by TMA from one producer warp
+# (two copies a tile, one per query row; session 5 round 2: 1.02-1.11x against four cp.async warps). Draft rows
+# at ``batch * max_context_len >= GLUON_LARGE_KEYS``: three programs per SM, one work item each (168.5 vs 187.8 µs
+# at B = 32, L = 128K, next_n = 2).
+GLUON_DECODE_CONFIG = (4, 8, 2, 32, 2, 1, 24, 80, 0, 0, 1)
 # Draft rows below that: two persistent programs per SM (the next item's loads hide its prologue), 4 items
 # per SM aimed at (long splits: fewer per-item query copies and first-entry chains), each item's first table
-# entry read beside its lengths (``persist2-coarse-early``: 14.1 vs 15.2 µs at B = 1, L = 128K, 53.7 vs 56.3
-# at B = 32, L = 32K; run 9).
-GLUON_DECODE_CONFIG_SMALL = (4, 4, 2, 32, 2, 4, 40, 128, 2, 1)
+# entry read beside its lengths (``persist2-coarse-early-tma``: 13.95 µs at B = 1, L = 128K, 51.5 at B = 32,
+# L = 32K).
+GLUON_DECODE_CONFIG_SMALL = (4, 4, 2, 32, 2, 1, 24, 128, 2, 1, 1)
 # next_n = 1: four persistent programs per SM (one accumulator: 104 consumer registers, no spills).
-GLUON_DECODE_CONFIG_ONE_ROW = (4, 8, 2, 32, 1, 4, 24, 64, 4)
+GLUON_DECODE_CONFIG_ONE_ROW = (4, 8, 2, 32, 1, 1, 24, 64, 4, 0, 1)
 GLUON_LARGE_KEYS = 1 << 22
 # Configurations timed by the benchmark sweep (each is tested against the reference and the default's bits):
-# the three defaults and the steps from the previous small-shape default to the current one (the variants that
-# lost in runs 5-9 are recorded in NOTES_logits.md, not kept here). Consumer registers: 216 at cap 128 /
-# producer 40, 128 at cap 80 / producer 32 (no spills at next_n = 2), 104 at cap 64 / producer 24 (no spills
-# at next_n = 1 only). Shared memory per program at next_n = 2: ~50 KB, ~67 KB with two query slots
-# (persistent), +8.4 KB a stage.
+# the three defaults, their cp.async twins (four producer warps: the defaults until session 5, and the path a
+# cache that TMA cannot take runs) and the steps from the session-3 small-shape default to the current one (the
+# variants that lost in runs 5-9 and in session 5 are recorded in NOTES_logits.md, not kept here). Consumer
+# registers: 216 at cap 128 / producer 40, 128 at cap 80 / producer 32 (no spills at next_n = 2), 104 at cap 64 /
+# producer 24 (no spills at next_n = 1 only). Shared memory per program at next_n = 2: ~50 KB, ~67 KB with two
+# query slots (persistent), +8.4 KB a stage.
 GLUON_SWEEP_CONFIGS = {
     "cta3": GLUON_DECODE_CONFIG,
     "persist4-one-row": GLUON_DECODE_CONFIG_ONE_ROW,
+    "persist2-coarse-early": GLUON_DECODE_CONFIG_SMALL,
+    "cta3-copies": (4, 8, 2, 32, 2, 4, 32, 80, 0),
+    "persist4-one-row-copies": (4, 8, 2, 32, 1, 4, 24, 64, 4),
     # The small-shape default until session 4: 8 items per SM aimed at, the first table entry after the lengths.
     "persist2": (4, 8, 2, 32, 2, 4, 40, 128, 2),
     # The first table entry beside the lengths: one cold read less in the chain before the first keys.
     "persist2-early": (4, 8, 2, 32, 2, 4, 40, 128, 2, 1),
     # Twice the tiles a split (4 items per SM aimed at): half the items, so half the per-item query copies
     # (16 KB each at next_n = 2, as much as a 2-tile item's keys) and first-entry chains at small shapes.
-    "persist2-coarse-early": GLUON_DECODE_CONFIG_SMALL,
-    # Session 5 round 2 candidates (measure first): the three defaults with keys, scales and queries copied by
-    # TMA (two copies a tile and one per query row from one producer warp, instead of four warps of cp.async).
-    # MXFP4's same change: 1.08-1.17x at next_n = 1, 1.05-1.10x at 2 (NOTES_logits.md, session 5 round 1).
-    "cta3-tma": (4, 8, 2, 32, 2, 1, 24, 80, 0, 0, 1),
-    "persist2-coarse-early-tma": (4, 4, 2, 32, 2, 1, 24, 128, 2, 1, 1),
-    "persist4-one-row-tma": (4, 8, 2, 32, 1, 1, 24, 64, 4, 0, 1),
+    "persist2-coarse-early-copies": (4, 4, 2, 32, 2, 4, 40, 128, 2, 1),
 }
 # Smallest ``batch * max_context_len`` the dispatch sends to the Gluon kernel, by draft rows (see
 # ``gluon_decode_preferred``).

@@ -278,8 +278,13 @@ class TopkConfig:
 
 # Measured on the H200 (benchmarks/NOTES_topk.md, v6): the split path below 8 rows, gather-piece launches
 # (8 warps, 4096-column pieces) from 8 to 64 rows, plain row programs above; whole rows (v8): carry counts with
-# the plateau check every 16 bits (the class defaults).
-DEFAULT_CONFIG = TopkConfig(row_program_rows=8, pieces_max_rows=64)
+# the plateau check every 16 bits (the class defaults). Decode (v11, session 5 round 2, random L = 128K, k 2048 /
+# 512): the split path in two launches of 8-warp programs (chunk-local bound, ordered candidates) 12.9 / 12.0 µs
+# at R = 1 (was 17.0 / 16.6); carry-chain, lean searches everywhere and two gather programs per SM: R = 32 35.3 /
+# 25.7, R = 64 43.7 / 32.5 (was 38.6 / 28.1, 45.2 / 34.9), R = 128 62.8 / 47.9 (was 66.2 / 49.8).
+DEFAULT_CONFIG = TopkConfig(row_program_rows=8, pieces_max_rows=64, pieces_max_registers=128, split_warps=8,
+                            carry_search=True, lean_search=True, split_chunk_bound=True,
+                            split_ordered_candidates=True)
 
 
 @triton.jit
