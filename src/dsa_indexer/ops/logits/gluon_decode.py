@@ -6,15 +6,17 @@ tile). A program runs one work item, or, persistent, items ``pid, pid + programs
 per SM), so that the next item's first loads overlap this item's last tiles instead of a new program's
 prologue (lengths, block table, first keys: dependent cold reads). What changes is who waits for what:
 
-- A producer partition (``PRODUCER_WARPS`` warps, few registers) copies each item's queries into a
-  query slot (two slots when persistent, handed back through ``query_empty``), then, per key tile, the
-  block-table entries (one tile ahead, in registers), the ``[64, D]`` e4m3 keys and their 64 fp32 scales
-  with cp.async into a ``NUM_STAGES`` shared-memory ring whose use count runs on across items. Each copy
-  signals a per-stage ``ready`` mbarrier (every producer thread arrives when its own copies land); the
-  consumer hands the stage back through an ``empty`` mbarrier. Optionally (config field 10, caches that
-  allow it: ``_tma_pages``) one producer warp issues TMA copies instead, two a tile and one per query row,
-  on the barriers' transaction counts (``_fill_tiles_tma``): a few instructions a tile instead of four
-  warps' address arithmetic and 16-byte cp.async (other caches keep the four cp.async warps).
+- A producer partition (one warp, few registers) copies each item's queries into a query slot (two slots
+  when persistent, handed back through ``query_empty``), then, per key tile, the block-table entry (one
+  tile ahead, in a register), the ``[64, D]`` e4m3 keys and their 64 fp32 scales into a ``NUM_STAGES``
+  shared-memory ring whose use count runs on across items: TMA copies (``_fill_tiles_tma``), two a tile
+  and one per query row, on the transaction counts of the per-stage ``ready`` and the slot's
+  ``query_ready`` mbarriers. The consumer hands each stage back through an ``empty`` mbarrier. Caches
+  TMA cannot take (unaligned, a page stride that is not a multiple of a key row, pages smaller than a
+  tile, ``D > 128``: ``_tma_pages``) get the cp.async producer instead (``_fill_tiles``: four warps'
+  per-thread 16- or 4-byte copies, each thread arriving on ``ready`` when its own copies land; same bytes
+  in shared memory, same results). The TMA producer is 1.01-1.12x faster (NOTES_logits.md, session 5
+  round 2): fewer instructions and fewer warps competing with the consumers for issue slots.
 - The consumer (one warpgroup, the default partition) never waits for memory once the ring is ahead:
   per tile it issues one asynchronous ``[64 keys, D] x [D, BLOCK_H heads]`` wgmma per draft row (keys on
   M, heads on N, both operands from shared memory), then waits for row 0 only and runs its epilogue
@@ -59,13 +61,14 @@ BLOCK_K = gl.constexpr(64)  # positions per key tile: one wgmma M tile
 # (cp.async ring stages, work items per SM aimed at, key tiles per split min/max, draft rows per program at
 # most (1 or 2), producer warps, producer registers per thread, register cap per thread at launch,
 # persistent programs per SM: 0 = one program per work item, and optionally whether each item's first
-# table entry is read beside its lengths: 0/1, default 0, and TMA page copies: 0/1, default 0, see
-# ``_fill_tiles_tma``, taken where the cache allows: ``_tma_pages``). Warp specialisation
-# rounds the warps up to whole warpgroups (4 consumer + 4 producer = 256 threads), so the cap decides the
-# programs per SM: 128 gives two, 80 three, 64 four (the consumer gets 2 * cap - producer registers).
+# table entry is read beside its lengths: 0/1, 0 when absent, and TMA page copies: 0/1, 0 when absent (the
+# cp.async producer), see ``_fill_tiles_tma``, taken where the cache allows: ``_tma_pages``; the three
+# defaults set it). Warp specialisation rounds the producer up to a whole warpgroup (4 consumer warps + 1 or
+# 4 producer warps = 256 threads), so the cap decides the programs per SM: 128 gives two, 80 three, 64 four
+# (the consumer gets 2 * cap - producer registers).
 # Measured winners (H200, cold-L2 graph replays, NOTES_logits.md runs 6 and 9, session 5 round 2), picked per
 # call by ``gluon_decode_config``; all three take keys, scales and queries by TMA from one producer warp
-# (two copies a tile, one per query row; session 5 round 2: 1.02-1.11x against four cp.async warps). Draft rows
+# (two copies a tile, one per query row; session 5 round 2: 1.01-1.12x against four cp.async warps). Draft rows
 # at ``batch * max_context_len >= GLUON_LARGE_KEYS``: three programs per SM, one work item each (168.5 vs 187.8 µs
 # at B = 32, L = 128K, next_n = 2).
 GLUON_DECODE_CONFIG = (4, 8, 2, 32, 2, 1, 24, 80, 0, 0, 1)
@@ -81,9 +84,9 @@ GLUON_LARGE_KEYS = 1 << 22
 # the three defaults, their cp.async twins (four producer warps: the defaults until session 5, and the path a
 # cache that TMA cannot take runs) and the steps from the session-3 small-shape default to the current one (the
 # variants that lost in runs 5-9 and in session 5 are recorded in NOTES_logits.md, not kept here). Consumer
-# registers: 216 at cap 128 / producer 40, 128 at cap 80 / producer 32 (no spills at next_n = 2), 104 at cap 64 /
-# producer 24 (no spills at next_n = 1 only). Shared memory per program at next_n = 2: ~50 KB, ~67 KB with two
-# query slots (persistent), +8.4 KB a stage.
+# registers: 232 at cap 128 (216 with the cp.async twin's 40 producer registers), 136 at cap 80 (128 with 32;
+# no spills at next_n = 2), 104 at cap 64 (no spills at next_n = 1 only). Shared memory per program at
+# next_n = 2: ~50 KB, ~67 KB with two query slots (persistent), +8.4 KB a stage.
 GLUON_SWEEP_CONFIGS = {
     "cta3": GLUON_DECODE_CONFIG,
     "persist4-one-row": GLUON_DECODE_CONFIG_ONE_ROW,
@@ -496,9 +499,10 @@ def _tma_pages(cache: IndexerKCache, config: tuple) -> tuple[TensorDescriptor, T
 
 def gluon_decode_preferred(batch: int, next_n: int, max_context_len: int) -> bool:
     """Whether the Gluon kernel beats the Triton one for this call (host integers only). Measured (H200,
-    cold-L2 graph replays, NOTES_logits.md run 6): draft rows (``next_n >= 2``) win from B = 1, L = 128K
-    up (1.25-1.37x); one row wins from B = 32, L = 32K (1M keys, 49.6 vs 51.1 µs) up, loses at B = 1,
-    L = 128K (13.8 vs 13.3 µs)."""
+    cold-L2 graph replays, NOTES_logits.md run 6 and session 5 round 2): draft rows (``next_n >= 2``) win
+    from B = 1, L = 128K up (1.25-1.37x with cp.async; 1.45x with TMA in the session 5 suite: 14.4 vs
+    21.0 µs); one row wins from B = 32, L = 32K (1M keys, 49.1 vs 51.7 µs) up, loses at B = 1, L = 128K
+    (13.44 with TMA vs 13.25 µs)."""
     keys = batch * max_context_len
     return keys >= (GLUON_MIN_KEYS_ONE_ROW if next_n == 1 else GLUON_MIN_KEYS_DRAFT_ROWS)
 

@@ -297,8 +297,9 @@ def _tma_pages(cache: IndexerKCache, config: tuple[int, ...]) -> tuple[TensorDes
 
 def gluon_mxfp4_decode_preferred(batch: int, next_n: int, max_context_len: int) -> bool:
     """Whether this kernel beats the Triton one for the call (host integers only). Measured (H200, cold-L2
-    graph replays, NOTES_logits.md run 6): 1.09-1.12x from B = 32, L = 32K (1M keys) up at next_n = 1 and 2;
-    slower at B = 1, L = 128K, next_n = 1 (20.8 vs 16.4-18.2 µs)."""
+    graph replays, NOTES_logits.md run 6): 1.09-1.12x from B = 32, L = 32K (1M keys) up at next_n = 1 and 2
+    with the cp.async producer, 1.10-1.38x with TMA (session 5 suite: 45.3 vs 60.1 µs at B = 32, L = 32K,
+    next_n = 1); slower at B = 1, L = 128K, next_n = 1 (run 6: 20.8 vs 16.4-18.2 µs)."""
     return batch * max_context_len >= GLUON_MXFP4_MIN_KEYS
 
 
