@@ -323,8 +323,7 @@ def test_select_variants_match_reference(kernel_device, variant, data):
 # The fused one-launch select (the default) in tiny streaming steps, so that interpreter rows span several.
 FUSED_SMALL_STEPS = dict(fused=True, fused_pieces=0, fused_step=16)
 FUSED_ALIGNMENT_VARIANTS = {"vector": dict(fused=True, fused_pieces=0, fused_step=128),
-                            "scalar": dict(fused=True, fused_pieces=0, fused_step=128, vector=False),
-                            "carry": dict(fused=True, fused_pieces=0, fused_step=128, fused_carry=True)}
+                            "scalar": dict(fused=True, fused_pieces=0, fused_step=128, vector=False)}
 
 
 @pytest.mark.parametrize("data", ["random", "ties", "close", "relu", "nan_and_neg_inf"])
@@ -372,14 +371,12 @@ def test_select_fused_aligned_starts_ties_pins_and_strides(kernel_device, varian
 
 
 # Split select (the default from _SPLIT_MIN_ROWS rows): several streaming programs per row, the last to finish
-# selects; with carry-chain counts (the interpreter compares: same counts) and the prescanned emit.
+# selects (on a GPU the search counts with carry chains; the interpreter compares: the same counts).
 SPLIT_VARIANTS = {"pieces_4": dict(fused_pieces=4, fused_piece_step=16),
                   "pieces_8_one_warp": dict(fused_pieces=8, fused_piece_warps=1, fused_piece_step=8),
                   "pieces_4_chunk_4": dict(fused_pieces=4, fused_piece_step=16, fused_piece_chunk=4),
-                  "pieces_4_chunk_8_prescan_carry": dict(fused_pieces=4, fused_piece_step=16, fused_piece_chunk=8,
-                                                         fused_piece_prescan=True, fused_carry=True),
-                  "pieces_2_one_warp_prescan_carry": dict(fused_pieces=2, fused_piece_warps=1, fused_piece_step=16,
-                                                          fused_piece_prescan=True, fused_carry=True)}
+                  "pieces_4_chunk_8": dict(fused_pieces=4, fused_piece_step=16, fused_piece_chunk=8),
+                  "pieces_2_one_warp": dict(fused_pieces=2, fused_piece_warps=1, fused_piece_step=16)}
 
 
 @pytest.mark.parametrize("variant", SPLIT_VARIANTS.values(), ids=SPLIT_VARIANTS.keys())
@@ -397,19 +394,17 @@ def test_select_split_matches_reference(kernel_device, variant, data, block_size
         assert torch.equal(actual, expected)
 
 
-@pytest.mark.parametrize("pieces,chunk,prescan,carry", [(2, 256, False, True), (16, 64, True, False),
-                                                        (2, 128, True, True)])
-def test_select_split_runs_ties_pins_and_strides(kernel_device, pieces, chunk, prescan, carry):
-    # One warp: 32 lanes over 256 padded blocks, several steps per piece (pieces 2), one step per piece (16); chunks
-    # of 256 (runs of 8; on a GPU 8 images per thread: 4-image carry sums), 128 (prescanned emit, two chunks, 4-image
-    # carry sums) and 64 (prescanned emit, four chunks). Aligned and unaligned starts, +inf blocks tying with the
-    # pin, equal maxima, an empty row, column-major and padded views, a strided out.
+@pytest.mark.parametrize("pieces,chunk", [(2, 256), (16, 64), (2, 128)])
+def test_select_split_runs_ties_pins_and_strides(kernel_device, pieces, chunk):
+    # One warp over 256 padded blocks, several steps per piece (pieces 2), one step per piece (16); chunks of 256
+    # (one chunk; on a GPU 8 images per thread: 4-image carry sums), 128 (two chunks, 4-image carry sums) and 64
+    # (four chunks, carry per image); the emit's runs of 4 ids. Aligned and unaligned starts, +inf blocks tying with
+    # the pin, equal maxima, an empty row, column-major and padded views, a strided out.
     logits, _, _, _ = case(5, 500, 13, "ties", device=kernel_device)
     logits[:, 90] = float("inf")
     starts = torch.tensor([0, 4, 3, 100, 497], dtype=torch.int32, device=kernel_device)
     ends = torch.tensor([500, 500, 499, 101, 497], dtype=torch.int32, device=kernel_device)
-    variant = dict(fused_pieces=pieces, fused_piece_warps=1, fused_piece_step=64, fused_piece_chunk=chunk,
-                   fused_piece_prescan=prescan, fused_carry=carry)
+    variant = dict(fused_pieces=pieces, fused_piece_warps=1, fused_piece_step=64, fused_piece_chunk=chunk)
     for num_blocks_k in (1, 2, 40, 200):
         expected = select_candidate_blocks(logits, starts, ends, num_blocks_k, 3, backend="reference")
         assert torch.equal(select_candidate_blocks_triton(logits, starts, ends, num_blocks_k, 3, 1, **variant),
@@ -441,8 +436,7 @@ def test_select_default_path_follows_the_row_count(kernel_device, monkeypatch):
         monkeypatch.undo()
 
 
-@pytest.mark.parametrize("carry", [False, True])
-def test_select_fused_all_equal_unselectable_and_too_wide_rows(kernel_device, carry):
+def test_select_fused_all_equal_unselectable_and_too_wide_rows(kernel_device):
     # Equal keys everywhere (the search ends on a one-key bracket), rows without selectable logits, and
     # rows wider than _FUSED_MAX_BLOCKS blocks (the two-launch path). 2048 and 4096 padded blocks: on a GPU,
     # carry counts summed by 4 in the asm.
@@ -450,7 +444,7 @@ def test_select_fused_all_equal_unselectable_and_too_wide_rows(kernel_device, ca
     for num_blocks_k, block_size in ((5, 2), (700, 2), (2000, 1)):
         expected = select_candidate_blocks(logits, None, ends, num_blocks_k, block_size, backend="reference")
         actual = select_candidate_blocks_triton(logits, None, ends, num_blocks_k, block_size, 1, fused=True,
-                                                fused_pieces=0, fused_step=1024, fused_carry=carry)
+                                                fused_pieces=0, fused_step=1024)
         assert torch.equal(actual, expected)
     wide = torch.randn(2, 2 * candidates_triton._FUSED_MAX_BLOCKS + 3, device=kernel_device)
     wide_ends = torch.tensor([wide.shape[1], 100], dtype=torch.int32, device=kernel_device)
@@ -538,13 +532,7 @@ def test_v41_shapes_select_variants(data, variant):
 
 # Bench-sized kernels (the configurations the sweep times).
 V41_FUSED_VARIANTS = {"fused": dict(fused_pieces=0), "fused_step_8192": dict(fused_pieces=0, fused_step=8192),
-                      "fused_carry": dict(fused_pieces=0, fused_carry=True),
-                      "split_8": dict(fused_pieces=8), "split_4": dict(fused_pieces=4),
-                      "split_8_carry": dict(fused_pieces=8, fused_carry=True),
-                      "split_4_carry": dict(fused_pieces=4, fused_carry=True),
-                      "split_8_prescan": dict(fused_pieces=8, fused_piece_prescan=True),
-                      "split_8_carry_prescan": dict(fused_pieces=8, fused_carry=True, fused_piece_prescan=True),
-                      "split_4_carry_prescan": dict(fused_pieces=4, fused_carry=True, fused_piece_prescan=True)}
+                      "split_4": dict(fused_pieces=4), "split_8": dict(fused_pieces=8)}
 
 
 @pytest.mark.gpu

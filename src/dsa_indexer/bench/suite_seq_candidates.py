@@ -182,27 +182,22 @@ def run(ceilings: dict[str, float]) -> list[dict]:
 
 # The defaults (runs 4 and 5 of session 3: 16-byte keys / mask / slot paths, mask fused with its
 # flags from 256 rows, streaming stores; run 6 of session 4: the fused one-launch select with the
-# interpolation search and prefetch; session 5: the split select from 256 rows) against the switches that turn
-# them off and the open candidates. The variants that lost (register / split-histogram select, 4-warp radix,
-# 16-warp mask, kept blocks rewritten, scalar block keys; fused: two bits a round, no prefetch, 32 warps, bracket
-# compaction, rolled steps, one id run per thread; split: keys in registers, 16 pieces, 16 warps) are gone;
-# their numbers are in benchmarks/NOTES_seq_candidates.md. A variant is a dict of keyword arguments or a function
-# of the row count returning one.
+# interpolation search and prefetch; session 5: the split select of 4 pieces from 256 rows, its emit prescanned,
+# carry-chain counts in both searches) against the switches that turn them off and the runners-up. The
+# variants that lost (register / split-histogram select, 4-warp radix, 16-warp mask, kept blocks rewritten, scalar
+# block keys; fused: two bits a round, no prefetch, 32 warps, bracket compaction, rolled steps, one id run per
+# thread; split: keys in registers, 16 pieces, 16 warps, a scan per emit chunk; compare counts) are gone; their
+# numbers are in benchmarks/NOTES_seq_candidates.md. A variant is a dict of keyword arguments or a function of the
+# row count returning one.
 SELECT_VARIANTS = {
     "default": {},
     # The path the default does not take at this row count (the split / fused crossover, _SPLIT_MIN_ROWS).
     "other_path": lambda num_rows: dict(fused_pieces=0 if num_rows >= candidates_triton._SPLIT_MIN_ROWS
                                         else candidates_triton._SPLIT_PIECES),
-    "split_4": dict(fused_pieces=4),
-    # Session 5 round 2 (NOTES "Session 5 round 2"): carry-chain counts in the search, the prescanned split emit.
-    "fused_carry": dict(fused_pieces=0, fused_carry=True),
-    "split_8_carry": dict(fused_pieces=8, fused_carry=True),
-    "split_4_carry": dict(fused_pieces=4, fused_carry=True),
-    "split_8_carry_prescan": dict(fused_pieces=8, fused_carry=True, fused_piece_prescan=True),
-    "split_4_carry_prescan": dict(fused_pieces=4, fused_carry=True, fused_piece_prescan=True),
+    "split_8": dict(fused_pieces=8),  # session 5 round 2: R 512 130.9 against 127.7 µs, R 256 85.7 against 85.9
 }
 # The variants timed at the row counts of ``--subset-rows`` (the crossover's shapes).
-SUBSET_VARIANTS = ("default", "other_path", "split_4", "split_8_carry_prescan", "split_4_carry_prescan")
+SUBSET_VARIANTS = ("default", "other_path", "split_8")
 
 
 def _select_kwargs(variant, num_rows: int) -> dict:

@@ -43,12 +43,12 @@ padding. ``fused_pieces`` (default: ``_SPLIT_PIECES`` from ``_SPLIT_MIN_ROWS`` r
   scratch row of images; the last of them to finish (an acq_rel arrival counter per row, zeroed by the host in
   the same stream) selects the row, re-reading the images in chunks in every pass, which keeps the kernel's
   registers to the streaming's (three programs per SM): the selection of one row overlaps the streaming of later
-  rows. Session 5 round 1 (R 512, cold CUDA graph): 134.9 µs (8 pieces) against 154.1 for one program per row.
+  rows. Its emit scans the row's run counts once (``_emit_prescanned``), then ranks within each run. Session 5
+  round 2 (R 512, cold CUDA graph): 127.7 µs (4 pieces) against 150.5 for one program per row.
 
-Candidates, off until measured: ``_CARRY_COUNTS`` (``fused_carry``): the search counts with carry chains
-(``_reach_pair``, ``_reach_accumulate``: ~1.5 instead of ~3.7-4.25 SASS instructions per image and probe);
-``_SPLIT_PRESCAN`` (``fused_piece_prescan``): the split select's emit with one scan for the whole row
-(``_emit_prescanned``) instead of one per chunk (``_emit_per_chunk``).
+Both searches count the probes with carry chains (``_reach_pair``, ``_reach_accumulate``: PTX ``add.cc`` +
+``addc``, ~1.5 instead of ~3.7-4.25 SASS instructions per image and probe; session 5 round 2: R 512 -1.3%, R 64
+-4.4%); under Triton's CPU interpreter, which cannot run inline PTX, they compare instead (the same counts).
 
 ``apply_candidate_mask`` builds one flag byte per block and row (set for every listed id in
 ``[0, row blocks)``) and runs ``_mask_kernel``, which walks the row's tiles and stores ``-inf`` on
@@ -111,12 +111,6 @@ _SPLIT_WARPS = 8
 _SPLIT_MAX_REGISTERS = 80
 _SPLIT_CHUNK = 2048
 _SPLIT_STEP = 8192
-# Both kernels' searches count with carry chains (~1.5 instead of ~4.25 instructions per image and probe; the
-# interpreter compares): session 5 round 2, R 512 split 132.5 against 134.3 µs, R 64 fused 43.9 against 45.9.
-_CARRY_COUNTS = True
-# The split select's emit scans the row's run counts once instead of once per chunk (round 2: 127.7 against
-# 132.5 µs at R 512).
-_SPLIT_PRESCAN = True
 _PAD_BLOCK = 1024
 
 
@@ -352,10 +346,9 @@ def _probe(value, low, high):
 def _reach_pair(images, first, second, CARRY: tl.constexpr):
     """int32 partial counts ``#(images >= first) + #(images >= second) * 2**16`` of the uint32 ``images``
     (thresholds int64 scalars in ``[1, 2**32)``): summed over ``images`` they are the two packed counts.
-    ``CARRY`` 0: compare and select of a constant (a compare, a select and half an add per image and
-    threshold); 1 / 4: topk's ``_reaches_unsigned`` carry counts (PTX ``add.cc`` + ``addc``; 4 sums every 4
+    ``CARRY`` 1 / 4: topk's ``_reaches_unsigned`` carry counts (PTX ``add.cc`` + ``addc``; 4 sums every 4
     images of a thread in the asm: ~1.5 instructions per image and threshold; needs a multiple of 4 images
-    per thread)."""
+    per thread); 0 (Triton's CPU interpreter, which cannot run inline PTX): compare and select of a constant."""
     first = first.to(tl.uint32)
     second = second.to(tl.uint32)
     if CARRY == 0:
@@ -537,13 +530,8 @@ def _scratch_probe_counts(keys_row, below, above, middle, halving, NB: tl.conste
             reach_halving = _reach_accumulate(reach_halving, images, halving)
         first = reach_below + (reach_above << 16)
         second = reach_middle + (reach_halving << 16)
-    elif CARRY == 1:
+    else:  # CARRY 1, or 0 under the interpreter
         for c in tl.static_range(NB // CHUNK):
-            images = _load_images(keys_row, c * CHUNK + lanes)  # [CHUNK]
-            first += _reach_pair(images, below, above, CARRY)
-            second += _reach_pair(images, middle, halving, CARRY)
-    else:
-        for c in range(NB // CHUNK):  # unrolled by the compiler (static_range: spills at 80 registers)
             images = _load_images(keys_row, c * CHUNK + lanes)  # [CHUNK]
             first += _reach_pair(images, below, above, CARRY)
             second += _reach_pair(images, middle, halving, CARRY)
@@ -575,34 +563,6 @@ def _emit_counts(images, block_ids, t, num_blocks):
 
 
 @triton.jit
-def _emit_per_chunk(keys_row, t, num_blocks, num_blocks_k, out_row, out_stride_col, NB: tl.constexpr,
-                    CHUNK: tl.constexpr, LANES: tl.constexpr, PAD_BLOCK: tl.constexpr):
-    """The emit of ``_select_from_scratch``: a pass for the totals, then per chunk (``[LANES, CHUNK // LANES]``,
-    one run of ids per row of the tensor) a scan within each run plus one scan of the run totals."""
-    RUN: tl.constexpr = CHUNK // LANES
-    chunk_ids = tl.arange(0, LANES)[:, None] * RUN + tl.arange(0, RUN)[None, :]  # [LANES, RUN]
-    counted = tl.zeros([LANES, RUN], tl.int32)
-    for c in range(NB // CHUNK):  # a loop: one chunk of images in registers at a time
-        block_ids = c * CHUNK + chunk_ids
-        counted += _emit_counts(_load_images(keys_row, block_ids), block_ids, t, num_blocks)
-    totals = tl.sum(tl.sum(counted, axis=1), axis=0)
-    ties = tl.where(t == 0, 0, num_blocks_k - (totals & LOW_FIELD))
-    before = totals * 0  # packed counts of the earlier chunks
-    for c in range(NB // CHUNK):  # a loop: one chunk of images in registers at a time
-        block_ids = c * CHUNK + chunk_ids
-        counts = _emit_counts(_load_images(keys_row, block_ids), block_ids, t, num_blocks)  # [LANES, RUN]
-        run_totals = tl.sum(counts, axis=1)  # [LANES]
-        earlier_runs = tl.cumsum(run_totals, axis=0) - run_totals + before  # [LANES] exclusive
-        prefix = tl.cumsum(counts, axis=1) + earlier_runs[:, None]  # inclusive, in block-id order
-        before += tl.sum(run_totals, axis=0)
-        equal_rank = prefix >> 16
-        take = ((counts & LOW_FIELD) != 0) | (((counts >> 16) != 0) & (equal_rank <= ties))
-        position = (prefix & LOW_FIELD) + tl.minimum(equal_rank, ties) - 1
-        tl.store(out_row + position.to(tl.int64) * out_stride_col, block_ids, mask=take)
-    _pad_after_taken(out_row, out_stride_col, totals, ties, num_blocks_k, PAD_BLOCK)
-
-
-@triton.jit
 def _emit_prescanned(keys_row, t, num_blocks, num_blocks_k, out_row, out_stride_col, NB: tl.constexpr,
                      CHUNK: tl.constexpr, LANES: tl.constexpr, PAD_BLOCK: tl.constexpr):
     """The emit of ``_select_from_scratch`` in two passes over the NB images at ``keys_row``, as ``[LANES,
@@ -610,9 +570,9 @@ def _emit_prescanned(keys_row, t, num_blocks, num_blocks_k, out_row, out_stride_
     load of one thread). The first pass keeps every run's packed count (``[LANES, CHUNKS]``, run ``lane`` of chunk
     ``c`` at ``[lane, c]``) and one scan gives every run's offset; the second pass then ranks within each run and
     stores, with no cross-thread exchange per chunk. sm_90a SASS at the bench shape, per thread: ~220 instructions
-    a chunk plus ~1.2K once and ~10 barriers in all, against ``_emit_per_chunk``'s ~440 a chunk (its totals pass
-    included) and 13 barriers a chunk. Both passes are loops: unrolled, the compiler hoists every chunk's loads and
-    spills at 80 registers."""
+    a chunk plus ~1.2K once and ~10 barriers in all, against ~440 a chunk (a totals pass included) and 13 barriers
+    a chunk for the scan per chunk it replaced (session 5 round 2: -3.6% at R 512). Both passes are loops:
+    unrolled, the compiler hoists every chunk's loads and spills at 80 registers."""
     RUN: tl.constexpr = CHUNK // LANES
     CHUNKS: tl.constexpr = NB // CHUNK
     # At least RUN columns (the extra ones stay 0): fewer put copies of a column in one thread, on which Triton
@@ -644,12 +604,10 @@ def _emit_prescanned(keys_row, t, num_blocks, num_blocks_k, out_row, out_stride_
 
 @triton.jit
 def _select_from_scratch(keys_row, num_blocks, num_blocks_k, out_row, out_stride_col, NB: tl.constexpr,
-                         CHUNK: tl.constexpr, LANES: tl.constexpr, PAD_BLOCK: tl.constexpr, CARRY: tl.constexpr,
-                         PRESCAN: tl.constexpr):
+                         CHUNK: tl.constexpr, LANES: tl.constexpr, PAD_BLOCK: tl.constexpr, CARRY: tl.constexpr):
     """The selection of ``_split_select_kernel``: the row's NB images read in chunks of CHUNK (``[LANES, CHUNK
     // LANES]`` for the emit, one run of ids per row of the tensor) by every pass (bounds, search rounds, totals,
-    emit), so the selecting program needs no more registers than a streaming one. ``PRESCAN``: the emit of
-    ``_emit_prescanned`` instead of a scan per chunk."""
+    emit), so the selecting program needs no more registers than a streaming one."""
     lanes = tl.arange(0, CHUNK)  # [CHUNK]
     present = tl.zeros([CHUNK], tl.int32)
     lowest = tl.full([CHUNK], 0xFFFFFFFF, tl.uint32)
@@ -668,12 +626,7 @@ def _select_from_scratch(keys_row, num_blocks, num_blocks_k, out_row, out_stride
                                         tl.max(highest, axis=0).to(tl.int64) + 1, NB, CHUNK, CARRY)
         else:
             t = tl.full([], INF_IMAGE, tl.uint32)
-    if PRESCAN:
-        _emit_prescanned(keys_row, t, num_blocks, num_blocks_k, out_row, out_stride_col, NB, CHUNK, LANES,
-                         PAD_BLOCK)
-    else:
-        _emit_per_chunk(keys_row, t, num_blocks, num_blocks_k, out_row, out_stride_col, NB, CHUNK, LANES,
-                        PAD_BLOCK)
+    _emit_prescanned(keys_row, t, num_blocks, num_blocks_k, out_row, out_stride_col, NB, CHUNK, LANES, PAD_BLOCK)
 
 
 @triton.jit
@@ -701,7 +654,7 @@ def _split_select_kernel(
     row_repeat, num_blocks_k, stride_row, stride_col, out_stride_row, out_stride_col,
     HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr, STEPS: tl.constexpr,
     STEP_NB: tl.constexpr, PIECES: tl.constexpr, LANES: tl.constexpr, VECTOR: tl.constexpr,
-    PAD_BLOCK: tl.constexpr, SELECT_CHUNK: tl.constexpr, CARRY: tl.constexpr, PRESCAN: tl.constexpr,
+    PAD_BLOCK: tl.constexpr, SELECT_CHUNK: tl.constexpr, CARRY: tl.constexpr,
 ):
     """``PIECES`` programs per row (program ``row * PIECES + piece``): each streams blocks ``[piece * NB /
     PIECES, (piece + 1) * NB / PIECES)`` of its row (``STEPS`` steps of ``STEP_NB`` blocks) into the row's
@@ -733,7 +686,7 @@ def _split_select_kernel(
     arrived = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel", scope="gpu")
     if arrived == PIECES - 1:
         _select_from_scratch(keys_row, num_blocks, num_blocks_k, out_ptr + row * out_stride_row, out_stride_col,
-                             NB, SELECT_CHUNK, LANES, PAD_BLOCK, CARRY, PRESCAN)
+                             NB, SELECT_CHUNK, LANES, PAD_BLOCK, CARRY)
 
 
 @triton.jit(do_not_specialize=["row_repeat", "num_candidates"])
@@ -891,21 +844,19 @@ def select_from_keys(keys: torch.Tensor, starts: torch.Tensor | None, ends: torc
     return out
 
 
-def _carry_mode(carry: bool | None, elements: int, threads: int) -> int:
+def _carry_mode(elements: int, threads: int) -> int:
     """``CARRY`` of the search's counting for ``elements`` images counted at once by ``threads`` threads: 0
-    (compare) when off or under Triton's CPU interpreter (it cannot run inline PTX; the counts are the same), 4
-    when every thread holds a multiple of 4 of them, else 1."""
-    if not (_CARRY_COUNTS if carry is None else carry) or os.environ.get("TRITON_INTERPRET") == "1":
+    (compare) under Triton's CPU interpreter (it cannot run inline PTX; the counts are the same), 4 when every
+    thread holds a multiple of 4 of them, else 1."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
         return 0
     return 4 if elements % (4 * threads) == 0 else 1
 
 
 def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.Tensor, num_blocks_k: int,
                  block_size: int, row_repeat: int, out: torch.Tensor, *, vector: bool | None = None,
-                 step: int = _FUSED_STEP, carry: bool | None = None, pieces: int | None = None,
-                 piece_warps: int | None = None, piece_chunk: int | None = None,
-                 piece_max_registers: int | None = None, piece_step: int | None = None,
-                 piece_prescan: bool | None = None) -> torch.Tensor:
+                 step: int = _FUSED_STEP, pieces: int | None = None, piece_warps: int | None = None,
+                 piece_chunk: int | None = None, piece_step: int | None = None) -> torch.Tensor:
     """Rows of at most ``_FUSED_MAX_BLOCKS`` blocks in one launch. ``pieces`` (default: ``_SPLIT_PIECES`` from
     ``_SPLIT_MIN_ROWS`` rows on, else 0) picks the kernel:
 
@@ -913,14 +864,11 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
       step. Needs ``next_power_of_2(block_size) <= step`` (``select_candidate_blocks_triton`` checks it).
     - > 0: ``_split_select_kernel``, ``pieces`` programs of ``piece_warps`` (default ``_SPLIT_WARPS``) warps per
       row (at most one per block), the last to finish selecting with the images re-read in chunks of
-      ``piece_chunk`` (default ``_SPLIT_CHUNK``, capped at the row's); ``piece_max_registers`` (default
-      ``_SPLIT_MAX_REGISTERS``) is ptxas' register cap, ``piece_step`` (default ``_SPLIT_STEP``) the logits per
-      streaming step instead of ``step``; ``piece_prescan`` (default ``_SPLIT_PRESCAN``) emits with
-      ``_emit_prescanned`` (runs of 4 ids per row of the emit's tensor) instead of ``_emit_per_chunk``. Scratch
+      ``piece_chunk`` (default ``_SPLIT_CHUNK``, capped at the row's; the emit's tensor holds runs of 4 ids per
+      row), under ptxas' cap of ``_SPLIT_MAX_REGISTERS`` registers; ``piece_step`` (default ``_SPLIT_STEP``) is
+      the logits per streaming step instead of ``step``. Scratch
       images ``[R, next_power_of_2(blocks)]`` and zeroed arrival counters ``[R]`` are allocated per call (the
-      zeroing is a memset in the same stream: CUDA-graph capturable, no state across calls).
-
-    ``carry`` (default ``_CARRY_COUNTS``): the search counts with carry chains (``_reach_pair``)."""
+      zeroing is a memset in the same stream: CUDA-graph capturable, no state across calls)."""
     num_rows, width = logits.shape
     max_blocks = triton.cdiv(width, block_size)
     padded_blocks = triton.next_power_of_2(max(max_blocks, 1))
@@ -941,8 +889,7 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
         piece_step_blocks = min(max(1, piece_step // block_j), piece_blocks)
         warps = _SPLIT_WARPS if piece_warps is None else piece_warps
         chunk = min(_SPLIT_CHUNK if piece_chunk is None else piece_chunk, padded_blocks)
-        prescan = _SPLIT_PRESCAN if piece_prescan is None else piece_prescan
-        lanes = chunk // min(4, chunk) if prescan else min(chunk, 32 * warps)
+        lanes = chunk // min(4, chunk)
         keys = torch.empty((num_rows, padded_blocks), dtype=torch.int32, device=logits.device)
         arrivals = torch.zeros((num_rows,), dtype=torch.int32, device=logits.device)
         _split_select_kernel[(num_rows * pieces,)](
@@ -950,9 +897,8 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
             row_repeat, num_blocks_k, logits.stride(0), logits.stride(1), out.stride(0), out.stride(1),
             HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_J=block_j, STEPS=piece_blocks // piece_step_blocks,
             STEP_NB=piece_step_blocks, PIECES=pieces, LANES=lanes, VECTOR=vector,
-            PAD_BLOCK=_PAD_BLOCK, SELECT_CHUNK=chunk, CARRY=_carry_mode(carry, chunk, 32 * warps), PRESCAN=prescan,
-            num_warps=warps,
-            maxnreg=_SPLIT_MAX_REGISTERS if piece_max_registers is None else piece_max_registers,
+            PAD_BLOCK=_PAD_BLOCK, SELECT_CHUNK=chunk, CARRY=_carry_mode(chunk, 32 * warps), num_warps=warps,
+            maxnreg=_SPLIT_MAX_REGISTERS,
         )
         return out
     step_blocks = min(max(1, step // block_j), padded_blocks)
@@ -961,7 +907,7 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
         row_repeat, num_blocks_k, logits.stride(0), logits.stride(1), out.stride(0), out.stride(1),
         HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_J=block_j, STEPS=padded_blocks // step_blocks,
         STEP_NB=step_blocks, VECTOR=vector, PAD_BLOCK=_PAD_BLOCK,
-        CARRY=_carry_mode(carry, padded_blocks, 32 * _FUSED_WARPS), num_warps=_FUSED_WARPS,
+        CARRY=_carry_mode(padded_blocks, 32 * _FUSED_WARPS), num_warps=_FUSED_WARPS,
     )
     return out
 
@@ -979,19 +925,16 @@ def select_candidate_blocks_triton(
     keys_tile: int = _KEYS_TILE,
     fused: bool | None = None,
     fused_step: int = _FUSED_STEP,
-    fused_carry: bool | None = None,
     fused_pieces: int | None = None,
     fused_piece_warps: int | None = None,
     fused_piece_chunk: int | None = None,
-    fused_piece_max_registers: int | None = None,
     fused_piece_step: int | None = None,
-    fused_piece_prescan: bool | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``select_candidate_blocks_reference``. ``fused`` (default ``_SELECT_FUSED``; only
     logits of at most ``_FUSED_MAX_BLOCKS`` blocks per row and blocks of at most ``fused_step``
-    positions, others take the two launches) runs ``select_fused`` with ``fused_step``, ``fused_carry`` and
-    the split select's ``fused_pieces`` (0: one program per row; default by row count), ``fused_piece_warps``,
-    ``fused_piece_chunk``, ``fused_piece_max_registers``, ``fused_piece_step`` and ``fused_piece_prescan``;
+    positions, others take the two launches) runs ``select_fused`` with ``fused_step`` and the split select's
+    ``fused_pieces`` (0: one program per row; default by row count), ``fused_piece_warps``, ``fused_piece_chunk``
+    and ``fused_piece_step``;
     ``vector`` goes to whichever path runs, ``keys_tile`` to ``block_keys`` (two launches)."""
     if out is None:
         out = torch.empty((logits.shape[0], num_blocks_k), dtype=torch.int32, device=logits.device)
@@ -999,9 +942,8 @@ def select_candidate_blocks_triton(
     padded_blocks = triton.next_power_of_2(max(triton.cdiv(logits.shape[1], block_size), 1))
     if fused and padded_blocks <= _FUSED_MAX_BLOCKS and triton.next_power_of_2(block_size) <= fused_step:
         return select_fused(logits, starts, ends, num_blocks_k, block_size, row_repeat, out, vector=vector,
-                            step=fused_step, carry=fused_carry, pieces=fused_pieces, piece_warps=fused_piece_warps,
-                            piece_chunk=fused_piece_chunk, piece_max_registers=fused_piece_max_registers,
-                            piece_step=fused_piece_step, piece_prescan=fused_piece_prescan)
+                            step=fused_step, pieces=fused_pieces, piece_warps=fused_piece_warps,
+                            piece_chunk=fused_piece_chunk, piece_step=fused_piece_step)
     keys = block_keys(logits, starts, ends, block_size, row_repeat, vector=vector, tile=keys_tile)
     return select_from_keys(keys, starts, ends, num_blocks_k, block_size, row_repeat, out)
 
