@@ -1,12 +1,13 @@
 """Triton top-k kernels against the reference: bitwise equal outputs on adversarial rows, every path.
 
 The interpreter tests shrink the kernels' tuning (``TopkConfig``) so that tiny rows reach the split
-path (group maxima, exact or early-stopped lower bound, candidate buffer in registers and in memory,
-chunked emit with look-back), the streaming row programs (group maxima streamed in the program or from
-a launch of chunk programs, lower bound with and without the early stop, gather pieces with and without
-masks, candidates in registers and in memory, emit from the candidates or from the row; or gathered by
-a launch of one program per piece; each also with the searches on order images from known brackets) and the
-whole-row programs. GPU tests use the default tuning at realistic sizes, with each wide-row path forced in turn.
+path (group maxima, exact or early-stopped lower bound, candidates stored in column order through a
+look-back and searched in registers or in memory, emit by the row's last program), the streaming row
+programs (group maxima streamed in the program or from a launch of chunk programs, lower bound with and
+without the early stop, gather pieces with and without masks, candidates in registers and in memory,
+emit from the candidates or from the row; or gathered by a launch of one program per piece; every search
+on order images from known brackets) and the whole-row programs. GPU tests use the default tuning at
+realistic sizes, with each wide-row path forced in turn.
 """
 
 from __future__ import annotations
@@ -53,17 +54,8 @@ PIECES = TopkConfig(row_block_max=16, row_program_rows=1, stream_tile=16, group_
                     gather_launch=True)
 PIECES_LOOSE = TopkConfig(row_block_max=16, row_program_rows=1, stream_tile=16, group_tile=16, candidate_block=8,
                           chunk=16, gather_launch=True, bound_slack=3.0)
-# The searches on order images (the interpreter compares them where the GPU takes carries) from the brackets the
-# candidates' search already knows (gather launch; split path), the split path without its lower-bound launch (every
-# candidates program finds the bound) and/or its emit launch (candidates in column order, emitted by the row's last
-# candidates program), with the exact and early bounds.
-LEAN = dict(carry_search=True, lean_search=True)
-WIDE = [SPLIT, SPLIT_LOOSE, SPLIT_EXACT, STREAM, STREAM_LOOSE, STREAM_SCALAR, PIECES, PIECES_LOOSE,
-        replace(PIECES_LOOSE, **LEAN), replace(SPLIT_EXACT, split_ordered_candidates=True),
-        replace(SPLIT_LOOSE, split_chunk_bound=True, **LEAN),
-        replace(SPLIT, split_chunk_bound=True, split_ordered_candidates=True, **LEAN)]
-WIDE_IDS = ["split", "split_loose", "split_exact", "stream", "stream_loose", "stream_scalar", "pieces", "pieces_loose",
-            "pieces_lean", "split_ordered_exact", "split_chunk_lean", "split_chunk_ordered_lean"]
+WIDE = [SPLIT, SPLIT_LOOSE, SPLIT_EXACT, STREAM, STREAM_LOOSE, STREAM_SCALAR, PIECES, PIECES_LOOSE]
+WIDE_IDS = ["split", "split_loose", "split_exact", "stream", "stream_loose", "stream_scalar", "pieces", "pieces_loose"]
 GPU_SPLIT = TopkConfig(row_program_rows=1 << 30)
 GPU_STREAM = TopkConfig(row_program_rows=1)
 GPU_STREAM_IN_PROGRAM = TopkConfig(row_program_rows=1, maxima_launch=False)
@@ -71,29 +63,12 @@ GPU_STREAM_V4 = TopkConfig(row_program_rows=1, maxima_launch=False, vector_gathe
 GPU_STREAM_W8 = TopkConfig(row_program_rows=1, stream_warps=8)
 GPU_PIECES = TopkConfig(row_program_rows=1, gather_launch=True)
 GPU_PIECES_W8 = TopkConfig(row_program_rows=1, gather_launch=True, stream_warps=8, stream_tile=4096)
-GPU_WIDE = [GPU_SPLIT, GPU_STREAM, GPU_STREAM_IN_PROGRAM, GPU_STREAM_V4, GPU_STREAM_W8, GPU_PIECES, GPU_PIECES_W8]
-GPU_WIDE_IDS = ["split", "stream", "stream_in_program", "stream_v4", "stream_w8", "pieces", "pieces_w8"]
-# Carry-chain counts and lean candidate searches (each alone and both) on the split path (4 and 8 warps), the
-# default gather launch (8 warps, 4096-column pieces) and plain row programs (16 warps).
-GPU_SPLIT_W8 = replace(GPU_SPLIT, split_warps=8)
-# The split path without its lower-bound launch (`split_chunk_bound`), alone and with both, at 4 and 8 warps; the
-# gather launch capped at 128 registers (two programs per SM); the split path without its emit launch
-# (`split_ordered_candidates`), alone, with both, and without either launch at 4 and 8 warps.
-GPU_WIDE += [GPU_SPLIT_W8, replace(GPU_SPLIT, carry_search=True), replace(GPU_SPLIT, lean_search=True),
-             replace(GPU_SPLIT, **LEAN), replace(GPU_SPLIT_W8, **LEAN), replace(GPU_PIECES_W8, carry_search=True),
-             replace(GPU_PIECES_W8, lean_search=True), replace(GPU_PIECES_W8, **LEAN), replace(GPU_STREAM, **LEAN),
-             replace(GPU_SPLIT, split_chunk_bound=True), replace(GPU_SPLIT, split_chunk_bound=True, **LEAN),
-             replace(GPU_SPLIT_W8, split_chunk_bound=True, **LEAN),
-             replace(GPU_PIECES_W8, pieces_max_registers=128), replace(GPU_PIECES_W8, pieces_max_registers=128, **LEAN),
-             replace(GPU_SPLIT, split_ordered_candidates=True),
-             replace(GPU_SPLIT, split_ordered_candidates=True, **LEAN),
-             replace(GPU_SPLIT, split_chunk_bound=True, split_ordered_candidates=True, **LEAN),
-             replace(GPU_SPLIT_W8, split_chunk_bound=True, split_ordered_candidates=True, **LEAN)]
-GPU_WIDE_IDS += ["split_w8", "split_carry", "split_lean", "split_carry_lean", "split_w8_carry_lean",
-                 "pieces_w8_carry", "pieces_w8_lean", "pieces_w8_carry_lean", "stream_carry_lean",
-                 "split_chunk", "split_chunk_carry_lean", "split_w8_chunk_carry_lean", "pieces_w8_r128",
-                 "pieces_w8_carry_lean_r128", "split_ordered", "split_ordered_carry_lean",
-                 "split_chunk_ordered_carry_lean", "split_w8_chunk_ordered_carry_lean"]
+# The split path and the maxima launch at 4 warps; the default gather launch without its register cap.
+GPU_WIDE = [GPU_SPLIT, GPU_STREAM, GPU_STREAM_IN_PROGRAM, GPU_STREAM_V4, GPU_STREAM_W8, GPU_PIECES, GPU_PIECES_W8,
+            replace(GPU_SPLIT, split_warps=4), replace(GPU_STREAM, split_warps=4),
+            replace(GPU_PIECES_W8, pieces_max_registers=None)]
+GPU_WIDE_IDS = ["split", "stream", "stream_in_program", "stream_v4", "stream_w8", "pieces", "pieces_w8", "split_w4",
+                "stream_maxima_w4", "pieces_w8_uncapped"]
 ROW = TopkConfig()  # whole rows: carry counts, plateau check every 16 bits
 ONE_ROW = TopkConfig(row_elements=16)  # one row per whole-row program
 # One launch per tile (64/32/16 columns): one row of 64 per program, two rows of 32 / four of 16 (packed),
@@ -189,8 +164,7 @@ def test_stream_strict_bound(kernel_device, k):
                                                     group_tile=8, candidate_block=8, bound_slack=0.0))
 
 
-@pytest.mark.parametrize("config", [replace(SPLIT_EXACT, split_ordered_candidates=True), replace(STREAM, **LEAN),
-                                    replace(PIECES, **LEAN)], ids=["split_ordered", "stream_lean", "pieces_lean"])
+@pytest.mark.parametrize("config", [SPLIT_EXACT, STREAM, PIECES], ids=["split_exact", "stream", "pieces"])
 def test_strict_bound_ties_before_candidates(kernel_device, config):
     # Rows of zeros (ties at T = 0, the strict exact bound) with a few positives late in the row (fewer than k
     # candidates): the emit from the row stops once the ties are taken, the later candidates come from the buffer.
@@ -206,16 +180,18 @@ def test_strict_bound_ties_before_candidates(kernel_device, config):
 
 @triton.jit
 def _search_kernel(keys_ptr, out_ptr, k, enough, N: tl.constexpr, CARRY: tl.constexpr):
-    t, count = triton_impl._kth_largest(tl.load(keys_ptr + tl.arange(0, N)), k, enough, CARRY)
+    keys = tl.load(keys_ptr + tl.arange(0, N))
+    count, lo, hi = triton_impl._bracket(keys)
+    t, count = triton_impl._kth_largest_within(keys, k, enough, count, lo, hi, CARRY)
     tl.store(out_ptr, t)
     tl.store(out_ptr + 1, count)
 
 
-@pytest.mark.parametrize("carry", [-1, 0, 1, 4])
+@pytest.mark.parametrize("carry", [0, 1, 4])
 def test_search_rounds(kernel_device, carry):
     # Keys over the whole int32 range (NONE included), clustered keys, plateaus: the exact k-th largest key
     # (enough < k) and an early-stopped floor (enough >= k) reached by its count of keys. Counts: compares of the
-    # keys (carry -1) or of their images (0), carries per key (1) and summed by 4 (one warp, 4 keys per thread).
+    # keys' images (carry 0), carries per key (1) and summed by 4 (one warp, 4 keys per thread).
     if carry > 0 and kernel_device != "cuda":
         pytest.skip("inline PTX runs on the GPU only")
     rng = torch.Generator().manual_seed(2)
@@ -349,9 +325,8 @@ def slot_table(num_requests, width, block_size, seed, device):
     return order.view(num_requests, pages).to(torch.int32).to(device)
 
 
-@pytest.mark.parametrize("config", [ROW, ONE_ROW, SPLIT, replace(SPLIT, split_ordered_candidates=True), STREAM,
-                                    STREAM_LOOSE, PIECES],
-                         ids=["row", "one_row", "split", "split_ordered", "stream", "stream_loose", "pieces"])
+@pytest.mark.parametrize("config", [ROW, ONE_ROW, SPLIT, SPLIT_EXACT, STREAM, STREAM_LOOSE, PIECES],
+                         ids=["row", "one_row", "split", "split_exact", "stream", "stream_loose", "pieces"])
 def test_decode_slots_equal_positions_mapped(kernel_device, config):
     # Fused slot output = indices_to_slots(topk_decode(...)) on every path, 1-D and 2-D lengths, the
     # output row stride wider than k (columns past k stay poison).

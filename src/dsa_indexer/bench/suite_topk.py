@@ -111,47 +111,15 @@ def run(ceilings: dict[str, float]) -> list[dict]:
 
 
 def _decode_sweep_plan() -> tuple[dict, list]:
-    """Decode variants of ``sweep_decode`` (names -> ``TopkConfig``) and its cells ``(data, rows, k, names)``; each
-    variant is the default (split path below 8 rows, gather-piece launches from 8 to 64, row programs above)
-    with the changes its name lists, timed where they change the path taken: ``carry`` (every R): the two-bit
-    searches count with carry chains on order images (``carry_search``); ``lean`` (every R): the candidates' search
-    starts from the known bracket and skips the ties count when exactly k reach its threshold (``lean_search``);
-    ``chunk`` (R=1): no lower-bound launch on the split path, every candidates program finds the bound
-    (``split_chunk_bound``); ``ordered`` (R=1): no emit launch, the last candidates program emits from the candidates
-    stored in column order (``split_ordered_candidates``); ``w8``: split-path chunk programs of 8 warps
-    (``split_warps=8``); ``r128`` (R=32/64): the gather launch's programs capped at 128 registers, two per SM
-    (``pieces_max_registers``)."""
-    from dataclasses import replace
-
-    from dsa_indexer.ops.topk.triton import DEFAULT_CONFIG
-
-    lean = dict(carry_search=True, lean_search=True)
-    configs = {
-        "carry": replace(DEFAULT_CONFIG, carry_search=True),
-        "lean": replace(DEFAULT_CONFIG, lean_search=True),
-        "carry_lean": replace(DEFAULT_CONFIG, **lean),
-        "w8": replace(DEFAULT_CONFIG, split_warps=8),
-        "chunk_carry_lean": replace(DEFAULT_CONFIG, split_chunk_bound=True, **lean),
-        "ordered_carry_lean": replace(DEFAULT_CONFIG, split_ordered_candidates=True, **lean),
-        "chunk_ordered_carry_lean": replace(DEFAULT_CONFIG, split_chunk_bound=True, split_ordered_candidates=True,
-                                            **lean),
-        "chunk_ordered_carry_lean_w8": replace(DEFAULT_CONFIG, split_chunk_bound=True, split_ordered_candidates=True,
-                                               split_warps=8, **lean),
-        "r128": replace(DEFAULT_CONFIG, pieces_max_registers=128),
-        "carry_lean_r128": replace(DEFAULT_CONFIG, pieces_max_registers=128, **lean),
-    }
-    split_names = ["carry_lean", "w8", "chunk_carry_lean", "ordered_carry_lean", "chunk_ordered_carry_lean",
-                   "chunk_ordered_carry_lean_w8"]
-    split_skewed = ["carry_lean", "chunk_ordered_carry_lean", "chunk_ordered_carry_lean_w8"]
-    pieces_names = ["carry_lean", "r128", "carry_lean_r128"]
-    cells = [("random", 1, k, split_names) for k in (2048, 512)]
-    cells += [(data, 1, 2048, split_skewed) for data in ("relu_sum", "one_bin")]
-    for num_rows in (32, 64, 128):
-        for k in (2048, 512):
-            cells.append(("random", num_rows, k, pieces_names if num_rows < 128 else ["carry", "lean", "carry_lean"]))
-    cells.append(("relu_sum", 32, 2048, ["carry_lean_r128"]))
-    cells.append(("relu_sum", 128, 2048, ["carry_lean"]))
-    return configs, cells
+    """Decode variants of ``sweep_decode`` (names -> ``TopkConfig``) and its cells ``(data, rows, k, names)``: none
+    since the session-5 cleanup (every measured variant became the default or was removed; add the next ones
+    here, each the default with the changes its name lists, timed in the cells where it changes the path taken),
+    so ``base`` alone: the split path at R=1, gather-piece launches at R=32/64, row programs at R=128, random rows
+    at k 2048 and 512, relu_sum and one_bin at R=1 and relu_sum at R=32/128 (k=2048)."""
+    cells = [("random", num_rows, k, []) for num_rows in (1, 32, 64, 128) for k in (2048, 512)]
+    cells += [(data, 1, 2048, []) for data in ("relu_sum", "one_bin")]
+    cells += [("relu_sum", num_rows, 2048, []) for num_rows in (32, 128)]
+    return {}, cells
 
 
 def _time_variants(label, logits, k, ends, inputs, configs, rep_ms, unchecked=()) -> dict:
@@ -242,8 +210,8 @@ def sweep_decode(out_path: str | None = None, warm: str | None = None) -> None:
         records.append({"shape": label, "us": _time_variants(label, logits, k, lengths, inputs, cell_configs, 5,
                                                              unchecked)})
         _save_records(records, out_path)  # after every shape: a run stopped at its time limit keeps what it measured
-    _report_sweep(records, list(configs), ["_row_program_kernel", "_row_pieces_kernel", "_split_low_bound_kernel",
-                                           "_split_candidates_kernel"], out_path)
+    _report_sweep(records, list(configs), ["_row_program_kernel", "_row_pieces_kernel", "_split_candidates_kernel"],
+                  out_path)
 
 
 def _prefill_row_configs() -> dict:

@@ -27,16 +27,13 @@ two bits per round from the counts at the three thresholds ``t + {1, 2, 3} * 2**
 reduction of an int64 holding three 16-bit counts); the whole-row kernel decides one bit per round,
 which is cheaper with its many keys per thread. A search may stop early at a ``t`` that exactly k
 keys reach: the entries ``> t`` plus the first ``k - #(> t)`` entries ``== t`` are then those k
-entries, the same selection as with ``T``. This holds wherever the emit reads the keys that were
-searched (whole rows, candidate buffers of the row programs); the split path, which searches its candidates
-and emits from the row, stops there only when the floor lies above its smallest candidate (more than k
-candidates), since every entry of the row that reaches such a floor is a candidate. Options
-(``TopkConfig``): ``carry_search`` counts on the unsigned images with carry chains (``_reaches_unsigned``,
-as the whole-row kernel does; ≈ 1.5 instead of ≈ 3.3 instructions per key and threshold where a thread holds
-a multiple of 4 keys); ``lean_search`` starts the candidates' search from the bracket the path already knows
-(``lo`` = the lower bound, ``hi`` = the row's largest group maximum, the count = the number of candidates)
-instead of three block reductions, and skips the count of the ties when exactly k candidates reach the
-threshold found (every tie is then taken).
+entries, the same selection as with ``T``. This holds since every emit reads the keys that were
+searched (whole rows, candidate buffers). Every search counts on the unsigned images with carry chains
+(``_reaches_unsigned``: ≈ 1.5 instead of ≈ 3.3 instructions per key and threshold where a thread holds a
+multiple of 4 keys; under the interpreter, which cannot run inline PTX, the images are compared). The
+candidates' search starts from the bracket its path already knows (``lo`` = the lower bound, ``hi`` = the
+row's largest group maximum, the count = the number of candidates) instead of three block reductions, and
+skips the count of the ties when exactly k candidates reach the threshold found (every tie is then taken).
 
 Slot output (``topk_decode_slots``): every path emits through one store helper, which can write the
 cache slot ``block_table[row // rows_per_request, p // block_size] * block_size + p % block_size`` of
@@ -83,46 +80,32 @@ The default takes this path for calls of ``row_program_rows`` (8) to ``pieces_ma
 8 warps and 4096-column pieces, where the rows alone fill less than a wave of SMs; more rows keep one
 program per row (measured on the H200: benchmarks/NOTES_topk.md).
 
-Wider rows, fewer rows (split path, four launches, two full passes over the logits plus a partial one):
+Wider rows, fewer rows (split path, two launches, one full pass over the logits plus a second one from L2):
 
 1. *Group maxima.* Programs own ``CHUNK`` columns of one row and store the maximum key of each group
-   of ``GROUP`` consecutive columns (and clear their chunk's flag for step 4).
-2. *Lower bound* (one program per row), as in the row programs: the search for the ``k``-th largest
-   group maximum stops once at most ``enough`` maxima reach its floor ``T_low`` (candidates: the
-   entries ``>= T_low``, at most ``enough * GROUP``), else ``T_low`` is that maximum (``NONE`` when fewer
-   than ``k`` groups hold a selectable entry) and the candidates are the entries ``> T_low``: at most
-   ``k - 1`` groups have a maximum ``> T_low``, so at most ``(k - 1) * GROUP`` of them (when
-   ``T_low = NONE`` the candidates are the selectable entries of fewer than ``k`` groups: the same
-   bound). Either way ``T >= T_low`` (``k`` groups hold an entry ``>= T_low``). ``GROUP`` is the
-   smallest power of two that keeps a row's groups within one register tile (``group_tile``); for
-   random data the candidates number about ``1.15 k`` (exact bound) to ``1.3 k`` (early stop).
-   ``split_early_bound=False`` always searches the exact maximum.
-3. *Candidates.* Programs read only the groups whose maximum reaches ``T_low`` (the others cannot hold
-   a candidate), append their candidates to the row's buffer (an atomic cursor; order does not
-   matter; the bound above means it never overflows) and the last program of the row to arrive (an
-   atomic counter) finds ``T``: if fewer than ``k`` candidates exist (only under the strict bound),
-   ``T = T_low`` and ``k - #candidates`` ties are taken, else ``T`` is the ``k``-th largest candidate
-   (every key ``>= T`` is a candidate) and ``k - #(candidates > T)`` ties are taken.
-4. *Emit.* Each program counts its keys ``> T`` and ``== T``, publishes both in its chunk's flag and
-   sums the flags of the lower chunks of its row (decoupled look-back: a program waits only for
-   programs of lower ids, which the hardware dispatches first, as CUB's single-pass scan assumes; under
-   the interpreter programs run in id order). Ties go to the lowest columns through the prefix count of
-   ties; each program writes its taken columns at its prefix offset; the row's last chunk pads ``-1``.
+   of ``GROUP`` consecutive columns (and clear their chunk's flag and the row's arrival counter for step 2).
+2. *Candidates, T and emit.* Every program finds the row's lower bound from all the row's group maxima (the
+   same search on each, so the same bound) while its whole chunk loads (L2: step 1 just read it), as in
+   the row programs: the search for the ``k``-th largest group maximum stops once at most ``enough`` maxima
+   reach its floor ``T_low`` (candidates: the entries ``>= T_low``, at most ``enough * GROUP``), else
+   ``T_low`` is that maximum (``NONE`` when fewer than ``k`` groups hold a selectable entry) and the
+   candidates are the entries ``> T_low``: at most ``k - 1`` groups have a maximum ``> T_low``, so at most
+   ``(k - 1) * GROUP`` of them (when ``T_low = NONE`` the candidates are the selectable entries of fewer than
+   ``k`` groups: the same bound). Either way ``T >= T_low`` (``k`` groups hold an entry ``>= T_low``).
+   ``GROUP`` is the smallest power of two that keeps a row's groups within one register tile
+   (``group_tile``); for random data the candidates number about ``1.15 k`` (exact bound) to ``1.3 k``
+   (early stop). ``split_early_bound=False`` always searches the exact maximum. The program stores its
+   chunk's candidates (keys and columns) in column order in the row's buffer: it publishes its count + 1 in
+   its chunk's flag and sums the flags of the lower chunks of its row (decoupled look-back: a program waits
+   only for programs of lower ids, which the hardware dispatches first, as CUB's single-pass scan assumes;
+   under the interpreter programs run in id order). The row's last program to arrive (an acq_rel counter)
+   finds ``T`` among the candidates and emits the row from them (``_select_and_emit``, as a row program
+   does: the first ``k - #candidates`` ties from the row itself when the strict bound left fewer than k).
 
-Option ``split_chunk_bound``: no step 2 launch. Step 1 also clears each row's candidate cursor and arrival
-counter, and every step-3 program finds the row's lower bound itself from all the row's group maxima (the
-same search on each, so the same bound), while its whole chunk loads (L2: step 1 just read it); it then
-appends the chunk's entries that reach the bound. Three launches instead of four, and one dependent round
-trip less (bound, then chunk maxima, then logits) in step 3. Option ``split_ordered_candidates``: no step 4 launch.
-Step 3 stores the candidates' keys and columns in column order (each program's offset from a decoupled look-back
-over its row's chunk flags, which hold count + 1, instead of an atomic cursor), and the row's last program to
-arrive finds ``T`` among them and emits the row from them (``_select_and_emit``, as a row program does).
-
-Step 3 walks the rows in reverse order so that it starts on the rows step 1 left in L2, step 4 in
-forward order for the same reason. All scratch comes from ``torch.empty`` in the wrappers (every word
-is written before it is read); nothing is read back to the host, so the launches are CUDA-graph
-capturable. Scratch per row: split path ``4 * (group tile + min(max(enough, k - 1) * GROUP, width) + 8 + flags)``
-bytes (the candidates' columns as many again with ``split_ordered_candidates``); row programs
+Step 2 walks the rows in reverse order so that it starts on the rows step 1 left in L2. All scratch comes
+from ``torch.empty`` in the wrappers (every word is written before it is read); nothing is read back to the
+host, so the launches are CUDA-graph capturable. Scratch per row: split path
+``4 * (group tile + 2 * min(max(enough, k - 1) * GROUP, width) + 8 + flags)`` bytes; row programs
 ``4 * (2 * group tile + 2 * min(max(enough, k - 1) * GROUP, width))`` bytes.
 
 Strides: any logits strides (column stride 0 or > 1 included) and any ``out`` strides are honoured in
@@ -145,14 +128,10 @@ INF_BITS = tl.constexpr(0x7F800000)
 NEG_INF_BITS = tl.constexpr(-8388608)  # 0xFF800000 as int32
 LOW_FIELD = tl.constexpr(0xFFFF)
 
-# Per-row state words of the split path, then one flag per chunk.
+# Per-row state of the split path: its arrival counter (word 1), then one flag per chunk from word 8 (words 0 and 2
+# to 7 are unused: the layout of the four-launch path, kept so that the session-5 cleanup left the kernels' code
+# unchanged).
 _ARRIVED = tl.constexpr(1)
-_NUM_CANDIDATES = tl.constexpr(2)
-_T_LOW = tl.constexpr(3)
-_THRESHOLD = tl.constexpr(4)
-_TIES = tl.constexpr(5)
-_INCLUSIVE = tl.constexpr(6)
-_ROW_MAX = tl.constexpr(7)
 _FLAGS = tl.constexpr(8)
 _STATE_WORDS = 8
 # Per-row state words of row programs with a gather launch, then one candidate count per gather piece.
@@ -201,7 +180,8 @@ class TopkConfig:
         pays while the rows fill less than a wave); 0: never.
     pieces_warps, pieces_tile: ``stream_warps`` and ``stream_tile`` of those calls.
     pieces_max_registers: register cap (ptxas ``maxnreg``) of the gather launch's programs, for more of them per
-        SM (``None``: the compiler's choice: 144 at 8 warps and 4096-column pieces for k=2048, one per SM).
+        SM (128: two per SM at 8 warps; ``None``: the compiler's choice, 144 at 8 warps and 4096-column pieces for
+        k=2048, one per SM).
     stream_tile: columns per streaming step of a row program, and per gather piece (power of two, at
         most 16384).
     stream_warps: warps of a row program.
@@ -224,22 +204,7 @@ class TopkConfig:
     group_tile: most group maxima per row (at most 16384); ``None`` = ``clamp(4k, 1024, 8192)`` on the
         split path, 8192 in row programs.
     candidate_block: candidates searched in registers; ``None`` = ``clamp(2k, 1024, 16384)``.
-    split_warps: warps of the split-path chunk programs (the per-row lower-bound program uses 8).
-    carry_search: the two-bit searches of the wide paths (lower bounds, candidates held in registers) count on
-        uint32 order images with carry chains (``_reaches_unsigned``, 4 keys per asm where each thread holds a
-        multiple of 4 keys: ≈ 1.5 instructions per key and threshold) instead of compares (≈ 3.3).
-    lean_search: the candidates' search (split path, row programs) starts from the bracket it already knows (the
-        lower bound, the row's largest key from the group maxima, the number of candidates) instead of three block
-        reductions over the candidates, and counts the ties only when more than k candidates reach the
-        threshold found (else every tie is taken: exactly k entries reach it). Row programs also stop streaming a
-        row they emit from the row (strict bound, fewer than k candidates) once its ties are taken.
-    split_chunk_bound: the split path runs no lower-bound launch: every chunk program of its candidates launch
-        finds the row's lower bound itself from all the row's group maxima (the same result on each) while its
-        whole chunk loads, instead of loading the bound and then its chunk's qualifying groups (one graph node
-        and one dependent round trip less, the bound's search repeated per chunk).
-    split_ordered_candidates: the split path's candidates (keys and columns) are stored in column order (offsets
-        from a look-back over the row's chunk counts instead of an atomic cursor), and the row's last candidates
-        program emits the row from them, as row programs do: no emit launch.
+    split_warps: warps of the split-path programs (both launches) and of the row programs' maxima launch.
     """
 
     row_block_max: int = 8192
@@ -256,7 +221,7 @@ class TopkConfig:
     pieces_max_rows: int = 0
     pieces_warps: int = 8
     pieces_tile: int = 4096
-    pieces_max_registers: int | None = None
+    pieces_max_registers: int | None = 128
     stream_tile: int = 8192
     stream_warps: int = 16
     bound_slack: float = 0.25
@@ -269,22 +234,17 @@ class TopkConfig:
     chunk: int = 2048
     group_tile: int | None = None
     candidate_block: int | None = None
-    split_warps: int = 4
-    carry_search: bool = False
-    lean_search: bool = False
-    split_chunk_bound: bool = False
-    split_ordered_candidates: bool = False
+    split_warps: int = 8
 
 
 # Measured on the H200 (benchmarks/NOTES_topk.md, v6): the split path below 8 rows, gather-piece launches
 # (8 warps, 4096-column pieces) from 8 to 64 rows, plain row programs above; whole rows (v8): carry counts with
-# the plateau check every 16 bits (the class defaults). Decode (v11, session 5 round 2, random L = 128K, k 2048 /
-# 512): the split path in two launches of 8-warp programs (chunk-local bound, ordered candidates) 12.9 / 12.0 µs
-# at R = 1 (was 17.0 / 16.6); carry-chain, lean searches everywhere and two gather programs per SM: R = 32 35.3 /
-# 25.7, R = 64 43.7 / 32.5 (was 38.6 / 28.1, 45.2 / 34.9), R = 128 62.8 / 47.9 (was 66.2 / 49.8).
-DEFAULT_CONFIG = TopkConfig(row_program_rows=8, pieces_max_rows=64, pieces_max_registers=128, split_warps=8,
-                            carry_search=True, lean_search=True, split_chunk_bound=True,
-                            split_ordered_candidates=True)
+# the plateau check every 16 bits. Decode (v11, session 5 round 2, random L = 128K, k 2048 / 512): the split path
+# in two launches of 8-warp programs (chunk-local bound, ordered candidates) 12.9 / 12.0 µs at R = 1 (was 17.0 /
+# 16.6); carry-chain, lean searches everywhere and two gather programs per SM: R = 32 35.3 / 25.7, R = 64 43.7 /
+# 32.5 (was 38.6 / 28.1, 45.2 / 34.9), R = 128 62.8 / 47.9 (was 66.2 / 49.8). Everything but the routing is in
+# the class defaults (tests build their configs from them).
+DEFAULT_CONFIG = TopkConfig(row_program_rows=8, pieces_max_rows=64)
 
 
 @triton.jit
@@ -337,33 +297,26 @@ def _image(keys):
 
 
 @triton.jit
-def _reaching(searched, threshold, CARRY: tl.constexpr):
-    """int32 partial counts of ``searched >= threshold`` over a 1-D tile (their sum is the count), ``threshold``
-    an int32 key above NONE. ``CARRY`` -1: ``searched`` holds int32 keys, compared. Else it holds their uint32
-    images (``_image``), counted by ``_reaches_unsigned`` with that ``CARRY``."""
-    if CARRY < 0:
-        return (searched >= threshold).to(tl.int32)
-    return _reaches_unsigned(searched, _image(threshold), CARRY)
+def _reaching(images, threshold, CARRY: tl.constexpr):
+    """int32 partial counts of ``keys >= threshold`` over a 1-D tile of the keys' uint32 images (``_image``; their
+    sum is the count), ``threshold`` an int32 key above NONE: ``_reaches_unsigned`` with that ``CARRY``."""
+    return _reaches_unsigned(images, _image(threshold), CARRY)
 
 
 @triton.jit
-def _search_step(searched, t, count, bit, k, CARRY: tl.constexpr):
+def _search_step(images, t, count, bit, k, CARRY: tl.constexpr):
     """Decide bits ``bit + 1`` and ``bit`` of ``t`` (both still clear in the unsigned image): the largest
-    of ``t``, ``t + 2**bit``, ``t + 2 * 2**bit``, ``t + 3 * 2**bit`` that ``>= k`` keys of the 1-D tile
-    ``searched`` reach (keys or images, ``_reaching``), with that number (``count`` = ``#(>= t)`` on entry).
+    of ``t``, ``t + 2**bit``, ``t + 2 * 2**bit``, ``t + 3 * 2**bit`` that ``>= k`` keys of a 1-D tile reach
+    (counted on their ``images`` as ``_reaching``), with that number (``count`` = ``#(>= t)`` on entry).
     The three counts of a tile of at most 16384 keys share one int64 (16-bit fields), so a round costs one
     block reduction."""
     low = 1 << bit
     first = t ^ low
     second = t ^ (low << 1)
     third = second ^ low
-    if CARRY < 0:
-        packed = tl.sum((searched >= first).to(tl.int64) + ((searched >= second).to(tl.int64) << 16)
-                        + ((searched >= third).to(tl.int64) << 32), axis=0)
-    else:
-        # Per 4 keys (CARRY 4): three carry chains, one shift-add; ptxas folds the asm's zero outputs away.
-        near = _reaching(searched, first, CARRY) + (_reaching(searched, second, CARRY) << 16)
-        packed = tl.sum(near.to(tl.int64) + (_reaching(searched, third, CARRY).to(tl.int64) << 32), axis=0)
+    # Per 4 keys (CARRY 4): three carry chains, one shift-add; ptxas folds the asm's zero outputs away.
+    near = _reaching(images, first, CARRY) + (_reaching(images, second, CARRY) << 16)
+    packed = tl.sum(near.to(tl.int64) + (_reaching(images, third, CARRY).to(tl.int64) << 32), axis=0)
     first_count = (packed & LOW_FIELD).to(tl.int32)
     second_count = ((packed >> 16) & LOW_FIELD).to(tl.int32)
     third_count = (packed >> 32).to(tl.int32)
@@ -390,22 +343,12 @@ def _bracket(keys):
 
 
 @triton.jit
-def _kth_largest(keys, k, enough, CARRY: tl.constexpr):
-    """``_kth_largest_within`` the tile's own bracket (three reductions)."""
-    count, lo, hi = _bracket(keys)
-    return _kth_largest_within(keys, k, enough, count, lo, hi, CARRY)
-
-
-@triton.jit
 def _kth_largest_within(keys, k, enough, count, lo, hi, CARRY: tl.constexpr):
     """``(t, #(keys >= t))`` for a 1-D ``keys`` (at most 16384) holding ``count >= k`` selectable keys, all
     ``>= lo``, whose k-th largest is ``<= hi``: ``t`` is the k-th largest key, or, once the count at the
     bracket's floor is ``<= enough`` (``>= k``), that floor (so ``enough < k`` always gives the k-th largest).
-    Two bits per round, counted as ``_reaching`` with ``CARRY`` (>= 0: on the keys' images)."""
-    if CARRY < 0:
-        searched = keys
-    else:
-        searched = _image(keys)
+    Two bits per round, counted on the keys' images as ``_reaching`` with ``CARRY``."""
+    searched = _image(keys)
     bit = _bit_length(lo ^ hi)
     t = _clear_low_bits(lo, bit)
     if (bit % 2 == 1) & (count > enough):
@@ -669,17 +612,6 @@ def _compact_qualifying(maxima, slots, bound, inclusive, ids_row):
 
 
 @triton.jit
-def _store_split_state(state_row, t_low, inclusive, row_max):
-    """The split path's per-row state after its lower bound: bound, kind, the row's largest key, no candidates
-    yet, no arrivals."""
-    tl.store(state_row + _T_LOW, t_low)
-    tl.store(state_row + _INCLUSIVE, inclusive)
-    tl.store(state_row + _ROW_MAX, row_max)
-    tl.store(state_row + _NUM_CANDIDATES, 0)
-    tl.store(state_row + _ARRIVED, 0)
-
-
-@triton.jit
 def _store_piece_state(state_row, bound, inclusive, row_max, num_qualifying):
     """The gather-piece launch's per-row state: bound, kind, the row's largest key, number of qualifying groups,
     no arrivals."""
@@ -695,13 +627,12 @@ def _split_group_max_kernel(
     logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, group_max_ptr, state_ptr, state_stride,
     width, next_n, num_chunks,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr,
-    CHUNK: tl.constexpr, GROUP: tl.constexpr, MAXIMA_STRIDE: tl.constexpr, CLEAR_FLAGS: tl.constexpr,
-    CLEAR_COUNTS: tl.constexpr,
+    CHUNK: tl.constexpr, GROUP: tl.constexpr, MAXIMA_STRIDE: tl.constexpr, CLEAR_STATE: tl.constexpr,
 ):
     """Group maxima of chunks of ``CHUNK`` columns: ``group_max[row * MAXIMA_STRIDE + column // GROUP]`` for
-    the chunks up to the row's length (one chunk at least); with ``CLEAR_FLAGS``, the chunk's emit flag
-    (split path) is cleared too, with ``CLEAR_COUNTS`` the row's candidate cursor and arrival counter (split
-    path without its lower-bound launch). Also the streaming pass of row programs of calls with few rows."""
+    the chunks up to the row's length (one chunk at least); with ``CLEAR_STATE`` (split path), the chunk's flag
+    is cleared too, and chunk 0 clears the row's arrival counter. Also the streaming pass of row programs of
+    calls with few rows."""
     GROUPS_PER_CHUNK: tl.constexpr = CHUNK // GROUP
     pid = tl.program_id(0)
     row = pid // num_chunks
@@ -719,28 +650,10 @@ def _split_group_max_kernel(
         keys = _order_keys(values, inside)  # [GROUPS_PER_CHUNK, GROUP]
         group_row = group_max_ptr + row.to(tl.int64) * MAXIMA_STRIDE
         tl.store(group_row + chunk * GROUPS_PER_CHUNK + group_ids, tl.max(keys, axis=1))
-        if CLEAR_FLAGS:
+        if CLEAR_STATE:
             tl.store(state_ptr + row.to(tl.int64) * state_stride + _FLAGS + chunk, 0)
-        if CLEAR_COUNTS:
             if chunk == 0:
-                tl.store(state_ptr + row.to(tl.int64) * state_stride + _NUM_CANDIDATES, 0)
                 tl.store(state_ptr + row.to(tl.int64) * state_stride + _ARRIVED, 0)
-
-
-@triton.jit(do_not_specialize=["width", "k", "next_n", "enough"])
-def _split_low_bound_kernel(
-    starts_ptr, ends_ptr, group_max_ptr, state_ptr, state_stride, width, k, next_n, enough,
-    HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr,
-    GROUP_TILE: tl.constexpr, CARRY: tl.constexpr,
-):
-    """Step 2 of the split path (module docstring); ``CARRY``: the search's counts (``_reaching``)."""
-    row = tl.program_id(0)
-    start, length = _row_window(row, row >= 0, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
-    num_groups = tl.maximum(tl.cdiv(length, CHUNK), 1) * (CHUNK // GROUP)
-    tile = tl.arange(0, GROUP_TILE)  # [GROUP_TILE]
-    maxima = tl.load(group_max_ptr + row.to(tl.int64) * GROUP_TILE + tile, mask=tile < num_groups, other=NONE)
-    t_low, inclusive, row_max = _maxima_lower_bound(maxima, k, enough, row, CARRY)
-    _store_split_state(state_ptr + row.to(tl.int64) * state_stride, t_low, inclusive, row_max)
 
 
 @triton.jit
@@ -758,23 +671,18 @@ def _flags_before(flags_row, chunk, FLAG_TILE: tl.constexpr):
 @triton.jit(do_not_specialize=["width", "k", "next_n", "num_rows", "num_chunks", "enough", "block_size",
                                "rows_per_request"])
 def _split_candidates_kernel(
-    logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, group_max_ptr, cand_ptr, cand_columns_ptr, cand_stride,
-    state_ptr, state_stride, width, k, next_n, num_rows, num_chunks, enough, out_ptr, out_stride_row, out_stride_col,
-    table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request,
+    logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, group_max_ptr, cand_keys_ptr, cand_columns_ptr,
+    cand_stride, state_ptr, state_stride, width, k, next_n, num_rows, num_chunks, enough, out_ptr, out_stride_row,
+    out_stride_col, table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr,
-    GROUP_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, CARRY: tl.constexpr, LEAN: tl.constexpr,
-    CHUNK_BOUND: tl.constexpr, CARRY_BOUND: tl.constexpr, ORDERED: tl.constexpr, FLAG_TILE: tl.constexpr,
-    PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr,
+    GROUP_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, CARRY: tl.constexpr, CARRY_BOUND: tl.constexpr,
+    FLAG_TILE: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr,
 ):
-    """Step 3 of the split path (module docstring). The search among candidates held in registers counts as
-    ``_reaching`` with ``CARRY``; ``LEAN`` (``TopkConfig.lean_search``): it starts from the bracket
-    ``[T_low, row max]`` and the number of candidates (no reductions over them), and the ties are counted only
-    when more than k candidates reach the threshold found. ``CHUNK_BOUND`` (``TopkConfig.split_chunk_bound``):
-    no step 2 ran; every program finds the row's lower bound itself from all its group maxima (the same on
-    each; ``enough``, counts with ``CARRY_BOUND``) while its whole chunk loads (L2: step 1 just read it).
-    ``ORDERED`` (``TopkConfig.split_ordered_candidates``): the candidates (keys and columns) land in column order
-    (each program's offset from a look-back over its row's chunk flags, which hold count + 1), and the row's last
-    arriver finds T and emits the row from them (``_select_and_emit``): no step 4."""
+    """Step 2 of the split path (module docstring): every program finds the row's lower bound from all its group
+    maxima (the same on each; ``enough``, counts with ``CARRY_BOUND``) while its whole chunk loads (L2: step 1
+    just read it), stores the chunk's candidates (keys and columns) in column order (its offset from a look-back
+    over the row's chunk flags, which hold count + 1), and the row's last program to arrive finds ``T`` and emits
+    the row from them (``_select_and_emit``, its search in registers counted with ``CARRY``)."""
     GROUPS_PER_CHUNK: tl.constexpr = CHUNK // GROUP
     pid = tl.program_id(0)
     row = num_rows - 1 - pid // num_chunks
@@ -787,123 +695,37 @@ def _split_candidates_kernel(
         group_ids = tl.arange(0, GROUPS_PER_CHUNK)  # [GROUPS_PER_CHUNK]
         columns = chunk * CHUNK + group_ids[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [GROUPS_PER_CHUNK, GROUP]
         src = logits_ptr + row.to(tl.int64) * stride_row + (start + columns).to(tl.int64) * stride_col
-        if CHUNK_BOUND:
-            inside = columns < length
-            if chunk < length // CHUNK:  # a whole chunk inside the row: no mask, so the loads can be 16 bytes wide
-                values = tl.load(src)
-            else:
-                values = tl.load(src, mask=inside, other=0.0)
-            slots = tl.arange(0, GROUP_TILE)  # [GROUP_TILE]
-            all_maxima = tl.load(maxima_row + slots, mask=slots < row_chunks * GROUPS_PER_CHUNK, other=NONE)
-            t_low, inclusive, row_max = _maxima_lower_bound(all_maxima, k, enough, row, CARRY_BOUND)
-            keys = _order_keys(values, inside)  # [GROUPS_PER_CHUNK, GROUP]
-        else:
-            t_low = tl.load(state_row + _T_LOW)
-            inclusive = tl.load(state_row + _INCLUSIVE)
-            maxima = tl.load(maxima_row + chunk * GROUPS_PER_CHUNK + group_ids)
-            needed = (columns < length) & _reaches(maxima[:, None], t_low, inclusive)
-            keys = _order_keys(tl.load(src, mask=needed, other=0.0), needed)  # [GROUPS_PER_CHUNK, GROUP]
-        is_candidate = _reaches(keys, t_low, inclusive).to(tl.int32)
-        per_group = tl.sum(is_candidate, axis=1)  # [GROUPS_PER_CHUNK]
-        chunk_count = tl.sum(per_group, axis=0)
-        if ORDERED:
-            tl.atomic_xchg(state_row + _FLAGS + chunk, chunk_count + 1, sem="relaxed", scope="gpu")
-            first = tl.sum(_flags_before(state_row + _FLAGS, chunk, FLAG_TILE) - 1, axis=0)
-        else:
-            first = tl.atomic_add(state_row + _NUM_CANDIDATES, chunk_count, sem="relaxed", scope="gpu")
-        group_first = first + tl.cumsum(per_group, axis=0) - per_group  # [GROUPS_PER_CHUNK]
-        position = group_first[:, None] + tl.cumsum(is_candidate, axis=1) - 1  # [GROUPS_PER_CHUNK, GROUP]
-        cand_row = cand_ptr + row.to(tl.int64) * cand_stride
-        tl.store(cand_row + position, keys, mask=is_candidate != 0)
-        if ORDERED:
-            cand_columns_row = cand_columns_ptr + row.to(tl.int64) * cand_stride
-            tl.store(cand_columns_row + position, columns, mask=is_candidate != 0)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(state_row + _ARRIVED, 1, sem="acq_rel", scope="gpu")
-        if ORDERED:
-            if arrived == row_chunks - 1:
-                # Every program published its flag before arriving: their sum is the number of candidates.
-                every = tl.arange(0, FLAG_TILE)  # [FLAG_TILE]
-                flags = tl.load(state_row + _FLAGS + every, mask=every < row_chunks, other=1, volatile=True)
-                if not CHUNK_BOUND:
-                    row_max = tl.load(state_row + _ROW_MAX)
-                _select_and_emit(row, logits_ptr + row.to(tl.int64) * stride_row, start, stride_col, length, k, t_low,
-                                 inclusive, row_max, tl.sum(flags - 1, axis=0), tl.arange(0, CANDIDATE_BLOCK),
-                                 cand_row, cand_columns_row, out_ptr, out_stride_row, out_stride_col, table_ptr,
-                                 table_stride_row, table_stride_col, block_size, rows_per_request, CHUNK,
-                                 CANDIDATE_BLOCK, PAD_BLOCK, SLOTS, CARRY, LEAN, True)
-        elif arrived == row_chunks - 1:
-            total = tl.load(state_row + _NUM_CANDIDATES, volatile=True)
-            threshold = t_low
-            ties = tl.where(t_low != NONE, k - total, 0)
-            if total >= k:
-                if total <= CANDIDATE_BLOCK:
-                    tile = tl.arange(0, CANDIDATE_BLOCK)  # [CANDIDATE_BLOCK]
-                    candidates = tl.load(cand_row + tile, mask=tile < total, other=NONE, cache_modifier=".cg")
-                    # Every entry of the row >= a floor above the smallest candidate is a candidate, so the
-                    # floor selects as T does; with exactly k candidates the floor would lie below: exact T.
-                    enough = tl.where(total > k, k, k - 1)
-                    if LEAN:
-                        # Every candidate reaches T_low; none exceeds the row's largest key.
-                        if not CHUNK_BOUND:
-                            row_max = tl.load(state_row + _ROW_MAX)
-                        threshold, reaching = _kth_largest_within(candidates, k, enough, total, t_low, row_max, CARRY)
-                        ties = k  # exactly k entries of the row reach the threshold: every tie is taken
-                        if reaching > k:
-                            ties = k - tl.sum((candidates > threshold).to(tl.int32), axis=0)
-                    else:
-                        threshold, _ = _kth_largest(candidates, k, enough, CARRY)
-                        ties = k - tl.sum((candidates > threshold).to(tl.int32), axis=0)
-                else:
-                    threshold = _kth_largest_in_memory(cand_row, total, k, CANDIDATE_BLOCK)
-                    ties = k - _count_above_in_memory(cand_row, total, threshold, CANDIDATE_BLOCK)
-            tl.store(state_row + _THRESHOLD, threshold)
-            tl.store(state_row + _TIES, ties)
-
-
-@triton.jit(do_not_specialize=["width", "k", "next_n", "num_chunks", "block_size", "rows_per_request"])
-def _split_emit_kernel(
-    logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, out_ptr, out_stride_row, out_stride_col,
-    state_ptr, state_stride, width, k, next_n, num_chunks,
-    table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request,
-    HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, CHUNK: tl.constexpr, FLAG_TILE: tl.constexpr,
-    PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    row = pid // num_chunks
-    chunk = pid % num_chunks
-    start, length = _row_window(row, row >= 0, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
-    row_chunks = tl.maximum(tl.cdiv(length, CHUNK), 1)
-    if chunk < row_chunks:
-        state_row = state_ptr + row.to(tl.int64) * state_stride
-        threshold = tl.load(state_row + _THRESHOLD)
-        ties = tl.load(state_row + _TIES)
-        columns = chunk * CHUNK + tl.arange(0, CHUNK)  # [CHUNK]
         inside = columns < length
-        src = logits_ptr + row.to(tl.int64) * stride_row + (start + columns).to(tl.int64) * stride_col
         if chunk < length // CHUNK:  # a whole chunk inside the row: no mask, so the loads can be 16 bytes wide
             values = tl.load(src)
         else:
             values = tl.load(src, mask=inside, other=0.0)
-        keys = _order_keys(values, inside)  # [CHUNK]
-        greater = keys > threshold
-        equal = (keys == threshold) & (keys != NONE)
-        counts = greater.to(tl.int32) + (equal.to(tl.int32) << 16)  # [CHUNK]
-        total = tl.sum(counts, axis=0)
-        tl.atomic_xchg(state_row + _FLAGS + chunk, total + 1, sem="relaxed", scope="gpu")
-        flags = _flags_before(state_row + _FLAGS, chunk, FLAG_TILE)  # [FLAG_TILE]
-        greater_before = tl.sum((flags & LOW_FIELD) - 1, axis=0)
-        equal_before = tl.sum(flags >> 16, axis=0)
-        out_row = out_ptr + row.to(tl.int64) * out_stride_row
-        ties_here = tl.maximum(ties - equal_before, 0)
-        base = greater_before + tl.minimum(equal_before, ties)
-        pages = _page_rows(table_ptr, table_stride_row, row, rows_per_request, SLOTS)
-        _emit_taken(counts, greater, equal, columns, ties_here, base, out_row, out_stride_col, pages, table_stride_col,
-                    block_size, 0, SLOTS)
-        if chunk == row_chunks - 1:
-            taken = base + (total & LOW_FIELD) + tl.minimum(total >> 16, ties_here)
-            one = tl.full([1], 0, tl.int32)
-            _pad_rows(out_row + tl.zeros([1, 1], tl.int64), out_stride_col, one + taken, one == 0, k, PAD_BLOCK)
+        slots = tl.arange(0, GROUP_TILE)  # [GROUP_TILE]
+        all_maxima = tl.load(maxima_row + slots, mask=slots < row_chunks * GROUPS_PER_CHUNK, other=NONE)
+        t_low, inclusive, row_max = _maxima_lower_bound(all_maxima, k, enough, row, CARRY_BOUND)
+        keys = _order_keys(values, inside)  # [GROUPS_PER_CHUNK, GROUP]
+        is_candidate = _reaches(keys, t_low, inclusive).to(tl.int32)
+        per_group = tl.sum(is_candidate, axis=1)  # [GROUPS_PER_CHUNK]
+        chunk_count = tl.sum(per_group, axis=0)
+        tl.atomic_xchg(state_row + _FLAGS + chunk, chunk_count + 1, sem="relaxed", scope="gpu")
+        first = tl.sum(_flags_before(state_row + _FLAGS, chunk, FLAG_TILE) - 1, axis=0)
+        group_first = first + tl.cumsum(per_group, axis=0) - per_group  # [GROUPS_PER_CHUNK]
+        position = group_first[:, None] + tl.cumsum(is_candidate, axis=1) - 1  # [GROUPS_PER_CHUNK, GROUP]
+        cand_keys_row = cand_keys_ptr + row.to(tl.int64) * cand_stride
+        tl.store(cand_keys_row + position, keys, mask=is_candidate != 0)
+        cand_columns_row = cand_columns_ptr + row.to(tl.int64) * cand_stride
+        tl.store(cand_columns_row + position, columns, mask=is_candidate != 0)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(state_row + _ARRIVED, 1, sem="acq_rel", scope="gpu")
+        if arrived == row_chunks - 1:
+            # Every program published its flag before arriving: their sum is the number of candidates.
+            every = tl.arange(0, FLAG_TILE)  # [FLAG_TILE]
+            flags = tl.load(state_row + _FLAGS + every, mask=every < row_chunks, other=1, volatile=True)
+            _select_and_emit(row, logits_ptr + row.to(tl.int64) * stride_row, start, stride_col, length, k, t_low,
+                             inclusive, row_max, tl.sum(flags - 1, axis=0), tl.arange(0, CANDIDATE_BLOCK),
+                             cand_keys_row, cand_columns_row, out_ptr, out_stride_row, out_stride_col, table_ptr,
+                             table_stride_row, table_stride_col, block_size, rows_per_request, CHUNK,
+                             CANDIDATE_BLOCK, PAD_BLOCK, SLOTS, CARRY)
 
 
 @triton.jit
@@ -954,16 +776,16 @@ def _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusiv
                      held_slots, cand_keys_row, cand_columns_row, out_ptr, out_stride_row, out_stride_col, table_ptr,
                      table_stride_row, table_stride_col, block_size, rows_per_request, STREAM_TILE: tl.constexpr,
                      CANDIDATE_BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr,
-                     CARRY: tl.constexpr, LEAN: tl.constexpr, STOP_TIES: tl.constexpr):
-    """The end of a row program (and of the split path's ordered candidates): ``T`` among the ``num_candidates``
-    candidates (keys and columns, in column order; the j-th at buffer slot ``held_slots[j]`` when they fit in
-    ``CANDIDATE_BLOCK``, else at slot j) of the ``bound``, then the ordered emit of the row's k picks and the
-    padding (a row emitted from the row itself goes in tiles of ``STREAM_TILE``). The search in registers counts
-    as ``_reaching`` with ``CARRY``; ``LEAN``: from the bracket ``[bound, row_max]`` and ``num_candidates`` (no
-    reductions over the candidates), ties counted only when more than k candidates reach the threshold found.
-    ``STOP_TIES``: a row emitted from the row (strict bound, fewer than k candidates) is streamed only until its
-    ties are taken (the first ones in column order; e.g. the zeros of a row without positive entries lie in its
-    first few tiles), then the remaining candidates are emitted from the buffer (fewer than k: held slots)."""
+                     CARRY: tl.constexpr):
+    """The end of a row program (and of the split path): ``T`` among the ``num_candidates`` candidates (keys and
+    columns, in column order; the j-th at buffer slot ``held_slots[j]`` when they fit in ``CANDIDATE_BLOCK``, else
+    at slot j) of the ``bound``, then the ordered emit of the row's k picks and the padding. The search in
+    registers counts as ``_reaching`` with ``CARRY`` and starts from the bracket ``[bound, row_max]`` and
+    ``num_candidates`` (no reductions over the candidates); the ties are counted only when more than k candidates
+    reach the threshold found. A row emitted from the row itself (strict bound, fewer than k candidates) is
+    streamed in tiles of ``STREAM_TILE`` only until its ties are taken (the first ones in column order; e.g. the
+    zeros of a row without positive entries lie in its first few tiles), then the remaining candidates are
+    emitted from the buffer (fewer than k: held slots)."""
     # T and the ties, then the ordered emit: from the candidates, or from the row when T is the bound
     # itself and its ties (not candidates) are taken.
     out_row = out_ptr + row.to(tl.int64) * out_stride_row
@@ -974,7 +796,7 @@ def _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusiv
         ties = k - num_candidates
         line = tl.arange(0, STREAM_TILE)
         line_first = row * 0
-        while (line_first < length) & ((ties > 0) | (STOP_TIES == 0)):
+        while (line_first < length) & (ties > 0):
             line_columns = line_first + line
             line_inside = line_columns < length
             line_keys = _order_keys(tl.load(src_row + (start + line_columns).to(tl.int64) * stride_col,
@@ -982,16 +804,15 @@ def _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusiv
             taken, ties = _emit_ordered(line_keys, line_columns, bound, ties, taken, out_row, out_stride_col,
                                         pages, table_stride_col, block_size, SLOTS)
             line_first += STREAM_TILE
-        if STOP_TIES:
-            # The candidates past the streamed columns follow in column order: the j-th at position taken + j -
-            # emitted (emitted = candidates already streamed = taken minus the ties taken).
-            emitted = taken - (k - num_candidates - ties)
-            held = tl.arange(0, CANDIDATE_BLOCK)
-            remaining = (held >= emitted) & (held < num_candidates)
-            held_columns = tl.load(cand_columns_row + held_slots, mask=remaining, other=0, cache_modifier=".cg")
-            _emit_taken(remaining.to(tl.int32), remaining, held < 0, held_columns, 0, taken, out_row, out_stride_col,
-                        pages, table_stride_col, block_size, 0, SLOTS)
-            taken += num_candidates - emitted
+        # The candidates past the streamed columns follow in column order: the j-th at position taken + j -
+        # emitted (emitted = candidates already streamed = taken minus the ties taken).
+        emitted = taken - (k - num_candidates - ties)
+        held = tl.arange(0, CANDIDATE_BLOCK)
+        remaining = (held >= emitted) & (held < num_candidates)
+        held_columns = tl.load(cand_columns_row + held_slots, mask=remaining, other=0, cache_modifier=".cg")
+        _emit_taken(remaining.to(tl.int32), remaining, held < 0, held_columns, 0, taken, out_row, out_stride_col,
+                    pages, table_stride_col, block_size, 0, SLOTS)
+        taken += num_candidates - emitted
     elif num_candidates <= CANDIDATE_BLOCK:
         held = tl.arange(0, CANDIDATE_BLOCK) < num_candidates
         held_keys = tl.load(cand_keys_row + held_slots, mask=held, other=NONE, cache_modifier=".cg")
@@ -999,14 +820,10 @@ def _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusiv
         threshold = row * 0 + NONE
         ties = row * 0
         if num_candidates > k:
-            if LEAN:
-                # Every candidate reaches the bound; none exceeds the row's largest key.
-                threshold, reaching = _kth_largest_within(held_keys, k, k, num_candidates, bound, row_max, CARRY)
-                ties = k  # exactly k candidates reach the threshold: every tie is taken
-                if reaching > k:
-                    ties = k - tl.sum((held_keys > threshold).to(tl.int32), axis=0)
-            else:
-                threshold, _ = _kth_largest(held_keys, k, k, CARRY)
+            # Every candidate reaches the bound; none exceeds the row's largest key.
+            threshold, reaching = _kth_largest_within(held_keys, k, k, num_candidates, bound, row_max, CARRY)
+            ties = k  # exactly k candidates reach the threshold: every tie is taken
+            if reaching > k:
                 ties = k - tl.sum((held_keys > threshold).to(tl.int32), axis=0)
         taken, ties = _emit_ordered(held_keys, held_columns, threshold, ties, taken, out_row, out_stride_col, pages,
                                     table_stride_col, block_size, SLOTS)
@@ -1038,7 +855,7 @@ def _row_program_kernel(
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
     STREAM_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr,
     STREAM: tl.constexpr, VECTOR_GATHER: tl.constexpr, PREFETCH_GATHER: tl.constexpr, STAGES: tl.constexpr,
-    STORE_STATE: tl.constexpr, CARRY_BOUND: tl.constexpr, CARRY_SEARCH: tl.constexpr, LEAN: tl.constexpr,
+    STORE_STATE: tl.constexpr, CARRY_BOUND: tl.constexpr, CARRY_SEARCH: tl.constexpr,
 ):
     """One program per row. ``STREAM``: the program computes the group maxima itself (else an earlier
     launch of ``_split_group_max_kernel`` stored them). ``VECTOR_GATHER``: unmasked group loads in every
@@ -1047,8 +864,7 @@ def _row_program_kernel(
     of the qualifying group ids, 2 after the gather, 3 runs everything. ``STORE_STATE`` (gather launch):
     the bound, its kind, the row's largest key and the number of qualifying groups go to the row's state words
     at ``state_ptr + row * state_stride`` for ``_row_pieces_kernel``. ``CARRY_BOUND`` / ``CARRY_SEARCH``: the
-    counts (``_reaching``) of the lower-bound search and of the candidates' search; ``LEAN``: the latter as
-    ``_select_and_emit`` says."""
+    counts (``_reaching``) of the lower-bound search and of the candidates' search (``_select_and_emit``)."""
     TILE_GROUPS: tl.constexpr = STREAM_TILE // GROUP
     row = tl.program_id(0)
     start, length = _row_window(row, row >= 0, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
@@ -1136,7 +952,7 @@ def _row_program_kernel(
         _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusive, row_max, num_candidates, held,
                          cand_keys_row, cand_columns_row, out_ptr, out_stride_row, out_stride_col, table_ptr,
                          table_stride_row, table_stride_col, block_size, rows_per_request, STREAM_TILE,
-                         CANDIDATE_BLOCK, PAD_BLOCK, SLOTS, CARRY_SEARCH, LEAN, LEAN)
+                         CANDIDATE_BLOCK, PAD_BLOCK, SLOTS, CARRY_SEARCH)
 
 
 @triton.jit
@@ -1172,7 +988,7 @@ def _row_pieces_kernel(
     table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
     STREAM_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, MAX_PIECES: tl.constexpr, PAD_BLOCK: tl.constexpr,
-    SLOTS: tl.constexpr, CARRY: tl.constexpr, LEAN: tl.constexpr,
+    SLOTS: tl.constexpr, CARRY: tl.constexpr,
 ):
     """Gather launch of row programs: program ``row * MAX_PIECES + piece`` re-reads the qualifying groups
     ``[piece * TILE_GROUPS, (piece + 1) * TILE_GROUPS)`` of its row (ids and bound from the row program
@@ -1180,7 +996,7 @@ def _row_pieces_kernel(
     region (``piece_capacity`` slots), and ``count`` in the row's state. The row's last piece program to
     finish (an acq_rel arrival counter) maps the candidates' positions to slots across the pieces (in
     registers; above ``CANDIDATE_BLOCK`` they are first copied to one contiguous buffer) and runs
-    ``_select_and_emit`` (with ``CARRY``, ``LEAN``). A row without qualifying groups still runs piece 0 (nothing
+    ``_select_and_emit`` (with ``CARRY``). A row without qualifying groups still runs piece 0 (nothing
     gathered), which pads."""
     TILE_GROUPS: tl.constexpr = STREAM_TILE // GROUP
     pid = tl.program_id(0)
@@ -1250,7 +1066,7 @@ def _row_pieces_kernel(
             _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusive, row_max, num_candidates,
                              held_slots, keys_row, columns_row, out_ptr, out_stride_row, out_stride_col, table_ptr,
                              table_stride_row, table_stride_col, block_size, rows_per_request, STREAM_TILE,
-                             CANDIDATE_BLOCK, PAD_BLOCK, SLOTS, CARRY, LEAN, LEAN)
+                             CANDIDATE_BLOCK, PAD_BLOCK, SLOTS, CARRY)
 
 
 @triton.jit(do_not_specialize=["k", "block_size"])
@@ -1346,12 +1162,10 @@ def _launch_row_tile(logits, k, bounds, out, next_n, slot_args, block, elements,
     )
 
 
-def _carry(config, tile, warps):
-    """``CARRY`` of the two-bit searches over a 1-D tile of ``tile`` keys in ``warps`` warps (``_reaching``): -1
-    (compare the keys) without ``config.carry_search``; else 0 under the interpreter (no inline PTX there: the
-    images compared), 4 where each thread holds a multiple of 4 of the tile's keys, else 1."""
-    if not config.carry_search:
-        return -1
+def _carry(tile, warps):
+    """``CARRY`` of the two-bit searches over a 1-D tile of ``tile`` keys in ``warps`` warps (``_reaching``): 0
+    under the interpreter (no inline PTX there: the images compared), 4 where each thread holds a multiple of 4 of
+    the tile's keys, else 1."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return 0
     return 4 if tile % (4 * 32 * warps) == 0 else 1
@@ -1376,36 +1190,22 @@ def _launch_split(logits, k, bounds, out, next_n, bounds_flags, slot_args, confi
     device = logits.device
     state = torch.empty((num_rows, state_stride), dtype=torch.int32, device=device)
     group_max = torch.empty((num_rows, group_tile), dtype=torch.int32, device=device)
-    candidates = torch.empty((num_rows, capacity), dtype=torch.int32, device=device)
-    ordered = config.split_ordered_candidates
-    candidate_columns = torch.empty_like(candidates) if ordered else candidates
+    cand_keys = torch.empty((num_rows, capacity), dtype=torch.int32, device=device)
+    cand_columns = torch.empty_like(cand_keys)
     grid = (num_rows * num_chunks,)
     rows_args = (logits, logits.stride(0), logits.stride(1), *bounds)
     warps = config.split_warps
-    sizes = dict(CHUNK=chunk, GROUP=group, GROUP_TILE=group_tile)
-    chunk_bound = config.split_chunk_bound
     _split_group_max_kernel[grid](
         *rows_args, group_max, state, state_stride, width, next_n, num_chunks, CHUNK=chunk, GROUP=group,
-        MAXIMA_STRIDE=group_tile, CLEAR_FLAGS=True, CLEAR_COUNTS=chunk_bound, num_warps=warps, **bounds_flags,
+        MAXIMA_STRIDE=group_tile, CLEAR_STATE=True, num_warps=warps, **bounds_flags,
     )
-    if not chunk_bound:
-        _split_low_bound_kernel[(num_rows,)](
-            *bounds, group_max, state, state_stride, width, k, next_n, enough, CARRY=_carry(config, group_tile, 8),
-            num_warps=8, **sizes, **bounds_flags,
-        )
     _split_candidates_kernel[grid](
-        *rows_args, group_max, candidates, candidate_columns, capacity, state, state_stride, width, k, next_n, num_rows,
-        num_chunks, enough, out, out.stride(0), out.stride(1), *slot_args[0], CANDIDATE_BLOCK=candidate_block,
-        CARRY=_carry(config, candidate_block, warps), LEAN=config.lean_search, CHUNK_BOUND=chunk_bound,
-        CARRY_BOUND=_carry(config, group_tile, warps), ORDERED=ordered, FLAG_TILE=flag_tile, PAD_BLOCK=_PAD_BLOCK,
-        num_warps=warps, **sizes, **bounds_flags, **slot_args[1],
+        *rows_args, group_max, cand_keys, cand_columns, capacity, state, state_stride, width, k, next_n, num_rows,
+        num_chunks, enough, out, out.stride(0), out.stride(1), *slot_args[0], CHUNK=chunk, GROUP=group,
+        GROUP_TILE=group_tile, CANDIDATE_BLOCK=candidate_block, CARRY=_carry(candidate_block, warps),
+        CARRY_BOUND=_carry(group_tile, warps), FLAG_TILE=flag_tile, PAD_BLOCK=_PAD_BLOCK, num_warps=warps,
+        **bounds_flags, **slot_args[1],
     )
-    if not ordered:
-        _split_emit_kernel[grid](
-            *rows_args, out, out.stride(0), out.stride(1), state, state_stride, width, k, next_n, num_chunks,
-            *slot_args[0], CHUNK=chunk, FLAG_TILE=flag_tile, PAD_BLOCK=_PAD_BLOCK, num_warps=warps, **bounds_flags,
-            **slot_args[1],
-        )
 
 
 def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args, config):
@@ -1439,19 +1239,19 @@ def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args
         num_chunks = triton.cdiv(width, config.chunk)
         _split_group_max_kernel[(num_rows * num_chunks,)](
             logits, logits.stride(0), logits.stride(1), *bounds, groups, groups, 0, width, next_n, num_chunks,
-            CHUNK=config.chunk, GROUP=group, MAXIMA_STRIDE=2 * group_tile, CLEAR_FLAGS=False, CLEAR_COUNTS=False,
+            CHUNK=config.chunk, GROUP=group, MAXIMA_STRIDE=2 * group_tile, CLEAR_STATE=False,
             num_warps=config.split_warps, **bounds_flags,
         )
     warps = config.stream_warps
-    carry_search = _carry(config, candidate_block, warps)
+    carry_search = _carry(candidate_block, warps)
     _row_program_kernel[(num_rows,)](
         logits, logits.stride(0), logits.stride(1), *bounds, out, out.stride(0), out.stride(1),
         groups, cand_keys, cand_columns, capacity, state, state.stride(0), width, k, next_n, enough, *slot_args[0],
         GROUP=group, GROUP_TILE=group_tile, STREAM_TILE=stream_tile, CANDIDATE_BLOCK=candidate_block,
         PAD_BLOCK=_PAD_BLOCK, STREAM=stream, VECTOR_GATHER=config.vector_gather,
         PREFETCH_GATHER=config.prefetch_gather, STAGES=1 if pieces else config.row_stages, STORE_STATE=pieces,
-        CARRY_BOUND=_carry(config, group_tile, warps), CARRY_SEARCH=carry_search, LEAN=config.lean_search,
-        num_warps=warps, **bounds_flags, **slot_args[1],
+        CARRY_BOUND=_carry(group_tile, warps), CARRY_SEARCH=carry_search, num_warps=warps, **bounds_flags,
+        **slot_args[1],
     )
     if pieces:
         flat_keys = torch.empty((num_rows, capacity), dtype=torch.int32, device=device)
@@ -1462,8 +1262,8 @@ def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args
             groups, state, state.stride(0), cand_keys, cand_columns, stream_tile, flat_keys, flat_columns, capacity,
             width, k, next_n, *slot_args[0],
             GROUP=group, GROUP_TILE=group_tile, STREAM_TILE=stream_tile, CANDIDATE_BLOCK=candidate_block,
-            MAX_PIECES=max_pieces, PAD_BLOCK=_PAD_BLOCK, CARRY=carry_search, LEAN=config.lean_search, num_warps=warps,
-            **registers, **bounds_flags, **slot_args[1],
+            MAX_PIECES=max_pieces, PAD_BLOCK=_PAD_BLOCK, CARRY=carry_search, num_warps=warps, **registers,
+            **bounds_flags, **slot_args[1],
         )
 
 
