@@ -69,6 +69,10 @@ GPU_WIDE = [GPU_SPLIT, GPU_STREAM, GPU_STREAM_IN_PROGRAM, GPU_STREAM_V4, GPU_STR
             replace(GPU_PIECES_W8, pieces_max_registers=None)]
 GPU_WIDE_IDS = ["split", "stream", "stream_in_program", "stream_v4", "stream_w8", "pieces", "pieces_w8", "split_w4",
                 "stream_maxima_w4", "pieces_w8_uncapped"]
+# The split path and the gather-piece launches (the default's from 8 to 64 rows) at 32 to 128 rows of 131072: the
+# routings that session 6 times against the default there (`_decode_sweep_plan` in bench/suite_topk.py).
+GPU_MANY_ROWS = [GPU_SPLIT, GPU_PIECES_W8]
+GPU_MANY_ROWS_IDS = ["split_many_rows", "pieces_many_rows"]
 ROW = TopkConfig()  # whole rows: carry counts, plateau check every 16 bits
 ONE_ROW = TopkConfig(row_elements=16)  # one row per whole-row program
 # One launch per tile (64/32/16 columns): one row of 64 per program, two rows of 32 / four of 16 (packed),
@@ -476,6 +480,45 @@ def test_gpu_reruns_are_bitwise_equal(config):
     for _ in range(20):
         assert torch.equal(triton_topk(logits, 2048, None, ends, config), first)
         assert torch.equal(triton_topk(prefill, 2048, config=config), first_prefill)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["random", *sorted(ADVERSARIAL_GENERATORS)])
+@pytest.mark.parametrize("num_rows", [32, 128])
+@pytest.mark.parametrize("config", GPU_MANY_ROWS, ids=GPU_MANY_ROWS_IDS)
+def test_gpu_many_rows_generators(name, num_rows, config):
+    # 32 to 128 decode rows of 131072 (2048 / 8192 chunk programs on the split path), garbage past the ends.
+    shape = (num_rows, 131072)
+    logits = torch.randn(shape, device="cuda") if name == "random" else ADVERSARIAL_GENERATORS[name](shape, 24, "cuda")
+    ends = decode_lengths(num_rows, 131072, 6).cuda()
+    for k in (2048, 512):
+        assert_same(with_garbage_past_ends(logits, ends), k, None, ends, config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_requests", [16, 32, 64])
+@pytest.mark.parametrize("config", GPU_MANY_ROWS, ids=GPU_MANY_ROWS_IDS)
+def test_gpu_many_rows_reruns_and_graph_replay(num_requests, config):
+    # 2 rows per request (32 / 64 / 128 rows of 131072): reruns are bitwise equal, and a captured call replays with
+    # new logits and lengths.
+    next_n, width, k = 2, 131072, 2048
+    num_rows = num_requests * next_n
+    logits = torch.cat([ADVERSARIAL_GENERATORS["one_bin"]((num_rows // 2, width), 1, "cuda"),
+                        torch.randn(num_rows // 2, width, device="cuda")])
+    seq_lens = decode_lengths(num_requests, width, 4).cuda()
+    out = torch.empty((num_rows, k), dtype=torch.int32, device="cuda")
+    first = triton_impl.topk_decode_triton(logits, seq_lens, next_n, k, out, config=config).clone()
+    assert torch.equal(first, reference.topk_decode(logits, seq_lens, next_n, k, poisoned(num_rows, k, "cuda")))
+    for _ in range(5):
+        assert torch.equal(triton_impl.topk_decode_triton(logits, seq_lens, next_n, k, out, config=config), first)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        triton_impl.topk_decode_triton(logits, seq_lens, next_n, k, out, config=config)
+    for trial in range(3):
+        logits.copy_(ADVERSARIAL_GENERATORS["relu_sum"]((num_rows, width), trial, "cuda"))
+        seq_lens.copy_(decode_lengths(num_requests, width, trial).cuda() // (trial + 1))
+        graph.replay()
+        assert torch.equal(out, reference.topk_decode(logits, seq_lens, next_n, k, poisoned(num_rows, k, "cuda")))
 
 
 @pytest.mark.gpu

@@ -18,6 +18,7 @@ tuning variants of ``_decode_sweep_plan`` and ``_prefill_row_configs`` (every ce
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -111,15 +112,44 @@ def run(ceilings: dict[str, float]) -> list[dict]:
 
 
 def _decode_sweep_plan() -> tuple[dict, list]:
-    """Decode variants of ``sweep_decode`` (names -> ``TopkConfig``) and its cells ``(data, rows, k, names)``: none
-    since the session-5 cleanup (every measured variant became the default or was removed; add the next ones
-    here, each the default with the changes its name lists, timed in the cells where it changes the path taken),
-    so ``base`` alone: the split path at R=1, gather-piece launches at R=32/64, row programs at R=128, random rows
-    at k 2048 and 512, relu_sum and one_bin at R=1 and relu_sum at R=32/128 (k=2048)."""
-    cells = [("random", num_rows, k, []) for num_rows in (1, 32, 64, 128) for k in (2048, 512)]
-    cells += [(data, 1, 2048, []) for data in ("relu_sum", "one_bin")]
-    cells += [("relu_sum", num_rows, 2048, []) for num_rows in (32, 128)]
-    return {}, cells
+    """Decode variants of ``sweep_decode`` (names -> ``TopkConfig``) and its cells ``(data, rows, k, names)``: the
+    routing of session 6 (prepared in session 5). ``split_all`` takes the split path (two launches: group maxima;
+    candidates, T and emit in the row's last arriver) at every row count, so each cell compares it with what the
+    default takes there (``base``: the split path below 8 rows, gather-piece launches from 8 to 64, row programs
+    above); the crossover gives ``row_program_rows``. ``pieces_to_128`` takes the gather-piece launches up to 128
+    rows (``pieces_max_rows``), timed where it differs from ``base`` (R=128). Cells: random rows at R = 1 (``base``
+    alone: the split path already), 8, 16, 24, 32, 64, 128, k 2048 and 512; relu_sum at R=32/128 (k=2048)."""
+    from dsa_indexer.ops.topk.triton import DEFAULT_CONFIG
+
+    configs = {
+        "split_all": replace(DEFAULT_CONFIG, row_program_rows=1 << 30),
+        "pieces_to_128": replace(DEFAULT_CONFIG, pieces_max_rows=128),
+    }
+    cells = [("random", 1, k, []) for k in (2048, 512)]
+    cells += [("random", num_rows, k, ["split_all"] + (["pieces_to_128"] if num_rows > 64 else []))
+              for num_rows in (8, 16, 24, 32, 64, 128) for k in (2048, 512)]
+    cells += [("relu_sum", num_rows, 2048, ["split_all"] + (["pieces_to_128"] if num_rows > 64 else []))
+              for num_rows in (32, 128)]
+    return configs, cells
+
+
+def _warm_tasks(configs: dict, cells: list) -> list[tuple[int, str, int]]:
+    """The calls ``(rows, name, k)`` that compile every kernel of the sweep once: one per (path the row count
+    takes, config without its routing, k), since variants that differ only in routing share their paths' kernels."""
+    tasks, seen = [], set()
+    for num_rows in sorted({cell[1] for cell in cells}):
+        for name in [n for n in configs if any(num_rows == c[1] and n in ("base", *c[3]) for c in cells)]:
+            config = configs[name]
+            if num_rows < config.row_program_rows:
+                path = "split"
+            else:
+                path = "pieces" if num_rows <= config.pieces_max_rows else "rows"
+            for k in (2048, 512):
+                key = (path, replace(config, row_program_rows=0, pieces_max_rows=0), k)
+                if key not in seen:
+                    seen.add(key)
+                    tasks.append((num_rows, name, k))
+    return tasks
 
 
 def _time_variants(label, logits, k, ends, inputs, configs, rep_ms, unchecked=()) -> dict:
@@ -176,21 +206,18 @@ def sweep_decode(out_path: str | None = None, warm: str | None = None) -> None:
     """Cold µs of the decode variants of ``_decode_sweep_plan`` (``python -m dsa_indexer.bench.suite_topk
     sweep_decode [OUT_JSON]``) and of ``base`` (the committed default) on every cell, each checked bitwise
     against the reference first (probes excepted); a table last. ``warm="i/n"`` only compiles the i-th of n
-    shares of the variants (at each row count of the cells, both k), to run beside the tests in parallel
-    processes that fill Triton's cache."""
+    shares of ``_warm_tasks`` (each path's kernels once, both k), to run beside the tests in parallel processes
+    that fill Triton's cache."""
     from dsa_indexer.ops.topk import triton as kernels
 
     configs, cells = _decode_sweep_plan()
     configs = {"base": kernels.DEFAULT_CONFIG, **configs}
     if warm is not None:
         share, shares = (int(x) for x in warm.split("/"))
-        names = list(configs)[share::shares]
-        for num_rows in sorted({cell[1] for cell in cells}):  # the row count picks the path: compile each one
+        for num_rows, name, k in _warm_tasks(configs, cells)[share::shares]:
             logits, lengths = _decode_rows("random", num_rows)
-            for name in [n for n in names if any(num_rows == c[1] and n in ("base", *c[3]) for c in cells)]:
-                for k in (2048, 512):
-                    out = torch.empty((num_rows, k), dtype=torch.int32, device="cuda")
-                    kernels.topk_triton(logits, k, None, lengths, out, config=configs[name])
+            out = torch.empty((num_rows, k), dtype=torch.int32, device="cuda")
+            kernels.topk_triton(logits, k, None, lengths, out, config=configs[name])
             del logits
         torch.cuda.synchronize()
         return
