@@ -151,6 +151,26 @@ def _work_item(lens_ptr, stride_lb, stride_lt, work, next_n, one_d, max_context_
 
 
 @gluon.jit
+def _split_first_page(table_row, split_start, read_end, first_page, BLOCK_SIZE: gl.constexpr,
+                      EARLY_TABLE: gl.constexpr):
+    """The block-table entry of a split's first tile (pages a multiple of a tile): ``first_page``, already
+    loaded beside the lengths with ``EARLY_TABLE``, else loaded here (0 for a split without positions)."""
+    if EARLY_TABLE:
+        page = first_page
+    else:
+        page = gl.load(table_row + split_start // BLOCK_SIZE, mask=split_start < read_end, other=0)
+    return page
+
+
+@gluon.jit
+def _next_tile_page(table_row, tile_start, read_end, BLOCK_SIZE: gl.constexpr):
+    """The block-table entry of the tile after the one at ``tile_start`` (0 past ``read_end``), loaded a tile
+    ahead of its copies."""
+    ahead = tile_start + BLOCK_K
+    return gl.load(table_row + ahead // BLOCK_SIZE, mask=ahead < read_end, other=0)
+
+
+@gluon.jit
 def _fill_tiles(values_ptr, cache_ptr, page_units, table_row, key_ring, scale_ring, ready, empty, split_start,
                 read_end, first_use, num_fills, first_page, key, column, scale_key, ROW_BYTES: gl.constexpr,
                 BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr, COPY_ALIGN: gl.constexpr,
@@ -166,16 +186,12 @@ def _fill_tiles(values_ptr, cache_ptr, page_units, table_row, key_ring, scale_ri
     if BLOCK_SIZE % BLOCK_K == 0:
         # A tile lies in one page: one block-table entry per tile, loaded a tile ahead (its latency hides
         # under this tile's wait and copies).
-        if EARLY_TABLE:
-            next_page = first_page
-        else:
-            next_page = gl.load(table_row + split_start // BLOCK_SIZE, mask=split_start < read_end, other=0)
+        next_page = _split_first_page(table_row, split_start, read_end, first_page, BLOCK_SIZE, EARLY_TABLE)
         for tile in range(num_fills):
             stage = (first_use + tile) % NUM_STAGES
             tile_start = split_start + tile * BLOCK_K
             page_start = next_page.to(gl.int64) * page_units * COPY_ALIGN
-            ahead = tile_start + BLOCK_K
-            next_page = gl.load(table_row + ahead // BLOCK_SIZE, mask=ahead < read_end, other=0)
+            next_page = _next_tile_page(table_row, tile_start, read_end, BLOCK_SIZE)
             # A fresh barrier has completed no phase; waiting on parity 1 passes, so the first round is free.
             mbarrier.wait(empty.index(stage), (((first_use + tile) // NUM_STAGES) & 1) ^ 1)
             slot = tile_start % BLOCK_SIZE + key  # [BLOCK_K]
@@ -228,16 +244,12 @@ def _fill_tiles_tma(key_desc, scale_desc, page_rows, table_row, key_ring, scale_
     key_stages = key_ring._reinterpret(key_ring.dtype, [NUM_STAGES, BLOCK_K, ROW_BYTES], key_desc.layout)
     scale_stages = scale_ring._reinterpret(gl.uint8, [NUM_STAGES, 4 * BLOCK_K // ROW_BYTES, ROW_BYTES],
                                            scale_desc.layout)
-    if EARLY_TABLE:
-        next_page = first_page
-    else:
-        next_page = gl.load(table_row + split_start // BLOCK_SIZE, mask=split_start < read_end, other=0)
+    next_page = _split_first_page(table_row, split_start, read_end, first_page, BLOCK_SIZE, EARLY_TABLE)
     for tile in range(num_fills):
         stage = (first_use + tile) % NUM_STAGES
         tile_start = split_start + tile * BLOCK_K
         page_row = next_page * page_rows
-        ahead = tile_start + BLOCK_K
-        next_page = gl.load(table_row + ahead // BLOCK_SIZE, mask=ahead < read_end, other=0)
+        next_page = _next_tile_page(table_row, tile_start, read_end, BLOCK_SIZE)
         slot = tile_start % BLOCK_SIZE
         # A fresh barrier has completed no phase; waiting on parity 1 passes, so the first round is free.
         mbarrier.wait(empty.index(stage), (((first_use + tile) // NUM_STAGES) & 1) ^ 1)
