@@ -18,7 +18,7 @@ pays), ``clean`` = a 256 MB read (clean lines of another buffer), ``meta`` = cle
 table read (only the keys cold), ``hot`` = no flush. ``bits``: bitwise equal to ``auto`` at the same shape.
 
   OUT=/tmp/diag python scripts/gluon_decode_diag.py --part configs --table
-  OUT=/tmp/diag python scripts/gluon_decode_diag.py --part configs --large --next-n 2 --variants auto cta3 cta3-release
+  OUT=/tmp/diag python scripts/gluon_decode_diag.py --part configs --large --next-n 2 --variants auto cta3 cta3-tma
 """
 
 import argparse
@@ -168,13 +168,13 @@ def print_table(out_dir):
             with open(path) as f:
                 rows += [json.loads(line) for line in f if line.strip()]
     base = {(r["part"], r["B"], r["L"], r["next_n"], r["flush"]): r["us"] for r in rows if r["variant"] == "auto"}
-    print(f"{'part':7} {'B':>3} {'L':>6} {'n':>1} {'flush':5} {'variant':29} {'us':>7} {'%floor':>6} {'vs auto':>7} "
+    print(f"{'part':7} {'B':>3} {'L':>6} {'n':>1} {'flush':5} {'variant':21} {'us':>7} {'%floor':>6} {'vs auto':>7} "
           "bits")
     for r in rows:
         ref = base.get((r["part"], r["B"], r["L"], r["next_n"], r["flush"]))
         speedup = f"{ref / r['us']:7.3f}" if ref and r["variant"] not in ("auto", "empty") else f"{'':7}"
         bits = {True: "same", False: "DIFF", None: "-"}[r["same_bits"]]
-        print(f"{r['part']:7} {r['B']:3} {r['L'] // K:5}K {r['next_n']:1} {r['flush']:5} {r['variant']:29} "
+        print(f"{r['part']:7} {r['B']:3} {r['L'] // K:5}K {r['next_n']:1} {r['flush']:5} {r['variant']:21} "
               f"{r['us']:7.2f} {r['pct_of_floor']:6.1f} {speedup} {bits}")
 
 

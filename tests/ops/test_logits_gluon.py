@@ -215,32 +215,6 @@ def test_gluon_decode_tma_pages_give_the_copies_bits_gpu(kernel_device, variant,
             assert torch.equal(result.view(torch.int32), run_gluon(inputs, clean, 8).view(torch.int32))
 
 
-RELEASE_VARIANTS = ["cta3-release", "persist2-coarse-early-release", "persist4-one-row-release"]
-
-
-@pytest.mark.gpu
-@needs_hopper
-@pytest.mark.parametrize("next_n", [1, 2])
-@pytest.mark.parametrize("variant", [*RELEASE_VARIANTS, "persist1-release-stages2"])
-def test_gluon_decode_thread_release_gives_the_default_bits_gpu(kernel_device, variant, next_n):
-    """Each consumer thread releasing a ring stage itself (config field 11, no warpgroup barrier before the
-    release) on aligned caches (TMA copies; clean or not) and padded ones (cp.async; the sweep test runs the
-    sweep entries there too): the reference's tier and the default's bits, at one and two draft rows, one work
-    item per program (``cta3-release``) and persistent; ``persist1-release-stages2``: one program per SM and a
-    2-stage ring, so many items go through the same two stages (their parities wrap many times) and a warp
-    that released a stage too early would see it overwritten first."""
-    from dsa_indexer.ops.logits.gluon_decode import _tma_pages
-
-    config = GLUON_SWEEP_CONFIGS.get(variant, (2,) + GLUON_SWEEP_CONFIGS["cta3"][1:8] + (1, 0, 1, 1))
-    lengths = [[max(0, n - 7 * t) for t in range(next_n)] for n in REQUEST_LENGTHS + [128, 129, 3200, 64 * 50]]
-    padded = decode_inputs("fp8", lengths, next_n, kernel_device, heads=64, block_size=64, seed=91)
-    for inputs, cleans in ((_aligned(padded), (True, False)), (padded, (True,))):
-        assert (_tma_pages(inputs.cache, config) is None) == (inputs is padded)
-        for clean in cleans:
-            result = check_gluon(inputs, clean, config=config)
-            assert torch.equal(result.view(torch.int32), run_gluon(inputs, clean, 8).view(torch.int32))
-
-
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("variant", ["cta3", "persist4-one-row"])

@@ -11,16 +11,12 @@ prologue (lengths, block table, first keys: dependent cold reads). What changes 
   tile ahead, in a register), the ``[64, D]`` e4m3 keys and their 64 fp32 scales into a ``NUM_STAGES``
   shared-memory ring whose use count runs on across items: TMA copies (``_fill_tiles_tma``), two a tile
   and one per query row, on the transaction counts of the per-stage ``ready`` and the slot's
-  ``query_ready`` mbarriers. The consumer hands each stage back through an ``empty`` mbarrier: after a
-  warpgroup barrier, one arrival by thread 0 (the defaults), or, with ``THREAD_RELEASE`` (config field 11,
-  default off), one arrival per consumer thread as soon as that thread is past its own reads of the stage,
-  so the release no longer waits for the slowest warp (one warpgroup barrier a tile remains: the one Triton
-  puts before each wait on the ``ready`` array). Caches TMA cannot take (unaligned, a page stride that is
-  not a multiple of a key row, pages smaller than a tile, ``D > 128``: ``_tma_pages``) get the cp.async
-  producer instead (``_fill_tiles``: four warps' per-thread 16- or 4-byte copies, each thread arriving on
-  ``ready`` when its own copies land; same bytes in shared memory, same results). The TMA producer is
-  1.01-1.12x faster (NOTES_logits.md, session 5 round 2): fewer instructions and fewer warps competing with
-  the consumers for issue slots.
+  ``query_ready`` mbarriers. The consumer hands each stage back through an ``empty`` mbarrier. Caches
+  TMA cannot take (unaligned, a page stride that is not a multiple of a key row, pages smaller than a
+  tile, ``D > 128``: ``_tma_pages``) get the cp.async producer instead (``_fill_tiles``: four warps'
+  per-thread 16- or 4-byte copies, each thread arriving on ``ready`` when its own copies land; same bytes
+  in shared memory, same results). The TMA producer is 1.01-1.12x faster (NOTES_logits.md, session 5
+  round 2): fewer instructions and fewer warps competing with the consumers for issue slots.
 - The consumer (one warpgroup, the default partition) never waits for memory once the ring is ahead:
   per tile it issues one asynchronous ``[64 keys, D] x [D, BLOCK_H heads]`` wgmma per draft row (keys on
   M, heads on N, both operands from shared memory), then waits for row 0 only and runs its epilogue
@@ -67,10 +63,9 @@ BLOCK_K = gl.constexpr(64)  # positions per key tile: one wgmma M tile
 # persistent programs per SM: 0 = one program per work item, and optionally whether each item's first
 # table entry is read beside its lengths: 0/1, 0 when absent, and TMA page copies: 0/1, 0 when absent (the
 # cp.async producer), see ``_fill_tiles_tma``, taken where the cache allows: ``_tma_pages``; the three
-# defaults set it), and optionally whether each consumer thread releases a ring stage itself: 0/1, 0 when absent
-# (``THREAD_RELEASE`` in ``_consumer``). Warp specialisation rounds the producer up to a whole warpgroup (4
-# consumer warps + 1 or 4 producer warps = 256 threads), so the cap decides the programs per SM: 128 gives two,
-# 80 three, 64 four (the consumer gets 2 * cap - producer registers).
+# defaults set it). Warp specialisation rounds the producer up to a whole warpgroup (4 consumer warps + 1 or
+# 4 producer warps = 256 threads), so the cap decides the programs per SM: 128 gives two, 80 three, 64 four
+# (the consumer gets 2 * cap - producer registers).
 # Measured winners (H200, cold-L2 graph replays, NOTES_logits.md runs 6 and 9, session 5 round 2), picked per
 # call by ``gluon_decode_config``; all three take keys, scales and queries by TMA from one producer warp
 # (two copies a tile, one per query row; session 5 round 2: 1.01-1.12x against four cp.async warps). Draft rows
@@ -105,12 +100,6 @@ GLUON_SWEEP_CONFIGS = {
     # Twice the tiles a split (4 items per SM aimed at): half the items, so half the per-item query copies
     # (16 KB each at next_n = 2, as much as a 2-tile item's keys) and first-entry chains at small shapes.
     "persist2-coarse-early-copies": (4, 4, 2, 32, 2, 4, 40, 128, 2, 1),
-    # The three defaults with each consumer thread releasing a stage itself (field 11, ``THREAD_RELEASE``): one
-    # warpgroup barrier a tile instead of two (session 5 round-2 profile: 4.87 barrier-stall cycles per issued
-    # instruction).
-    "cta3-release": GLUON_DECODE_CONFIG + (1,),
-    "persist2-coarse-early-release": GLUON_DECODE_CONFIG_SMALL + (1,),
-    "persist4-one-row-release": GLUON_DECODE_CONFIG_ONE_ROW + (1,),
 }
 # Smallest ``batch * max_context_len`` the dispatch sends to the Gluon kernel, by draft rows (see
 # ``gluon_decode_preferred``).
@@ -370,35 +359,13 @@ def _store_tail(out_row0, out_row1, present0, present1, split_start, split_end, 
 
 
 @gluon.jit
-def _release_stage(empty, stage, THREAD_RELEASE: gl.constexpr):
-    """Hand ring stage ``stage`` back to the producer once this consumer is past its reads of it (``_consumer``)."""
-    if THREAD_RELEASE:
-        async_copy.mbarrier_arrive(empty.index(stage), increment_count=False)  # this thread's reads are done
-    else:
-        gl.thread_barrier()  # every warp is past its reads of this stage
-        mbarrier.arrive(empty.index(stage), count=1)
-
-
-@gluon.jit
 def _consumer(w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_lb, stride_lt,
               key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty,
               next_n, one_d, max_context_len, num_splits, num_groups, num_works,
               HEADS: gl.constexpr, BLOCK_H: gl.constexpr, ROWS: gl.constexpr, TILES: gl.constexpr,
-              NUM_STAGES: gl.constexpr, QUERY_SLOTS: gl.constexpr, CLEAN: gl.constexpr, TMA_PAGES: gl.constexpr,
-              THREAD_RELEASE: gl.constexpr):
+              NUM_STAGES: gl.constexpr, QUERY_SLOTS: gl.constexpr, CLEAN: gl.constexpr, TMA_PAGES: gl.constexpr):
     """Per work item, per tile: one async wgmma per row, row 0's epilogue under row 1's wgmma; then the
-    item's ``-inf`` tail. Query slot and ring stages go back to the producer as soon as they are read: a
-    stage after a warpgroup barrier by thread 0 (``empty`` counts 1), or with ``THREAD_RELEASE`` by every
-    thread after its own ``warpgroup_mma_wait`` (``empty`` counts 128). Gluon's ``mbarrier.arrive`` arrives
-    from thread 0 only and exposes no barrier address for a per-warp arrival, so each thread arrives through
-    ``cp.async.mbarrier.arrive.noinc`` (the consumer issues no cp.async: the arrival is immediate), as the
-    cp.async producer's threads do on ``ready``. A thread's wait covers at least its own warp's share of the
-    wgmma (the keys' 16 rows it multiplies; the queries are not in the stage) and its scale load is issued
-    before the arrival (a warp's shared-memory instructions are performed in order; the PTX ISA gives this
-    arrival no release semantics: NOTES_logits.md), so the stage is refilled only after every warp's reads.
-    Either way Triton's shared-memory
-    barrier pass puts a warpgroup barrier before each ``ready`` (and ``query_ready``) wait, as between any
-    two waits on one barrier array, so warps still meet once a tile."""
+    item's ``-inf`` tail. Query slot and ring stages go back to the producer as soon as they are read."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_H, 32])
     head = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, mma_layout))
@@ -431,11 +398,13 @@ def _consumer(w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_
                 acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
                 _store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
                 acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
-                _release_stage(empty, stage, THREAD_RELEASE)
+                gl.thread_barrier()  # every warp is past its reads of this stage
+                mbarrier.arrive(empty.index(stage), count=1)
                 _store_row(acc1, half_w1, key_mul, out_row1, positions, live, length1, present1, CLEAN)
             else:
                 acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, ))
-                _release_stage(empty, stage, THREAD_RELEASE)
+                gl.thread_barrier()
+                mbarrier.arrive(empty.index(stage), count=1)
                 _store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
         # Every wgmma of this item has been waited for. The barrier also keeps a warp from falling a whole
         # item behind (an item without tiles has no other): a slot is refilled only after every warp has
@@ -462,7 +431,7 @@ def _paged_mqa_logits_ws_kernel(
     ROWS: gl.constexpr, TILES: gl.constexpr, NUM_STAGES: gl.constexpr, QUERY_SLOTS: gl.constexpr,
     CLEAN: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, COPY_ALIGN: gl.constexpr,
     KEY_SMEM_LAYOUT: gl.constexpr, COPY_LAYOUT: gl.constexpr, SCALE_LAYOUT: gl.constexpr, EARLY_TABLE: gl.constexpr,
-    TMA_PAGES: gl.constexpr, THREAD_RELEASE: gl.constexpr,
+    TMA_PAGES: gl.constexpr,
 ):
     """Work items ``pid, pid + programs, ...`` of ``num_works`` (draft rows ``[t0, t0 + ROWS)`` of one
     request over one split of ``TILES * BLOCK_K`` positions each; one item per program unless persistent).
@@ -478,7 +447,7 @@ def _paged_mqa_logits_ws_kernel(
     query_empty = gl.allocate_shared_memory(gl.int64, [QUERY_SLOTS, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(s), count=1 if TMA_PAGES else 32 * PRODUCER_WARPS)
-        mbarrier.init(empty.index(s), count=128 if THREAD_RELEASE else 1)  # 128: the consumer warpgroup's threads
+        mbarrier.init(empty.index(s), count=1)
     for s in gl.static_range(QUERY_SLOTS):
         mbarrier.init(query_ready.index(s), count=1 if TMA_PAGES else 32 * PRODUCER_WARPS)
         mbarrier.init(query_empty.index(s), count=1)
@@ -487,7 +456,7 @@ def _paged_mqa_logits_ws_kernel(
         (_consumer, (w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_lb, stride_lt,
                      key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty,
                      next_n, one_d, max_context_len, num_splits, num_groups, num_works,
-                     HEADS, BLOCK_H, ROWS, TILES, NUM_STAGES, QUERY_SLOTS, CLEAN, TMA_PAGES, THREAD_RELEASE)),
+                     HEADS, BLOCK_H, ROWS, TILES, NUM_STAGES, QUERY_SLOTS, CLEAN, TMA_PAGES)),
         (_producer, (q_ptr, stride_qb, stride_qt, stride_qh, values_ptr, cache_ptr, page_units, table_ptr,
                      stride_tb, table_columns, lens_ptr, stride_lb, stride_lt, key_desc, scale_desc, page_rows,
                      query_desc, key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty, next_n,
@@ -518,7 +487,6 @@ def kernel_constants(heads: int, dim: int, block_size: int, rows: int, tiles: in
         SCALE_LAYOUT=gl.BlockedLayout([1], [32], [producer_warps], [0]),
         EARLY_TABLE=bool(len(config) > 9 and config[9]) and block_size % BLOCK_K.value == 0,
         TMA_PAGES=tma_pages,
-        THREAD_RELEASE=bool(len(config) > 11 and config[11]),
     )
 
 
