@@ -1,25 +1,23 @@
 """Small cases of every kernel, for ``compute-sanitizer`` (run by ``scripts/gpu-sanitize``).
 
 The CUDA demo with both presets (Q RoPE + quantisation, K insert and gather, prefill and paged decode
-logits in FP8 and MXFP4, whole-row top-k), again with the decode logits forced onto the Gluon kernels on
-Hopper, then the wide-row top-k paths (few rows: split; some: gather pieces; many: row programs), with
-positions and with slots, then the rows of a causal prompt (whole-row programs, carry-chain counts on the
-widest tiles), then the V4.1 candidate blocks on both select kernels (one program per row; split
-streaming with the last program selecting) and the mask. Exits non-zero if a result differs from the
-reference; the sanitizer reports bad accesses. Arguments pick parts (``demo``, ``gluon``, ``topk``;
-default: all), so that a time-capped run can be split.
+logits in FP8 and MXFP4, whole-row top-k), the Gluon decode kernels on Hopper (each default configuration,
+called directly: the demo's shapes take the Triton kernel), then the wide-row top-k paths (few rows: split;
+some: gather pieces; many: row programs), with positions and with slots, then the rows of a causal prompt
+(whole-row programs, carry-chain counts on the widest tiles), then the V4.1 candidate blocks on both select
+kernels (one program per row; split streaming with the last program selecting) and the mask. Exits non-zero if a result differs from the
+reference; the sanitizer reports bad accesses. Arguments pick parts (``demo``, ``gluon``, ``topk``,
+``candidates``; default: all), so that a time-capped run can be split.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
 
 import dsa_indexer as dsa
 from dsa_indexer.cli import main
-from dsa_indexer.ops.logits import DECODE_KERNEL_ENV
 
 
 def wide_topk_cases() -> bool:
@@ -64,6 +62,35 @@ def candidate_cases() -> bool:
     return ok and torch.equal(masked.view(torch.int32), masked_reference.view(torch.int32))
 
 
+def gluon_cases() -> bool:
+    """The Gluon decode kernels called directly with each default configuration (FP8: the large-shape, small-shape
+    and one-row ones; MXFP4: draft rows and one row), TMA page copies, clean and not, on 3 requests of 3008
+    keys in a 200-page pool: calc_diff against the reference under the kernel tier (the valid entries only when
+    not clean)."""
+    from dsa_indexer.bench.suite_logits import REFERENCE_BOUND, _decode_case, _decode_pool
+    from dsa_indexer.ops.logits import gluon_decode, gluon_decode_mxfp4, reference
+    from dsa_indexer.testing import calc_diff
+
+    gen = torch.Generator().manual_seed(3)
+    cases = [("fp8", gluon_decode.paged_mqa_logits_gluon, config, next_n)
+             for config, next_n in ((gluon_decode.GLUON_DECODE_CONFIG, 2), (gluon_decode.GLUON_DECODE_CONFIG_SMALL, 2),
+                                    (gluon_decode.GLUON_DECODE_CONFIG_ONE_ROW, 1))]
+    cases += [("mxfp4", gluon_decode_mxfp4.paged_mqa_logits_gluon_mxfp4, config, next_n)
+              for config, next_n in ((gluon_decode_mxfp4.GLUON_MXFP4_DECODE_CONFIG, 2),
+                                     (gluon_decode_mxfp4.GLUON_MXFP4_DECODE_CONFIG_ONE_ROW, 1))]
+    ok = True
+    for fmt, decode, config, next_n in cases:
+        args = _decode_case(_decode_pool(fmt, 200), 3, 3008, next_n, gen)[4]
+        expected = reference.paged_mqa_logits(*args, True, torch.empty((3 * next_n, 3008), device="cuda"))
+        for clean in (True, False):
+            out = torch.full_like(expected, 7.0)
+            decode(*args, clean, out, config=config)
+            valid = expected != float("-inf")
+            ok &= calc_diff(out[valid], expected[valid]) < REFERENCE_BOUND
+            ok &= torch.equal(out[~valid], torch.full_like(out[~valid], float("-inf") if clean else 7.0))
+    return ok
+
+
 PARTS = ("demo", "gluon", "topk", "candidates")
 
 if __name__ == "__main__":
@@ -74,13 +101,10 @@ if __name__ == "__main__":
     codes = []
     if "demo" in parts:
         codes += [main(demo + ["--config", config]) for config in ("v32", "v41")]
-    if "gluon" in parts and torch.cuda.get_device_capability()[0] == 9:
-        os.environ[DECODE_KERNEL_ENV] = "gluon"
-        codes += [main(demo + ["--config", config]) for config in ("v32", "v41")]
-        del os.environ[DECODE_KERNEL_ENV]
+    gluon_ok = gluon_cases() if "gluon" in parts and torch.cuda.get_device_capability()[0] == 9 else True
     torch.cuda.synchronize()
     topk_ok = wide_topk_cases() and prefill_topk_case() if "topk" in parts else True
     candidates_ok = candidate_cases() if "candidates" in parts else True
-    print(f"sanitize cases {parts}: demo exit codes {codes}, top-k equal to the reference: {topk_ok}, "
-          f"candidate blocks equal to the reference: {candidates_ok}")
-    sys.exit(0 if not any(codes) and topk_ok and candidates_ok else 1)
+    print(f"sanitize cases {parts}: demo exit codes {codes}, Gluon decode within the tier: {gluon_ok}, "
+          f"top-k equal to the reference: {topk_ok}, candidate blocks equal to the reference: {candidates_ok}")
+    sys.exit(0 if not any(codes) and gluon_ok and topk_ok and candidates_ok else 1)
