@@ -1,13 +1,13 @@
 """Small cases of every kernel, for ``compute-sanitizer`` (run by ``scripts/gpu-sanitize``).
 
-The CUDA demo with both presets (Q RoPE + quantisation, K insert and gather, prefill and paged decode
-logits in FP8 and MXFP4, whole-row top-k), the Gluon decode kernels on Hopper (each default configuration,
-called directly: the demo's shapes take the Triton kernel), then the wide-row top-k paths (few rows: split;
-some: gather pieces; many: row programs), with positions and with slots, then the rows of a causal prompt
-(whole-row programs, carry-chain counts on the widest tiles), then the V4.1 candidate blocks on both select
-kernels (one program per row; split streaming with the last program selecting) and the mask. Exits non-zero if a result differs from the
-reference; the sanitizer reports bad accesses. Arguments pick parts (``demo``, ``gluon``, ``topk``,
-``candidates``; default: all), so that a time-capped run can be split.
+The CUDA demo with both presets (Q RoPE + quantisation, K insert and gather, prefill and paged decode logits
+in FP8 and MXFP4, whole-row top-k), the Gluon decode kernels on Hopper (each default configuration, called
+directly: the demo's shapes take the Triton kernel), then the wide-row top-k paths (few rows: split; some:
+gather pieces; many: row programs), with positions and with slots, then the rows of a causal prompt (whole-row
+programs, carry-chain counts on the widest tiles), then the V4.1 candidate blocks on both select kernels (one
+program per row; split streaming with the last program selecting) and the mask. Exits non-zero if a result
+differs from the reference; the sanitizer reports bad accesses. Arguments pick parts (``demo``, ``gluon``,
+``topk``, ``candidates``; default: all), so that a time-capped run can be split.
 """
 
 from __future__ import annotations
