@@ -54,8 +54,15 @@ PIECES = TopkConfig(row_block_max=16, row_program_rows=1, stream_tile=16, group_
                     gather_launch=True)
 PIECES_LOOSE = TopkConfig(row_block_max=16, row_program_rows=1, stream_tile=16, group_tile=16, candidate_block=8,
                           chunk=16, gather_launch=True, bound_slack=3.0)
-WIDE = [SPLIT, SPLIT_LOOSE, SPLIT_EXACT, STREAM, STREAM_LOOSE, STREAM_SCALAR, PIECES, PIECES_LOOSE]
-WIDE_IDS = ["split", "split_loose", "split_exact", "stream", "stream_loose", "stream_scalar", "pieces", "pieces_loose"]
+# The session-6 knobs (PDL is ignored under the interpreter): the gather launch's row programs at their own warps, a
+# maxima launch of chunks wider than the stream tile (the group tile spans whole chunks) at its own warps; row
+# programs with maxima chunks narrower than the stream tile.
+PIECES_KNOBS = replace(PIECES, pieces_row_warps=2, maxima_chunk=32, maxima_warps=2, pdl=True)
+STREAM_NARROW_MAXIMA = replace(STREAM, maxima_chunk=8)
+WIDE = [SPLIT, SPLIT_LOOSE, SPLIT_EXACT, STREAM, STREAM_LOOSE, STREAM_SCALAR, PIECES, PIECES_LOOSE, PIECES_KNOBS,
+        STREAM_NARROW_MAXIMA]
+WIDE_IDS = ["split", "split_loose", "split_exact", "stream", "stream_loose", "stream_scalar", "pieces", "pieces_loose",
+            "pieces_knobs", "stream_narrow_maxima"]
 GPU_SPLIT = TopkConfig(row_program_rows=1 << 30)
 GPU_STREAM = TopkConfig(row_program_rows=1)
 GPU_STREAM_IN_PROGRAM = TopkConfig(row_program_rows=1, maxima_launch=False)
@@ -73,6 +80,19 @@ GPU_WIDE_IDS = ["split", "stream", "stream_in_program", "stream_v4", "stream_w8"
 # routings that session 6 times against the default there (`_decode_sweep_plan` in bench/suite_topk.py).
 GPU_MANY_ROWS = [GPU_SPLIT, GPU_PIECES_W8]
 GPU_MANY_ROWS_IDS = ["split_many_rows", "pieces_many_rows"]
+# Session 6 round 2, candidates for the default (with its routing; `_decode_sweep_plan` in bench/suite_topk.py times
+# the same): programmatic dependent launch of every kernel, 16-warp row programs before the gather launch, the gather
+# launch under 80 registers, maxima launches of 4096-column (8 warps) and 8192-column (16 warps) programs, and PDL
+# with the second and third.
+GPU_PDL = replace(triton_impl.DEFAULT_CONFIG, pdl=True)
+GPU_COMBO = replace(triton_impl.DEFAULT_CONFIG, pdl=True, pieces_row_warps=16, pieces_max_registers=80)
+GPU_DEFAULT_VARIANTS = [GPU_PDL, replace(triton_impl.DEFAULT_CONFIG, pieces_row_warps=16),
+                        replace(triton_impl.DEFAULT_CONFIG, pieces_max_registers=80),
+                        replace(triton_impl.DEFAULT_CONFIG, maxima_chunk=4096),
+                        replace(triton_impl.DEFAULT_CONFIG, maxima_chunk=8192, maxima_warps=16), GPU_COMBO]
+GPU_DEFAULT_VARIANTS_IDS = ["pdl", "row16", "pieces_r80", "max4k", "max8k_w16", "combo"]
+GPU_MANY_ROWS += GPU_DEFAULT_VARIANTS
+GPU_MANY_ROWS_IDS += [f"{name}_many_rows" for name in GPU_DEFAULT_VARIANTS_IDS]
 ROW = TopkConfig()  # whole rows: carry counts, plateau check every 16 bits
 ONE_ROW = TopkConfig(row_elements=16)  # one row per whole-row program
 # One launch per tile (64/32/16 columns): one row of 64 per program, two rows of 32 / four of 16 (packed),
@@ -156,6 +176,14 @@ def test_generators_wide_paths(kernel_device, name, config):
     ends = torch.tensor([70, 53], dtype=torch.int32, device=kernel_device)
     assert_same(with_garbage_past_ends(logits, ends), 3, None, ends, config)
     assert_same(logits, 12, None, None, config)
+
+
+def test_maxima_chunk_out_of_range_is_refused(kernel_device):
+    # Width 200 in row programs: groups of 16 columns; a maxima chunk must be a power of two of at least a group.
+    logits = torch.randn(2, 200, device=kernel_device)
+    for chunk in (8, 24):
+        with pytest.raises(ValueError, match="maxima_chunk"):
+            triton_topk(logits, 3, config=replace(STREAM, maxima_chunk=chunk))
 
 
 @pytest.mark.parametrize("k", [3, 5])
@@ -420,6 +448,9 @@ GPU_ROWS_IDS += ["rows_launch", "rows_launch_r168", "rows_launch_w8_r128"]
 # The plateau check never and every 8 bits (the default: every 16).
 GPU_ROWS += [TopkConfig(row_plateau_every=0), TopkConfig(row_plateau_every=8)]
 GPU_ROWS_IDS += ["rows_p0", "rows_p8"]
+# The default's three launches with programmatic dependent launch.
+GPU_ROWS += [TopkConfig(pdl=True)]
+GPU_ROWS_IDS += ["rows_pdl"]
 
 
 @pytest.mark.gpu
@@ -480,6 +511,34 @@ def test_gpu_reruns_are_bitwise_equal(config):
     for _ in range(20):
         assert torch.equal(triton_topk(logits, 2048, None, ends, config), first)
         assert torch.equal(triton_topk(prefill, 2048, config=config), first_prefill)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_rows", [1, 6, 32, 128])
+@pytest.mark.parametrize("config", [GPU_PDL, GPU_COMBO], ids=["pdl", "combo"])
+def test_gpu_pdl_eager_reruns_and_graph_replay(num_rows, config):
+    # Programmatic dependent launch on each routed path (split path, gather launch, row programs), garbage past the
+    # ends: 20 eager reruns (each call's first kernel waits on the last one's) equal the reference bitwise, and a
+    # graph of two calls (k 2048 then 512) replays with new logits and lengths.
+    width = 131072
+    logits = ADVERSARIAL_GENERATORS["few_distinct"]((num_rows, width), 9, "cuda")
+    ends = decode_lengths(num_rows, width, 9).cuda()
+    garbage = with_garbage_past_ends(logits, ends)
+    expected = reference_topk(garbage, 2048, None, ends)
+    out = poisoned(num_rows, 2048, "cuda")
+    for _ in range(20):
+        assert torch.equal(triton_impl.topk_triton(garbage, 2048, None, ends, out, config=config), expected)
+    out_short = poisoned(num_rows, 512, "cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        triton_impl.topk_triton(garbage, 2048, None, ends, out, config=config)
+        triton_impl.topk_triton(garbage, 512, None, ends, out_short, config=config)
+    for trial in range(3):
+        garbage.copy_(with_garbage_past_ends(torch.randn(num_rows, width, device="cuda"), ends))
+        ends.copy_(decode_lengths(num_rows, width, trial).cuda() // (trial + 1))
+        graph.replay()
+        assert torch.equal(out, reference_topk(garbage, 2048, None, ends))
+        assert torch.equal(out_short, reference_topk(garbage, 512, None, ends))
 
 
 @pytest.mark.gpu

@@ -112,30 +112,43 @@ def run(ceilings: dict[str, float]) -> list[dict]:
 
 
 def _decode_sweep_plan() -> tuple[dict, list]:
-    """Decode variants of ``sweep_decode`` (names -> ``TopkConfig``) and its cells ``(data, rows, k, names)``: the
-    routing of session 6 (prepared in session 5). ``split_all`` takes the split path (two launches: group maxima;
-    candidates, T and emit in the row's last arriver) at every row count, so each cell compares it with what the
-    default takes there (``base``: the split path below 8 rows, gather-piece launches from 8 to 64, row programs
-    above); the crossover gives ``row_program_rows``. ``pieces_to_128`` takes the gather-piece launches up to 128
-    rows (``pieces_max_rows``), timed where it differs from ``base`` (R=128). Cells: random rows at R = 1 (``base``
-    alone: the split path already), 8, 16, 24, 32, 64, 128, k 2048 and 512; relu_sum at R=32/128 (k=2048)."""
+    """Decode variants of ``sweep_decode`` (names -> ``TopkConfig``) and its cells ``(data, rows, k, names)``: session 6
+    round 2, each against ``base`` (the committed default: split path below 8 rows, gather launch 8..64, row programs
+    above). ``pdl``: programmatic dependent launch of every kernel; ``row16``: 16-warp row programs before the gather
+    launch (``pieces_row_warps``); ``pieces_r80``: the gather launch under an 80-register cap (three programs per SM
+    instead of two: R=32's 320 programs at k=2048 in one wave); ``max4k`` / ``max8k_w16``: maxima launches of
+    4096-column programs at 8 warps / 8192-column programs at 16 warps (``maxima_chunk``, ``maxima_warps``);
+    ``combo``: ``pdl`` + ``row16`` + ``pieces_r80``. A cell times only the variants that change its path (the split
+    path below 8 rows: ``pdl``; row programs above 64 rows: ``pdl``, ``max4k``, ``max8k_w16``, ``combo``). Cells,
+    the issue's misses first: random R = 32, 128, 1, 64, 8 at k 2048 and 512, relu_sum R = 32 / 128 at k 2048."""
     from dsa_indexer.ops.topk.triton import DEFAULT_CONFIG
 
     configs = {
-        "split_all": replace(DEFAULT_CONFIG, row_program_rows=1 << 30),
-        "pieces_to_128": replace(DEFAULT_CONFIG, pieces_max_rows=128),
+        "pdl": replace(DEFAULT_CONFIG, pdl=True),
+        "row16": replace(DEFAULT_CONFIG, pieces_row_warps=16),
+        "pieces_r80": replace(DEFAULT_CONFIG, pieces_max_registers=80),
+        "max4k": replace(DEFAULT_CONFIG, maxima_chunk=4096),
+        "max8k_w16": replace(DEFAULT_CONFIG, maxima_chunk=8192, maxima_warps=16),
+        "combo": replace(DEFAULT_CONFIG, pdl=True, pieces_row_warps=16, pieces_max_registers=80),
     }
-    cells = [("random", 1, k, []) for k in (2048, 512)]
-    cells += [("random", num_rows, k, ["split_all"] + (["pieces_to_128"] if num_rows > 64 else []))
-              for num_rows in (8, 16, 24, 32, 64, 128) for k in (2048, 512)]
-    cells += [("relu_sum", num_rows, 2048, ["split_all"] + (["pieces_to_128"] if num_rows > 64 else []))
-              for num_rows in (32, 128)]
+
+    def changing(num_rows: int) -> list[str]:
+        if num_rows < DEFAULT_CONFIG.row_program_rows:
+            return ["pdl"]
+        if num_rows > DEFAULT_CONFIG.pieces_max_rows:
+            return [name for name in configs if name not in ("row16", "pieces_r80")]
+        return list(configs)
+
+    cells = [("random", num_rows, k, changing(num_rows)) for num_rows in (32, 128, 1, 64, 8) for k in (2048, 512)]
+    cells += [("relu_sum", num_rows, 2048, changing(num_rows)) for num_rows in (32, 128)]
     return configs, cells
 
 
 def _warm_tasks(configs: dict, cells: list) -> list[tuple[int, str, int]]:
     """The calls ``(rows, name, k)`` that compile every kernel of the sweep once: one per (path the row count
-    takes, config without its routing, k), since variants that differ only in routing share their paths' kernels."""
+    takes, config without its routing, k), since variants that differ only in routing share their paths' kernels.
+    ``base`` and ``pdl`` first: they compile disjoint kernel sets, which the other variants mostly reuse, so that
+    parallel shares do not compile the same kernels at once."""
     tasks, seen = [], set()
     for num_rows in sorted({cell[1] for cell in cells}):
         for name in [n for n in configs if any(num_rows == c[1] and n in ("base", *c[3]) for c in cells)]:
@@ -149,7 +162,7 @@ def _warm_tasks(configs: dict, cells: list) -> list[tuple[int, str, int]]:
                 if key not in seen:
                     seen.add(key)
                     tasks.append((num_rows, name, k))
-    return tasks
+    return sorted(tasks, key=lambda task: task[1] not in ("base", "pdl"))
 
 
 def _time_variants(label, logits, k, ends, inputs, configs, rep_ms, unchecked=()) -> dict:
@@ -194,7 +207,8 @@ def _report_sweep(records: list[dict], names: list[str], kernel_names: list[str]
     for name in kernel_names:
         for cache in getattr(kernels, name).device_caches.values():
             for compiled in cache[0].values():
-                print(f"{name}: warps={compiled.metadata.num_warps} regs={compiled.n_regs} spills={compiled.n_spills}")
+                print(f"{name}: warps={compiled.metadata.num_warps} pdl={compiled.metadata.launch_pdl} "
+                      f"regs={compiled.n_regs} spills={compiled.n_spills}")
     print("\n| shape | " + " | ".join(names) + " |")
     print("| --- |" + " ---: |" * len(names))
     for record in records:
@@ -237,8 +251,8 @@ def sweep_decode(out_path: str | None = None, warm: str | None = None) -> None:
         records.append({"shape": label, "us": _time_variants(label, logits, k, lengths, inputs, cell_configs, 5,
                                                              unchecked)})
         _save_records(records, out_path)  # after every shape: a run stopped at its time limit keeps what it measured
-    _report_sweep(records, list(configs), ["_row_program_kernel", "_row_pieces_kernel", "_split_candidates_kernel"],
-                  out_path)
+    _report_sweep(records, list(configs), ["_split_group_max_kernel", "_row_program_kernel", "_row_pieces_kernel",
+                                           "_split_candidates_kernel"], out_path)
 
 
 def _prefill_row_configs() -> dict:

@@ -57,7 +57,9 @@ chunk programs (step 1 of the split path) store the maximum of each group of ``G
 columns, so that a row's one pass over HBM is spread over many SMs; then one program per row does the
 rest. (``maxima_launch=False``, or ``chunk`` outside ``[GROUP, stream_tile]``: one launch, the row
 program streams the row itself, the next tile's loads in flight while the current one is reduced;
-≈ 18 µs per row of 128K on one SM, measured.) Back
+≈ 18 µs per row of 128K on one SM, measured.) Options of the maxima launch: ``maxima_chunk`` columns per
+program (the group tile then spans whole chunks of it, so it may exceed the stream tile; below a group it is a
+``ValueError``) and ``maxima_warps``; with ``gather_launch``, ``pieces_row_warps`` warps for the row programs. Back
 in registers, the maxima give a lower bound: the search for the k-th largest maximum stops as soon as
 at most ``enough = k + int(k * bound_slack)`` maxima reach its floor ``t``; then ``T >= t`` (k groups
 hold an entry ``>= t``) and the candidates are the entries ``>= t``, at most ``enough * GROUP``. If
@@ -104,7 +106,10 @@ Wider rows, fewer rows (split path, two launches, one full pass over the logits 
 
 Step 2 walks the rows in reverse order so that it starts on the rows step 1 left in L2. All scratch comes
 from ``torch.empty`` in the wrappers (every word is written before it is read); nothing is read back to the
-host, so the launches are CUDA-graph capturable. Scratch per row: split path
+host, so the launches are CUDA-graph capturable. With ``pdl`` every kernel of a call is a programmatic dependent
+launch whose programs first let the next launch start, then wait for the previous grid to complete
+(``_wait_for_previous_grid``) before touching memory: only launch latency and CTA rasterisation overlap, so
+results cannot depend on it. Scratch per row: split path
 ``4 * (group tile + 2 * min(max(enough, k - 1) * GROUP, width) + 8 + flags)`` bytes; row programs
 ``4 * (2 * group tile + 2 * min(max(enough, k - 1) * GROUP, width))`` bytes.
 
@@ -121,6 +126,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 NONE = tl.constexpr(-(2**31))
 KEY_MAX = tl.constexpr(2**31 - 1)
@@ -204,7 +210,20 @@ class TopkConfig:
     group_tile: most group maxima per row (at most 16384); ``None`` = ``clamp(4k, 1024, 8192)`` on the
         split path, 8192 in row programs.
     candidate_block: candidates searched in registers; ``None`` = ``clamp(2k, 1024, 16384)``.
-    split_warps: warps of the split-path programs (both launches) and of the row programs' maxima launch.
+    split_warps: warps of the split-path programs (both launches) and of the row programs' maxima launch
+        (unless ``maxima_warps``).
+    pieces_row_warps: warps of the row programs of calls with ``gather_launch`` (they stop after the lower bound
+        and the compaction of the qualifying group ids); ``None``: ``stream_warps`` (= ``pieces_warps`` on the
+        routed calls). The gather launch keeps ``stream_warps``.
+    maxima_chunk: columns per program of the row programs' maxima launch (a power of two from ``GROUP`` to 16384,
+        else a ``ValueError`` at the call; the group tile then spans whole chunks of it, so it may exceed
+        ``stream_tile``); ``None``: ``chunk``, and the launch only where ``GROUP <= chunk <= stream_tile`` (else the
+        row programs stream). The split path keeps ``chunk``.
+    maxima_warps: warps of the row programs' maxima launch; ``None``: ``split_warps``.
+    pdl: programmatic dependent launch: every kernel of the call is launched with ``launch_pdl`` and starts by
+        letting the next launch's programs start (``griddepcontrol.launch_dependents``), then waits for the
+        previous grid to complete (``griddepcontrol.wait``) before any memory access, so only the next kernel's
+        launch and CTA rasterisation overlap the tail of this one. Ignored under the interpreter (inline PTX).
     """
 
     row_block_max: int = 8192
@@ -235,6 +254,10 @@ class TopkConfig:
     group_tile: int | None = None
     candidate_block: int | None = None
     split_warps: int = 8
+    pieces_row_warps: int | None = None
+    maxima_chunk: int | None = None
+    maxima_warps: int | None = None
+    pdl: bool = False
 
 
 # Measured on the H200 (benchmarks/NOTES_topk.md, v6): the split path below 8 rows, gather-piece launches
@@ -245,6 +268,16 @@ class TopkConfig:
 # 32.5 (was 38.6 / 28.1, 45.2 / 34.9), R = 128 62.8 / 47.9 (was 66.2 / 49.8). Everything but the routing is in
 # the class defaults (tests build their configs from them).
 DEFAULT_CONFIG = TopkConfig(row_program_rows=8, pieces_max_rows=64)
+
+
+@triton.jit
+def _wait_for_previous_grid(PDL: tl.constexpr):
+    """First statement of every kernel. ``PDL`` (programmatic dependent launch): let the next launch's programs
+    start (they wait here in turn), then wait until the previous grid has completed and its memory is visible, so
+    no memory access of this grid can overlap it."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
 
 
 @triton.jit
@@ -551,13 +584,14 @@ def _topk_row_kernel(
     table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request, class_above, class_upto,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
     PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr, COPY_SHORT: tl.constexpr, TILES: tl.constexpr,
-    CLASSED: tl.constexpr, CARRY: tl.constexpr, PLATEAU_EVERY: tl.constexpr,
+    CLASSED: tl.constexpr, CARRY: tl.constexpr, PLATEAU_EVERY: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """``ROWS`` whole rows per program. ``TILES`` > 1: a program whose windows all fit in ``BLOCK // 2``
     (``TILES`` = 3: ``BLOCK // 4``) takes that narrower register tile (fewer keys per thread per round).
     ``CLASSED`` (one launch per tile, ``TILES`` = 1): a program keeps only its rows whose window length lies
     in ``(class_above, class_upto]`` and does nothing when none does; the other launches own the others.
-    ``CARRY``, ``PLATEAU_EVERY``: the search (``_select_rows``)."""
+    ``CARRY``, ``PLATEAU_EVERY``: the search (``_select_rows``). ``PDL``: ``_wait_for_previous_grid``."""
+    _wait_for_previous_grid(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
     valid = rows < num_rows
     start, length = _row_window(rows, valid, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
@@ -628,11 +662,13 @@ def _split_group_max_kernel(
     width, next_n, num_chunks,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr,
     CHUNK: tl.constexpr, GROUP: tl.constexpr, MAXIMA_STRIDE: tl.constexpr, CLEAR_STATE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Group maxima of chunks of ``CHUNK`` columns: ``group_max[row * MAXIMA_STRIDE + column // GROUP]`` for
     the chunks up to the row's length (one chunk at least); with ``CLEAR_STATE`` (split path), the chunk's flag
     is cleared too, and chunk 0 clears the row's arrival counter. Also the streaming pass of row programs of
-    calls with few rows."""
+    calls with few rows. ``PDL``: ``_wait_for_previous_grid``."""
+    _wait_for_previous_grid(PDL)
     GROUPS_PER_CHUNK: tl.constexpr = CHUNK // GROUP
     pid = tl.program_id(0)
     row = pid // num_chunks
@@ -676,13 +712,15 @@ def _split_candidates_kernel(
     out_stride_col, table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr,
     GROUP_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, CARRY: tl.constexpr, CARRY_BOUND: tl.constexpr,
-    FLAG_TILE: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr,
+    FLAG_TILE: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Step 2 of the split path (module docstring): every program finds the row's lower bound from all its group
     maxima (the same on each; ``enough``, counts with ``CARRY_BOUND``) while its whole chunk loads (L2: step 1
     just read it), stores the chunk's candidates (keys and columns) in column order (its offset from a look-back
     over the row's chunk flags, which hold count + 1), and the row's last program to arrive finds ``T`` and emits
-    the row from them (``_select_and_emit``, its search in registers counted with ``CARRY``)."""
+    the row from them (``_select_and_emit``, its search in registers counted with ``CARRY``). ``PDL``:
+    ``_wait_for_previous_grid``."""
+    _wait_for_previous_grid(PDL)
     GROUPS_PER_CHUNK: tl.constexpr = CHUNK // GROUP
     pid = tl.program_id(0)
     row = num_rows - 1 - pid // num_chunks
@@ -855,7 +893,7 @@ def _row_program_kernel(
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
     STREAM_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr,
     STREAM: tl.constexpr, VECTOR_GATHER: tl.constexpr, PREFETCH_GATHER: tl.constexpr, STAGES: tl.constexpr,
-    STORE_STATE: tl.constexpr, CARRY_BOUND: tl.constexpr, CARRY_SEARCH: tl.constexpr,
+    STORE_STATE: tl.constexpr, CARRY_BOUND: tl.constexpr, CARRY_SEARCH: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One program per row. ``STREAM``: the program computes the group maxima itself (else an earlier
     launch of ``_split_group_max_kernel`` stored them). ``VECTOR_GATHER``: unmasked group loads in every
@@ -864,7 +902,9 @@ def _row_program_kernel(
     of the qualifying group ids, 2 after the gather, 3 runs everything. ``STORE_STATE`` (gather launch):
     the bound, its kind, the row's largest key and the number of qualifying groups go to the row's state words
     at ``state_ptr + row * state_stride`` for ``_row_pieces_kernel``. ``CARRY_BOUND`` / ``CARRY_SEARCH``: the
-    counts (``_reaching``) of the lower-bound search and of the candidates' search (``_select_and_emit``)."""
+    counts (``_reaching``) of the lower-bound search and of the candidates' search (``_select_and_emit``).
+    ``PDL``: ``_wait_for_previous_grid``."""
+    _wait_for_previous_grid(PDL)
     TILE_GROUPS: tl.constexpr = STREAM_TILE // GROUP
     row = tl.program_id(0)
     start, length = _row_window(row, row >= 0, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
@@ -988,7 +1028,7 @@ def _row_pieces_kernel(
     table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
     STREAM_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, MAX_PIECES: tl.constexpr, PAD_BLOCK: tl.constexpr,
-    SLOTS: tl.constexpr, CARRY: tl.constexpr,
+    SLOTS: tl.constexpr, CARRY: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Gather launch of row programs: program ``row * MAX_PIECES + piece`` re-reads the qualifying groups
     ``[piece * TILE_GROUPS, (piece + 1) * TILE_GROUPS)`` of its row (ids and bound from the row program
@@ -997,7 +1037,8 @@ def _row_pieces_kernel(
     finish (an acq_rel arrival counter) maps the candidates' positions to slots across the pieces (in
     registers; above ``CANDIDATE_BLOCK`` they are first copied to one contiguous buffer) and runs
     ``_select_and_emit`` (with ``CARRY``). A row without qualifying groups still runs piece 0 (nothing
-    gathered), which pads."""
+    gathered), which pads. ``PDL``: ``_wait_for_previous_grid``."""
+    _wait_for_previous_grid(PDL)
     TILE_GROUPS: tl.constexpr = STREAM_TILE // GROUP
     pid = tl.program_id(0)
     row = pid // MAX_PIECES
@@ -1120,6 +1161,14 @@ def _slot_args(slots, logits):
     return (table, table.stride(0), table.stride(1), block_size, rows_per_request), dict(SLOTS=True)
 
 
+def _pdl_args(config):
+    """Launch arguments of ``config.pdl`` (``_wait_for_previous_grid``); none under the interpreter, which cannot
+    run inline PTX."""
+    if config.pdl and os.environ.get("TRITON_INTERPRET") != "1":
+        return dict(PDL=True, launch_pdl=True)
+    return {}
+
+
 def _launch_rows(logits, k, bounds, out, next_n, bounds_flags, slot_args, config):
     num_rows, width = logits.shape
     block = max(16, _next_pow2(width))
@@ -1128,7 +1177,8 @@ def _launch_rows(logits, k, bounds, out, next_n, bounds_flags, slot_args, config
         tiles -= 1
     # The interpreter cannot run inline PTX: it takes the plain comparison (same counts).
     search = dict(CARRY=os.environ.get("TRITON_INTERPRET") != "1", PLATEAU_EVERY=config.row_plateau_every)
-    common = dict(PAD_BLOCK=_PAD_BLOCK, COPY_SHORT=config.row_copy_short, **search, **bounds_flags, **slot_args[1])
+    common = dict(PAD_BLOCK=_PAD_BLOCK, COPY_SHORT=config.row_copy_short, **search, **bounds_flags, **slot_args[1],
+                  **_pdl_args(config))
     if config.row_tile_launches and tiles > 1:
         # One kernel per tile, widest first: each compiles one body, so narrow tiles keep fewer registers.
         for tile_index in range(tiles):
@@ -1195,37 +1245,46 @@ def _launch_split(logits, k, bounds, out, next_n, bounds_flags, slot_args, confi
     grid = (num_rows * num_chunks,)
     rows_args = (logits, logits.stride(0), logits.stride(1), *bounds)
     warps = config.split_warps
+    pdl = _pdl_args(config)
     _split_group_max_kernel[grid](
         *rows_args, group_max, state, state_stride, width, next_n, num_chunks, CHUNK=chunk, GROUP=group,
-        MAXIMA_STRIDE=group_tile, CLEAR_STATE=True, num_warps=warps, **bounds_flags,
+        MAXIMA_STRIDE=group_tile, CLEAR_STATE=True, num_warps=warps, **bounds_flags, **pdl,
     )
     _split_candidates_kernel[grid](
         *rows_args, group_max, cand_keys, cand_columns, capacity, state, state_stride, width, k, next_n, num_rows,
         num_chunks, enough, out, out.stride(0), out.stride(1), *slot_args[0], CHUNK=chunk, GROUP=group,
         GROUP_TILE=group_tile, CANDIDATE_BLOCK=candidate_block, CARRY=_carry(candidate_block, warps),
         CARRY_BOUND=_carry(group_tile, warps), FLAG_TILE=flag_tile, PAD_BLOCK=_PAD_BLOCK, num_warps=warps,
-        **bounds_flags, **slot_args[1],
+        **bounds_flags, **slot_args[1], **pdl,
     )
 
 
 def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args, config):
     num_rows, width = logits.shape
     stream_tile = config.stream_tile
-    columns = triton.cdiv(width, stream_tile) * stream_tile
+    # An explicit maxima chunk wider than the stream tile: the group tile spans whole chunks of it.
+    maxima_chunk = config.maxima_chunk or config.chunk
+    explicit_chunk = config.maxima_launch and config.maxima_chunk is not None
+    span = max(stream_tile, maxima_chunk) if explicit_chunk else stream_tile
+    columns = triton.cdiv(width, span) * span
     group_tile_max = config.group_tile or 8192
     group = 1
     while columns // group > group_tile_max:
         group *= 2
     if group > stream_tile:
         raise ValueError(f"logits width {width} is too large for the top-k row programs (stream tile {stream_tile})")
+    if explicit_chunk and not (group <= maxima_chunk <= 16384 and maxima_chunk & (maxima_chunk - 1) == 0):
+        raise ValueError(f"maxima_chunk {maxima_chunk} must be a power of two in [{group}, 16384] (groups of {group} "
+                         f"columns for width {width})")
     group_tile = _next_pow2(columns // group)
     enough = k + int(k * config.bound_slack)
     capacity = max(1, min(width, max(enough, k - 1) * group))
     candidate_block = config.candidate_block or min(16384, max(1024, _next_pow2(2 * k)))
     device = logits.device
     groups = torch.empty((num_rows, 2 * group_tile), dtype=torch.int32, device=device)
-    stream = not (config.maxima_launch and group <= config.chunk <= stream_tile)
+    stream = not (config.maxima_launch and group <= maxima_chunk <= span)
     pieces = config.gather_launch and config.row_stages >= 2
+    pdl = _pdl_args(config)
     if pieces:
         # Each gather piece has its own candidate region of stream_tile slots.
         max_pieces = triton.cdiv(min(max(enough, k - 1), group_tile), stream_tile // group)
@@ -1236,22 +1295,23 @@ def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args
         cand_keys = torch.empty((num_rows, capacity), dtype=torch.int32, device=device)
     cand_columns = torch.empty_like(cand_keys)
     if not stream:
-        num_chunks = triton.cdiv(width, config.chunk)
+        num_chunks = triton.cdiv(width, maxima_chunk)
         _split_group_max_kernel[(num_rows * num_chunks,)](
             logits, logits.stride(0), logits.stride(1), *bounds, groups, groups, 0, width, next_n, num_chunks,
-            CHUNK=config.chunk, GROUP=group, MAXIMA_STRIDE=2 * group_tile, CLEAR_STATE=False,
-            num_warps=config.split_warps, **bounds_flags,
+            CHUNK=maxima_chunk, GROUP=group, MAXIMA_STRIDE=2 * group_tile, CLEAR_STATE=False,
+            num_warps=config.maxima_warps or config.split_warps, **bounds_flags, **pdl,
         )
     warps = config.stream_warps
     carry_search = _carry(candidate_block, warps)
+    row_warps = (config.pieces_row_warps or warps) if pieces else warps
     _row_program_kernel[(num_rows,)](
         logits, logits.stride(0), logits.stride(1), *bounds, out, out.stride(0), out.stride(1),
         groups, cand_keys, cand_columns, capacity, state, state.stride(0), width, k, next_n, enough, *slot_args[0],
         GROUP=group, GROUP_TILE=group_tile, STREAM_TILE=stream_tile, CANDIDATE_BLOCK=candidate_block,
         PAD_BLOCK=_PAD_BLOCK, STREAM=stream, VECTOR_GATHER=config.vector_gather,
         PREFETCH_GATHER=config.prefetch_gather, STAGES=1 if pieces else config.row_stages, STORE_STATE=pieces,
-        CARRY_BOUND=_carry(group_tile, warps), CARRY_SEARCH=carry_search, num_warps=warps, **bounds_flags,
-        **slot_args[1],
+        CARRY_BOUND=_carry(group_tile, row_warps), CARRY_SEARCH=_carry(candidate_block, row_warps),
+        num_warps=row_warps, **bounds_flags, **slot_args[1], **pdl,
     )
     if pieces:
         flat_keys = torch.empty((num_rows, capacity), dtype=torch.int32, device=device)
@@ -1263,7 +1323,7 @@ def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args
             width, k, next_n, *slot_args[0],
             GROUP=group, GROUP_TILE=group_tile, STREAM_TILE=stream_tile, CANDIDATE_BLOCK=candidate_block,
             MAX_PIECES=max_pieces, PAD_BLOCK=_PAD_BLOCK, CARRY=carry_search, num_warps=warps, **registers,
-            **bounds_flags, **slot_args[1],
+            **bounds_flags, **slot_args[1], **pdl,
         )
 
 
