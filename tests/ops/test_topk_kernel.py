@@ -54,15 +54,11 @@ PIECES = TopkConfig(row_block_max=16, row_program_rows=1, stream_tile=16, group_
                     gather_launch=True)
 PIECES_LOOSE = TopkConfig(row_block_max=16, row_program_rows=1, stream_tile=16, group_tile=16, candidate_block=8,
                           chunk=16, gather_launch=True, bound_slack=3.0)
-# The session-6 knobs (PDL is ignored under the interpreter): the gather launch's row programs at their own warps, a
-# maxima launch of chunks wider than the stream tile (the group tile spans whole chunks) at its own warps; row
-# programs with maxima chunks narrower than the stream tile.
-PIECES_KNOBS = replace(PIECES, pieces_row_warps=2, maxima_chunk=32, maxima_warps=2, pdl=True)
-STREAM_NARROW_MAXIMA = replace(STREAM, maxima_chunk=8)
-WIDE = [SPLIT, SPLIT_LOOSE, SPLIT_EXACT, STREAM, STREAM_LOOSE, STREAM_SCALAR, PIECES, PIECES_LOOSE, PIECES_KNOBS,
-        STREAM_NARROW_MAXIMA]
+# PDL is ignored under the interpreter (the launch arguments are built, the kernels run without it).
+PIECES_PDL = replace(PIECES, pdl=True)
+WIDE = [SPLIT, SPLIT_LOOSE, SPLIT_EXACT, STREAM, STREAM_LOOSE, STREAM_SCALAR, PIECES, PIECES_LOOSE, PIECES_PDL]
 WIDE_IDS = ["split", "split_loose", "split_exact", "stream", "stream_loose", "stream_scalar", "pieces", "pieces_loose",
-            "pieces_knobs", "stream_narrow_maxima"]
+            "pieces_pdl"]
 GPU_SPLIT = TopkConfig(row_program_rows=1 << 30)
 GPU_STREAM = TopkConfig(row_program_rows=1)
 GPU_STREAM_IN_PROGRAM = TopkConfig(row_program_rows=1, maxima_launch=False)
@@ -76,23 +72,13 @@ GPU_WIDE = [GPU_SPLIT, GPU_STREAM, GPU_STREAM_IN_PROGRAM, GPU_STREAM_V4, GPU_STR
             replace(GPU_PIECES_W8, pieces_max_registers=None)]
 GPU_WIDE_IDS = ["split", "stream", "stream_in_program", "stream_v4", "stream_w8", "pieces", "pieces_w8", "split_w4",
                 "stream_maxima_w4", "pieces_w8_uncapped"]
-# The split path and the gather-piece launches (the default's from 8 to 64 rows) at 32 to 128 rows of 131072: the
-# routings that session 6 times against the default there (`_decode_sweep_plan` in bench/suite_topk.py).
-GPU_MANY_ROWS = [GPU_SPLIT, GPU_PIECES_W8]
-GPU_MANY_ROWS_IDS = ["split_many_rows", "pieces_many_rows"]
-# Session 6 round 2, candidates for the default (with its routing; `_decode_sweep_plan` in bench/suite_topk.py times
-# the same): programmatic dependent launch of every kernel, 16-warp row programs before the gather launch, the gather
-# launch under 80 registers, maxima launches of 4096-column (8 warps) and 8192-column (16 warps) programs, and PDL
-# with the second and third.
-GPU_PDL = replace(triton_impl.DEFAULT_CONFIG, pdl=True)
-GPU_COMBO = replace(triton_impl.DEFAULT_CONFIG, pdl=True, pieces_row_warps=16, pieces_max_registers=80)
-GPU_DEFAULT_VARIANTS = [GPU_PDL, replace(triton_impl.DEFAULT_CONFIG, pieces_row_warps=16),
-                        replace(triton_impl.DEFAULT_CONFIG, pieces_max_registers=80),
-                        replace(triton_impl.DEFAULT_CONFIG, maxima_chunk=4096),
-                        replace(triton_impl.DEFAULT_CONFIG, maxima_chunk=8192, maxima_warps=16), GPU_COMBO]
-GPU_DEFAULT_VARIANTS_IDS = ["pdl", "row16", "pieces_r80", "max4k", "max8k_w16", "combo"]
-GPU_MANY_ROWS += GPU_DEFAULT_VARIANTS
-GPU_MANY_ROWS_IDS += [f"{name}_many_rows" for name in GPU_DEFAULT_VARIANTS_IDS]
+# The default (its routing, programmatic dependent launch) and the same without PDL (the sweep's `no_pdl`:
+# `_decode_sweep_plan` in bench/suite_topk.py), with the split path and the gather-piece launches, at 32 to 128 rows
+# of 131072.
+GPU_DEFAULT = triton_impl.DEFAULT_CONFIG
+GPU_NO_PDL = replace(triton_impl.DEFAULT_CONFIG, pdl=False)
+GPU_MANY_ROWS = [GPU_SPLIT, GPU_PIECES_W8, GPU_DEFAULT, GPU_NO_PDL]
+GPU_MANY_ROWS_IDS = ["split_many_rows", "pieces_many_rows", "default_many_rows", "no_pdl_many_rows"]
 ROW = TopkConfig()  # whole rows: carry counts, plateau check every 16 bits
 ONE_ROW = TopkConfig(row_elements=16)  # one row per whole-row program
 # One launch per tile (64/32/16 columns): one row of 64 per program, two rows of 32 / four of 16 (packed),
@@ -176,14 +162,6 @@ def test_generators_wide_paths(kernel_device, name, config):
     ends = torch.tensor([70, 53], dtype=torch.int32, device=kernel_device)
     assert_same(with_garbage_past_ends(logits, ends), 3, None, ends, config)
     assert_same(logits, 12, None, None, config)
-
-
-def test_maxima_chunk_out_of_range_is_refused(kernel_device):
-    # Width 200 in row programs: groups of 16 columns; a maxima chunk must be a power of two of at least a group.
-    logits = torch.randn(2, 200, device=kernel_device)
-    for chunk in (8, 24):
-        with pytest.raises(ValueError, match="maxima_chunk"):
-            triton_topk(logits, 3, config=replace(STREAM, maxima_chunk=chunk))
 
 
 @pytest.mark.parametrize("k", [3, 5])
@@ -515,11 +493,12 @@ def test_gpu_reruns_are_bitwise_equal(config):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_rows", [1, 6, 32, 128])
-@pytest.mark.parametrize("config", [GPU_PDL, GPU_COMBO], ids=["pdl", "combo"])
+@pytest.mark.parametrize("config", [GPU_DEFAULT, GPU_NO_PDL], ids=["default", "no_pdl"])
 def test_gpu_pdl_eager_reruns_and_graph_replay(num_rows, config):
-    # Programmatic dependent launch on each routed path (split path, gather launch, row programs), garbage past the
-    # ends: 20 eager reruns (each call's first kernel waits on the last one's) equal the reference bitwise, and a
-    # graph of two calls (k 2048 then 512) replays with new logits and lengths.
+    # The default (programmatic dependent launch) and the same without PDL on each routed path (split path, gather
+    # launch, row programs), garbage past the ends: 20 eager reruns (with PDL each call's first kernel waits on the
+    # last one's) equal the reference bitwise, and a graph of two calls (k 2048 then 512) replays with new logits and
+    # lengths.
     width = 131072
     logits = ADVERSARIAL_GENERATORS["few_distinct"]((num_rows, width), 9, "cuda")
     ends = decode_lengths(num_rows, width, 9).cuda()
@@ -621,3 +600,21 @@ def test_gpu_cuda_graph_replay_with_new_lengths(config):
         graph.replay()
         expected = reference.topk_decode(logits, seq_lens, next_n, k, poisoned(num_requests * next_n, k, "cuda"))
         assert torch.equal(out, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_rows", [32, 128])
+def test_gpu_many_rows_timeline_probe(num_rows):
+    # The phase timeline (a timing probe: barriers and global-timer stamps) leaves the picks bitwise equal, and every
+    # program stamps its start, its wait and its phases in order.
+    logits = torch.randn(num_rows, 131072, device="cuda")
+    ends = decode_lengths(num_rows, 131072, 8).cuda()
+    out = poisoned(num_rows, 2048, "cuda")
+    timeline = {}
+    triton_impl._topk_timeline(logits, 2048, ends, out, timeline)
+    assert torch.equal(out, reference_topk(logits, 2048, None, ends))
+    assert sorted(timeline) == (["maxima", "pieces", "rows"] if num_rows <= 64 else ["maxima", "rows"])
+    for stamps in timeline.values():
+        assert bool((stamps[:, :2] > 0).all()) and bool((stamps[:, 1] >= stamps[:, 0]).all())
+    rows = timeline["rows"]
+    assert bool((rows[:, 5] >= rows[:, 4]).all()) and bool((rows[:, 4] >= rows[:, 1]).all())

@@ -12,7 +12,8 @@ cold; ``warm_us`` replays one input (L2-resident when it fits). Floor: the valid
 the measured read bandwidth.
 
 ``python -m dsa_indexer.bench.suite_topk sweep_decode [OUT_JSON]`` and ``... sweep_prefill [OUT_JSON]`` time the
-tuning variants of ``_decode_sweep_plan`` and ``_prefill_row_configs`` (every cell checked bitwise first).
+tuning variants of ``_decode_sweep_plan`` and ``_prefill_row_configs`` (every cell checked bitwise first);
+``... timeline_decode`` prints the default's phase timeline at R = 32 and 128 (``timeline_decode``).
 """
 
 from __future__ import annotations
@@ -112,35 +113,16 @@ def run(ceilings: dict[str, float]) -> list[dict]:
 
 
 def _decode_sweep_plan() -> tuple[dict, list]:
-    """Decode variants of ``sweep_decode`` (names -> ``TopkConfig``) and its cells ``(data, rows, k, names)``: session 6
-    round 2, each against ``base`` (the committed default: split path below 8 rows, gather launch 8..64, row programs
-    above). ``pdl``: programmatic dependent launch of every kernel; ``row16``: 16-warp row programs before the gather
-    launch (``pieces_row_warps``); ``pieces_r80``: the gather launch under an 80-register cap (three programs per SM
-    instead of two: R=32's 320 programs at k=2048 in one wave); ``max4k`` / ``max8k_w16``: maxima launches of
-    4096-column programs at 8 warps / 8192-column programs at 16 warps (``maxima_chunk``, ``maxima_warps``);
-    ``combo``: ``pdl`` + ``row16`` + ``pieces_r80``. A cell times only the variants that change its path (the split
-    path below 8 rows: ``pdl``; row programs above 64 rows: ``pdl``, ``max4k``, ``max8k_w16``, ``combo``). Cells,
-    the issue's misses first: random R = 32, 128, 1, 64, 8 at k 2048 and 512, relu_sum R = 32 / 128 at k 2048."""
+    """Decode variants of ``sweep_decode`` (names -> ``TopkConfig``) and its cells ``(data, rows, k, names, tag)``:
+    session 6 round 3, ``base`` (the default: programmatic dependent launch; split path below 8 rows, gather launch
+    8..64, row programs above) against ``no_pdl`` (the same without PDL) at random R = 1 (k 2048 and 512, each cell
+    timed twice: round 2's R=1 k=512 looked 1.3 µs slower with PDL), R = 32 and R = 128 (k = 2048). ``tag`` tells
+    a repeated cell apart."""
     from dsa_indexer.ops.topk.triton import DEFAULT_CONFIG
 
-    configs = {
-        "pdl": replace(DEFAULT_CONFIG, pdl=True),
-        "row16": replace(DEFAULT_CONFIG, pieces_row_warps=16),
-        "pieces_r80": replace(DEFAULT_CONFIG, pieces_max_registers=80),
-        "max4k": replace(DEFAULT_CONFIG, maxima_chunk=4096),
-        "max8k_w16": replace(DEFAULT_CONFIG, maxima_chunk=8192, maxima_warps=16),
-        "combo": replace(DEFAULT_CONFIG, pdl=True, pieces_row_warps=16, pieces_max_registers=80),
-    }
-
-    def changing(num_rows: int) -> list[str]:
-        if num_rows < DEFAULT_CONFIG.row_program_rows:
-            return ["pdl"]
-        if num_rows > DEFAULT_CONFIG.pieces_max_rows:
-            return [name for name in configs if name not in ("row16", "pieces_r80")]
-        return list(configs)
-
-    cells = [("random", num_rows, k, changing(num_rows)) for num_rows in (32, 128, 1, 64, 8) for k in (2048, 512)]
-    cells += [("relu_sum", num_rows, 2048, changing(num_rows)) for num_rows in (32, 128)]
+    configs = {"no_pdl": replace(DEFAULT_CONFIG, pdl=False)}
+    cells = [("random", 1, k, ["no_pdl"], tag) for tag in ("", " #2") for k in (2048, 512)]
+    cells += [("random", num_rows, 2048, ["no_pdl"], "") for num_rows in (32, 128)]
     return configs, cells
 
 
@@ -237,7 +219,7 @@ def sweep_decode(out_path: str | None = None, warm: str | None = None) -> None:
         return
     records = []
     loaded = {}
-    for data, num_rows, k, names in cells:
+    for data, num_rows, k, names, tag in cells:
         if (data, num_rows) not in loaded:
             loaded.clear()
             torch.cuda.empty_cache()
@@ -245,7 +227,7 @@ def sweep_decode(out_path: str | None = None, warm: str | None = None) -> None:
             copies = max(2, -(-ROTATION_BYTES // logits.numel() // 4))
             loaded[(data, num_rows)] = (logits, lengths, [logits] + [logits.clone() for _ in range(copies - 1)])
         logits, lengths, inputs = loaded[(data, num_rows)]
-        label = f"{data} R={num_rows} k={k}"
+        label = f"{data} R={num_rows} k={k}{tag}"
         cell_configs = {name: configs[name] for name in ["base", *names]}
         unchecked = [name for name in names if name.startswith("probe")]
         records.append({"shape": label, "us": _time_variants(label, logits, k, lengths, inputs, cell_configs, 5,
@@ -253,6 +235,92 @@ def sweep_decode(out_path: str | None = None, warm: str | None = None) -> None:
         _save_records(records, out_path)  # after every shape: a run stopped at its time limit keeps what it measured
     _report_sweep(records, list(configs), ["_split_group_max_kernel", "_row_program_kernel", "_row_pieces_kernel",
                                            "_split_candidates_kernel"], out_path)
+
+
+# Timeline words (``_TL_*`` in ops/topk/triton.py) per kernel, in phase order within a program (a phase starts where
+# the previous one ends); row programs' gather pieces (words 6, ...) lie between the compaction and T.
+TIMELINE_PHASES = {
+    "maxima": {0: "start", 1: "waited", 4: "maxima"},
+    "rows": {0: "start", 1: "waited", 4: "bound", 5: "compacted", "pieces": "piece", 2: "T", 3: "emitted"},
+    "pieces": {0: "start", 1: "waited", 4: "gathered", 5: "arrived", 6: "mapped", 2: "T", 3: "emitted"},
+}
+
+
+def _phase_table(label: str, stamps: dict[str, torch.Tensor]) -> list[str]:
+    """Lines of the phase table of one call's timeline (``stamps``: name -> int64 ns ``[replays, programs, words]``,
+    0 = not reached): per kernel and phase, the median over programs and replays of the phase's end and of its
+    duration (from the program's previous stamp), and the latest end, in µs from each replay's first maxima program
+    start."""
+    t0 = stamps["maxima"][:, :, 0].clamp(min=1).min(dim=1).values  # [replays]
+    lines = [f"{label}: phase end (median / max over programs, µs from the first maxima start), duration (median)"]
+    for name, phases in TIMELINE_PHASES.items():
+        if name not in stamps:
+            continue
+        words = stamps[name]
+        order = [w for o in phases for w in (range(6, words.shape[2]) if o == "pieces" else [o])]
+        previous = None
+        for word in order:
+            end = words[:, :, word]
+            reached = end > 0
+            if not bool(reached.any()):
+                continue
+            phase = f"piece {word - 6}" if name == "rows" and word >= 6 else phases[word]
+            rel = (end - t0[:, None]).double() / 1e3
+            median_end = float(rel[reached].median())
+            last = float(rel[reached].max())
+            duration = ""
+            if previous is not None:
+                both = reached & (previous > 0)
+                if bool(both.any()):
+                    duration = f"{float(((end - previous).double() / 1e3)[both].median()):6.2f}"
+            lines.append(f"  {name:7s} {phase:10s} end {median_end:7.2f} / {last:7.2f}  dur {duration:>6s}"
+                         f"  programs {int(reached[0].sum())}")
+            previous = torch.where(reached, end, previous) if previous is not None else end
+    return lines
+
+
+def timeline_decode(replays: int = 7, warm: bool = False) -> None:
+    """Phase timeline (``_topk_timeline``) of the default at random R = 32 and R = 128, k = 2048 (L = 128K, lengths
+    ``U[0.8 L, L]``): the call is checked bitwise, captured in a CUDA graph and replayed ``replays`` times, each after
+    a 256 MB memset that evicts the L2 (as ``harness.cold_graph_us``); prints the phase table (``_phase_table``) and
+    each replay's span (first maxima start to last emit). ``warm``: only compile (one eager call per shape)."""
+    from dsa_indexer.ops.topk import triton as kernels
+
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    k = 2048
+    for num_rows in (32, 128):
+        logits, lengths = _decode_rows("random", num_rows)
+        out = torch.empty((num_rows, k), dtype=torch.int32, device="cuda")
+        timeline: dict[str, torch.Tensor] = {}
+        kernels._topk_timeline(logits, k, lengths, out, timeline)
+        if warm:
+            continue
+        expected = reference.topk(logits, k, None, lengths, torch.empty_like(out))
+        if not torch.equal(out, expected):
+            print(f"timeline R={num_rows}: NOT EXACT", flush=True)
+            continue
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            kernels._topk_timeline(logits, k, lengths, out, timeline)
+        runs = {name: [] for name in timeline}
+        for _ in range(replays):
+            for buffer in timeline.values():
+                buffer.zero_()
+            flush.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            for name, buffer in timeline.items():
+                runs[name].append(buffer.clone())
+        stamps = {name: torch.stack(values).cpu() for name, values in runs.items()}
+        exact = torch.equal(out, expected)
+        print("\n".join(_phase_table(f"timeline random R={num_rows} k={k} (replays exact: {exact})", stamps)))
+        last = stamps["pieces" if "pieces" in stamps else "rows"][:, :, 3].max(dim=1).values
+        first = stamps["maxima"][:, :, 0].clamp(min=1).min(dim=1).values
+        spans = " ".join(f"{(end - begin) / 1e3:.1f}" for begin, end in zip(first.tolist(), last.tolist()))
+        print(f"  span per replay (µs): {spans}", flush=True)
+        del logits, graph
+        torch.cuda.empty_cache()
 
 
 def _prefill_row_configs() -> dict:
@@ -322,6 +390,8 @@ if __name__ == "__main__":
         warm = next((a.split("=", 1)[1] for a in sys.argv[2:] if a.startswith("--warm=")), None)
         paths = [a for a in sys.argv[2:] if not a.startswith("--warm=")]
         sweep_decode(paths[0] if paths else None, warm)
+    elif sys.argv[1:2] == ["timeline_decode"] and len(sys.argv) <= 3:
+        timeline_decode(warm="--warm" in sys.argv[2:])
     elif sys.argv[1:2] == ["sweep_prefill"] and len(sys.argv) <= 6:
         options = dict(a[2:].split("=", 1) for a in sys.argv[2:] if a.startswith("--"))
         paths = [a for a in sys.argv[2:] if not a.startswith("--")]
@@ -329,5 +399,6 @@ if __name__ == "__main__":
         shapes_matching = options["shapes"].split(",") if "shapes" in options else None
         sweep_prefill(paths[0] if paths else None, only=only, shapes_matching=shapes_matching, warm=options.get("warm"))
     else:
-        sys.exit("usage: python -m dsa_indexer.bench.suite_topk sweep_decode [OUT_JSON] [--warm=I/N] | sweep_prefill [OUT_JSON] [--only=A,B] [--shapes=T,U] [--warm=I/N]   "
+        sys.exit("usage: python -m dsa_indexer.bench.suite_topk sweep_decode [OUT_JSON] [--warm=I/N] | timeline_decode "
+                 "[--warm] | sweep_prefill [OUT_JSON] [--only=A,B] [--shapes=T,U] [--warm=I/N]   "
                  "(the full suite runs through dsa-indexer bench)")

@@ -57,12 +57,10 @@ chunk programs (step 1 of the split path) store the maximum of each group of ``G
 columns, so that a row's one pass over HBM is spread over many SMs; then one program per row does the
 rest. (``maxima_launch=False``, or ``chunk`` outside ``[GROUP, stream_tile]``: one launch, the row
 program streams the row itself, the next tile's loads in flight while the current one is reduced;
-≈ 18 µs per row of 128K on one SM, measured.) Options of the maxima launch: ``maxima_chunk`` columns per
-program (the group tile then spans whole chunks of it, so it may exceed the stream tile; below a group it is a
-``ValueError``) and ``maxima_warps``; with ``gather_launch``, ``pieces_row_warps`` warps for the row programs. Back
-in registers, the maxima give a lower bound: the search for the k-th largest maximum stops as soon as
-at most ``enough = k + int(k * bound_slack)`` maxima reach its floor ``t``; then ``T >= t`` (k groups
-hold an entry ``>= t``) and the candidates are the entries ``>= t``, at most ``enough * GROUP``. If
+≈ 18 µs per row of 128K on one SM, measured.) Back in registers, the maxima give a lower bound: the search for
+the k-th largest maximum stops as soon as at most ``enough = k + int(k * bound_slack)`` maxima reach its floor
+``t``; then ``T >= t`` (k groups hold an entry ``>= t``) and the candidates are the entries ``>= t``, at most
+``enough * GROUP``. If
 it never gets there, ``t`` is the exact k-th largest maximum and the candidates are the entries
 ``> t`` (fewer than k groups hold one, so at most ``(k - 1) * GROUP``). The program compacts the
 qualifying group ids (one scan), re-reads those groups (L2: the row was just streamed) and appends
@@ -109,7 +107,9 @@ from ``torch.empty`` in the wrappers (every word is written before it is read); 
 host, so the launches are CUDA-graph capturable. With ``pdl`` every kernel of a call is a programmatic dependent
 launch whose programs first let the next launch start, then wait for the previous grid to complete
 (``_wait_for_previous_grid``) before touching memory: only launch latency and CTA rasterisation overlap, so
-results cannot depend on it. Scratch per row: split path
+results cannot depend on it. A timing probe, off by default and reached only through the private
+``_topk_timeline``: with ``TIMELINE`` the row-program paths' kernels store global-timer stamps at the end of each
+phase (``_stamp``). Scratch per row: split path
 ``4 * (group tile + 2 * min(max(enough, k - 1) * GROUP, width) + 8 + flags)`` bytes; row programs
 ``4 * (2 * group tile + 2 * min(max(enough, k - 1) * GROUP, width))`` bytes.
 
@@ -148,6 +148,25 @@ _PIECE_ARRIVED = tl.constexpr(3)
 _PIECE_ROW_MAX = tl.constexpr(4)
 _PIECE_COUNTS = tl.constexpr(5)
 _PIECE_STATE_WORDS = 5
+
+# Phase timeline (``_stamp``, a timing probe): global-timer stamps per program. Every kernel: its start, the end of
+# its wait for the previous grid; programs that emit: after the search of T, after the emit; the maxima launch: its
+# maxima stored; row programs: after the lower bound, after the compaction of the qualifying group ids, after each
+# gather piece (from word _TL_ROW_PIECES); the gather launch: its piece stored, its arrival, the last arriver's
+# mapping of the candidates.
+_TL_START = tl.constexpr(0)
+_TL_WAITED = tl.constexpr(1)
+_TL_T = tl.constexpr(2)
+_TL_EMITTED = tl.constexpr(3)
+_TL_MAXIMA = tl.constexpr(4)
+_TL_BOUND = tl.constexpr(4)
+_TL_COMPACTED = tl.constexpr(5)
+_TL_ROW_PIECES = tl.constexpr(6)
+_TL_GATHERED = tl.constexpr(4)
+_TL_ARRIVED = tl.constexpr(5)
+_TL_MAPPED = tl.constexpr(6)
+_TL_MAXIMA_SLOTS = tl.constexpr(5)
+_TL_PIECE_SLOTS = tl.constexpr(7)
 
 _PAD_BLOCK = 1024
 _UNROLLED_PIECES = tl.constexpr(16)  # gather pieces per row whose slot mapping is unrolled (more: a loop)
@@ -210,16 +229,7 @@ class TopkConfig:
     group_tile: most group maxima per row (at most 16384); ``None`` = ``clamp(4k, 1024, 8192)`` on the
         split path, 8192 in row programs.
     candidate_block: candidates searched in registers; ``None`` = ``clamp(2k, 1024, 16384)``.
-    split_warps: warps of the split-path programs (both launches) and of the row programs' maxima launch
-        (unless ``maxima_warps``).
-    pieces_row_warps: warps of the row programs of calls with ``gather_launch`` (they stop after the lower bound
-        and the compaction of the qualifying group ids); ``None``: ``stream_warps`` (= ``pieces_warps`` on the
-        routed calls). The gather launch keeps ``stream_warps``.
-    maxima_chunk: columns per program of the row programs' maxima launch (a power of two from ``GROUP`` to 16384,
-        else a ``ValueError`` at the call; the group tile then spans whole chunks of it, so it may exceed
-        ``stream_tile``); ``None``: ``chunk``, and the launch only where ``GROUP <= chunk <= stream_tile`` (else the
-        row programs stream). The split path keeps ``chunk``.
-    maxima_warps: warps of the row programs' maxima launch; ``None``: ``split_warps``.
+    split_warps: warps of the split-path programs (both launches) and of the row programs' maxima launch.
     pdl: programmatic dependent launch: every kernel of the call is launched with ``launch_pdl`` and starts by
         letting the next launch's programs start (``griddepcontrol.launch_dependents``), then waits for the
         previous grid to complete (``griddepcontrol.wait``) before any memory access, so only the next kernel's
@@ -254,9 +264,6 @@ class TopkConfig:
     group_tile: int | None = None
     candidate_block: int | None = None
     split_warps: int = 8
-    pieces_row_warps: int | None = None
-    maxima_chunk: int | None = None
-    maxima_warps: int | None = None
     pdl: bool = False
 
 
@@ -266,8 +273,9 @@ class TopkConfig:
 # in two launches of 8-warp programs (chunk-local bound, ordered candidates) 12.9 / 12.0 µs at R = 1 (was 17.0 /
 # 16.6); carry-chain, lean searches everywhere and two gather programs per SM: R = 32 35.3 / 25.7, R = 64 43.7 /
 # 32.5 (was 38.6 / 28.1, 45.2 / 34.9), R = 128 62.8 / 47.9 (was 66.2 / 49.8). Everything but the routing is in
-# the class defaults (tests build their configs from them).
-DEFAULT_CONFIG = TopkConfig(row_program_rows=8, pieces_max_rows=64)
+# the class defaults (tests build their configs from them). Session 6 round 2: programmatic dependent launches
+# (``pdl``), −1.8 / −0.6 µs at R = 32, −1.9 / −1.8 at R = 128, −2.0 / −2.2 at R = 64 (k 2048 / 512).
+DEFAULT_CONFIG = TopkConfig(row_program_rows=8, pieces_max_rows=64, pdl=True)
 
 
 @triton.jit
@@ -278,6 +286,18 @@ def _wait_for_previous_grid(PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
+
+
+@triton.jit
+def _stamp(timeline_ptr, program, slot, TIMELINE_SLOTS: tl.constexpr, TIMELINE: tl.constexpr):
+    """Phase timeline (a timing probe, off by default): with ``TIMELINE``, once every warp of the program is done
+    with the phase (a barrier), the global timer (ns) goes to ``timeline_ptr[program * TIMELINE_SLOTS + slot]``
+    (one thread stores the scalar)."""
+    if TIMELINE:
+        tl.debug_barrier()
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [program], dtype=tl.int64,
+                                        is_pure=False, pack=1)
+        tl.store(timeline_ptr + program.to(tl.int64) * TIMELINE_SLOTS + slot, now)
 
 
 @triton.jit
@@ -662,15 +682,17 @@ def _split_group_max_kernel(
     width, next_n, num_chunks,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr,
     CHUNK: tl.constexpr, GROUP: tl.constexpr, MAXIMA_STRIDE: tl.constexpr, CLEAR_STATE: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, timeline_ptr=None, TIMELINE: tl.constexpr = False,
 ):
     """Group maxima of chunks of ``CHUNK`` columns: ``group_max[row * MAXIMA_STRIDE + column // GROUP]`` for
     the chunks up to the row's length (one chunk at least); with ``CLEAR_STATE`` (split path), the chunk's flag
     is cleared too, and chunk 0 clears the row's arrival counter. Also the streaming pass of row programs of
-    calls with few rows. ``PDL``: ``_wait_for_previous_grid``."""
+    calls with few rows. ``PDL``: ``_wait_for_previous_grid``. ``TIMELINE``: ``_stamp`` (``_TL_*``)."""
+    _stamp(timeline_ptr, tl.program_id(0), _TL_START, _TL_MAXIMA_SLOTS, TIMELINE)
     _wait_for_previous_grid(PDL)
     GROUPS_PER_CHUNK: tl.constexpr = CHUNK // GROUP
     pid = tl.program_id(0)
+    _stamp(timeline_ptr, pid, _TL_WAITED, _TL_MAXIMA_SLOTS, TIMELINE)
     row = pid // num_chunks
     chunk = pid % num_chunks
     start, length = _row_window(row, row >= 0, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
@@ -690,6 +712,7 @@ def _split_group_max_kernel(
             tl.store(state_ptr + row.to(tl.int64) * state_stride + _FLAGS + chunk, 0)
             if chunk == 0:
                 tl.store(state_ptr + row.to(tl.int64) * state_stride + _ARRIVED, 0)
+    _stamp(timeline_ptr, pid, _TL_MAXIMA, _TL_MAXIMA_SLOTS, TIMELINE)
 
 
 @triton.jit
@@ -763,7 +786,7 @@ def _split_candidates_kernel(
                              inclusive, row_max, tl.sum(flags - 1, axis=0), tl.arange(0, CANDIDATE_BLOCK),
                              cand_keys_row, cand_columns_row, out_ptr, out_stride_row, out_stride_col, table_ptr,
                              table_stride_row, table_stride_col, block_size, rows_per_request, CHUNK,
-                             CANDIDATE_BLOCK, PAD_BLOCK, SLOTS, CARRY)
+                             CANDIDATE_BLOCK, PAD_BLOCK, SLOTS, CARRY, None, row, 1, False)
 
 
 @triton.jit
@@ -814,7 +837,8 @@ def _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusiv
                      held_slots, cand_keys_row, cand_columns_row, out_ptr, out_stride_row, out_stride_col, table_ptr,
                      table_stride_row, table_stride_col, block_size, rows_per_request, STREAM_TILE: tl.constexpr,
                      CANDIDATE_BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr,
-                     CARRY: tl.constexpr):
+                     CARRY: tl.constexpr, timeline_ptr, program, TIMELINE_SLOTS: tl.constexpr,
+                     TIMELINE: tl.constexpr):
     """The end of a row program (and of the split path): ``T`` among the ``num_candidates`` candidates (keys and
     columns, in column order; the j-th at buffer slot ``held_slots[j]`` when they fit in ``CANDIDATE_BLOCK``, else
     at slot j) of the ``bound``, then the ordered emit of the row's k picks and the padding. The search in
@@ -823,7 +847,8 @@ def _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusiv
     reach the threshold found. A row emitted from the row itself (strict bound, fewer than k candidates) is
     streamed in tiles of ``STREAM_TILE`` only until its ties are taken (the first ones in column order; e.g. the
     zeros of a row without positive entries lie in its first few tiles), then the remaining candidates are
-    emitted from the buffer (fewer than k: held slots)."""
+    emitted from the buffer (fewer than k: held slots). ``TIMELINE``: ``_stamp`` of ``program`` after the search of
+    T and after the emit."""
     # T and the ties, then the ordered emit: from the candidates, or from the row when T is the bound
     # itself and its ties (not candidates) are taken.
     out_row = out_ptr + row.to(tl.int64) * out_stride_row
@@ -863,6 +888,7 @@ def _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusiv
             ties = k  # exactly k candidates reach the threshold: every tie is taken
             if reaching > k:
                 ties = k - tl.sum((held_keys > threshold).to(tl.int32), axis=0)
+        _stamp(timeline_ptr, program, _TL_T, TIMELINE_SLOTS, TIMELINE)
         taken, ties = _emit_ordered(held_keys, held_columns, threshold, ties, taken, out_row, out_stride_col, pages,
                                     table_stride_col, block_size, SLOTS)
     else:
@@ -871,6 +897,7 @@ def _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusiv
         if num_candidates > k:
             threshold = _kth_largest_in_memory(cand_keys_row, num_candidates, k, CANDIDATE_BLOCK)
             ties = k - _count_above_in_memory(cand_keys_row, num_candidates, threshold, CANDIDATE_BLOCK)
+        _stamp(timeline_ptr, program, _TL_T, TIMELINE_SLOTS, TIMELINE)
         slot = tl.arange(0, CANDIDATE_BLOCK)
         slot_first = row * 0
         while slot_first < num_candidates:
@@ -883,6 +910,7 @@ def _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusiv
             slot_first += CANDIDATE_BLOCK
     one = tl.full([1], 0, tl.int32)
     _pad_rows(out_row + tl.zeros([1, 1], tl.int64), out_stride_col, one + taken, one == 0, k, PAD_BLOCK)
+    _stamp(timeline_ptr, program, _TL_EMITTED, TIMELINE_SLOTS, TIMELINE)
 
 
 @triton.jit(do_not_specialize=["width", "k", "next_n", "enough", "capacity", "block_size", "rows_per_request"])
@@ -894,6 +922,7 @@ def _row_program_kernel(
     STREAM_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr,
     STREAM: tl.constexpr, VECTOR_GATHER: tl.constexpr, PREFETCH_GATHER: tl.constexpr, STAGES: tl.constexpr,
     STORE_STATE: tl.constexpr, CARRY_BOUND: tl.constexpr, CARRY_SEARCH: tl.constexpr, PDL: tl.constexpr = False,
+    timeline_ptr=None, TIMELINE: tl.constexpr = False,
 ):
     """One program per row. ``STREAM``: the program computes the group maxima itself (else an earlier
     launch of ``_split_group_max_kernel`` stored them). ``VECTOR_GATHER``: unmasked group loads in every
@@ -903,10 +932,14 @@ def _row_program_kernel(
     the bound, its kind, the row's largest key and the number of qualifying groups go to the row's state words
     at ``state_ptr + row * state_stride`` for ``_row_pieces_kernel``. ``CARRY_BOUND`` / ``CARRY_SEARCH``: the
     counts (``_reaching``) of the lower-bound search and of the candidates' search (``_select_and_emit``).
-    ``PDL``: ``_wait_for_previous_grid``."""
+    ``PDL``: ``_wait_for_previous_grid``. ``TIMELINE``: ``_stamp`` (``_TL_*``; gather piece i at
+    ``_TL_ROW_PIECES + i``)."""
+    TIMELINE_SLOTS: tl.constexpr = _TL_ROW_PIECES + GROUP_TILE // (STREAM_TILE // GROUP)
+    _stamp(timeline_ptr, tl.program_id(0), _TL_START, TIMELINE_SLOTS, TIMELINE)
     _wait_for_previous_grid(PDL)
     TILE_GROUPS: tl.constexpr = STREAM_TILE // GROUP
     row = tl.program_id(0)
+    _stamp(timeline_ptr, row, _TL_WAITED, TIMELINE_SLOTS, TIMELINE)
     start, length = _row_window(row, row >= 0, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
     src_row = logits_ptr + row.to(tl.int64) * stride_row
     maxima_row = groups_ptr + row.to(tl.int64) * (2 * GROUP_TILE)
@@ -944,7 +977,9 @@ def _row_program_kernel(
     num_groups = tl.cdiv(length, GROUP)
     maxima = tl.load(maxima_row + slots, mask=slots < num_groups, other=NONE, cache_modifier=".cg")
     bound, inclusive, row_max = _maxima_lower_bound(maxima, k, enough, row, CARRY_BOUND)
+    _stamp(timeline_ptr, row, _TL_BOUND, TIMELINE_SLOTS, TIMELINE)
     num_qualifying = _compact_qualifying(maxima, slots, bound, inclusive, ids_row)
+    _stamp(timeline_ptr, row, _TL_COMPACTED, TIMELINE_SLOTS, TIMELINE)
     if STORE_STATE:
         _store_piece_state(state_ptr + row.to(tl.int64) * state_stride, bound, inclusive, row_max, num_qualifying)
     if STAGES >= 2:
@@ -977,6 +1012,7 @@ def _row_program_kernel(
             tl.store(cand_keys_row + position, keys, mask=is_candidate != 0)
             tl.store(cand_columns_row + position, columns, mask=is_candidate != 0)
             num_candidates += tl.sum(per_group, axis=0)
+            _stamp(timeline_ptr, row, _TL_ROW_PIECES + piece_first // TILE_GROUPS, TIMELINE_SLOTS, TIMELINE)
             if PREFETCH_GATHER:
                 values = next_values
             else:
@@ -992,7 +1028,7 @@ def _row_program_kernel(
         _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusive, row_max, num_candidates, held,
                          cand_keys_row, cand_columns_row, out_ptr, out_stride_row, out_stride_col, table_ptr,
                          table_stride_row, table_stride_col, block_size, rows_per_request, STREAM_TILE,
-                         CANDIDATE_BLOCK, PAD_BLOCK, SLOTS, CARRY_SEARCH)
+                         CANDIDATE_BLOCK, PAD_BLOCK, SLOTS, CARRY_SEARCH, timeline_ptr, row, TIMELINE_SLOTS, TIMELINE)
 
 
 @triton.jit
@@ -1028,7 +1064,8 @@ def _row_pieces_kernel(
     table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
     STREAM_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, MAX_PIECES: tl.constexpr, PAD_BLOCK: tl.constexpr,
-    SLOTS: tl.constexpr, CARRY: tl.constexpr, PDL: tl.constexpr = False,
+    SLOTS: tl.constexpr, CARRY: tl.constexpr, PDL: tl.constexpr = False, timeline_ptr=None,
+    TIMELINE: tl.constexpr = False,
 ):
     """Gather launch of row programs: program ``row * MAX_PIECES + piece`` re-reads the qualifying groups
     ``[piece * TILE_GROUPS, (piece + 1) * TILE_GROUPS)`` of its row (ids and bound from the row program
@@ -1037,10 +1074,12 @@ def _row_pieces_kernel(
     finish (an acq_rel arrival counter) maps the candidates' positions to slots across the pieces (in
     registers; above ``CANDIDATE_BLOCK`` they are first copied to one contiguous buffer) and runs
     ``_select_and_emit`` (with ``CARRY``). A row without qualifying groups still runs piece 0 (nothing
-    gathered), which pads. ``PDL``: ``_wait_for_previous_grid``."""
+    gathered), which pads. ``PDL``: ``_wait_for_previous_grid``. ``TIMELINE``: ``_stamp`` (``_TL_*``)."""
+    _stamp(timeline_ptr, tl.program_id(0), _TL_START, _TL_PIECE_SLOTS, TIMELINE)
     _wait_for_previous_grid(PDL)
     TILE_GROUPS: tl.constexpr = STREAM_TILE // GROUP
     pid = tl.program_id(0)
+    _stamp(timeline_ptr, pid, _TL_WAITED, _TL_PIECE_SLOTS, TIMELINE)
     row = pid // MAX_PIECES
     piece = pid % MAX_PIECES
     start, length = _row_window(row, row >= 0, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
@@ -1067,8 +1106,10 @@ def _row_pieces_kernel(
         tl.store(cand_keys_ptr + region + position, keys, mask=is_candidate != 0)
         tl.store(cand_columns_ptr + region + position, columns, mask=is_candidate != 0)
         tl.store(state_row + _PIECE_COUNTS + piece, tl.sum(per_group, axis=0))
+        _stamp(timeline_ptr, pid, _TL_GATHERED, _TL_PIECE_SLOTS, TIMELINE)
         tl.debug_barrier()
         arrived = tl.atomic_add(state_row + _PIECE_ARRIVED, 1, sem="acq_rel", scope="gpu")
+        _stamp(timeline_ptr, pid, _TL_ARRIVED, _TL_PIECE_SLOTS, TIMELINE)
         if arrived == num_pieces - 1:
             # Candidate j of the row (pieces in order) lies in the piece p whose counts before it sum to
             # at most j: slot p * piece_capacity + j - (counts before p).
@@ -1103,11 +1144,12 @@ def _row_pieces_kernel(
                 tl.debug_barrier()
                 keys_row = flat_keys_row
                 columns_row = flat_columns_row
+            _stamp(timeline_ptr, pid, _TL_MAPPED, _TL_PIECE_SLOTS, TIMELINE)
             row_max = tl.load(state_row + _PIECE_ROW_MAX)
             _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusive, row_max, num_candidates,
                              held_slots, keys_row, columns_row, out_ptr, out_stride_row, out_stride_col, table_ptr,
                              table_stride_row, table_stride_col, block_size, rows_per_request, STREAM_TILE,
-                             CANDIDATE_BLOCK, PAD_BLOCK, SLOTS, CARRY)
+                             CANDIDATE_BLOCK, PAD_BLOCK, SLOTS, CARRY, timeline_ptr, pid, _TL_PIECE_SLOTS, TIMELINE)
 
 
 @triton.jit(do_not_specialize=["k", "block_size"])
@@ -1259,30 +1301,23 @@ def _launch_split(logits, k, bounds, out, next_n, bounds_flags, slot_args, confi
     )
 
 
-def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args, config):
+def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args, config, timeline=None):
     num_rows, width = logits.shape
     stream_tile = config.stream_tile
-    # An explicit maxima chunk wider than the stream tile: the group tile spans whole chunks of it.
-    maxima_chunk = config.maxima_chunk or config.chunk
-    explicit_chunk = config.maxima_launch and config.maxima_chunk is not None
-    span = max(stream_tile, maxima_chunk) if explicit_chunk else stream_tile
-    columns = triton.cdiv(width, span) * span
+    columns = triton.cdiv(width, stream_tile) * stream_tile
     group_tile_max = config.group_tile or 8192
     group = 1
     while columns // group > group_tile_max:
         group *= 2
     if group > stream_tile:
         raise ValueError(f"logits width {width} is too large for the top-k row programs (stream tile {stream_tile})")
-    if explicit_chunk and not (group <= maxima_chunk <= 16384 and maxima_chunk & (maxima_chunk - 1) == 0):
-        raise ValueError(f"maxima_chunk {maxima_chunk} must be a power of two in [{group}, 16384] (groups of {group} "
-                         f"columns for width {width})")
     group_tile = _next_pow2(columns // group)
     enough = k + int(k * config.bound_slack)
     capacity = max(1, min(width, max(enough, k - 1) * group))
     candidate_block = config.candidate_block or min(16384, max(1024, _next_pow2(2 * k)))
     device = logits.device
     groups = torch.empty((num_rows, 2 * group_tile), dtype=torch.int32, device=device)
-    stream = not (config.maxima_launch and group <= maxima_chunk <= span)
+    stream = not (config.maxima_launch and group <= config.chunk <= stream_tile)
     pieces = config.gather_launch and config.row_stages >= 2
     pdl = _pdl_args(config)
     if pieces:
@@ -1295,23 +1330,24 @@ def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args
         cand_keys = torch.empty((num_rows, capacity), dtype=torch.int32, device=device)
     cand_columns = torch.empty_like(cand_keys)
     if not stream:
-        num_chunks = triton.cdiv(width, maxima_chunk)
+        num_chunks = triton.cdiv(width, config.chunk)
         _split_group_max_kernel[(num_rows * num_chunks,)](
             logits, logits.stride(0), logits.stride(1), *bounds, groups, groups, 0, width, next_n, num_chunks,
-            CHUNK=maxima_chunk, GROUP=group, MAXIMA_STRIDE=2 * group_tile, CLEAR_STATE=False,
-            num_warps=config.maxima_warps or config.split_warps, **bounds_flags, **pdl,
+            CHUNK=config.chunk, GROUP=group, MAXIMA_STRIDE=2 * group_tile, CLEAR_STATE=False,
+            num_warps=config.split_warps, **bounds_flags, **pdl,
+            **_timeline_args(timeline, "maxima", num_rows * num_chunks, _TL_MAXIMA_SLOTS.value, device),
         )
     warps = config.stream_warps
     carry_search = _carry(candidate_block, warps)
-    row_warps = (config.pieces_row_warps or warps) if pieces else warps
+    row_slots = _TL_ROW_PIECES.value + group_tile * group // stream_tile
     _row_program_kernel[(num_rows,)](
         logits, logits.stride(0), logits.stride(1), *bounds, out, out.stride(0), out.stride(1),
         groups, cand_keys, cand_columns, capacity, state, state.stride(0), width, k, next_n, enough, *slot_args[0],
         GROUP=group, GROUP_TILE=group_tile, STREAM_TILE=stream_tile, CANDIDATE_BLOCK=candidate_block,
         PAD_BLOCK=_PAD_BLOCK, STREAM=stream, VECTOR_GATHER=config.vector_gather,
         PREFETCH_GATHER=config.prefetch_gather, STAGES=1 if pieces else config.row_stages, STORE_STATE=pieces,
-        CARRY_BOUND=_carry(group_tile, row_warps), CARRY_SEARCH=_carry(candidate_block, row_warps),
-        num_warps=row_warps, **bounds_flags, **slot_args[1], **pdl,
+        CARRY_BOUND=_carry(group_tile, warps), CARRY_SEARCH=carry_search, num_warps=warps, **bounds_flags,
+        **slot_args[1], **pdl, **_timeline_args(timeline, "rows", num_rows, row_slots, device),
     )
     if pieces:
         flat_keys = torch.empty((num_rows, capacity), dtype=torch.int32, device=device)
@@ -1324,10 +1360,22 @@ def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args
             GROUP=group, GROUP_TILE=group_tile, STREAM_TILE=stream_tile, CANDIDATE_BLOCK=candidate_block,
             MAX_PIECES=max_pieces, PAD_BLOCK=_PAD_BLOCK, CARRY=carry_search, num_warps=warps, **registers,
             **bounds_flags, **slot_args[1], **pdl,
+            **_timeline_args(timeline, "pieces", num_rows * max_pieces, _TL_PIECE_SLOTS.value, device),
         )
 
 
-def _launch(logits, k, starts, ends, out, next_n, decode, config, slots=None):
+def _timeline_args(timeline, name, programs, slots, device):
+    """Kernel arguments of the phase timeline (``_stamp``): none when ``timeline`` is None (the kernels then
+    compile as without it), else ``timeline[name]``, an int64 ``[programs, slots]`` buffer of zeros created on the
+    first call (a later call, e.g. under graph capture, reuses it: the caller zeroes it between replays)."""
+    if timeline is None:
+        return {}
+    if name not in timeline:
+        timeline[name] = torch.zeros((programs, slots), dtype=torch.int64, device=device)
+    return dict(timeline_ptr=timeline[name], TIMELINE=True)
+
+
+def _launch(logits, k, starts, ends, out, next_n, decode, config, slots=None, timeline=None):
     num_rows, width = logits.shape
     if num_rows == 0:
         return out
@@ -1341,8 +1389,21 @@ def _launch(logits, k, starts, ends, out, next_n, decode, config, slots=None):
                              stream_tile=config.pieces_tile)
     else:
         launch = _launch_split
-    launch(logits, k, (starts_arg, ends_arg), out, next_n, bounds_flags, _slot_args(slots, logits), config)
+    extra = {} if timeline is None else dict(timeline=timeline)
+    launch(logits, k, (starts_arg, ends_arg), out, next_n, bounds_flags, _slot_args(slots, logits), config, **extra)
     return out
+
+
+def _topk_timeline(logits, k, ends, out, timeline, *, config=DEFAULT_CONFIG):
+    """``topk_triton(logits, k, None, ends, out)`` on the row-program paths with the phase timeline on (a timing probe
+    for benchmarks and tests, GPU only: inline PTX): ``timeline`` (a dict) receives or reuses int64 buffers of global
+    timer stamps (ns), ``"maxima"`` ``[programs, _TL_MAXIMA_SLOTS]``, ``"rows"`` ``[rows, _TL_ROW_PIECES + pieces]``
+    and, with the gather launch, ``"pieces"`` ``[programs, _TL_PIECE_SLOTS]`` (words ``_TL_*``; 0 where a program
+    did not reach the phase). Other paths are refused."""
+    num_rows, width = logits.shape
+    if width <= config.row_block_max or num_rows < config.row_program_rows:
+        raise ValueError("the phase timeline covers the row-program paths only")
+    return _launch(logits, k, None, ends, out, 1, False, config, timeline=timeline)
 
 
 def topk_triton(
