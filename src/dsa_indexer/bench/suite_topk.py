@@ -13,7 +13,8 @@ the measured read bandwidth.
 
 ``python -m dsa_indexer.bench.suite_topk sweep_decode [OUT_JSON]`` and ``... sweep_prefill [OUT_JSON]`` time the
 tuning variants of ``_decode_sweep_plan`` and ``_prefill_row_configs`` (every cell checked bitwise first);
-``... timeline_decode`` prints the default's phase timeline at R = 32 and 128 (``timeline_decode``).
+``... timeline_decode [--variants=A,B] [--rows=R,S]`` prints the phase timeline of the default (or of sweep variants)
+at R = 32 and 128 (``timeline_decode``).
 """
 
 from __future__ import annotations
@@ -114,21 +115,32 @@ def run(ceilings: dict[str, float]) -> list[dict]:
 
 def _decode_sweep_plan() -> tuple[dict, list]:
     """Decode variants of ``sweep_decode`` (names -> ``TopkConfig``) and its cells ``(data, rows, k, names, tag)``:
-    session 6 round 3, ``base`` (the default: programmatic dependent launch; split path below 8 rows, gather launch
-    8..64, row programs above) against ``no_pdl`` (the same without PDL) at random R = 1 (k 2048 and 512, each cell
-    timed twice: round 2's R=1 k=512 looked 1.3 µs slower with PDL), R = 32 and R = 128 (k = 2048). ``tag`` tells
-    a repeated cell apart."""
+    session 6 round 4, ``base`` (the default: programmatic dependent launch except on the split path; split path
+    below 8 rows, gather launch 8..64, row programs above) against ``pdl_split`` (PDL on the split path too: the
+    committed default of rounds 2 and 3) at random R = 1 (k 2048 and 512, each cell timed twice), against
+    ``lookback`` (the gather pieces' candidates in one buffer per row, offsets by look-back) on the gather-launch
+    calls (random R = 32, 64 (k 2048 and 512), 8, relu_sum R = 32; k = 2048), and against ``lookback_d3``
+    (``lookback`` with the candidates' T search three bits a round; where the gather launch does not run, R = 1 and
+    R = 128, it is the three-bit search alone) on every cell. ``tag`` tells a repeated cell apart."""
     from dsa_indexer.ops.topk.triton import DEFAULT_CONFIG
 
-    configs = {"no_pdl": replace(DEFAULT_CONFIG, pdl=False)}
-    cells = [("random", 1, k, ["no_pdl"], tag) for tag in ("", " #2") for k in (2048, 512)]
-    cells += [("random", num_rows, 2048, ["no_pdl"], "") for num_rows in (32, 128)]
+    configs = {"pdl_split": replace(DEFAULT_CONFIG, pdl_split=True),
+               "lookback": replace(DEFAULT_CONFIG, pieces_lookback=True),
+               "lookback_d3": replace(DEFAULT_CONFIG, pieces_lookback=True, search_digit_bits=3)}
+    gathered = ["lookback", "lookback_d3"]
+    cells = [("random", 32, 2048, gathered, "")]
+    cells += [("random", 64, k, gathered, "") for k in (2048, 512)]
+    cells += [("random", 8, 2048, gathered, ""), ("relu_sum", 32, 2048, gathered, "")]
+    cells += [("random", 1, k, ["pdl_split", "lookback_d3"], "") for k in (2048, 512)]
+    cells += [("random", 1, k, ["pdl_split"], " #2") for k in (2048, 512)]
+    cells += [("random", 128, 2048, ["lookback_d3"], "")]
     return configs, cells
 
 
 def _warm_tasks(configs: dict, cells: list) -> list[tuple[int, str, int]]:
     """The calls ``(rows, name, k)`` that compile every kernel of the sweep once: one per (path the row count
-    takes, config without its routing, k), since variants that differ only in routing share their paths' kernels.
+    takes, config without its routing, k of a cell with that row count and variant), since variants that differ only
+    in routing share their paths' kernels.
     ``base`` and ``pdl`` first: they compile disjoint kernel sets, which the other variants mostly reuse, so that
     parallel shares do not compile the same kernels at once."""
     tasks, seen = [], set()
@@ -139,7 +151,7 @@ def _warm_tasks(configs: dict, cells: list) -> list[tuple[int, str, int]]:
                 path = "split"
             else:
                 path = "pieces" if num_rows <= config.pieces_max_rows else "rows"
-            for k in (2048, 512):
+            for k in sorted({c[2] for c in cells if c[1] == num_rows and name in ("base", *c[3])}, reverse=True):
                 key = (path, replace(config, row_program_rows=0, pieces_max_rows=0), k)
                 if key not in seen:
                     seen.add(key)
@@ -279,30 +291,34 @@ def _phase_table(label: str, stamps: dict[str, torch.Tensor]) -> list[str]:
     return lines
 
 
-def timeline_decode(replays: int = 7, warm: bool = False) -> None:
-    """Phase timeline (``_topk_timeline``) of the default at random R = 32 and R = 128, k = 2048 (L = 128K, lengths
-    ``U[0.8 L, L]``): the call is checked bitwise, captured in a CUDA graph and replayed ``replays`` times, each after
-    a 256 MB memset that evicts the L2 (as ``harness.cold_graph_us``); prints the phase table (``_phase_table``) and
-    each replay's span (first maxima start to last emit). ``warm``: only compile (one eager call per shape)."""
+def timeline_decode(replays: int = 7, warm: bool = False, variants: tuple[str, ...] = ("base",),
+                    rows: tuple[int, ...] = (32, 128)) -> None:
+    """Phase timeline (``_topk_timeline``) of each of ``variants`` (``base``: the default, else a name of
+    ``_decode_sweep_plan``) at random R in ``rows``, k = 2048 (L = 128K, lengths ``U[0.8 L, L]``): the call is checked
+    bitwise, captured in a CUDA graph and replayed ``replays`` times, each after a 256 MB memset that evicts the L2 (as
+    ``harness.cold_graph_us``); prints the phase table (``_phase_table``) and each replay's span (first maxima start
+    to last emit). ``warm``: only compile (one eager call per shape)."""
     from dsa_indexer.ops.topk import triton as kernels
 
+    configs = {"base": kernels.DEFAULT_CONFIG, **_decode_sweep_plan()[0]}
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     k = 2048
-    for num_rows in (32, 128):
+    for variant, num_rows in [(v, r) for v in variants for r in rows]:
+        config = configs[variant]
         logits, lengths = _decode_rows("random", num_rows)
         out = torch.empty((num_rows, k), dtype=torch.int32, device="cuda")
         timeline: dict[str, torch.Tensor] = {}
-        kernels._topk_timeline(logits, k, lengths, out, timeline)
+        kernels._topk_timeline(logits, k, lengths, out, timeline, config=config)
         if warm:
             continue
         expected = reference.topk(logits, k, None, lengths, torch.empty_like(out))
         if not torch.equal(out, expected):
-            print(f"timeline R={num_rows}: NOT EXACT", flush=True)
+            print(f"timeline {variant} R={num_rows}: NOT EXACT", flush=True)
             continue
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            kernels._topk_timeline(logits, k, lengths, out, timeline)
+            kernels._topk_timeline(logits, k, lengths, out, timeline, config=config)
         runs = {name: [] for name in timeline}
         for _ in range(replays):
             for buffer in timeline.values():
@@ -314,7 +330,8 @@ def timeline_decode(replays: int = 7, warm: bool = False) -> None:
                 runs[name].append(buffer.clone())
         stamps = {name: torch.stack(values).cpu() for name, values in runs.items()}
         exact = torch.equal(out, expected)
-        print("\n".join(_phase_table(f"timeline random R={num_rows} k={k} (replays exact: {exact})", stamps)))
+        print("\n".join(_phase_table(f"timeline {variant} random R={num_rows} k={k} (replays exact: {exact})",
+                                      stamps)))
         last = stamps["pieces" if "pieces" in stamps else "rows"][:, :, 3].max(dim=1).values
         first = stamps["maxima"][:, :, 0].clamp(min=1).min(dim=1).values
         spans = " ".join(f"{(end - begin) / 1e3:.1f}" for begin, end in zip(first.tolist(), last.tolist()))
@@ -390,8 +407,10 @@ if __name__ == "__main__":
         warm = next((a.split("=", 1)[1] for a in sys.argv[2:] if a.startswith("--warm=")), None)
         paths = [a for a in sys.argv[2:] if not a.startswith("--warm=")]
         sweep_decode(paths[0] if paths else None, warm)
-    elif sys.argv[1:2] == ["timeline_decode"] and len(sys.argv) <= 3:
-        timeline_decode(warm="--warm" in sys.argv[2:])
+    elif sys.argv[1:2] == ["timeline_decode"] and len(sys.argv) <= 5:
+        options = dict(a[2:].split("=", 1) for a in sys.argv[2:] if a.startswith("--") and "=" in a)
+        timeline_decode(warm="--warm" in sys.argv[2:], variants=tuple(options.get("variants", "base").split(",")),
+                        rows=tuple(int(r) for r in options.get("rows", "32,128").split(",")))
     elif sys.argv[1:2] == ["sweep_prefill"] and len(sys.argv) <= 6:
         options = dict(a[2:].split("=", 1) for a in sys.argv[2:] if a.startswith("--"))
         paths = [a for a in sys.argv[2:] if not a.startswith("--")]
@@ -400,5 +419,6 @@ if __name__ == "__main__":
         sweep_prefill(paths[0] if paths else None, only=only, shapes_matching=shapes_matching, warm=options.get("warm"))
     else:
         sys.exit("usage: python -m dsa_indexer.bench.suite_topk sweep_decode [OUT_JSON] [--warm=I/N] | timeline_decode "
-                 "[--warm] | sweep_prefill [OUT_JSON] [--only=A,B] [--shapes=T,U] [--warm=I/N]   "
+                 "[--warm] [--variants=base,lookback] [--rows=32,128] | "
+                 "sweep_prefill [OUT_JSON] [--only=A,B] [--shapes=T,U] [--warm=I/N]   "
                  "(the full suite runs through dsa-indexer bench)")
