@@ -5,9 +5,10 @@ path (group maxima, exact or early-stopped lower bound, candidates stored in col
 look-back and searched in registers or in memory, emit by the row's last program), the streaming row
 programs (group maxima streamed in the program or from a launch of chunk programs, lower bound with and
 without the early stop, gather pieces with and without masks, candidates in registers and in memory,
-emit from the candidates or from the row; or gathered by a launch of one program per piece; every search
-on order images from known brackets) and the whole-row programs. GPU tests use the default tuning at
-realistic sizes, with each wide-row path forced in turn.
+emit from the candidates or from the row; or gathered by a launch of one program per piece, which places its
+candidates through a look-back over the row's piece flags; every search on order images from known brackets)
+and the whole-row programs. GPU tests use the default tuning at realistic sizes, with each wide-row path forced
+in turn.
 """
 
 from __future__ import annotations
@@ -48,26 +49,17 @@ SPLIT_LOOSE = TopkConfig(row_block_max=16, row_program_rows=1 << 30, chunk=16, g
                          bound_slack=3.0)
 SPLIT_EXACT = TopkConfig(row_block_max=16, row_program_rows=1 << 30, chunk=16, group_tile=16, candidate_block=8,
                          split_early_bound=False)
-# Row programs with a gather launch (one program per gather piece of 2 groups; the last one emits), with
-# the exact and the early-stopped lower bound.
+# Row programs with a gather launch (one program per gather piece of 2 groups, its candidates placed in the row's
+# buffer by a look-back over the piece flags; the last one emits), with the exact and the early-stopped lower bound.
 PIECES = TopkConfig(row_block_max=16, row_program_rows=1, stream_tile=16, group_tile=16, candidate_block=8, chunk=16,
                     gather_launch=True)
 PIECES_LOOSE = TopkConfig(row_block_max=16, row_program_rows=1, stream_tile=16, group_tile=16, candidate_block=8,
                           chunk=16, gather_launch=True, bound_slack=3.0)
 # PDL is ignored under the interpreter (the launch arguments are built, the kernels run without it).
 PIECES_PDL = replace(PIECES, pdl=True)
-# The gather pieces' candidates in one contiguous buffer per row, offsets from a look-back over the piece flags.
-PIECES_LOOKBACK = replace(PIECES, pieces_lookback=True)
-PIECES_LOOKBACK_LOOSE = replace(PIECES_LOOSE, pieces_lookback=True)
-# The candidates' T search three bits a round (split path, row programs, gather launch with the look-back).
-SPLIT_DIGITS3 = replace(SPLIT, search_digit_bits=3)
-STREAM_DIGITS3 = replace(STREAM, search_digit_bits=3)
-PIECES_LOOKBACK_DIGITS3 = replace(PIECES_LOOKBACK, search_digit_bits=3)
-WIDE = [SPLIT, SPLIT_LOOSE, SPLIT_EXACT, STREAM, STREAM_LOOSE, STREAM_SCALAR, PIECES, PIECES_LOOSE, PIECES_PDL,
-        PIECES_LOOKBACK, PIECES_LOOKBACK_LOOSE, SPLIT_DIGITS3, STREAM_DIGITS3, PIECES_LOOKBACK_DIGITS3]
+WIDE = [SPLIT, SPLIT_LOOSE, SPLIT_EXACT, STREAM, STREAM_LOOSE, STREAM_SCALAR, PIECES, PIECES_LOOSE, PIECES_PDL]
 WIDE_IDS = ["split", "split_loose", "split_exact", "stream", "stream_loose", "stream_scalar", "pieces", "pieces_loose",
-            "pieces_pdl", "pieces_lookback", "pieces_lookback_loose", "split_digits3", "stream_digits3",
-            "pieces_lookback_digits3"]
+            "pieces_pdl"]
 GPU_SPLIT = TopkConfig(row_program_rows=1 << 30)
 GPU_STREAM = TopkConfig(row_program_rows=1)
 GPU_STREAM_IN_PROGRAM = TopkConfig(row_program_rows=1, maxima_launch=False)
@@ -75,24 +67,21 @@ GPU_STREAM_V4 = TopkConfig(row_program_rows=1, maxima_launch=False, vector_gathe
 GPU_STREAM_W8 = TopkConfig(row_program_rows=1, stream_warps=8)
 GPU_PIECES = TopkConfig(row_program_rows=1, gather_launch=True)
 GPU_PIECES_W8 = TopkConfig(row_program_rows=1, gather_launch=True, stream_warps=8, stream_tile=4096)
-# The split path and the maxima launch at 4 warps; the default gather launch without its register cap.
+# The split path and the maxima launch at 4 warps; the default gather launch without its register cap, and with
+# programmatic dependent launch (as the default's 8 to 64 rows).
 GPU_WIDE = [GPU_SPLIT, GPU_STREAM, GPU_STREAM_IN_PROGRAM, GPU_STREAM_V4, GPU_STREAM_W8, GPU_PIECES, GPU_PIECES_W8,
             replace(GPU_SPLIT, split_warps=4), replace(GPU_STREAM, split_warps=4),
-            replace(GPU_PIECES_W8, pieces_max_registers=None), replace(GPU_PIECES_W8, pieces_lookback=True, pdl=True)]
+            replace(GPU_PIECES_W8, pieces_max_registers=None), replace(GPU_PIECES_W8, pdl=True)]
 GPU_WIDE_IDS = ["split", "stream", "stream_in_program", "stream_v4", "stream_w8", "pieces", "pieces_w8", "split_w4",
-                "stream_maxima_w4", "pieces_w8_uncapped", "pieces_lookback"]
-# The default (its routing, programmatic dependent launch but on the split path), the same without PDL, with PDL on
-# the split path too (the sweep's `pdl_split`: `_decode_sweep_plan` in bench/suite_topk.py), with the gather pieces'
-# look-back (`lookback`) and with it and the candidates' T search three bits a round (`lookback_d3`), with the split
-# path and the gather-piece launches, at 32 to 128 rows of 131072.
+                "stream_maxima_w4", "pieces_w8_uncapped", "pieces_w8_pdl"]
+# The default (its routing, programmatic dependent launch but on the split path), the same without PDL, and with
+# PDL on the split path too (``pdl_split``), with the split path and the gather-piece launches, at 32 to 128 rows
+# of 131072.
 GPU_DEFAULT = triton_impl.DEFAULT_CONFIG
 GPU_NO_PDL = replace(triton_impl.DEFAULT_CONFIG, pdl=False)
 GPU_PDL_SPLIT = replace(triton_impl.DEFAULT_CONFIG, pdl_split=True)
-GPU_LOOKBACK = replace(triton_impl.DEFAULT_CONFIG, pieces_lookback=True)
-GPU_LOOKBACK_D3 = replace(GPU_LOOKBACK, search_digit_bits=3)
-GPU_MANY_ROWS = [GPU_SPLIT, GPU_PIECES_W8, GPU_DEFAULT, GPU_NO_PDL, GPU_LOOKBACK, GPU_LOOKBACK_D3]
-GPU_MANY_ROWS_IDS = ["split_many_rows", "pieces_many_rows", "default_many_rows", "no_pdl_many_rows",
-                     "lookback_many_rows", "lookback_d3_many_rows"]
+GPU_MANY_ROWS = [GPU_SPLIT, GPU_PIECES_W8, GPU_DEFAULT, GPU_NO_PDL]
+GPU_MANY_ROWS_IDS = ["split_many_rows", "pieces_many_rows", "default_many_rows", "no_pdl_many_rows"]
 ROW = TopkConfig()  # whole rows: carry counts, plateau check every 16 bits
 ONE_ROW = TopkConfig(row_elements=16)  # one row per whole-row program
 # One launch per tile (64/32/16 columns): one row of 64 per program, two rows of 32 / four of 16 (packed),
@@ -188,8 +177,7 @@ def test_stream_strict_bound(kernel_device, k):
                                                     group_tile=8, candidate_block=8, bound_slack=0.0))
 
 
-@pytest.mark.parametrize("config", [SPLIT_EXACT, STREAM, PIECES, PIECES_LOOKBACK],
-                         ids=["split_exact", "stream", "pieces", "pieces_lookback"])
+@pytest.mark.parametrize("config", [SPLIT_EXACT, STREAM, PIECES], ids=["split_exact", "stream", "pieces"])
 def test_strict_bound_ties_before_candidates(kernel_device, config):
     # Rows of zeros (ties at T = 0, the strict exact bound) with a few positives late in the row (fewer than k
     # candidates): the emit from the row stops once the ties are taken, the later candidates come from the buffer.
@@ -204,21 +192,19 @@ def test_strict_bound_ties_before_candidates(kernel_device, config):
 
 
 @triton.jit
-def _search_kernel(keys_ptr, out_ptr, k, enough, N: tl.constexpr, CARRY: tl.constexpr, DIGITS: tl.constexpr):
+def _search_kernel(keys_ptr, out_ptr, k, enough, N: tl.constexpr, CARRY: tl.constexpr):
     keys = tl.load(keys_ptr + tl.arange(0, N))
     count, lo, hi = triton_impl._bracket(keys)
-    t, count = triton_impl._kth_largest_within(keys, k, enough, count, lo, hi, CARRY, DIGITS)
+    t, count = triton_impl._kth_largest_within(keys, k, enough, count, lo, hi, CARRY)
     tl.store(out_ptr, t)
     tl.store(out_ptr + 1, count)
 
 
-@pytest.mark.parametrize("digits", [2, 3])
 @pytest.mark.parametrize("carry", [0, 1, 4])
-def test_search_rounds(kernel_device, carry, digits):
+def test_search_rounds(kernel_device, carry):
     # Keys over the whole int32 range (NONE included), clustered keys, plateaus: the exact k-th largest key
     # (enough < k) and an early-stopped floor (enough >= k) reached by its count of keys. Counts: compares of the
-    # keys' images (carry 0), carries per key (1) and summed by 4 (one warp, 4 keys per thread); two or three bits
-    # a round.
+    # keys' images (carry 0), carries per key (1) and summed by 4 (one warp, 4 keys per thread).
     if carry > 0 and kernel_device != "cuda":
         pytest.skip("inline PTX runs on the GPU only")
     rng = torch.Generator().manual_seed(2)
@@ -234,7 +220,7 @@ def test_search_rounds(kernel_device, carry, digits):
             kth = int(selectable.sort(descending=True).values[k - 1])
             for enough in (k - 1, k + 6):
                 out = torch.zeros(2, dtype=torch.int32, device=kernel_device)
-                _search_kernel[(1,)](keys32, out, k, enough, N=128, CARRY=carry, DIGITS=digits, num_warps=1)
+                _search_kernel[(1,)](keys32, out, k, enough, N=128, CARRY=carry, num_warps=1)
                 t, count = (int(x) for x in out.cpu())
                 assert count == int((selectable >= t).sum()) and count >= k
                 assert t == kth or (enough >= k and count <= enough and t < kth), (k, enough, t, kth)
@@ -352,9 +338,8 @@ def slot_table(num_requests, width, block_size, seed, device):
     return order.view(num_requests, pages).to(torch.int32).to(device)
 
 
-@pytest.mark.parametrize("config", [ROW, ONE_ROW, SPLIT, SPLIT_EXACT, STREAM, STREAM_LOOSE, PIECES, PIECES_LOOKBACK],
-                         ids=["row", "one_row", "split", "split_exact", "stream", "stream_loose", "pieces",
-                              "pieces_lookback"])
+@pytest.mark.parametrize("config", [ROW, ONE_ROW, SPLIT, SPLIT_EXACT, STREAM, STREAM_LOOSE, PIECES],
+                         ids=["row", "one_row", "split", "split_exact", "stream", "stream_loose", "pieces"])
 def test_decode_slots_equal_positions_mapped(kernel_device, config):
     # Fused slot output = indices_to_slots(topk_decode(...)) on every path, 1-D and 2-D lengths, the
     # output row stride wider than k (columns past k stay poison).
@@ -511,13 +496,12 @@ def test_gpu_reruns_are_bitwise_equal(config):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_rows", [1, 6, 32, 128])
-@pytest.mark.parametrize("config", [GPU_DEFAULT, GPU_NO_PDL, GPU_PDL_SPLIT, GPU_LOOKBACK, GPU_LOOKBACK_D3],
-                         ids=["default", "no_pdl", "pdl_split", "lookback", "lookback_d3"])
+@pytest.mark.parametrize("config", [GPU_DEFAULT, GPU_NO_PDL, GPU_PDL_SPLIT], ids=["default", "no_pdl", "pdl_split"])
 def test_gpu_pdl_eager_reruns_and_graph_replay(num_rows, config):
-    # The default (programmatic dependent launch but on the split path), the same without PDL, with PDL on the split
-    # path too, with the gather pieces' look-back, and with it and the three-bit T search, on each routed path (split path, gather launch, row programs),
-    # garbage past the ends: 20 eager reruns (with PDL each call's first kernel waits on the last one's) equal the
-    # reference bitwise, and a graph of two calls (k 2048 then 512) replays with new logits and lengths.
+    # The default (programmatic dependent launch but on the split path), the same without PDL, and with PDL on the
+    # split path too, on each routed path (split path, gather launch, row programs), garbage past the ends: 20 eager
+    # reruns (with PDL each call's first kernel waits on the last one's) equal the reference bitwise, and a graph of
+    # two calls (k 2048 then 512) replays with new logits and lengths.
     width = 131072
     logits = ADVERSARIAL_GENERATORS["few_distinct"]((num_rows, width), 9, "cuda")
     ends = decode_lengths(num_rows, width, 9).cuda()
@@ -623,15 +607,14 @@ def test_gpu_cuda_graph_replay_with_new_lengths(config):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_rows", [32, 128])
-@pytest.mark.parametrize("config", [GPU_DEFAULT, GPU_LOOKBACK], ids=["default", "lookback"])
-def test_gpu_many_rows_timeline_probe(num_rows, config):
+def test_gpu_many_rows_timeline_probe(num_rows):
     # The phase timeline (a timing probe: barriers and global-timer stamps) leaves the picks bitwise equal, and every
     # program stamps its start, its wait and its phases in order.
     logits = torch.randn(num_rows, 131072, device="cuda")
     ends = decode_lengths(num_rows, 131072, 8).cuda()
     out = poisoned(num_rows, 2048, "cuda")
     timeline = {}
-    triton_impl._topk_timeline(logits, 2048, ends, out, timeline, config=config)
+    triton_impl._topk_timeline(logits, 2048, ends, out, timeline)
     assert torch.equal(out, reference_topk(logits, 2048, None, ends))
     assert sorted(timeline) == (["maxima", "pieces", "rows"] if num_rows <= 64 else ["maxima", "rows"])
     for stamps in timeline.values():

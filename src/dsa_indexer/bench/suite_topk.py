@@ -115,26 +115,15 @@ def run(ceilings: dict[str, float]) -> list[dict]:
 
 def _decode_sweep_plan() -> tuple[dict, list]:
     """Decode variants of ``sweep_decode`` (names -> ``TopkConfig``) and its cells ``(data, rows, k, names, tag)``:
-    session 6 round 4, ``base`` (the default: programmatic dependent launch except on the split path; split path
-    below 8 rows, gather launch 8..64, row programs above) against ``pdl_split`` (PDL on the split path too: the
-    committed default of rounds 2 and 3) at random R = 1 (k 2048 and 512, each cell timed twice), against
-    ``lookback`` (the gather pieces' candidates in one buffer per row, offsets by look-back) on the gather-launch
-    calls (random R = 32, 64 (k 2048 and 512), 8, relu_sum R = 32; k = 2048), and against ``lookback_d3``
-    (``lookback`` with the candidates' T search three bits a round; where the gather launch does not run, R = 1 and
-    R = 128, it is the three-bit search alone) on every cell. ``tag`` tells a repeated cell apart."""
-    from dsa_indexer.ops.topk.triton import DEFAULT_CONFIG
-
-    configs = {"pdl_split": replace(DEFAULT_CONFIG, pdl_split=True),
-               "lookback": replace(DEFAULT_CONFIG, pieces_lookback=True),
-               "lookback_d3": replace(DEFAULT_CONFIG, pieces_lookback=True, search_digit_bits=3)}
-    gathered = ["lookback", "lookback_d3"]
-    cells = [("random", 32, 2048, gathered, "")]
-    cells += [("random", 64, k, gathered, "") for k in (2048, 512)]
-    cells += [("random", 8, 2048, gathered, ""), ("relu_sum", 32, 2048, gathered, "")]
-    cells += [("random", 1, k, ["pdl_split", "lookback_d3"], "") for k in (2048, 512)]
-    cells += [("random", 1, k, ["pdl_split"], " #2") for k in (2048, 512)]
-    cells += [("random", 128, 2048, ["lookback_d3"], "")]
-    return configs, cells
+    none since the session-6 round-4 cleanup (every measured variant became the default or was removed; add the
+    next ones here, each the default with the changes its name lists, timed in the cells where it changes the path
+    taken; ``tag`` tells a repeated cell apart), so ``base`` alone: the split path at R = 1, gather-piece launches
+    at R = 8/32/64, row programs at R = 128, random rows at k 2048 and 512, relu_sum and one_bin at R = 1 and
+    relu_sum at R = 32/128 (k = 2048)."""
+    cells = [("random", num_rows, k, [], "") for num_rows in (1, 8, 32, 64, 128) for k in (2048, 512)]
+    cells += [(data, 1, 2048, [], "") for data in ("relu_sum", "one_bin")]
+    cells += [("relu_sum", num_rows, 2048, [], "") for num_rows in (32, 128)]
+    return {}, cells
 
 
 def _warm_tasks(configs: dict, cells: list) -> list[tuple[int, str, int]]:
@@ -419,6 +408,6 @@ if __name__ == "__main__":
         sweep_prefill(paths[0] if paths else None, only=only, shapes_matching=shapes_matching, warm=options.get("warm"))
     else:
         sys.exit("usage: python -m dsa_indexer.bench.suite_topk sweep_decode [OUT_JSON] [--warm=I/N] | timeline_decode "
-                 "[--warm] [--variants=base,lookback] [--rows=32,128] | "
+                 "[--warm] [--variants=base] [--rows=32,128] | "
                  "sweep_prefill [OUT_JSON] [--only=A,B] [--shapes=T,U] [--warm=I/N]   "
                  "(the full suite runs through dsa-indexer bench)")

@@ -24,8 +24,7 @@ int32 directly. The search starts at the common high bits of ``lo`` (smallest se
 ``hi`` (largest key): ``T`` lies in ``[lo, hi]`` and shares them, so only ``bit_length(lo ^ hi)``
 bits are searched (10 for rows whose values share 22 high bits). The searches of 1-D tiles decide
 two bits per round from the counts at the three thresholds ``t + {1, 2, 3} * 2**b`` (one block
-reduction of an int64 holding three 16-bit counts; the candidates' search, with ``search_digit_bits=3``, three
-bits from seven counts in two int64 reduced together); the whole-row kernel decides one bit per round,
+reduction of an int64 holding three 16-bit counts); the whole-row kernel decides one bit per round,
 which is cheaper with its many keys per thread. A search may stop early at a ``t`` that exactly k
 keys reach: the entries ``> t`` plus the first ``k - #(> t)`` entries ``== t`` are then those k
 entries, the same selection as with ``T``. This holds since every emit reads the keys that were
@@ -74,12 +73,10 @@ entry ``>= T`` is a candidate. One case emits from the row instead: an exact, st
 by fewer than k candidates, where ``T`` is the bound and its ties are not candidates.
 With ``gather_launch`` the row program stops after the compaction (its bound, kind and number of
 qualifying groups go to a per-row state) and a third launch runs one program per gather piece: each
-stores its piece's candidates in column order in a region of its own, and the row's last piece program
-to finish (an acq_rel arrival counter) maps candidate positions to slots across the regions, searches
-``T`` and emits as above. The pieces of a row then run on different SMs instead of one after another. With
-``pieces_lookback`` the pieces store their candidates in one contiguous buffer per row instead, each at the offset
-a decoupled look-back over its row's piece flags gives (as the split path's chunks, below), and the last piece
-reads them in place.
+stores its piece's candidates in column order in the row's one candidate buffer, at the offset a decoupled
+look-back over its row's piece flags gives (as the split path's chunks, below), and the row's last piece program
+to finish (an acq_rel arrival counter) searches ``T`` among them in place and emits as above. The pieces of a row
+then run on different SMs instead of one after another.
 The default takes this path for calls of ``row_program_rows`` (8) to ``pieces_max_rows`` (64) rows, with
 8 warps and 4096-column pieces, where the rows alone fill less than a wave of SMs; more rows keep one
 program per row (measured on the H200: benchmarks/NOTES_topk.md).
@@ -143,8 +140,8 @@ LOW_FIELD = tl.constexpr(0xFFFF)
 _ARRIVED = tl.constexpr(1)
 _FLAGS = tl.constexpr(8)
 _STATE_WORDS = 8
-# Per-row state words of row programs with a gather launch, then one candidate count per gather piece (with
-# ``pieces_lookback``: its look-back flag, count + 1, 0 while unpublished).
+# Per-row state words of row programs with a gather launch, then one look-back flag per gather piece (its number of
+# candidates + 1, 0 while unpublished).
 _PIECE_BOUND = tl.constexpr(0)
 _PIECE_INCLUSIVE = tl.constexpr(1)
 _PIECE_QUALIFYING = tl.constexpr(2)
@@ -173,7 +170,6 @@ _TL_MAXIMA_SLOTS = tl.constexpr(5)
 _TL_PIECE_SLOTS = tl.constexpr(7)
 
 _PAD_BLOCK = 1024
-_UNROLLED_PIECES = tl.constexpr(16)  # gather pieces per row whose slot mapping is unrolled (more: a loop)
 _SLOT_BLOCK = 2048  # indices_to_slots: run 4 (session 3), 82.0 µs with 16-byte rows against 88.3 for 1024
 
 
@@ -211,10 +207,6 @@ class TopkConfig:
     pieces_max_registers: register cap (ptxas ``maxnreg``) of the gather launch's programs, for more of them per
         SM (128: two per SM at 8 warps; ``None``: the compiler's choice, 144 at 8 warps and 4096-column pieces for
         k=2048, one per SM).
-    pieces_lookback: each gather piece stores its candidates in column order in one contiguous buffer of the row,
-        at the offset it finds by a decoupled look-back over its row's piece flags (count + 1, cleared by the row
-        program), so the row's last piece reads them in place; else each piece stores them in a region of its own
-        and the last one maps (or copies) them across the regions.
     stream_tile: columns per streaming step of a row program, and per gather piece (power of two, at
         most 16384).
     stream_warps: warps of a row program.
@@ -243,9 +235,8 @@ class TopkConfig:
         previous grid to complete (``griddepcontrol.wait``) before any memory access, so only the next kernel's
         launch and CTA rasterisation overlap the tail of this one. Ignored under the interpreter (inline PTX).
     pdl_split: with ``pdl``, the split path's two launches take it too (else only the row-program paths and
-        whole rows do).
-    search_digit_bits: bits the search of ``T`` among the candidates (``_select_and_emit``, every wide path)
-        decides per round: 2 (three counts, one int64 reduction) or 3 (seven counts, one reduction of two int64).
+        whole rows do; measured at R = 1 in session 6 rounds 2 to 4: with it +1.0 to +1.3 µs at k = 512, -0.2 to
+        -0.5 at k = 2048).
     """
 
     row_block_max: int = 8192
@@ -263,7 +254,6 @@ class TopkConfig:
     pieces_warps: int = 8
     pieces_tile: int = 4096
     pieces_max_registers: int | None = 128
-    pieces_lookback: bool = False
     stream_tile: int = 8192
     stream_warps: int = 16
     bound_slack: float = 0.25
@@ -279,7 +269,6 @@ class TopkConfig:
     split_warps: int = 8
     pdl: bool = False
     pdl_split: bool = True
-    search_digit_bits: int = 2
 
 
 # Measured on the H200 (benchmarks/NOTES_topk.md, v6): the split path below 8 rows, gather-piece launches
@@ -291,7 +280,10 @@ class TopkConfig:
 # the class defaults (tests build their configs from them). Session 6 round 2: programmatic dependent launches
 # (``pdl``), −1.8 / −0.6 µs at R = 32, −1.9 / −1.8 at R = 128, −2.0 / −2.2 at R = 64 (k 2048 / 512); rounds 2
 # and 3: on the split path (R = 1) it costs +1.1 to +1.3 µs at k = 512 (four cells) and gains 0.2 to 0.3 at
-# k = 2048, so the split path runs without it (``pdl_split``).
+# k = 2048, so the split path runs without it (``pdl_split``; round 4, k 2048 / 512: 13.2 / 12.1 µs, with it 12.7 /
+# 13.2). Round 4 (cold-L2 graph replays, k = 2048): gather pieces placing their candidates by a look-back in one
+# buffer per row, R = 8 24.6 (was 26.7), R = 32 32.2 (33.5), relu_sum R = 32 32.9 (35.3), R = 64 42.6 (42.0; k = 512
+# 31.1, 30.7); R = 128 (plain row programs) 61.6; three-bit T search rounds lost everywhere (+0.8 to +2.4 µs).
 DEFAULT_CONFIG = TopkConfig(row_program_rows=8, pieces_max_rows=64, pdl=True, pdl_split=False)
 
 
@@ -403,41 +395,6 @@ def _search_step(images, t, count, bit, k, CARRY: tl.constexpr):
 
 
 @triton.jit
-def _add_pair(a, b, c, d):
-    return a + c, b + d
-
-
-@triton.jit
-def _search_step3(images, t, count, bit, k, CARRY: tl.constexpr):
-    """Decide bits ``bit + 2``, ``bit + 1`` and ``bit`` of ``t`` (all still clear in the unsigned image): the largest
-    of ``t + j * 2**bit``, ``j`` in 0..7, that ``>= k`` keys of a 1-D tile reach (counted as ``_search_step``), with
-    that number. The seven counts (at most 16384 each) share two int64 of 16-bit fields, reduced together (one
-    block reduction of the pair)."""
-    low = 1 << bit
-    c1 = _reaching(images, t ^ low, CARRY)
-    c2 = _reaching(images, t ^ (low << 1), CARRY)
-    c3 = _reaching(images, t ^ (low << 1) ^ low, CARRY)
-    c4 = _reaching(images, t ^ (low << 2), CARRY)
-    c5 = _reaching(images, t ^ (low << 2) ^ low, CARRY)
-    c6 = _reaching(images, t ^ (low << 2) ^ (low << 1), CARRY)
-    c7 = _reaching(images, t ^ (low << 2) ^ (low << 1) ^ low, CARRY)
-    lower = (c1 + (c2 << 16)).to(tl.int64) + ((c3 + (c4 << 16)).to(tl.int64) << 32)
-    upper = (c5 + (c6 << 16)).to(tl.int64) + (c7.to(tl.int64) << 32)
-    lower, upper = tl.reduce((lower, upper), 0, _add_pair)
-    # Counts fall as j grows: the last j whose count reaches k is the largest.
-    origin = t
-    for j in tl.static_range(1, 5):
-        j_count = ((lower >> (16 * (j - 1))) & LOW_FIELD).to(tl.int32)
-        t = tl.where(j_count >= k, origin ^ (j * low), t)
-        count = tl.where(j_count >= k, j_count, count)
-    for j in tl.static_range(5, 8):
-        j_count = ((upper >> (16 * (j - 5))) & LOW_FIELD).to(tl.int32)
-        t = tl.where(j_count >= k, origin ^ (j * low), t)
-        count = tl.where(j_count >= k, j_count, count)
-    return t, count
-
-
-@triton.jit
 def _bracket(keys):
     """``(count, lo, hi)`` of a 1-D tile of keys: its number of selectable keys, the smallest and the largest."""
     selectable = keys != NONE
@@ -448,40 +405,24 @@ def _bracket(keys):
 
 
 @triton.jit
-def _kth_largest_within(keys, k, enough, count, lo, hi, CARRY: tl.constexpr, DIGIT_BITS: tl.constexpr):
+def _kth_largest_within(keys, k, enough, count, lo, hi, CARRY: tl.constexpr):
     """``(t, #(keys >= t))`` for a 1-D ``keys`` (at most 16384) holding ``count >= k`` selectable keys, all
     ``>= lo``, whose k-th largest is ``<= hi``: ``t`` is the k-th largest key, or, once the count at the
     bracket's floor is ``<= enough`` (``>= k``), that floor (so ``enough < k`` always gives the k-th largest).
-    ``DIGIT_BITS`` (2 or 3) bits per round (3: after one round of 1 or 2 bits that leaves a multiple of 3), counted
-    on the keys' images as ``_reaching`` with ``CARRY``."""
+    Two bits per round, counted on the keys' images as ``_reaching`` with ``CARRY``."""
     searched = _image(keys)
     bit = _bit_length(lo ^ hi)
     t = _clear_low_bits(lo, bit)
-    if DIGIT_BITS == 3:
-        if (bit % 3 == 1) & (count > enough):
-            bit -= 1
-            candidate = t ^ (1 << bit)
-            candidate_count = tl.sum(_reaching(searched, candidate, CARRY), axis=0)
-            reaches = candidate_count >= k
-            t = tl.where(reaches, candidate, t)
-            count = tl.where(reaches, candidate_count, count)
-        if (bit % 3 == 2) & (count > enough):
-            bit -= 2
-            t, count = _search_step(searched, t, count, bit, k, CARRY)
-        while (bit > 0) & (count > enough):
-            bit -= 3
-            t, count = _search_step3(searched, t, count, bit, k, CARRY)
-    else:
-        if (bit % 2 == 1) & (count > enough):
-            bit -= 1
-            candidate = t ^ (1 << bit)
-            candidate_count = tl.sum(_reaching(searched, candidate, CARRY), axis=0)
-            reaches = candidate_count >= k
-            t = tl.where(reaches, candidate, t)
-            count = tl.where(reaches, candidate_count, count)
-        while (bit > 0) & (count > enough):
-            bit -= 2
-            t, count = _search_step(searched, t, count, bit, k, CARRY)
+    if (bit % 2 == 1) & (count > enough):
+        bit -= 1
+        candidate = t ^ (1 << bit)
+        candidate_count = tl.sum(_reaching(searched, candidate, CARRY), axis=0)
+        reaches = candidate_count >= k
+        t = tl.where(reaches, candidate, t)
+        count = tl.where(reaches, candidate_count, count)
+    while (bit > 0) & (count > enough):
+        bit -= 2
+        t, count = _search_step(searched, t, count, bit, k, CARRY)
     return t, count
 
 
@@ -719,7 +660,7 @@ def _maxima_lower_bound(maxima, k, enough, row, CARRY: tl.constexpr):
     inclusive = row * 0 + 1
     count, lo, row_max = _bracket(maxima)
     if count >= k:
-        bound, reaching = _kth_largest_within(maxima, k, enough, count, lo, row_max, CARRY, 2)
+        bound, reaching = _kth_largest_within(maxima, k, enough, count, lo, row_max, CARRY)
         inclusive = (reaching <= enough).to(tl.int32)
     return bound, inclusive, row_max
 
@@ -804,14 +745,13 @@ def _split_candidates_kernel(
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr,
     GROUP_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, CARRY: tl.constexpr, CARRY_BOUND: tl.constexpr,
     FLAG_TILE: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr, PDL: tl.constexpr = False,
-    SEARCH_DIGITS: tl.constexpr = 2,
 ):
     """Step 2 of the split path (module docstring): every program finds the row's lower bound from all its group
     maxima (the same on each; ``enough``, counts with ``CARRY_BOUND``) while its whole chunk loads (L2: step 1
     just read it), stores the chunk's candidates (keys and columns) in column order (its offset from a look-back
     over the row's chunk flags, which hold count + 1), and the row's last program to arrive finds ``T`` and emits
-    the row from them (``_select_and_emit``, its search in registers counted with ``CARRY``, ``SEARCH_DIGITS`` bits a
-    round). ``PDL``: ``_wait_for_previous_grid``."""
+    the row from them (``_select_and_emit``, its search in registers counted with ``CARRY``). ``PDL``:
+    ``_wait_for_previous_grid``."""
     _wait_for_previous_grid(PDL)
     GROUPS_PER_CHUNK: tl.constexpr = CHUNK // GROUP
     pid = tl.program_id(0)
@@ -852,10 +792,9 @@ def _split_candidates_kernel(
             every = tl.arange(0, FLAG_TILE)  # [FLAG_TILE]
             flags = tl.load(state_row + _FLAGS + every, mask=every < row_chunks, other=1, volatile=True)
             _select_and_emit(row, logits_ptr + row.to(tl.int64) * stride_row, start, stride_col, length, k, t_low,
-                             inclusive, row_max, tl.sum(flags - 1, axis=0), tl.arange(0, CANDIDATE_BLOCK),
-                             cand_keys_row, cand_columns_row, out_ptr, out_stride_row, out_stride_col, table_ptr,
-                             table_stride_row, table_stride_col, block_size, rows_per_request, CHUNK,
-                             CANDIDATE_BLOCK, PAD_BLOCK, SLOTS, CARRY, None, row, 1, False, SEARCH_DIGITS)
+                             inclusive, row_max, tl.sum(flags - 1, axis=0), cand_keys_row, cand_columns_row, out_ptr,
+                             out_stride_row, out_stride_col, table_ptr, table_stride_row, table_stride_col, block_size,
+                             rows_per_request, CHUNK, CANDIDATE_BLOCK, PAD_BLOCK, SLOTS, CARRY, None, row, 1, False)
 
 
 @triton.jit
@@ -903,24 +842,23 @@ def _gather_piece(src_row, start, stride_col, ids, piece_first, num_qualifying, 
 
 @triton.jit
 def _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusive, row_max, num_candidates,
-                     held_slots, cand_keys_row, cand_columns_row, out_ptr, out_stride_row, out_stride_col, table_ptr,
+                     cand_keys_row, cand_columns_row, out_ptr, out_stride_row, out_stride_col, table_ptr,
                      table_stride_row, table_stride_col, block_size, rows_per_request, STREAM_TILE: tl.constexpr,
                      CANDIDATE_BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr,
                      CARRY: tl.constexpr, timeline_ptr, program, TIMELINE_SLOTS: tl.constexpr,
-                     TIMELINE: tl.constexpr, SEARCH_DIGITS: tl.constexpr):
+                     TIMELINE: tl.constexpr):
     """The end of a row program (and of the split path): ``T`` among the ``num_candidates`` candidates (keys and
-    columns, in column order; the j-th at buffer slot ``held_slots[j]`` when they fit in ``CANDIDATE_BLOCK``, else
-    at slot j) of the ``bound``, then the ordered emit of the row's k picks and the padding. The search in
-    registers counts as ``_reaching`` with ``CARRY`` and starts from the bracket ``[bound, row_max]`` and
-    ``num_candidates`` (no reductions over the candidates), ``SEARCH_DIGITS`` bits a round
-    (``_kth_largest_within``); the ties are counted only when more than k candidates
-    reach the threshold found. A row emitted from the row itself (strict bound, fewer than k candidates) is
-    streamed in tiles of ``STREAM_TILE`` only until its ties are taken (the first ones in column order; e.g. the
-    zeros of a row without positive entries lie in its first few tiles), then the remaining candidates are
-    emitted from the buffer (fewer than k: held slots). ``TIMELINE``: ``_stamp`` of ``program`` after the search of
-    T and after the emit."""
+    columns, in column order at buffer slots ``[0, num_candidates)``) of the ``bound``, then the ordered emit of the
+    row's k picks and the padding. The search in registers counts as ``_reaching`` with ``CARRY`` and starts from
+    the bracket ``[bound, row_max]`` and ``num_candidates`` (no reductions over the candidates); the ties are counted
+    only when more than k candidates reach the threshold found. A row emitted from the row itself (strict bound,
+    fewer than k candidates) is streamed in tiles of ``STREAM_TILE`` only until its ties are taken (the first ones in
+    column order; e.g. the zeros of a row without positive entries lie in its first few tiles), then the remaining
+    candidates are emitted from the buffer (fewer than k: held in registers). ``TIMELINE``: ``_stamp`` of
+    ``program`` after the search of T and after the emit."""
     # T and the ties, then the ordered emit: from the candidates, or from the row when T is the bound
     # itself and its ties (not candidates) are taken.
+    slots = tl.arange(0, CANDIDATE_BLOCK)  # of the candidates held in registers
     out_row = out_ptr + row.to(tl.int64) * out_stride_row
     pages = _page_rows(table_ptr, table_stride_row, row, rows_per_request, SLOTS)
     taken = row * 0
@@ -942,20 +880,19 @@ def _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusiv
         emitted = taken - (k - num_candidates - ties)
         held = tl.arange(0, CANDIDATE_BLOCK)
         remaining = (held >= emitted) & (held < num_candidates)
-        held_columns = tl.load(cand_columns_row + held_slots, mask=remaining, other=0, cache_modifier=".cg")
+        held_columns = tl.load(cand_columns_row + slots, mask=remaining, other=0, cache_modifier=".cg")
         _emit_taken(remaining.to(tl.int32), remaining, held < 0, held_columns, 0, taken, out_row, out_stride_col,
                     pages, table_stride_col, block_size, 0, SLOTS)
         taken += num_candidates - emitted
     elif num_candidates <= CANDIDATE_BLOCK:
-        held = tl.arange(0, CANDIDATE_BLOCK) < num_candidates
-        held_keys = tl.load(cand_keys_row + held_slots, mask=held, other=NONE, cache_modifier=".cg")
-        held_columns = tl.load(cand_columns_row + held_slots, mask=held, other=0, cache_modifier=".cg")
+        held = slots < num_candidates
+        held_keys = tl.load(cand_keys_row + slots, mask=held, other=NONE, cache_modifier=".cg")
+        held_columns = tl.load(cand_columns_row + slots, mask=held, other=0, cache_modifier=".cg")
         threshold = row * 0 + NONE
         ties = row * 0
         if num_candidates > k:
             # Every candidate reaches the bound; none exceeds the row's largest key.
-            threshold, reaching = _kth_largest_within(held_keys, k, k, num_candidates, bound, row_max, CARRY,
-                                                      SEARCH_DIGITS)
+            threshold, reaching = _kth_largest_within(held_keys, k, k, num_candidates, bound, row_max, CARRY)
             ties = k  # exactly k candidates reach the threshold: every tie is taken
             if reaching > k:
                 ties = k - tl.sum((held_keys > threshold).to(tl.int32), axis=0)
@@ -993,8 +930,7 @@ def _row_program_kernel(
     STREAM_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr,
     STREAM: tl.constexpr, VECTOR_GATHER: tl.constexpr, PREFETCH_GATHER: tl.constexpr, STAGES: tl.constexpr,
     STORE_STATE: tl.constexpr, CARRY_BOUND: tl.constexpr, CARRY_SEARCH: tl.constexpr, PDL: tl.constexpr = False,
-    timeline_ptr=None, TIMELINE: tl.constexpr = False, PIECE_FLAGS: tl.constexpr = False,
-    SEARCH_DIGITS: tl.constexpr = 2,
+    timeline_ptr=None, TIMELINE: tl.constexpr = False,
 ):
     """One program per row. ``STREAM``: the program computes the group maxima itself (else an earlier
     launch of ``_split_group_max_kernel`` stored them). ``VECTOR_GATHER``: unmasked group loads in every
@@ -1002,11 +938,10 @@ def _row_program_kernel(
     this one is scanned and stored. ``STAGES`` (``TopkConfig.row_stages``): 1 stops after the compaction
     of the qualifying group ids, 2 after the gather, 3 runs everything. ``STORE_STATE`` (gather launch):
     the bound, its kind, the row's largest key and the number of qualifying groups go to the row's state words
-    at ``state_ptr + row * state_stride`` for ``_row_pieces_kernel``; with ``PIECE_FLAGS`` (``pieces_lookback``)
-    the look-back flags of the row's gather pieces are cleared too. ``CARRY_BOUND`` / ``CARRY_SEARCH``: the
-    counts (``_reaching``) of the lower-bound search and of the candidates' search (``_select_and_emit``, with
-    ``SEARCH_DIGITS``). ``PDL``: ``_wait_for_previous_grid``. ``TIMELINE``: ``_stamp`` (``_TL_*``; gather piece i at
-    ``_TL_ROW_PIECES + i``)."""
+    at ``state_ptr + row * state_stride`` for ``_row_pieces_kernel``, and the look-back flags of the row's gather
+    pieces are cleared. ``CARRY_BOUND`` / ``CARRY_SEARCH``: the counts (``_reaching``) of the lower-bound search
+    and of the candidates' search (``_select_and_emit``). ``PDL``: ``_wait_for_previous_grid``. ``TIMELINE``:
+    ``_stamp`` (``_TL_*``; gather piece i at ``_TL_ROW_PIECES + i``)."""
     TIMELINE_SLOTS: tl.constexpr = _TL_ROW_PIECES + GROUP_TILE // (STREAM_TILE // GROUP)
     _stamp(timeline_ptr, tl.program_id(0), _TL_START, TIMELINE_SLOTS, TIMELINE)
     _wait_for_previous_grid(PDL)
@@ -1055,11 +990,10 @@ def _row_program_kernel(
     _stamp(timeline_ptr, row, _TL_COMPACTED, TIMELINE_SLOTS, TIMELINE)
     if STORE_STATE:
         _store_piece_state(state_ptr + row.to(tl.int64) * state_stride, bound, inclusive, row_max, num_qualifying)
-        if PIECE_FLAGS:
-            pieces = tl.arange(0, GROUP_TILE // TILE_GROUPS)  # at least the row's pieces
-            num_pieces = tl.maximum(tl.cdiv(num_qualifying, TILE_GROUPS), 1)
-            tl.store(state_ptr + row.to(tl.int64) * state_stride + _PIECE_COUNTS + pieces,
-                     tl.zeros_like(pieces), mask=pieces < num_pieces)
+        pieces = tl.arange(0, GROUP_TILE // TILE_GROUPS)  # at least the row's pieces
+        num_pieces = tl.maximum(tl.cdiv(num_qualifying, TILE_GROUPS), 1)
+        tl.store(state_ptr + row.to(tl.int64) * state_stride + _PIECE_COUNTS + pieces, tl.zeros_like(pieces),
+                 mask=pieces < num_pieces)
     if STAGES >= 2:
         tl.debug_barrier()
 
@@ -1102,61 +1036,30 @@ def _row_program_kernel(
         tl.debug_barrier()
 
     if STAGES >= 3:
-        held = tl.arange(0, CANDIDATE_BLOCK)
-        _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusive, row_max, num_candidates, held,
+        _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusive, row_max, num_candidates,
                          cand_keys_row, cand_columns_row, out_ptr, out_stride_row, out_stride_col, table_ptr,
                          table_stride_row, table_stride_col, block_size, rows_per_request, STREAM_TILE,
-                         CANDIDATE_BLOCK, PAD_BLOCK, SLOTS, CARRY_SEARCH, timeline_ptr, row, TIMELINE_SLOTS, TIMELINE,
-                         SEARCH_DIGITS)
+                         CANDIDATE_BLOCK, PAD_BLOCK, SLOTS, CARRY_SEARCH, timeline_ptr, row, TIMELINE_SLOTS, TIMELINE)
 
 
-@triton.jit
-def _map_piece(state_row, piece, num_pieces, piece_capacity, held, held_slots, before):
-    """Candidates ``held`` of the row numbered from ``before`` that gather ``piece`` stored get their slots
-    ``piece * piece_capacity + held - before`` in ``held_slots``; returns those and the next ``before``."""
-    count = tl.load(state_row + _PIECE_COUNTS + piece, mask=piece < num_pieces, other=0, cache_modifier=".cg")
-    in_piece = (held >= before) & (held < before + count)
-    return tl.where(in_piece, piece * piece_capacity + held - before, held_slots), before + count
-
-
-@triton.jit
-def _copy_piece(state_row, piece, num_pieces, piece_capacity, keys_row, columns_row, flat_keys_row,
-                flat_columns_row, copied, STREAM_TILE: tl.constexpr):
-    """Copies the candidates of gather ``piece`` (keys and columns) to the contiguous buffers from position
-    ``copied``; returns the next position."""
-    count = tl.load(state_row + _PIECE_COUNTS + piece, mask=piece < num_pieces, other=0, cache_modifier=".cg")
-    copy = tl.arange(0, STREAM_TILE)
-    moving = copy < count
-    tl.store(flat_keys_row + copied + copy,
-             tl.load(keys_row + piece * piece_capacity + copy, mask=moving, cache_modifier=".cg"), mask=moving)
-    tl.store(flat_columns_row + copied + copy,
-             tl.load(columns_row + piece * piece_capacity + copy, mask=moving, cache_modifier=".cg"), mask=moving)
-    return copied + count
-
-
-@triton.jit(do_not_specialize=["width", "k", "next_n", "state_stride", "piece_capacity", "flat_capacity",
-                               "block_size", "rows_per_request"])
+@triton.jit(do_not_specialize=["width", "k", "next_n", "state_stride", "capacity", "block_size",
+                               "rows_per_request"])
 def _row_pieces_kernel(
     logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, out_ptr, out_stride_row, out_stride_col,
-    groups_ptr, state_ptr, state_stride, cand_keys_ptr, cand_columns_ptr, piece_capacity, flat_keys_ptr,
-    flat_columns_ptr, flat_capacity, width, k, next_n,
+    groups_ptr, state_ptr, state_stride, cand_keys_ptr, cand_columns_ptr, capacity, width, k, next_n,
     table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
     STREAM_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, MAX_PIECES: tl.constexpr, PAD_BLOCK: tl.constexpr,
     SLOTS: tl.constexpr, CARRY: tl.constexpr, PDL: tl.constexpr = False, timeline_ptr=None,
-    TIMELINE: tl.constexpr = False, LOOKBACK: tl.constexpr = False, SEARCH_DIGITS: tl.constexpr = 2,
+    TIMELINE: tl.constexpr = False,
 ):
     """Gather launch of row programs: program ``row * MAX_PIECES + piece`` re-reads the qualifying groups
     ``[piece * TILE_GROUPS, (piece + 1) * TILE_GROUPS)`` of its row (ids and bound from the row program
-    stage before) and stores their candidates in column order at slots ``[0, count)`` of the piece's own
-    region (``piece_capacity`` slots), and ``count`` in the row's state. The row's last piece program to
-    finish (an acq_rel arrival counter) maps the candidates' positions to slots across the pieces (in
-    registers; above ``CANDIDATE_BLOCK`` they are first copied to one contiguous buffer) and runs
-    ``_select_and_emit`` (with ``CARRY`` and ``SEARCH_DIGITS``). A row without qualifying groups still runs piece 0
-    (nothing gathered), which pads. ``LOOKBACK`` (``pieces_lookback``): the piece publishes ``count + 1`` in its flag
-    (the row's count word of the piece, cleared by the row program), sums the flags of the row's lower pieces (decoupled
-    look-back, as the split path's chunks) and stores its candidates at that offset in the row's contiguous buffer
-    ``flat_keys`` / ``flat_columns``, which the last piece reads in place (no mapping, no copy). ``PDL``:
+    stage before), publishes its number of candidates + 1 in its flag (the row's state word of the piece, cleared
+    by the row program), sums the flags of the row's lower pieces (decoupled look-back, as the split path's chunks)
+    and stores its candidates in column order at that offset in the row's buffer (``capacity`` slots). The row's
+    last piece program to finish (an acq_rel arrival counter) runs ``_select_and_emit`` (with ``CARRY``) on the
+    buffer in place. A row without qualifying groups still runs piece 0 (nothing gathered), which pads. ``PDL``:
     ``_wait_for_previous_grid``. ``TIMELINE``: ``_stamp`` (``_TL_*``)."""
     _stamp(timeline_ptr, tl.program_id(0), _TL_START, _TL_PIECE_SLOTS, TIMELINE)
     _wait_for_previous_grid(PDL)
@@ -1185,79 +1088,30 @@ def _row_pieces_kernel(
         is_candidate = _reaches(keys, bound, inclusive).to(tl.int32)
         per_group = tl.sum(is_candidate, axis=1)  # [TILE_GROUPS]
         position = (tl.cumsum(per_group, axis=0) - per_group)[:, None] + tl.cumsum(is_candidate, axis=1) - 1
-        if LOOKBACK:
-            # The flag needs only the count (not the candidates): later pieces of the row wait on it alone.
-            flags_row = state_row + _PIECE_COUNTS
-            tl.atomic_xchg(flags_row + piece, tl.sum(per_group, axis=0) + 1, sem="relaxed", scope="gpu")
-            first = tl.sum(_flags_before(flags_row, piece, GROUP_TILE // TILE_GROUPS) - 1, axis=0)
-            flat_keys_row = flat_keys_ptr + row.to(tl.int64) * flat_capacity
-            flat_columns_row = flat_columns_ptr + row.to(tl.int64) * flat_capacity
-            tl.store(flat_keys_row + first + position, keys, mask=is_candidate != 0)
-            tl.store(flat_columns_row + first + position, columns, mask=is_candidate != 0)
-        else:
-            region = row.to(tl.int64) * MAX_PIECES * piece_capacity + piece * piece_capacity
-            tl.store(cand_keys_ptr + region + position, keys, mask=is_candidate != 0)
-            tl.store(cand_columns_ptr + region + position, columns, mask=is_candidate != 0)
-            tl.store(state_row + _PIECE_COUNTS + piece, tl.sum(per_group, axis=0))
+        # The flag needs only the count (not the candidates): later pieces of the row wait on it alone.
+        flags_row = state_row + _PIECE_COUNTS
+        tl.atomic_xchg(flags_row + piece, tl.sum(per_group, axis=0) + 1, sem="relaxed", scope="gpu")
+        first = tl.sum(_flags_before(flags_row, piece, GROUP_TILE // TILE_GROUPS) - 1, axis=0)
+        cand_keys_row = cand_keys_ptr + row.to(tl.int64) * capacity
+        cand_columns_row = cand_columns_ptr + row.to(tl.int64) * capacity
+        tl.store(cand_keys_row + first + position, keys, mask=is_candidate != 0)
+        tl.store(cand_columns_row + first + position, columns, mask=is_candidate != 0)
         _stamp(timeline_ptr, pid, _TL_GATHERED, _TL_PIECE_SLOTS, TIMELINE)
         tl.debug_barrier()
         arrived = tl.atomic_add(state_row + _PIECE_ARRIVED, 1, sem="acq_rel", scope="gpu")
         _stamp(timeline_ptr, pid, _TL_ARRIVED, _TL_PIECE_SLOTS, TIMELINE)
-        if LOOKBACK:
-            if arrived == num_pieces - 1:
-                # Every piece published its flag before arriving: their sum is the number of candidates, which lie
-                # in column order in the row's contiguous buffer.
-                every = tl.arange(0, GROUP_TILE // TILE_GROUPS)
-                flags = tl.load(flags_row + every, mask=every < num_pieces, other=1, volatile=True)
-                _stamp(timeline_ptr, pid, _TL_MAPPED, _TL_PIECE_SLOTS, TIMELINE)
-                row_max = tl.load(state_row + _PIECE_ROW_MAX)
-                _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusive, row_max,
-                                 tl.sum(flags - 1, axis=0), tl.arange(0, CANDIDATE_BLOCK), flat_keys_row,
-                                 flat_columns_row, out_ptr, out_stride_row, out_stride_col, table_ptr,
-                                 table_stride_row, table_stride_col, block_size, rows_per_request, STREAM_TILE,
-                                 CANDIDATE_BLOCK, PAD_BLOCK, SLOTS, CARRY, timeline_ptr, pid, _TL_PIECE_SLOTS, TIMELINE,
-                                 SEARCH_DIGITS)
-        elif arrived == num_pieces - 1:
-            # Candidate j of the row (pieces in order) lies in the piece p whose counts before it sum to
-            # at most j: slot p * piece_capacity + j - (counts before p).
-            keys_row = cand_keys_ptr + row.to(tl.int64) * MAX_PIECES * piece_capacity
-            columns_row = cand_columns_ptr + row.to(tl.int64) * MAX_PIECES * piece_capacity
-            # Unrolled (the pieces' count loads all in flight at once) up to _UNROLLED_PIECES pieces; more (rows
-            # far wider than 128K) loop, since unrolling them made compiles take minutes.
-            held = tl.arange(0, CANDIDATE_BLOCK)
-            held_slots = held
-            before = row * 0
-            if MAX_PIECES <= _UNROLLED_PIECES:
-                for other in tl.static_range(MAX_PIECES):
-                    held_slots, before = _map_piece(state_row, other, num_pieces, piece_capacity, held, held_slots,
-                                                    before)
-            else:
-                for other in range(MAX_PIECES):
-                    held_slots, before = _map_piece(state_row, other, num_pieces, piece_capacity, held, held_slots,
-                                                    before)
-            num_candidates = before
-            if num_candidates > CANDIDATE_BLOCK:
-                flat_keys_row = flat_keys_ptr + row.to(tl.int64) * flat_capacity
-                flat_columns_row = flat_columns_ptr + row.to(tl.int64) * flat_capacity
-                copied = row * 0
-                if MAX_PIECES <= _UNROLLED_PIECES:
-                    for other in tl.static_range(MAX_PIECES):
-                        copied = _copy_piece(state_row, other, num_pieces, piece_capacity, keys_row, columns_row,
-                                             flat_keys_row, flat_columns_row, copied, STREAM_TILE)
-                else:
-                    for other in range(MAX_PIECES):
-                        copied = _copy_piece(state_row, other, num_pieces, piece_capacity, keys_row, columns_row,
-                                             flat_keys_row, flat_columns_row, copied, STREAM_TILE)
-                tl.debug_barrier()
-                keys_row = flat_keys_row
-                columns_row = flat_columns_row
+        if arrived == num_pieces - 1:
+            # Every piece published its flag before arriving: their sum is the number of candidates, which lie in
+            # column order in the row's buffer.
+            every = tl.arange(0, GROUP_TILE // TILE_GROUPS)
+            flags = tl.load(flags_row + every, mask=every < num_pieces, other=1, volatile=True)
             _stamp(timeline_ptr, pid, _TL_MAPPED, _TL_PIECE_SLOTS, TIMELINE)
             row_max = tl.load(state_row + _PIECE_ROW_MAX)
-            _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusive, row_max, num_candidates,
-                             held_slots, keys_row, columns_row, out_ptr, out_stride_row, out_stride_col, table_ptr,
-                             table_stride_row, table_stride_col, block_size, rows_per_request, STREAM_TILE,
-                             CANDIDATE_BLOCK, PAD_BLOCK, SLOTS, CARRY, timeline_ptr, pid, _TL_PIECE_SLOTS, TIMELINE,
-                             SEARCH_DIGITS)
+            _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusive, row_max,
+                             tl.sum(flags - 1, axis=0), cand_keys_row, cand_columns_row, out_ptr, out_stride_row,
+                             out_stride_col, table_ptr, table_stride_row, table_stride_col, block_size,
+                             rows_per_request, STREAM_TILE, CANDIDATE_BLOCK, PAD_BLOCK, SLOTS, CARRY, timeline_ptr,
+                             pid, _TL_PIECE_SLOTS, TIMELINE)
 
 
 @triton.jit(do_not_specialize=["k", "block_size"])
@@ -1309,13 +1163,6 @@ def _slot_args(slots, logits):
         return (logits, 0, 0, 1, 1), dict(SLOTS=False)
     table, block_size, rows_per_request = slots
     return (table, table.stride(0), table.stride(1), block_size, rows_per_request), dict(SLOTS=True)
-
-
-def _search_args(config):
-    """Kernel arguments of ``config.search_digit_bits`` (none for the default 2, so those kernels compile as before)."""
-    if config.search_digit_bits not in (2, 3):
-        raise ValueError(f"search_digit_bits must be 2 or 3, not {config.search_digit_bits}")
-    return {} if config.search_digit_bits == 2 else dict(SEARCH_DIGITS=config.search_digit_bits)
 
 
 def _pdl_args(config):
@@ -1412,7 +1259,7 @@ def _launch_split(logits, k, bounds, out, next_n, bounds_flags, slot_args, confi
         num_chunks, enough, out, out.stride(0), out.stride(1), *slot_args[0], CHUNK=chunk, GROUP=group,
         GROUP_TILE=group_tile, CANDIDATE_BLOCK=candidate_block, CARRY=_carry(candidate_block, warps),
         CARRY_BOUND=_carry(group_tile, warps), FLAG_TILE=flag_tile, PAD_BLOCK=_PAD_BLOCK, num_warps=warps,
-        **bounds_flags, **slot_args[1], **pdl, **_search_args(config),
+        **bounds_flags, **slot_args[1], **pdl,
     )
 
 
@@ -1434,18 +1281,13 @@ def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args
     groups = torch.empty((num_rows, 2 * group_tile), dtype=torch.int32, device=device)
     stream = not (config.maxima_launch and group <= config.chunk <= stream_tile)
     pieces = config.gather_launch and config.row_stages >= 2
-    lookback = pieces and config.pieces_lookback
     pdl = _pdl_args(config)
     if pieces:
-        # Each gather piece has its own candidate region of stream_tile slots, or (lookback) the row's pieces share
-        # one contiguous buffer.
         max_pieces = triton.cdiv(min(max(enough, k - 1), group_tile), stream_tile // group)
         state = torch.empty((num_rows, _PIECE_STATE_WORDS + max_pieces), dtype=torch.int32, device=device)
-        cand_keys = torch.empty((num_rows, capacity if lookback else max_pieces * stream_tile), dtype=torch.int32,
-                                device=device)
     else:
         state = groups
-        cand_keys = torch.empty((num_rows, capacity), dtype=torch.int32, device=device)
+    cand_keys = torch.empty((num_rows, capacity), dtype=torch.int32, device=device)
     cand_columns = torch.empty_like(cand_keys)
     if not stream:
         num_chunks = triton.cdiv(width, config.chunk)
@@ -1466,22 +1308,15 @@ def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args
         PREFETCH_GATHER=config.prefetch_gather, STAGES=1 if pieces else config.row_stages, STORE_STATE=pieces,
         CARRY_BOUND=_carry(group_tile, warps), CARRY_SEARCH=carry_search, num_warps=warps, **bounds_flags,
         **slot_args[1], **pdl, **_timeline_args(timeline, "rows", num_rows, row_slots, device),
-        **(dict(PIECE_FLAGS=True) if lookback else {}), **_search_args(config),
     )
     if pieces:
-        if lookback:
-            flat_keys, flat_columns = cand_keys, cand_columns
-        else:
-            flat_keys = torch.empty((num_rows, capacity), dtype=torch.int32, device=device)
-            flat_columns = torch.empty_like(flat_keys)
         registers = {} if config.pieces_max_registers is None else dict(maxnreg=config.pieces_max_registers)
         _row_pieces_kernel[(num_rows * max_pieces,)](
             logits, logits.stride(0), logits.stride(1), *bounds, out, out.stride(0), out.stride(1),
-            groups, state, state.stride(0), cand_keys, cand_columns, stream_tile, flat_keys, flat_columns, capacity,
-            width, k, next_n, *slot_args[0],
+            groups, state, state.stride(0), cand_keys, cand_columns, capacity, width, k, next_n, *slot_args[0],
             GROUP=group, GROUP_TILE=group_tile, STREAM_TILE=stream_tile, CANDIDATE_BLOCK=candidate_block,
             MAX_PIECES=max_pieces, PAD_BLOCK=_PAD_BLOCK, CARRY=carry_search, num_warps=warps, **registers,
-            **bounds_flags, **slot_args[1], **pdl, **(dict(LOOKBACK=True) if lookback else {}), **_search_args(config),
+            **bounds_flags, **slot_args[1], **pdl,
             **_timeline_args(timeline, "pieces", num_rows * max_pieces, _TL_PIECE_SLOTS.value, device),
         )
 
