@@ -57,15 +57,9 @@ PIECES_LOOSE = TopkConfig(row_block_max=16, row_program_rows=1, stream_tile=16, 
                           chunk=16, gather_launch=True, bound_slack=3.0)
 # PDL is ignored under the interpreter (the launch arguments are built, the kernels run without it).
 PIECES_PDL = replace(PIECES, pdl=True)
-# Top-2 group summaries (``group_top2``): row programs and the gather launch append a group's maximum without
-# re-reading it when its second key does not reach the bound (exact and early-stopped bounds).
-STREAM_TOP2 = replace(STREAM, group_top2=True)
-PIECES_TOP2 = replace(PIECES, group_top2=True)
-PIECES_LOOSE_TOP2 = replace(PIECES_LOOSE, group_top2=True)
-WIDE = [SPLIT, SPLIT_LOOSE, SPLIT_EXACT, STREAM, STREAM_LOOSE, STREAM_SCALAR, PIECES, PIECES_LOOSE, PIECES_PDL,
-        STREAM_TOP2, PIECES_TOP2, PIECES_LOOSE_TOP2]
+WIDE = [SPLIT, SPLIT_LOOSE, SPLIT_EXACT, STREAM, STREAM_LOOSE, STREAM_SCALAR, PIECES, PIECES_LOOSE, PIECES_PDL]
 WIDE_IDS = ["split", "split_loose", "split_exact", "stream", "stream_loose", "stream_scalar", "pieces", "pieces_loose",
-            "pieces_pdl", "stream_top2", "pieces_top2", "pieces_loose_top2"]
+            "pieces_pdl"]
 GPU_SPLIT = TopkConfig(row_program_rows=1 << 30)
 GPU_STREAM = TopkConfig(row_program_rows=1)
 GPU_STREAM_IN_PROGRAM = TopkConfig(row_program_rows=1, maxima_launch=False)
@@ -73,25 +67,21 @@ GPU_STREAM_V4 = TopkConfig(row_program_rows=1, maxima_launch=False, vector_gathe
 GPU_STREAM_W8 = TopkConfig(row_program_rows=1, stream_warps=8)
 GPU_PIECES = TopkConfig(row_program_rows=1, gather_launch=True)
 GPU_PIECES_W8 = TopkConfig(row_program_rows=1, gather_launch=True, stream_warps=8, stream_tile=4096)
-GPU_STREAM_TOP2 = TopkConfig(row_program_rows=1, group_top2=True)
-GPU_PIECES_W8_TOP2 = replace(GPU_PIECES_W8, group_top2=True, pdl=True)
 # The split path and the maxima launch at 4 warps; the default gather launch without its register cap, and with
 # programmatic dependent launch (as the default's 8 to 64 rows).
 GPU_WIDE = [GPU_SPLIT, GPU_STREAM, GPU_STREAM_IN_PROGRAM, GPU_STREAM_V4, GPU_STREAM_W8, GPU_PIECES, GPU_PIECES_W8,
             replace(GPU_SPLIT, split_warps=4), replace(GPU_STREAM, split_warps=4),
-            replace(GPU_PIECES_W8, pieces_max_registers=None), replace(GPU_PIECES_W8, pdl=True), GPU_STREAM_TOP2,
-            GPU_PIECES_W8_TOP2]
+            replace(GPU_PIECES_W8, pieces_max_registers=None), replace(GPU_PIECES_W8, pdl=True)]
 GPU_WIDE_IDS = ["split", "stream", "stream_in_program", "stream_v4", "stream_w8", "pieces", "pieces_w8", "split_w4",
-                "stream_maxima_w4", "pieces_w8_uncapped", "pieces_w8_pdl", "stream_top2", "pieces_w8_pdl_top2"]
+                "stream_maxima_w4", "pieces_w8_uncapped", "pieces_w8_pdl"]
 # The default (its routing, programmatic dependent launch but on the split path), the same without PDL, and with
 # PDL on the split path too (``pdl_split``), with the split path and the gather-piece launches, at 32 to 128 rows
 # of 131072.
 GPU_DEFAULT = triton_impl.DEFAULT_CONFIG
 GPU_NO_PDL = replace(triton_impl.DEFAULT_CONFIG, pdl=False)
 GPU_PDL_SPLIT = replace(triton_impl.DEFAULT_CONFIG, pdl_split=True)
-GPU_TOP2 = replace(triton_impl.DEFAULT_CONFIG, group_top2=True)
-GPU_MANY_ROWS = [GPU_SPLIT, GPU_PIECES_W8, GPU_DEFAULT, GPU_NO_PDL, GPU_TOP2]
-GPU_MANY_ROWS_IDS = ["split_many_rows", "pieces_many_rows", "default_many_rows", "no_pdl_many_rows", "top2_many_rows"]
+GPU_MANY_ROWS = [GPU_SPLIT, GPU_PIECES_W8, GPU_DEFAULT, GPU_NO_PDL]
+GPU_MANY_ROWS_IDS = ["split_many_rows", "pieces_many_rows", "default_many_rows", "no_pdl_many_rows"]
 ROW = TopkConfig()  # whole rows: carry counts, plateau check every 16 bits
 ONE_ROW = TopkConfig(row_elements=16)  # one row per whole-row program
 # One launch per tile (64/32/16 columns): one row of 64 per program, two rows of 32 / four of 16 (packed),
@@ -177,52 +167,17 @@ def test_generators_wide_paths(kernel_device, name, config):
     assert_same(logits, 12, None, None, config)
 
 
-@pytest.mark.parametrize("top2", [False, True])
 @pytest.mark.parametrize("k", [3, 5])
-def test_stream_strict_bound(kernel_device, k, top2):
+def test_stream_strict_bound(kernel_device, k):
     # Group maxima (groups of 4 columns) tie at the k-th largest one, so the lower bound is exact and
     # strict: k=3 finds T among the 4 candidates above it, k=5 takes ties of the bound from the row.
     groups = [[9.0, 8.0, 7.0, 6.0], [1.0, 0.0, 1.0, 1.0]] + [[1.0, 0.5, 0.0, 1.0]] * 6
     logits = torch.tensor([sum(groups, []), sum(groups[::-1], [])], device=kernel_device)
     assert_same(logits, k, None, None, TopkConfig(row_block_max=16, row_program_rows=1, stream_tile=16,
-                                                    group_tile=8, candidate_block=8, bound_slack=0.0,
-                                                    chunk=16 if top2 else TopkConfig.chunk, group_top2=top2))
+                                                    group_tile=8, candidate_block=8, bound_slack=0.0))
 
 
-@pytest.mark.parametrize("config", [STREAM_TOP2, replace(PIECES_TOP2, bound_slack=0.0),
-                                    replace(PIECES_LOOSE_TOP2, vector_gather=False)],
-                         ids=["stream_top2", "pieces_top2_exact", "pieces_loose_top2_scalar"])
-def test_group_top2_summaries(kernel_device, config):
-    # Groups of 8 (width 80): a maximum repeated in its group (second = max, so gathered), a unique maximum whose
-    # second key equals the bound or lies just below it, NaN / -inf / -0.0 next to the maximum, a group holding one
-    # selectable entry (second NONE), rows ending inside a group, garbage past the ends.
-    rng = torch.Generator().manual_seed(11)
-    rows = []
-    for row in range(6):
-        groups = []
-        for group in range(10):
-            top = float(torch.randint(0, 6, (), generator=rng))
-            values = (torch.randint(-4, 4, (8,), generator=rng).float() / 2).clamp(max=top - 0.5)
-            values[int(torch.randint(0, 8, (), generator=rng))] = top
-            pattern = (row + group) % 5
-            if pattern == 0:
-                values[int(torch.randint(0, 8, (), generator=rng))] = top
-            elif pattern == 1:
-                values[values != top] = math.nan
-            elif pattern == 2:
-                values[values != top] = torch.tensor([-math.inf, -0.0, 0.0])[torch.randint(0, 3, (1,), generator=rng)]
-            elif pattern == 3:
-                values[values != top] = top - 1
-            groups.append(values)
-        rows.append(torch.cat(groups))
-    logits = torch.stack(rows).to(kernel_device)
-    ends = torch.tensor([80, 79, 73, 64, 9, 1], dtype=torch.int32, device=kernel_device)
-    for k in (1, 3, 8, 11):
-        assert_same(with_garbage_past_ends(logits, ends), k, None, ends, config)
-
-
-@pytest.mark.parametrize("config", [SPLIT_EXACT, STREAM, PIECES, STREAM_TOP2, PIECES_TOP2],
-                         ids=["split_exact", "stream", "pieces", "stream_top2", "pieces_top2"])
+@pytest.mark.parametrize("config", [SPLIT_EXACT, STREAM, PIECES], ids=["split_exact", "stream", "pieces"])
 def test_strict_bound_ties_before_candidates(kernel_device, config):
     # Rows of zeros (ties at T = 0, the strict exact bound) with a few positives late in the row (fewer than k
     # candidates): the emit from the row stops once the ties are taken, the later candidates come from the buffer.
@@ -328,7 +283,7 @@ def test_value_order_details(kernel_device):
             assert_same(logits, k, None, None, config)
 
 
-@pytest.mark.parametrize("config", [ROW, SPLIT, STREAM, PIECES_TOP2], ids=["row", "split", "stream", "pieces_top2"])
+@pytest.mark.parametrize("config", [ROW, SPLIT, STREAM], ids=["row", "split", "stream"])
 def test_strided_offset_and_expanded_views(kernel_device, config):
     base = tie_heavy(6, 90, 3, kernel_device)
     views = {
@@ -383,10 +338,8 @@ def slot_table(num_requests, width, block_size, seed, device):
     return order.view(num_requests, pages).to(torch.int32).to(device)
 
 
-@pytest.mark.parametrize("config", [ROW, ONE_ROW, SPLIT, SPLIT_EXACT, STREAM, STREAM_LOOSE, PIECES, STREAM_TOP2,
-                                    PIECES_TOP2],
-                         ids=["row", "one_row", "split", "split_exact", "stream", "stream_loose", "pieces",
-                              "stream_top2", "pieces_top2"])
+@pytest.mark.parametrize("config", [ROW, ONE_ROW, SPLIT, SPLIT_EXACT, STREAM, STREAM_LOOSE, PIECES],
+                         ids=["row", "one_row", "split", "split_exact", "stream", "stream_loose", "pieces"])
 def test_decode_slots_equal_positions_mapped(kernel_device, config):
     # Fused slot output = indices_to_slots(topk_decode(...)) on every path, 1-D and 2-D lengths, the
     # output row stride wider than k (columns past k stay poison).
@@ -541,10 +494,26 @@ def test_gpu_reruns_are_bitwise_equal(config):
         assert torch.equal(triton_topk(prefill, 2048, config=config), first_prefill)
 
 
+@pytest.mark.parametrize(("capability", "hip", "interpreter", "launched"), [
+    ((9, 0), None, False, True), ((10, 0), None, False, True), ((8, 9), None, False, False),
+    ((9, 0), "6.2", False, False), ((9, 0), None, True, False)])
+def test_pdl_launches_only_where_griddepcontrol_exists(monkeypatch, capability, hip, interpreter, launched):
+    """Programmatic dependent launch needs sm_90+ on CUDA (its inline PTX does not exist before, nor on ROCm) and
+    a compiled kernel (the interpreter cannot run inline PTX): elsewhere the launch arguments stay empty."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    if interpreter:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    expected = dict(PDL=True, launch_pdl=True) if launched else {}
+    assert triton_impl._pdl_args(TopkConfig(pdl=True), torch.device("cuda", 0)) == expected
+    assert triton_impl._pdl_args(TopkConfig(pdl=False), torch.device("cuda", 0)) == {}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_rows", [1, 6, 32, 128])
-@pytest.mark.parametrize("config", [GPU_DEFAULT, GPU_NO_PDL, GPU_PDL_SPLIT, GPU_TOP2],
-                         ids=["default", "no_pdl", "pdl_split", "top2"])
+@pytest.mark.parametrize("config", [GPU_DEFAULT, GPU_NO_PDL, GPU_PDL_SPLIT], ids=["default", "no_pdl", "pdl_split"])
 def test_gpu_pdl_eager_reruns_and_graph_replay(num_rows, config):
     # The default (programmatic dependent launch but on the split path), the same without PDL, and with PDL on the
     # split path too, on each routed path (split path, gather launch, row programs), garbage past the ends: 20 eager
@@ -654,16 +623,15 @@ def test_gpu_cuda_graph_replay_with_new_lengths(config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [GPU_DEFAULT, GPU_TOP2], ids=["default", "top2"])
 @pytest.mark.parametrize("num_rows", [32, 128])
-def test_gpu_many_rows_timeline_probe(num_rows, config):
+def test_gpu_many_rows_timeline_probe(num_rows):
     # The phase timeline (a timing probe: barriers and global-timer stamps) leaves the picks bitwise equal, and every
     # program stamps its start, its wait and its phases in order.
     logits = torch.randn(num_rows, 131072, device="cuda")
     ends = decode_lengths(num_rows, 131072, 8).cuda()
     out = poisoned(num_rows, 2048, "cuda")
     timeline = {}
-    triton_impl._topk_timeline(logits, 2048, ends, out, timeline, config=config)
+    triton_impl._topk_timeline(logits, 2048, ends, out, timeline)
     assert torch.equal(out, reference_topk(logits, 2048, None, ends))
     assert sorted(timeline) == (["maxima", "pieces", "rows"] if num_rows <= 64 else ["maxima", "rows"])
     for stamps in timeline.values():

@@ -27,7 +27,7 @@ import torch
 
 from . import harness
 from dsa_indexer.ops.topk import reference
-from dsa_indexer.ops.topk.triton import DEFAULT_CONFIG, topk_triton
+from dsa_indexer.ops.topk.triton import topk_triton
 from dsa_indexer.testing import count_topk_errors, one_bin_rows, relu_sum_rows
 
 ROTATION_BYTES = 256 << 20
@@ -114,18 +114,16 @@ def run(ceilings: dict[str, float]) -> list[dict]:
 
 
 def _decode_sweep_plan() -> tuple[dict, list]:
-    """Decode variants of ``sweep_decode`` (names -> ``TopkConfig``) and its cells ``(data, rows, k, names, tag)``,
-    each variant the default with the changes its name lists, timed in the cells where it changes the path taken
-    (``tag`` tells a repeated cell apart). Session 6 round 5: ``top2`` (``group_top2``: the maxima launch also
-    stores each group's maximum's column and second key, and a qualifying group whose second key does not reach the
-    bound gives its maximum without a gather) on the row-program paths only, so the cells are R = 32 and 128 first
-    (issue 6), then 8 and 64: random at k 2048 and 512, relu_sum and one_bin (ties: more groups
-    gathered) at k = 2048; the split path's cells (R = 1) are left out of this round."""
-    configs = {"top2": replace(DEFAULT_CONFIG, group_top2=True)}
-    cells = [("random", num_rows, k, ["top2"], "") for num_rows in (32, 128) for k in (2048, 512)]
-    cells += [(data, num_rows, 2048, ["top2"], "") for data in ("relu_sum", "one_bin") for num_rows in (32, 128)]
-    cells += [("random", num_rows, k, ["top2"], "") for num_rows in (8, 64) for k in (2048, 512)]
-    return configs, cells
+    """Decode variants of ``sweep_decode`` (names -> ``TopkConfig``) and its cells ``(data, rows, k, names, tag)``:
+    none since the session-6 round-4 cleanup (every measured variant became the default or was removed; add the
+    next ones here, each the default with the changes its name lists, timed in the cells where it changes the path
+    taken; ``tag`` tells a repeated cell apart), so ``base`` alone: the split path at R = 1, gather-piece launches
+    at R = 8/32/64, row programs at R = 128, random rows at k 2048 and 512, relu_sum and one_bin at R = 1 and
+    relu_sum at R = 32/128 (k = 2048)."""
+    cells = [("random", num_rows, k, [], "") for num_rows in (1, 8, 32, 64, 128) for k in (2048, 512)]
+    cells += [(data, 1, 2048, [], "") for data in ("relu_sum", "one_bin")]
+    cells += [("relu_sum", num_rows, 2048, [], "") for num_rows in (32, 128)]
+    return {}, cells
 
 
 def _warm_tasks(configs: dict, cells: list) -> list[tuple[int, str, int]]:

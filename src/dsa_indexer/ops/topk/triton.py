@@ -77,13 +77,6 @@ stores its piece's candidates in column order in the row's one candidate buffer,
 look-back over its row's piece flags gives (as the split path's chunks, below), and the row's last piece program
 to finish (an acq_rel arrival counter) searches ``T`` among them in place and emits as above. The pieces of a row
 then run on different SMs instead of one after another.
-With ``group_top2`` the maxima launch also stores, per group, the column of the first entry holding the maximum
-and the second-largest key (the largest of the other entries, so a repeated maximum makes it equal the maximum;
-``NONE`` below two selectable entries). A qualifying group whose second key does not reach the bound holds exactly
-one candidate, its maximum at that column: the gather (row programs and gather pieces alike) counts it 1 and stores
-it from the summaries without loading its logits (its lanes are masked off, a mask uniform over the group, so the
-other groups' loads stay 16 bytes wide); the other groups are re-read as above. The candidates and their column order
-are those of the plain gather.
 The default takes this path for calls of ``row_program_rows`` (8) to ``pieces_max_rows`` (64) rows, with
 8 warps and 4096-column pieces, where the rows alone fill less than a wave of SMs; more rows keep one
 program per row (measured on the H200: benchmarks/NOTES_topk.md).
@@ -118,8 +111,7 @@ to complete (``_wait_for_previous_grid``) before touching memory: only launch la
 so results cannot depend on it. A timing probe, off by default and reached only through the private
 ``_topk_timeline``: with ``TIMELINE`` the row-program paths' kernels store global-timer stamps at the end of each
 phase (``_stamp``). Scratch per row: split path ``4 * (group tile + 2 * min(max(enough, k - 1) * GROUP, width) + 8 +
-flags)`` bytes; row programs ``4 * (2 * group tile + 2 * min(max(enough, k - 1) * GROUP, width))`` bytes (``4 *``
-group tile with ``group_top2``).
+flags)`` bytes; row programs ``4 * (2 * group tile + 2 * min(max(enough, k - 1) * GROUP, width))`` bytes.
 
 Strides: any logits strides (column stride 0 or > 1 included) and any ``out`` strides are honoured in
 the kernels; no copy is made. ``starts``/``ends``/``seq_lens`` are made contiguous (a no-op for the
@@ -241,11 +233,8 @@ class TopkConfig:
     pdl: programmatic dependent launch: every kernel of the call is launched with ``launch_pdl`` and starts by
         letting the next launch's programs start (``griddepcontrol.launch_dependents``), then waits for the
         previous grid to complete (``griddepcontrol.wait``) before any memory access, so only the next kernel's
-        launch and CTA rasterisation overlap the tail of this one. Ignored under the interpreter (inline PTX).
-    group_top2: the row-program paths' maxima launch also stores, per group, the column of the first entry holding
-        the maximum and the second-largest key (duplicates counted; NONE below two selectable entries); a qualifying
-        group whose second key does not reach the bound then gives its one candidate (maximum, column) without
-        re-reading its logits (only with the maxima launch).
+        launch and CTA rasterisation overlap the tail of this one. Ignored under the interpreter (inline PTX),
+        before sm_90 and on ROCm (no ``griddepcontrol``).
     pdl_split: with ``pdl``, the split path's two launches take it too (else only the row-program paths and
         whole rows do; measured at R = 1 in session 6 rounds 2 to 4: with it +1.0 to +1.3 µs at k = 512, -0.2 to
         -0.5 at k = 2048).
@@ -281,7 +270,6 @@ class TopkConfig:
     split_warps: int = 8
     pdl: bool = False
     pdl_split: bool = True
-    group_top2: bool = False
 
 
 # Measured on the H200 (benchmarks/NOTES_topk.md, v6): the split path below 8 rows, gather-piece launches
@@ -704,15 +692,12 @@ def _split_group_max_kernel(
     width, next_n, num_chunks,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr,
     CHUNK: tl.constexpr, GROUP: tl.constexpr, MAXIMA_STRIDE: tl.constexpr, CLEAR_STATE: tl.constexpr,
-    PDL: tl.constexpr = False, timeline_ptr=None, TIMELINE: tl.constexpr = False, TOP2: tl.constexpr = False,
+    PDL: tl.constexpr = False, timeline_ptr=None, TIMELINE: tl.constexpr = False,
 ):
     """Group maxima of chunks of ``CHUNK`` columns: ``group_max[row * MAXIMA_STRIDE + column // GROUP]`` for
     the chunks up to the row's length (one chunk at least); with ``CLEAR_STATE`` (split path), the chunk's flag
     is cleared too, and chunk 0 clears the row's arrival counter. Also the streaming pass of row programs of
-    calls with few rows. ``PDL``: ``_wait_for_previous_grid``. ``TIMELINE``: ``_stamp`` (``_TL_*``). ``TOP2``
-    (row programs' ``group_top2``; ``MAXIMA_STRIDE`` = 4 planes of ``MAXIMA_STRIDE // 4`` words: maxima, ids, then
-    these two): each group's maximum's column (the first entry holding it, row-window relative) goes to the third
-    plane and its second-largest key (the largest of its other entries) to the fourth."""
+    calls with few rows. ``PDL``: ``_wait_for_previous_grid``. ``TIMELINE``: ``_stamp`` (``_TL_*``)."""
     _stamp(timeline_ptr, tl.program_id(0), _TL_START, _TL_MAXIMA_SLOTS, TIMELINE)
     _wait_for_previous_grid(PDL)
     GROUPS_PER_CHUNK: tl.constexpr = CHUNK // GROUP
@@ -732,17 +717,7 @@ def _split_group_max_kernel(
             values = tl.load(src, mask=inside, other=0.0)
         keys = _order_keys(values, inside)  # [GROUPS_PER_CHUNK, GROUP]
         group_row = group_max_ptr + row.to(tl.int64) * MAXIMA_STRIDE
-        maxima_slots = group_row + chunk * GROUPS_PER_CHUNK + group_ids
-        maxima = tl.max(keys, axis=1)  # [GROUPS_PER_CHUNK]
-        tl.store(maxima_slots, maxima)
-        if TOP2:
-            in_group = tl.arange(0, GROUP)[None, :]  # [1, GROUP]
-            first = tl.min(tl.where(keys == maxima[:, None], in_group, GROUP), axis=1)  # [GROUPS_PER_CHUNK]
-            second = tl.max(tl.where(in_group == first[:, None], NONE, keys), axis=1)
-            plane = MAXIMA_STRIDE // 4
-            tl.store(group_row + 2 * plane + chunk * GROUPS_PER_CHUNK + group_ids,
-                     chunk * CHUNK + group_ids * GROUP + first)
-            tl.store(group_row + 3 * plane + chunk * GROUPS_PER_CHUNK + group_ids, second)
+        tl.store(group_row + chunk * GROUPS_PER_CHUNK + group_ids, tl.max(keys, axis=1))
         if CLEAR_STATE:
             tl.store(state_ptr + row.to(tl.int64) * state_stride + _FLAGS + chunk, 0)
             if chunk == 0:
@@ -846,48 +821,17 @@ def _emit_ordered(keys, columns, threshold, ties, base, out_row, out_stride_col,
 
 
 @triton.jit
-def _single_groups(groups_row, ids, in_piece, bound, inclusive, GROUP_TILE: tl.constexpr):
-    """``group_top2``: the groups ``ids`` (``[TILE_GROUPS]``, where ``in_piece``; qualifying) whose second-largest
-    key (fourth plane of the row's ``groups`` scratch) does not reach the bound: their only candidate is their
-    maximum, at its stored column."""
-    second = tl.load(groups_row + 3 * GROUP_TILE + ids, mask=in_piece, other=KEY_MAX)
-    return in_piece & ~_reaches(second, bound, inclusive)
-
-
-@triton.jit
-def _store_single_candidates(groups_row, ids, single, positions, cand_keys_row, cand_columns_row,
-                             GROUP_TILE: tl.constexpr):
-    """``group_top2``: the one candidate of each ``single`` group (``_single_groups``), its maximum and that
-    maximum's column from the row's ``groups`` scratch, at buffer slot ``positions`` ``[TILE_GROUPS]``."""
-    tl.store(cand_keys_row + positions, tl.load(groups_row + ids, mask=single, other=NONE), mask=single)
-    tl.store(cand_columns_row + positions, tl.load(groups_row + 2 * GROUP_TILE + ids, mask=single, other=0),
-             mask=single)
-
-
-@triton.jit
 def _gather_piece(src_row, start, stride_col, ids, piece_first, num_qualifying, length, TILE_GROUPS: tl.constexpr,
-                  GROUP: tl.constexpr, VECTOR_GATHER: tl.constexpr, groups_row, bound, inclusive,
-                  GROUP_TILE: tl.constexpr, TOP2: tl.constexpr):
+                  GROUP: tl.constexpr, VECTOR_GATHER: tl.constexpr):
     """Logits ``[TILE_GROUPS, GROUP]`` of the groups ``ids`` (qualifying ids ``piece_first, ...``; slots
     past ``num_qualifying`` read nothing and give 0). With ``VECTOR_GATHER``, a piece before the last
     is loaded without a mask (16-byte loads): it holds only groups below the last qualifying one, so
-    every column of it lies inside the row (a qualifying group has a selectable entry). ``TOP2``: the groups of a
-    single candidate (``_single_groups``) read nothing either (a mask uniform over each group: still 16-byte
-    loads)."""
+    every column of it lies inside the row (a qualifying group has a selectable entry)."""
     columns = ids[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [TILE_GROUPS, GROUP]
     pointers = src_row + (start + columns).to(tl.int64) * stride_col
     in_piece = piece_first + tl.arange(0, TILE_GROUPS) < num_qualifying  # [TILE_GROUPS]
     inside = in_piece[:, None] & (columns < length)
-    if TOP2:
-        gathered = ~_single_groups(groups_row, ids, in_piece, bound, inclusive, GROUP_TILE)  # [TILE_GROUPS]
-        if VECTOR_GATHER:
-            if piece_first + TILE_GROUPS < num_qualifying:
-                values = tl.load(pointers, mask=gathered[:, None], other=0.0)
-            else:
-                values = tl.load(pointers, mask=inside & gathered[:, None], other=0.0)
-        else:
-            values = tl.load(pointers, mask=inside & gathered[:, None], other=0.0)
-    elif VECTOR_GATHER:
+    if VECTOR_GATHER:
         if piece_first + TILE_GROUPS < num_qualifying:
             values = tl.load(pointers)
         else:
@@ -987,7 +931,7 @@ def _row_program_kernel(
     STREAM_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr,
     STREAM: tl.constexpr, VECTOR_GATHER: tl.constexpr, PREFETCH_GATHER: tl.constexpr, STAGES: tl.constexpr,
     STORE_STATE: tl.constexpr, CARRY_BOUND: tl.constexpr, CARRY_SEARCH: tl.constexpr, PDL: tl.constexpr = False,
-    timeline_ptr=None, TIMELINE: tl.constexpr = False, TOP2: tl.constexpr = False,
+    timeline_ptr=None, TIMELINE: tl.constexpr = False,
 ):
     """One program per row. ``STREAM``: the program computes the group maxima itself (else an earlier
     launch of ``_split_group_max_kernel`` stored them). ``VECTOR_GATHER``: unmasked group loads in every
@@ -998,9 +942,7 @@ def _row_program_kernel(
     at ``state_ptr + row * state_stride`` for ``_row_pieces_kernel``, and the look-back flags of the row's gather
     pieces are cleared. ``CARRY_BOUND`` / ``CARRY_SEARCH``: the counts (``_reaching``) of the lower-bound search
     and of the candidates' search (``_select_and_emit``). ``PDL``: ``_wait_for_previous_grid``. ``TIMELINE``:
-    ``_stamp`` (``_TL_*``; gather piece i at ``_TL_ROW_PIECES + i``). ``TOP2`` (``group_top2``, not with
-    ``STREAM``): the row's ``groups`` scratch holds four planes (maxima, ids, maxima's columns, second keys) and a
-    qualifying group whose second key does not reach the bound appends its maximum without a gather."""
+    ``_stamp`` (``_TL_*``; gather piece i at ``_TL_ROW_PIECES + i``)."""
     TIMELINE_SLOTS: tl.constexpr = _TL_ROW_PIECES + GROUP_TILE // (STREAM_TILE // GROUP)
     _stamp(timeline_ptr, tl.program_id(0), _TL_START, TIMELINE_SLOTS, TIMELINE)
     _wait_for_previous_grid(PDL)
@@ -1009,7 +951,7 @@ def _row_program_kernel(
     _stamp(timeline_ptr, row, _TL_WAITED, TIMELINE_SLOTS, TIMELINE)
     start, length = _row_window(row, row >= 0, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
     src_row = logits_ptr + row.to(tl.int64) * stride_row
-    maxima_row = groups_ptr + row.to(tl.int64) * ((4 if TOP2 else 2) * GROUP_TILE)
+    maxima_row = groups_ptr + row.to(tl.int64) * (2 * GROUP_TILE)
     ids_row = maxima_row + GROUP_TILE
     group_ids = tl.arange(0, TILE_GROUPS)  # [TILE_GROUPS]
     in_group = tl.arange(0, GROUP)[None, :]  # [1, GROUP]
@@ -1063,43 +1005,32 @@ def _row_program_kernel(
         piece_first = row * 0
         ids = tl.load(ids_row + group_ids, mask=group_ids < num_qualifying, other=0, cache_modifier=".cg")
         values = _gather_piece(src_row, start, stride_col, ids, piece_first, num_qualifying, length, TILE_GROUPS,
-                               GROUP, VECTOR_GATHER, maxima_row, bound, inclusive, GROUP_TILE, TOP2)
+                               GROUP, VECTOR_GATHER)
         next_ids = tl.load(ids_row + TILE_GROUPS + group_ids, mask=TILE_GROUPS + group_ids < num_qualifying, other=0,
                            cache_modifier=".cg")
         while piece_first < num_qualifying:
             next_first = piece_first + TILE_GROUPS
             if PREFETCH_GATHER:
                 next_values = _gather_piece(src_row, start, stride_col, next_ids, next_first, num_qualifying, length,
-                                            TILE_GROUPS, GROUP, VECTOR_GATHER, maxima_row, bound, inclusive,
-                                            GROUP_TILE, TOP2)
+                                            TILE_GROUPS, GROUP, VECTOR_GATHER)
             later = next_first + TILE_GROUPS + group_ids
             later_ids = tl.load(ids_row + later, mask=later < num_qualifying, other=0, cache_modifier=".cg")
             columns = ids[:, None] * GROUP + in_group  # [TILE_GROUPS, GROUP]
             inside = (piece_first + group_ids < num_qualifying)[:, None] & (columns < length)
-            if TOP2:
-                single = _single_groups(maxima_row, ids, piece_first + group_ids < num_qualifying, bound, inclusive,
-                                        GROUP_TILE)  # [TILE_GROUPS]
-                inside = inside & ~single[:, None]
             keys = _order_keys(values, inside)
             is_candidate = _reaches(keys, bound, inclusive).to(tl.int32)
             per_group = tl.sum(is_candidate, axis=1)  # [TILE_GROUPS]
-            if TOP2:
-                per_group += single.to(tl.int32)
             group_first = num_candidates + tl.cumsum(per_group, axis=0) - per_group
             position = group_first[:, None] + tl.cumsum(is_candidate, axis=1) - 1
             tl.store(cand_keys_row + position, keys, mask=is_candidate != 0)
             tl.store(cand_columns_row + position, columns, mask=is_candidate != 0)
-            if TOP2:
-                _store_single_candidates(maxima_row, ids, single, group_first, cand_keys_row, cand_columns_row,
-                                         GROUP_TILE)
             num_candidates += tl.sum(per_group, axis=0)
             _stamp(timeline_ptr, row, _TL_ROW_PIECES + piece_first // TILE_GROUPS, TIMELINE_SLOTS, TIMELINE)
             if PREFETCH_GATHER:
                 values = next_values
             else:
                 values = _gather_piece(src_row, start, stride_col, next_ids, next_first, num_qualifying, length,
-                                       TILE_GROUPS, GROUP, VECTOR_GATHER, maxima_row, bound, inclusive, GROUP_TILE,
-                                       TOP2)
+                                       TILE_GROUPS, GROUP, VECTOR_GATHER)
             ids = next_ids
             next_ids = later_ids
             piece_first = next_first
@@ -1121,7 +1052,7 @@ def _row_pieces_kernel(
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
     STREAM_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, MAX_PIECES: tl.constexpr, PAD_BLOCK: tl.constexpr,
     SLOTS: tl.constexpr, CARRY: tl.constexpr, PDL: tl.constexpr = False, timeline_ptr=None,
-    TIMELINE: tl.constexpr = False, TOP2: tl.constexpr = False,
+    TIMELINE: tl.constexpr = False,
 ):
     """Gather launch of row programs: program ``row * MAX_PIECES + piece`` re-reads the qualifying groups
     ``[piece * TILE_GROUPS, (piece + 1) * TILE_GROUPS)`` of its row (ids and bound from the row program
@@ -1130,8 +1061,7 @@ def _row_pieces_kernel(
     and stores its candidates in column order at that offset in the row's buffer (``capacity`` slots). The row's
     last piece program to finish (an acq_rel arrival counter) runs ``_select_and_emit`` (with ``CARRY``) on the
     buffer in place. A row without qualifying groups still runs piece 0 (nothing gathered), which pads. ``PDL``:
-    ``_wait_for_previous_grid``. ``TIMELINE``: ``_stamp`` (``_TL_*``). ``TOP2``: as in ``_row_program_kernel``
-    (groups of a single candidate append their stored maximum without a gather)."""
+    ``_wait_for_previous_grid``. ``TIMELINE``: ``_stamp`` (``_TL_*``)."""
     _stamp(timeline_ptr, tl.program_id(0), _TL_START, _TL_PIECE_SLOTS, TIMELINE)
     _wait_for_previous_grid(PDL)
     TILE_GROUPS: tl.constexpr = STREAM_TILE // GROUP
@@ -1147,24 +1077,17 @@ def _row_pieces_kernel(
         bound = tl.load(state_row + _PIECE_BOUND)
         inclusive = tl.load(state_row + _PIECE_INCLUSIVE)
         src_row = logits_ptr + row.to(tl.int64) * stride_row
-        groups_row = groups_ptr + row.to(tl.int64) * ((4 if TOP2 else 2) * GROUP_TILE)
-        ids_row = groups_row + GROUP_TILE
+        ids_row = groups_ptr + row.to(tl.int64) * (2 * GROUP_TILE) + GROUP_TILE
         group_ids = tl.arange(0, TILE_GROUPS)  # [TILE_GROUPS]
         piece_first = piece * TILE_GROUPS
         ids = tl.load(ids_row + piece_first + group_ids, mask=piece_first + group_ids < num_qualifying, other=0)
         values = _gather_piece(src_row, start, stride_col, ids, piece_first, num_qualifying, length, TILE_GROUPS,
-                               GROUP, True, groups_row, bound, inclusive, GROUP_TILE, TOP2)
+                               GROUP, True)
         columns = ids[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [TILE_GROUPS, GROUP]
         inside = (piece_first + group_ids < num_qualifying)[:, None] & (columns < length)
-        if TOP2:
-            single = _single_groups(groups_row, ids, piece_first + group_ids < num_qualifying, bound, inclusive,
-                                    GROUP_TILE)  # [TILE_GROUPS]
-            inside = inside & ~single[:, None]
         keys = _order_keys(values, inside)
         is_candidate = _reaches(keys, bound, inclusive).to(tl.int32)
         per_group = tl.sum(is_candidate, axis=1)  # [TILE_GROUPS]
-        if TOP2:
-            per_group += single.to(tl.int32)
         position = (tl.cumsum(per_group, axis=0) - per_group)[:, None] + tl.cumsum(is_candidate, axis=1) - 1
         # The flag needs only the count (not the candidates): later pieces of the row wait on it alone.
         flags_row = state_row + _PIECE_COUNTS
@@ -1174,9 +1097,6 @@ def _row_pieces_kernel(
         cand_columns_row = cand_columns_ptr + row.to(tl.int64) * capacity
         tl.store(cand_keys_row + first + position, keys, mask=is_candidate != 0)
         tl.store(cand_columns_row + first + position, columns, mask=is_candidate != 0)
-        if TOP2:
-            _store_single_candidates(groups_row, ids, single, first + tl.cumsum(per_group, axis=0) - per_group,
-                                     cand_keys_row, cand_columns_row, GROUP_TILE)
         _stamp(timeline_ptr, pid, _TL_GATHERED, _TL_PIECE_SLOTS, TIMELINE)
         tl.debug_barrier()
         arrived = tl.atomic_add(state_row + _PIECE_ARRIVED, 1, sem="acq_rel", scope="gpu")
@@ -1246,12 +1166,14 @@ def _slot_args(slots, logits):
     return (table, table.stride(0), table.stride(1), block_size, rows_per_request), dict(SLOTS=True)
 
 
-def _pdl_args(config):
-    """Launch arguments of ``config.pdl`` (``_wait_for_previous_grid``); none under the interpreter, which cannot
-    run inline PTX."""
-    if config.pdl and os.environ.get("TRITON_INTERPRET") != "1":
-        return dict(PDL=True, launch_pdl=True)
-    return {}
+def _pdl_args(config, device):
+    """Launch arguments of ``config.pdl`` (``_wait_for_previous_grid``) on ``device``; none under the interpreter,
+    which cannot run inline PTX, and none before sm_90 or on ROCm (no ``griddepcontrol`` there)."""
+    if not config.pdl or os.environ.get("TRITON_INTERPRET") == "1" or torch.version.hip is not None:
+        return {}
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        return {}
+    return dict(PDL=True, launch_pdl=True)
 
 
 def _launch_rows(logits, k, bounds, out, next_n, bounds_flags, slot_args, config):
@@ -1263,7 +1185,7 @@ def _launch_rows(logits, k, bounds, out, next_n, bounds_flags, slot_args, config
     # The interpreter cannot run inline PTX: it takes the plain comparison (same counts).
     search = dict(CARRY=os.environ.get("TRITON_INTERPRET") != "1", PLATEAU_EVERY=config.row_plateau_every)
     common = dict(PAD_BLOCK=_PAD_BLOCK, COPY_SHORT=config.row_copy_short, **search, **bounds_flags, **slot_args[1],
-                  **_pdl_args(config))
+                  **_pdl_args(config, logits.device))
     if config.row_tile_launches and tiles > 1:
         # One kernel per tile, widest first: each compiles one body, so narrow tiles keep fewer registers.
         for tile_index in range(tiles):
@@ -1330,7 +1252,7 @@ def _launch_split(logits, k, bounds, out, next_n, bounds_flags, slot_args, confi
     grid = (num_rows * num_chunks,)
     rows_args = (logits, logits.stride(0), logits.stride(1), *bounds)
     warps = config.split_warps
-    pdl = _pdl_args(config) if config.pdl_split else {}
+    pdl = _pdl_args(config, logits.device) if config.pdl_split else {}
     _split_group_max_kernel[grid](
         *rows_args, group_max, state, state_stride, width, next_n, num_chunks, CHUNK=chunk, GROUP=group,
         MAXIMA_STRIDE=group_tile, CLEAR_STATE=True, num_warps=warps, **bounds_flags, **pdl,
@@ -1359,14 +1281,10 @@ def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args
     capacity = max(1, min(width, max(enough, k - 1) * group))
     candidate_block = config.candidate_block or min(16384, max(1024, _next_pow2(2 * k)))
     device = logits.device
+    groups = torch.empty((num_rows, 2 * group_tile), dtype=torch.int32, device=device)
     stream = not (config.maxima_launch and group <= config.chunk <= stream_tile)
-    top2 = config.group_top2 and not stream
-    # Planes of group_tile words a row: maxima, qualifying ids (and with top2 the maxima's columns, second keys).
-    group_planes = 4 if top2 else 2
-    groups = torch.empty((num_rows, group_planes * group_tile), dtype=torch.int32, device=device)
-    top2_args = dict(TOP2=True) if top2 else {}
     pieces = config.gather_launch and config.row_stages >= 2
-    pdl = _pdl_args(config)
+    pdl = _pdl_args(config, logits.device)
     if pieces:
         max_pieces = triton.cdiv(min(max(enough, k - 1), group_tile), stream_tile // group)
         state = torch.empty((num_rows, _PIECE_STATE_WORDS + max_pieces), dtype=torch.int32, device=device)
@@ -1378,8 +1296,8 @@ def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args
         num_chunks = triton.cdiv(width, config.chunk)
         _split_group_max_kernel[(num_rows * num_chunks,)](
             logits, logits.stride(0), logits.stride(1), *bounds, groups, groups, 0, width, next_n, num_chunks,
-            CHUNK=config.chunk, GROUP=group, MAXIMA_STRIDE=group_planes * group_tile, CLEAR_STATE=False,
-            num_warps=config.split_warps, **bounds_flags, **pdl, **top2_args,
+            CHUNK=config.chunk, GROUP=group, MAXIMA_STRIDE=2 * group_tile, CLEAR_STATE=False,
+            num_warps=config.split_warps, **bounds_flags, **pdl,
             **_timeline_args(timeline, "maxima", num_rows * num_chunks, _TL_MAXIMA_SLOTS.value, device),
         )
     warps = config.stream_warps
@@ -1392,7 +1310,7 @@ def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args
         PAD_BLOCK=_PAD_BLOCK, STREAM=stream, VECTOR_GATHER=config.vector_gather,
         PREFETCH_GATHER=config.prefetch_gather, STAGES=1 if pieces else config.row_stages, STORE_STATE=pieces,
         CARRY_BOUND=_carry(group_tile, warps), CARRY_SEARCH=carry_search, num_warps=warps, **bounds_flags,
-        **slot_args[1], **pdl, **top2_args, **_timeline_args(timeline, "rows", num_rows, row_slots, device),
+        **slot_args[1], **pdl, **_timeline_args(timeline, "rows", num_rows, row_slots, device),
     )
     if pieces:
         registers = {} if config.pieces_max_registers is None else dict(maxnreg=config.pieces_max_registers)
@@ -1401,7 +1319,7 @@ def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args
             groups, state, state.stride(0), cand_keys, cand_columns, capacity, width, k, next_n, *slot_args[0],
             GROUP=group, GROUP_TILE=group_tile, STREAM_TILE=stream_tile, CANDIDATE_BLOCK=candidate_block,
             MAX_PIECES=max_pieces, PAD_BLOCK=_PAD_BLOCK, CARRY=carry_search, num_warps=warps, **registers,
-            **bounds_flags, **slot_args[1], **pdl, **top2_args,
+            **bounds_flags, **slot_args[1], **pdl,
             **_timeline_args(timeline, "pieces", num_rows * max_pieces, _TL_PIECE_SLOTS.value, device),
         )
 
