@@ -243,7 +243,7 @@ def sweep_decode(out_path: str | None = None, warm: str | None = None) -> None:
 TIMELINE_PHASES = {
     "maxima": {0: "start", 1: "waited", 4: "maxima"},
     "rows": {0: "start", 1: "waited", 4: "bound", 5: "compacted", "pieces": "piece", 2: "T", 3: "emitted"},
-    "pieces": {0: "start", 1: "waited", 4: "gathered", 5: "arrived", 6: "mapped", 2: "T", 3: "emitted"},
+    "pieces": {0: "start", 1: "waited", 4: "gathered", 5: "arrived", 6: "counted", 2: "T", 3: "emitted"},
 }
 
 

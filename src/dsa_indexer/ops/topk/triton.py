@@ -147,14 +147,15 @@ _PIECE_INCLUSIVE = tl.constexpr(1)
 _PIECE_QUALIFYING = tl.constexpr(2)
 _PIECE_ARRIVED = tl.constexpr(3)
 _PIECE_ROW_MAX = tl.constexpr(4)
-_PIECE_COUNTS = tl.constexpr(5)
+_PIECE_FLAGS = tl.constexpr(5)
 _PIECE_STATE_WORDS = 5
 
 # Phase timeline (``_stamp``, a timing probe): global-timer stamps per program. Every kernel: its start, the end of
 # its wait for the previous grid; programs that emit: after the search of T, after the emit; the maxima launch: its
 # maxima stored; row programs: after the lower bound, after the compaction of the qualifying group ids, after each
 # gather piece (from word _TL_ROW_PIECES); the gather launch: its piece stored, its arrival, the last arriver's
-# mapping of the candidates.
+# read of the pieces' flags (the number of candidates; called "mapped" in the timelines of rounds 3-4, when the
+# candidates were first mapped across per-piece regions).
 _TL_START = tl.constexpr(0)
 _TL_WAITED = tl.constexpr(1)
 _TL_T = tl.constexpr(2)
@@ -165,7 +166,7 @@ _TL_COMPACTED = tl.constexpr(5)
 _TL_ROW_PIECES = tl.constexpr(6)
 _TL_GATHERED = tl.constexpr(4)
 _TL_ARRIVED = tl.constexpr(5)
-_TL_MAPPED = tl.constexpr(6)
+_TL_COUNTED = tl.constexpr(6)
 _TL_MAXIMA_SLOTS = tl.constexpr(5)
 _TL_PIECE_SLOTS = tl.constexpr(7)
 
@@ -993,7 +994,7 @@ def _row_program_kernel(
         _store_piece_state(state_ptr + row.to(tl.int64) * state_stride, bound, inclusive, row_max, num_qualifying)
         pieces = tl.arange(0, GROUP_TILE // TILE_GROUPS)  # at least the row's pieces
         num_pieces = tl.maximum(tl.cdiv(num_qualifying, TILE_GROUPS), 1)
-        tl.store(state_ptr + row.to(tl.int64) * state_stride + _PIECE_COUNTS + pieces, tl.zeros_like(pieces),
+        tl.store(state_ptr + row.to(tl.int64) * state_stride + _PIECE_FLAGS + pieces, tl.zeros_like(pieces),
                  mask=pieces < num_pieces)
     if STAGES >= 2:
         tl.debug_barrier()
@@ -1090,7 +1091,7 @@ def _row_pieces_kernel(
         per_group = tl.sum(is_candidate, axis=1)  # [TILE_GROUPS]
         position = (tl.cumsum(per_group, axis=0) - per_group)[:, None] + tl.cumsum(is_candidate, axis=1) - 1
         # The flag needs only the count (not the candidates): later pieces of the row wait on it alone.
-        flags_row = state_row + _PIECE_COUNTS
+        flags_row = state_row + _PIECE_FLAGS
         tl.atomic_xchg(flags_row + piece, tl.sum(per_group, axis=0) + 1, sem="relaxed", scope="gpu")
         first = tl.sum(_flags_before(flags_row, piece, GROUP_TILE // TILE_GROUPS) - 1, axis=0)
         cand_keys_row = cand_keys_ptr + row.to(tl.int64) * capacity
@@ -1106,7 +1107,7 @@ def _row_pieces_kernel(
             # column order in the row's buffer.
             every = tl.arange(0, GROUP_TILE // TILE_GROUPS)
             flags = tl.load(flags_row + every, mask=every < num_pieces, other=1, volatile=True)
-            _stamp(timeline_ptr, pid, _TL_MAPPED, _TL_PIECE_SLOTS, TIMELINE)
+            _stamp(timeline_ptr, pid, _TL_COUNTED, _TL_PIECE_SLOTS, TIMELINE)
             row_max = tl.load(state_row + _PIECE_ROW_MAX)
             _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusive, row_max,
                              tl.sum(flags - 1, axis=0), cand_keys_row, cand_columns_row, out_ptr, out_stride_row,
