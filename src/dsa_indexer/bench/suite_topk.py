@@ -130,8 +130,7 @@ def _warm_tasks(configs: dict, cells: list) -> list[tuple[int, str, int]]:
     """The calls ``(rows, name, k)`` that compile every kernel of the sweep once: one per (path the row count
     takes, config without its routing, k of a cell with that row count and variant), since variants that differ only
     in routing share their paths' kernels.
-    ``base`` and ``pdl`` first: they compile disjoint kernel sets, which the other variants mostly reuse, so that
-    parallel shares do not compile the same kernels at once."""
+    ``base`` first: the variants mostly reuse its kernels, so that parallel shares do not compile them at once."""
     tasks, seen = [], set()
     for num_rows in sorted({cell[1] for cell in cells}):
         for name in [n for n in configs if any(num_rows == c[1] and n in ("base", *c[3]) for c in cells)]:
@@ -145,7 +144,7 @@ def _warm_tasks(configs: dict, cells: list) -> list[tuple[int, str, int]]:
                 if key not in seen:
                     seen.add(key)
                     tasks.append((num_rows, name, k))
-    return sorted(tasks, key=lambda task: task[1] not in ("base", "pdl"))
+    return sorted(tasks, key=lambda task: task[1] != "base")
 
 
 def _time_variants(label, logits, k, ends, inputs, configs, rep_ms, unchecked=()) -> dict:
