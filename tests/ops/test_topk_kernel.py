@@ -57,9 +57,18 @@ PIECES_LOOSE = TopkConfig(row_block_max=16, row_program_rows=1, stream_tile=16, 
                           chunk=16, gather_launch=True, bound_slack=3.0)
 # PDL is ignored under the interpreter (the launch arguments are built, the kernels run without it).
 PIECES_PDL = replace(PIECES, pdl=True)
-WIDE = [SPLIT, SPLIT_LOOSE, SPLIT_EXACT, STREAM, STREAM_LOOSE, STREAM_SCALAR, PIECES, PIECES_LOOSE, PIECES_PDL]
+# Gather pieces waiting on their row's ready word (cleared by the maxima launch, set by the row program).
+PIECES_READY = replace(PIECES, pdl=True, pieces_ready_max_rows=1 << 30)
+# The gather by group tiles (``lean_gather=False``; the default gathers by quads of 4 columns where groups hold 4 to
+# 16 columns, as the widths here give, and by group tiles elsewhere): row programs with the maxima launch, streaming
+# in the program with scalar gathers, and the gather launch with its pieces waiting on their rows.
+STREAM_TILE_GATHER = replace(STREAM, lean_gather=False)
+STREAM_SCALAR_TILE_GATHER = replace(STREAM_SCALAR, lean_gather=False)
+PIECES_TILE_GATHER = replace(PIECES_READY, lean_gather=False)
+WIDE = [SPLIT, SPLIT_LOOSE, SPLIT_EXACT, STREAM, STREAM_LOOSE, STREAM_SCALAR, PIECES, PIECES_LOOSE, PIECES_PDL,
+        PIECES_READY, STREAM_TILE_GATHER, STREAM_SCALAR_TILE_GATHER, PIECES_TILE_GATHER]
 WIDE_IDS = ["split", "split_loose", "split_exact", "stream", "stream_loose", "stream_scalar", "pieces", "pieces_loose",
-            "pieces_pdl"]
+            "pieces_pdl", "pieces_ready", "stream_tile_gather", "stream_scalar_tile_gather", "pieces_tile_gather"]
 GPU_SPLIT = TopkConfig(row_program_rows=1 << 30)
 GPU_STREAM = TopkConfig(row_program_rows=1)
 GPU_STREAM_IN_PROGRAM = TopkConfig(row_program_rows=1, maxima_launch=False)
@@ -71,17 +80,26 @@ GPU_PIECES_W8 = TopkConfig(row_program_rows=1, gather_launch=True, stream_warps=
 # programmatic dependent launch (as the default's 8 to 64 rows).
 GPU_WIDE = [GPU_SPLIT, GPU_STREAM, GPU_STREAM_IN_PROGRAM, GPU_STREAM_V4, GPU_STREAM_W8, GPU_PIECES, GPU_PIECES_W8,
             replace(GPU_SPLIT, split_warps=4), replace(GPU_STREAM, split_warps=4),
-            replace(GPU_PIECES_W8, pieces_max_registers=None), replace(GPU_PIECES_W8, pdl=True)]
+            replace(GPU_PIECES_W8, pieces_max_registers=None), replace(GPU_PIECES_W8, pdl=True),
+            replace(GPU_PIECES_W8, pdl=True, pieces_ready_max_rows=1 << 30), replace(GPU_STREAM, lean_gather=False),
+            replace(GPU_STREAM_V4, lean_gather=False), replace(GPU_PIECES_W8, pdl=True, lean_gather=False),
+            replace(GPU_PIECES_W8, pdl=True, pieces_ready_max_rows=1 << 30, lean_gather=False)]
 GPU_WIDE_IDS = ["split", "stream", "stream_in_program", "stream_v4", "stream_w8", "pieces", "pieces_w8", "split_w4",
-                "stream_maxima_w4", "pieces_w8_uncapped", "pieces_w8_pdl"]
+                "stream_maxima_w4", "pieces_w8_uncapped", "pieces_w8_pdl", "pieces_w8_ready", "stream_tile_gather",
+                "stream_v4_tile_gather", "pieces_w8_tile_gather", "pieces_w8_ready_tile_gather"]
 # The default (its routing, programmatic dependent launch but on the split path), the same without PDL, and with
 # PDL on the split path too (``pdl_split``), with the split path and the gather-piece launches, at 32 to 128 rows
 # of 131072.
 GPU_DEFAULT = triton_impl.DEFAULT_CONFIG
 GPU_NO_PDL = replace(triton_impl.DEFAULT_CONFIG, pdl=False)
 GPU_PDL_SPLIT = replace(triton_impl.DEFAULT_CONFIG, pdl_split=True)
-GPU_MANY_ROWS = [GPU_SPLIT, GPU_PIECES_W8, GPU_DEFAULT, GPU_NO_PDL]
-GPU_MANY_ROWS_IDS = ["split_many_rows", "pieces_many_rows", "default_many_rows", "no_pdl_many_rows"]
+# The default with the gather launch and its pieces waiting on their own row program up to 128 rows
+# (``pieces_ready_max_rows``), and with the gather by group tiles (``lean_gather=False``).
+GPU_ROW_READY = replace(triton_impl.DEFAULT_CONFIG, pieces_ready_max_rows=128, pieces_max_rows=128)
+GPU_TILE_GATHER = replace(triton_impl.DEFAULT_CONFIG, lean_gather=False)
+GPU_MANY_ROWS = [GPU_SPLIT, GPU_PIECES_W8, GPU_DEFAULT, GPU_NO_PDL, GPU_ROW_READY, GPU_TILE_GATHER]
+GPU_MANY_ROWS_IDS = ["split_many_rows", "pieces_many_rows", "default_many_rows", "no_pdl_many_rows",
+                     "row_ready_many_rows", "tile_gather_many_rows"]
 ROW = TopkConfig()  # whole rows: carry counts, plateau check every 16 bits
 ONE_ROW = TopkConfig(row_elements=16)  # one row per whole-row program
 # One launch per tile (64/32/16 columns): one row of 64 per program, two rows of 32 / four of 16 (packed),
@@ -165,6 +183,23 @@ def test_generators_wide_paths(kernel_device, name, config):
     ends = torch.tensor([70, 53], dtype=torch.int32, device=kernel_device)
     assert_same(with_garbage_past_ends(logits, ends), 3, None, ends, config)
     assert_same(logits, 12, None, None, config)
+
+
+@pytest.mark.parametrize("config", [replace(STREAM, stream_tile=64), replace(STREAM_SCALAR, stream_tile=64),
+                                    replace(PIECES_READY, stream_tile=64), replace(PIECES_LOOSE, stream_tile=64)],
+                         ids=["stream", "stream_scalar", "pieces", "pieces_loose"])
+@pytest.mark.parametrize("name", ["random", "few_distinct", "one_bin"])
+def test_lean_gather_groups_of_16(kernel_device, name, config):
+    # Rows of up to 256 columns: groups of 16 (four quads), gather pieces of 4 groups; lengths inside a quad, at a
+    # group's end and whole pieces; an exact or early bound (k 3; few_distinct: many candidates per group), and every
+    # entry a candidate (k 40 > 16 groups).
+    if name == "random":
+        logits = torch.randn(4, 256, generator=torch.Generator().manual_seed(3)).to(kernel_device)
+    else:
+        logits = ADVERSARIAL_GENERATORS[name]((4, 256), 17, kernel_device)
+    ends = torch.tensor([256, 250, 131, 64], dtype=torch.int32, device=kernel_device)
+    for k in (3, 40):
+        assert_same(with_garbage_past_ends(logits, ends), k, None, ends, config)
 
 
 @pytest.mark.parametrize("k", [3, 5])
@@ -513,12 +548,15 @@ def test_pdl_launches_only_where_griddepcontrol_exists(monkeypatch, capability, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_rows", [1, 6, 32, 128])
-@pytest.mark.parametrize("config", [GPU_DEFAULT, GPU_NO_PDL, GPU_PDL_SPLIT], ids=["default", "no_pdl", "pdl_split"])
+@pytest.mark.parametrize("config", [GPU_DEFAULT, GPU_NO_PDL, GPU_PDL_SPLIT, GPU_ROW_READY, GPU_TILE_GATHER],
+                         ids=["default", "no_pdl", "pdl_split", "row_ready", "tile_gather"])
 def test_gpu_pdl_eager_reruns_and_graph_replay(num_rows, config):
-    # The default (programmatic dependent launch but on the split path), the same without PDL, and with PDL on the
-    # split path too, on each routed path (split path, gather launch, row programs), garbage past the ends: 20 eager
-    # reruns (with PDL each call's first kernel waits on the last one's) equal the reference bitwise, and a graph of
-    # two calls (k 2048 then 512) replays with new logits and lengths.
+    # The default (programmatic dependent launch but on the split path, gather pieces waiting on their own row
+    # program up to 32 rows), the same without PDL, with PDL on the split path too, with the gather pieces waiting
+    # on their rows up to 128 rows, and with the gather by group tiles, on each routed path
+    # (split path, gather launch, row programs), garbage past the ends: 20 eager reruns (with PDL each call's first
+    # kernel waits on the last one's) equal the reference bitwise, and a graph of two calls (k 2048 then 512)
+    # replays with new logits and lengths.
     width = 131072
     logits = ADVERSARIAL_GENERATORS["few_distinct"]((num_rows, width), 9, "cuda")
     ends = decode_lengths(num_rows, width, 9).cuda()

@@ -115,7 +115,7 @@ def run(ceilings: dict[str, float]) -> list[dict]:
 
 def _decode_sweep_plan() -> tuple[dict, list]:
     """Decode variants of ``sweep_decode`` (names -> ``TopkConfig``) and its cells ``(data, rows, k, names, tag)``:
-    none since the session-6 round-4 cleanup (every measured variant became the default or was removed; add the
+    none since the session-7 round-3 cleanup (every measured variant became the default or was removed; add the
     next ones here, each the default with the changes its name lists, timed in the cells where it changes the path
     taken; ``tag`` tells a repeated cell apart), so ``base`` alone: the split path at R = 1, gather-piece launches
     at R = 8/32/64, row programs at R = 128, random rows at k 2048 and 512, relu_sum and one_bin at R = 1 and

@@ -67,7 +67,9 @@ qualifying group ids (one scan), re-reads those groups (L2: the row was just str
 their candidates to a per-row buffer in column order (per piece of ``stream_tile // GROUP`` groups:
 one scan of per-group counts, in-group ranks within a warp; the next piece's loads are in flight
 meanwhile; every piece but the last holds only whole groups inside the row, so its loads need no mask
-and are 16 bytes wide). ``T`` is searched among the candidates (in registers up to
+and are 16 bytes wide; with ``lean_gather`` a piece is loaded by quads of 4 columns, one group per thread, so
+the counts and ranks within a group are in-thread and the candidates are stored from the layout they were
+loaded in). ``T`` is searched among the candidates (in registers up to
 ``candidate_block``, else in memory) and the emit is one ordered compaction of the buffer: every
 entry ``>= T`` is a candidate. One case emits from the row instead: an exact, strict bound reached
 by fewer than k candidates, where ``T`` is the bound and its ties are not candidates.
@@ -108,7 +110,11 @@ Step 2 walks the rows in reverse order so that it starts on the rows step 1 left
 launches are CUDA-graph capturable. With ``pdl`` every kernel of a call (on the split path only with ``pdl_split``)
 is a programmatic dependent launch whose programs first let the next launch start, then wait for the previous grid
 to complete (``_wait_for_previous_grid``) before touching memory: only launch latency and CTA rasterisation overlap,
-so results cannot depend on it. A timing probe, off by default and reached only through the private
+so results cannot depend on it. The one exception, ``pieces_ready_max_rows`` (calls of up to 32 rows by default):
+the gather pieces skip that wait and each waits (acquire) for a ready word its own row program sets (release) once
+the row's ids and state are stored; the row programs let the gather launch start only after their own wait, so
+everything earlier launches wrote (the maxima launch clears the ready words) is complete when a gather piece starts.
+A timing probe, off by default and reached only through the private
 ``_topk_timeline``: with ``TIMELINE`` the row-program paths' kernels store global-timer stamps at the end of each
 phase (``_stamp``). Scratch per row: split path ``4 * (group tile + 2 * min(max(enough, k - 1) * GROUP, width) + 8 +
 flags)`` bytes; row programs ``4 * (2 * group tile + 2 * min(max(enough, k - 1) * GROUP, width))`` bytes.
@@ -147,8 +153,9 @@ _PIECE_INCLUSIVE = tl.constexpr(1)
 _PIECE_QUALIFYING = tl.constexpr(2)
 _PIECE_ARRIVED = tl.constexpr(3)
 _PIECE_ROW_MAX = tl.constexpr(4)
-_PIECE_FLAGS = tl.constexpr(5)
-_PIECE_STATE_WORDS = 5
+_PIECE_READY = tl.constexpr(5)
+_PIECE_FLAGS = tl.constexpr(6)
+_PIECE_STATE_WORDS = 6
 
 # Phase timeline (``_stamp``, a timing probe): global-timer stamps per program. Every kernel: its start, the end of
 # its wait for the previous grid; programs that emit: after the search of T, after the emit; the maxima launch: its
@@ -236,9 +243,22 @@ class TopkConfig:
         previous grid to complete (``griddepcontrol.wait``) before any memory access, so only the next kernel's
         launch and CTA rasterisation overlap the tail of this one. Ignored under the interpreter (inline PTX),
         before sm_90 and on ROCm (no ``griddepcontrol``).
+    pieces_ready_max_rows: calls of the gather launch (with the maxima launch) with at most this many rows: each
+        gather piece waits for its own row program (a per-row ready word set with release semantics after the
+        row's ids and state, cleared by the maxima launch) instead of the whole row-program grid, and the row
+        programs let the gather launch start only after their own wait for the maxima launch (with ``pdl``; without
+        it the launches run one after the other and the word is already set). It pays while the gather pieces fit
+        in about one wave: the pieces that wait hold their slots (session 7 round 3: R = 32 -1.3 µs, R = 64
+        +0.7); 0: never.
     pdl_split: with ``pdl``, the split path's two launches take it too (else only the row-program paths and
         whole rows do; measured at R = 1 in session 6 rounds 2 to 4: with it +1.0 to +1.3 µs at k = 512, -0.2 to
         -0.5 at k = 2048).
+    lean_gather: the gather pieces (row programs' gather loop and the gather launch) load and compact each group
+        by quads of 4 columns (``[stream_tile // GROUP, 4]`` tensors, one group per thread): per-group counts and
+        in-group ranks stay in-thread, one 1-D scan of the per-group counts places the groups, and the candidates
+        are stored from the layout they were loaded in (no layout conversion before the stores). Rows whose
+        ``GROUP`` is 4 to 16 (row programs of 1K to 256K columns at the default tiles); other rows keep the
+        ``[stream_tile // GROUP, GROUP]`` tile. The candidate buffer is the same, slot for slot.
     """
 
     row_block_max: int = 8192
@@ -271,6 +291,8 @@ class TopkConfig:
     split_warps: int = 8
     pdl: bool = False
     pdl_split: bool = True
+    pieces_ready_max_rows: int = 0
+    lean_gather: bool = True
 
 
 # Measured on the H200 (benchmarks/NOTES_topk.md, v6): the split path below 8 rows, gather-piece launches
@@ -286,7 +308,11 @@ class TopkConfig:
 # 13.2). Round 4 (cold-L2 graph replays, k = 2048): gather pieces placing their candidates by a look-back in one
 # buffer per row, R = 8 24.6 (was 26.7), R = 32 32.2 (33.5), relu_sum R = 32 32.9 (35.3), R = 64 42.6 (42.0; k = 512
 # 31.1, 30.7); R = 128 (plain row programs) 61.6; three-bit T search rounds lost everywhere (+0.8 to +2.4 µs).
-DEFAULT_CONFIG = TopkConfig(row_program_rows=8, pieces_max_rows=64, pdl=True, pdl_split=False)
+# Session 7 round 3 (k 2048 / 512): gather pieces by quads (``lean_gather``, a class default) R = 128 54.9 / 43.4
+# (was 61.5 / 46.8), R = 64 38.8 / 29.5 (42.6 / 31.2); with the gather pieces waiting on their own row program up to
+# 32 rows (``pieces_ready_max_rows``) R = 32 29.1 / 23.6 (32.2 / 25.2), R = 8 23.7 / 19.1 (24.5 / 21.6).
+DEFAULT_CONFIG = TopkConfig(row_program_rows=8, pieces_max_rows=64, pieces_ready_max_rows=32, pdl=True,
+                            pdl_split=False)
 
 
 @triton.jit
@@ -297,6 +323,16 @@ def _wait_for_previous_grid(PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
+
+
+@triton.jit
+def _wait_then_release_next_grid(PDL: tl.constexpr):
+    """``_wait_for_previous_grid`` in the other order: the next launch's programs start only once every program of
+    this grid has seen the previous grid complete (the gather pieces of ``pieces_ready_max_rows`` rely on it: they skip
+    the wait, so everything the previous grid wrote is visible to them when they start)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -693,12 +729,13 @@ def _split_group_max_kernel(
     width, next_n, num_chunks,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr,
     CHUNK: tl.constexpr, GROUP: tl.constexpr, MAXIMA_STRIDE: tl.constexpr, CLEAR_STATE: tl.constexpr,
-    PDL: tl.constexpr = False, timeline_ptr=None, TIMELINE: tl.constexpr = False,
+    PDL: tl.constexpr = False, timeline_ptr=None, TIMELINE: tl.constexpr = False, CLEAR_READY: tl.constexpr = False,
 ):
     """Group maxima of chunks of ``CHUNK`` columns: ``group_max[row * MAXIMA_STRIDE + column // GROUP]`` for
     the chunks up to the row's length (one chunk at least); with ``CLEAR_STATE`` (split path), the chunk's flag
     is cleared too, and chunk 0 clears the row's arrival counter. Also the streaming pass of row programs of
-    calls with few rows. ``PDL``: ``_wait_for_previous_grid``. ``TIMELINE``: ``_stamp`` (``_TL_*``)."""
+    calls with few rows; with ``CLEAR_READY`` (``pieces_ready_max_rows``) chunk 0 clears the row's ``_PIECE_READY``
+    word. ``PDL``: ``_wait_for_previous_grid``. ``TIMELINE``: ``_stamp`` (``_TL_*``)."""
     _stamp(timeline_ptr, tl.program_id(0), _TL_START, _TL_MAXIMA_SLOTS, TIMELINE)
     _wait_for_previous_grid(PDL)
     GROUPS_PER_CHUNK: tl.constexpr = CHUNK // GROUP
@@ -723,6 +760,9 @@ def _split_group_max_kernel(
             tl.store(state_ptr + row.to(tl.int64) * state_stride + _FLAGS + chunk, 0)
             if chunk == 0:
                 tl.store(state_ptr + row.to(tl.int64) * state_stride + _ARRIVED, 0)
+        if CLEAR_READY:
+            if chunk == 0:
+                tl.store(state_ptr + row.to(tl.int64) * state_stride + _PIECE_READY, 0)
     _stamp(timeline_ptr, pid, _TL_MAXIMA, _TL_MAXIMA_SLOTS, TIMELINE)
 
 
@@ -843,6 +883,108 @@ def _gather_piece(src_row, start, stride_col, ids, piece_first, num_qualifying, 
 
 
 @triton.jit
+def _load_quads(pointers, columns, in_piece, length, stride_col, GROUP: tl.constexpr, MASKED: tl.constexpr):
+    """The four quads of ``_gather_quads`` from the quad-0 ``pointers``/``columns`` ``[TILE_GROUPS, 4]``; with
+    ``MASKED`` only the entries of qualifying slots (``in_piece [TILE_GROUPS, 1]``) inside the row."""
+    if MASKED:
+        quad0 = tl.load(pointers, mask=in_piece & (columns < length), other=0.0)
+    else:
+        quad0 = tl.load(pointers)
+    quad1 = quad0
+    quad2 = quad0
+    quad3 = quad0
+    if GROUP >= 8:
+        if MASKED:
+            quad1 = tl.load(pointers + 4 * stride_col, mask=in_piece & (columns + 4 < length), other=0.0)
+        else:
+            quad1 = tl.load(pointers + 4 * stride_col)
+    if GROUP >= 16:
+        if MASKED:
+            quad2 = tl.load(pointers + 8 * stride_col, mask=in_piece & (columns + 8 < length), other=0.0)
+            quad3 = tl.load(pointers + 12 * stride_col, mask=in_piece & (columns + 12 < length), other=0.0)
+        else:
+            quad2 = tl.load(pointers + 8 * stride_col)
+            quad3 = tl.load(pointers + 12 * stride_col)
+    return quad0, quad1, quad2, quad3
+
+
+@triton.jit
+def _gather_quads(src_row, start, stride_col, ids, piece_first, num_qualifying, length, TILE_GROUPS: tl.constexpr,
+                  GROUP: tl.constexpr, VECTOR_GATHER: tl.constexpr):
+    """``_gather_piece`` by quads: four ``[TILE_GROUPS, 4]`` logits, quad ``q`` the columns ``4q .. 4q + 3`` of
+    each group (one thread holds a whole group). ``GROUP`` 4 to 16; the quads past the group (``4q >= GROUP``)
+    repeat quad 0 (no loads; the callers ignore them). ``VECTOR_GATHER``: a piece before the last is loaded
+    without a mask."""
+    in_piece = (piece_first + tl.arange(0, TILE_GROUPS) < num_qualifying)[:, None]  # [TILE_GROUPS, 1]
+    columns = ids[:, None] * GROUP + tl.arange(0, 4)[None, :]  # [TILE_GROUPS, 4] of quad 0
+    pointers = src_row + (start + columns).to(tl.int64) * stride_col
+    if VECTOR_GATHER:
+        if piece_first + TILE_GROUPS < num_qualifying:
+            quad0, quad1, quad2, quad3 = _load_quads(pointers, columns, in_piece, length, stride_col, GROUP, False)
+        else:
+            quad0, quad1, quad2, quad3 = _load_quads(pointers, columns, in_piece, length, stride_col, GROUP, True)
+    else:
+        quad0, quad1, quad2, quad3 = _load_quads(pointers, columns, in_piece, length, stride_col, GROUP, True)
+    return quad0, quad1, quad2, quad3
+
+
+@triton.jit
+def _quad_candidates(values, ids, in_piece, length, bound, inclusive, QUAD: tl.constexpr, GROUP: tl.constexpr):
+    """Quad ``QUAD`` of a gather piece (``values [TILE_GROUPS, 4]``, groups ``ids``, ``in_piece`` the slots below
+    the row's number of qualifying groups): its order keys, columns, candidate flags (``_reaches`` the bound) and
+    per-group candidate counts ``[TILE_GROUPS]`` (in-thread). A quad past the group (``4 * QUAD >= GROUP``) has
+    no candidates."""
+    columns = ids[:, None] * GROUP + (4 * QUAD) + tl.arange(0, 4)[None, :]  # [TILE_GROUPS, 4]
+    keys = _order_keys(values, in_piece[:, None] & (columns < length))
+    is_candidate = _reaches(keys, bound, inclusive).to(tl.int32)
+    if 4 * QUAD >= GROUP:
+        is_candidate = is_candidate * 0
+    return keys, columns, is_candidate, tl.sum(is_candidate, axis=1)
+
+
+@triton.jit
+def _store_quad(keys, columns, is_candidate, quad_first, cand_keys_row, cand_columns_row):
+    """Store a quad's candidates in column order from buffer slot ``quad_first [TILE_GROUPS]`` of each group (its
+    group's first slot plus the candidates of its earlier quads): in-quad ranks are an in-thread prefix sum."""
+    position = quad_first[:, None] + tl.cumsum(is_candidate, axis=1) - 1  # [TILE_GROUPS, 4]
+    tl.store(cand_keys_row + position, keys, mask=is_candidate != 0)
+    tl.store(cand_columns_row + position, columns, mask=is_candidate != 0)
+
+
+@triton.jit
+def _compact_quads(quad0, quad1, quad2, quad3, ids, piece_first, num_qualifying, length, bound, inclusive,
+                   num_candidates, cand_keys_row, cand_columns_row, flags_row, piece, TILE_GROUPS: tl.constexpr,
+                   GROUP: tl.constexpr, FLAG_TILE: tl.constexpr):
+    """Store a gather piece's candidates (``_gather_quads``' quads of the groups ``ids``, qualifying ids
+    ``piece_first, ...``) in column order from buffer slot ``num_candidates``; returns the piece's number of
+    candidates. One 1-D scan of the per-group counts over the piece; counts and ranks within a group are in-thread.
+    With ``FLAG_TILE > 0`` (gather launch) the piece first publishes its count + 1 in ``flags_row[piece]`` and
+    adds the counts of the row's lower pieces (``_flags_before``) to ``num_candidates``."""
+    in_piece = piece_first + tl.arange(0, TILE_GROUPS) < num_qualifying  # [TILE_GROUPS]
+    keys0, columns0, is_candidate0, count0 = _quad_candidates(quad0, ids, in_piece, length, bound, inclusive, 0,
+                                                              GROUP)
+    keys1, columns1, is_candidate1, count1 = _quad_candidates(quad1, ids, in_piece, length, bound, inclusive, 1,
+                                                              GROUP)
+    keys2, columns2, is_candidate2, count2 = _quad_candidates(quad2, ids, in_piece, length, bound, inclusive, 2,
+                                                              GROUP)
+    keys3, columns3, is_candidate3, count3 = _quad_candidates(quad3, ids, in_piece, length, bound, inclusive, 3,
+                                                              GROUP)
+    per_group = count0 + count1 + count2 + count3  # [TILE_GROUPS]
+    piece_count = tl.sum(per_group, axis=0)
+    if FLAG_TILE > 0:
+        # The flag needs only the count (not the candidates): later pieces of the row wait on it alone.
+        tl.atomic_xchg(flags_row + piece, piece_count + 1, sem="relaxed", scope="gpu")
+        num_candidates += tl.sum(_flags_before(flags_row, piece, FLAG_TILE) - 1, axis=0)
+    group_first = num_candidates + tl.cumsum(per_group, axis=0) - per_group
+    _store_quad(keys0, columns0, is_candidate0, group_first, cand_keys_row, cand_columns_row)
+    _store_quad(keys1, columns1, is_candidate1, group_first + count0, cand_keys_row, cand_columns_row)
+    _store_quad(keys2, columns2, is_candidate2, group_first + count0 + count1, cand_keys_row, cand_columns_row)
+    _store_quad(keys3, columns3, is_candidate3, group_first + count0 + count1 + count2, cand_keys_row,
+                cand_columns_row)
+    return piece_count
+
+
+@triton.jit
 def _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusive, row_max, num_candidates,
                      cand_keys_row, cand_columns_row, out_ptr, out_stride_row, out_stride_col, table_ptr,
                      table_stride_row, table_stride_col, block_size, rows_per_request, STREAM_TILE: tl.constexpr,
@@ -923,6 +1065,44 @@ def _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusiv
     _stamp(timeline_ptr, program, _TL_EMITTED, TIMELINE_SLOTS, TIMELINE)
 
 
+@triton.jit
+def _gather_candidates_lean(src_row, start, stride_col, length, ids, ids_row, num_qualifying, bound, inclusive,
+                            cand_keys_row, cand_columns_row, row, timeline_ptr, TIMELINE_SLOTS: tl.constexpr,
+                            TILE_GROUPS: tl.constexpr, GROUP: tl.constexpr, VECTOR_GATHER: tl.constexpr,
+                            PREFETCH_GATHER: tl.constexpr, TIMELINE: tl.constexpr):
+    """A row program's gather loop with ``lean_gather``: the candidates of the ``num_qualifying`` groups listed at
+    ``ids_row`` (``ids``: the first piece's, already loaded) in column order at buffer slots ``0, ...``, piece by
+    piece (``_gather_quads``, ``_compact_quads``; the next piece's quads in flight with ``PREFETCH_GATHER``).
+    Returns the number of candidates."""
+    group_ids = tl.arange(0, TILE_GROUPS)  # [TILE_GROUPS]
+    num_candidates = num_qualifying * 0
+    piece_first = num_qualifying * 0
+    quad0, quad1, quad2, quad3 = _gather_quads(src_row, start, stride_col, ids, piece_first, num_qualifying, length,
+                                               TILE_GROUPS, GROUP, VECTOR_GATHER)
+    next_ids = tl.load(ids_row + TILE_GROUPS + group_ids, mask=TILE_GROUPS + group_ids < num_qualifying, other=0,
+                       cache_modifier=".cg")
+    while piece_first < num_qualifying:
+        next_first = piece_first + TILE_GROUPS
+        if PREFETCH_GATHER:
+            next0, next1, next2, next3 = _gather_quads(src_row, start, stride_col, next_ids, next_first,
+                                                       num_qualifying, length, TILE_GROUPS, GROUP, VECTOR_GATHER)
+        later = next_first + TILE_GROUPS + group_ids
+        later_ids = tl.load(ids_row + later, mask=later < num_qualifying, other=0, cache_modifier=".cg")
+        num_candidates += _compact_quads(quad0, quad1, quad2, quad3, ids, piece_first, num_qualifying, length, bound,
+                                         inclusive, num_candidates, cand_keys_row, cand_columns_row, None, 0,
+                                         TILE_GROUPS, GROUP, 0)
+        _stamp(timeline_ptr, row, _TL_ROW_PIECES + piece_first // TILE_GROUPS, TIMELINE_SLOTS, TIMELINE)
+        if PREFETCH_GATHER:
+            quad0, quad1, quad2, quad3 = next0, next1, next2, next3
+        else:
+            quad0, quad1, quad2, quad3 = _gather_quads(src_row, start, stride_col, next_ids, next_first,
+                                                       num_qualifying, length, TILE_GROUPS, GROUP, VECTOR_GATHER)
+        ids = next_ids
+        next_ids = later_ids
+        piece_first = next_first
+    return num_candidates
+
+
 @triton.jit(do_not_specialize=["width", "k", "next_n", "enough", "capacity", "block_size", "rows_per_request"])
 def _row_program_kernel(
     logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, out_ptr, out_stride_row, out_stride_col,
@@ -932,7 +1112,8 @@ def _row_program_kernel(
     STREAM_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr,
     STREAM: tl.constexpr, VECTOR_GATHER: tl.constexpr, PREFETCH_GATHER: tl.constexpr, STAGES: tl.constexpr,
     STORE_STATE: tl.constexpr, CARRY_BOUND: tl.constexpr, CARRY_SEARCH: tl.constexpr, PDL: tl.constexpr = False,
-    timeline_ptr=None, TIMELINE: tl.constexpr = False,
+    timeline_ptr=None, TIMELINE: tl.constexpr = False, SIGNAL_READY: tl.constexpr = False,
+    LEAN_GATHER: tl.constexpr = False,
 ):
     """One program per row. ``STREAM``: the program computes the group maxima itself (else an earlier
     launch of ``_split_group_max_kernel`` stored them). ``VECTOR_GATHER``: unmasked group loads in every
@@ -941,12 +1122,18 @@ def _row_program_kernel(
     of the qualifying group ids, 2 after the gather, 3 runs everything. ``STORE_STATE`` (gather launch):
     the bound, its kind, the row's largest key and the number of qualifying groups go to the row's state words
     at ``state_ptr + row * state_stride`` for ``_row_pieces_kernel``, and the look-back flags of the row's gather
-    pieces are cleared. ``CARRY_BOUND`` / ``CARRY_SEARCH``: the counts (``_reaching``) of the lower-bound search
-    and of the candidates' search (``_select_and_emit``). ``PDL``: ``_wait_for_previous_grid``. ``TIMELINE``:
-    ``_stamp`` (``_TL_*``; gather piece i at ``_TL_ROW_PIECES + i``)."""
+    pieces are cleared; with ``SIGNAL_READY`` (``pieces_ready_max_rows``) the row's ``_PIECE_READY`` word is then set
+    (release) for the gather pieces, which wait on it instead of on this grid, and the next launch starts only
+    after this grid's wait (``_wait_then_release_next_grid``). ``CARRY_BOUND`` / ``CARRY_SEARCH``: the counts
+    (``_reaching``) of the lower-bound search and of the candidates' search (``_select_and_emit``). ``PDL``:
+    ``_wait_for_previous_grid``. ``TIMELINE``: ``_stamp`` (``_TL_*``; gather piece i at ``_TL_ROW_PIECES + i``).
+    ``LEAN_GATHER`` (``lean_gather``, GROUP 4 to 16): the gather loop by quads (``_gather_candidates_lean``)."""
     TIMELINE_SLOTS: tl.constexpr = _TL_ROW_PIECES + GROUP_TILE // (STREAM_TILE // GROUP)
     _stamp(timeline_ptr, tl.program_id(0), _TL_START, TIMELINE_SLOTS, TIMELINE)
-    _wait_for_previous_grid(PDL)
+    if SIGNAL_READY:
+        _wait_then_release_next_grid(PDL)
+    else:
+        _wait_for_previous_grid(PDL)
     TILE_GROUPS: tl.constexpr = STREAM_TILE // GROUP
     row = tl.program_id(0)
     _stamp(timeline_ptr, row, _TL_WAITED, TIMELINE_SLOTS, TIMELINE)
@@ -996,6 +1183,10 @@ def _row_program_kernel(
         num_pieces = tl.maximum(tl.cdiv(num_qualifying, TILE_GROUPS), 1)
         tl.store(state_ptr + row.to(tl.int64) * state_stride + _PIECE_FLAGS + pieces, tl.zeros_like(pieces),
                  mask=pieces < num_pieces)
+        if SIGNAL_READY:
+            tl.debug_barrier()  # every thread's id and state stores precede the release
+            tl.atomic_xchg(state_ptr + row.to(tl.int64) * state_stride + _PIECE_READY, 1, sem="release",
+                           scope="gpu")
     if STAGES >= 2:
         tl.debug_barrier()
 
@@ -1005,36 +1196,42 @@ def _row_program_kernel(
         num_candidates = row * 0
         piece_first = row * 0
         ids = tl.load(ids_row + group_ids, mask=group_ids < num_qualifying, other=0, cache_modifier=".cg")
-        values = _gather_piece(src_row, start, stride_col, ids, piece_first, num_qualifying, length, TILE_GROUPS,
-                               GROUP, VECTOR_GATHER)
-        next_ids = tl.load(ids_row + TILE_GROUPS + group_ids, mask=TILE_GROUPS + group_ids < num_qualifying, other=0,
-                           cache_modifier=".cg")
-        while piece_first < num_qualifying:
-            next_first = piece_first + TILE_GROUPS
-            if PREFETCH_GATHER:
-                next_values = _gather_piece(src_row, start, stride_col, next_ids, next_first, num_qualifying, length,
-                                            TILE_GROUPS, GROUP, VECTOR_GATHER)
-            later = next_first + TILE_GROUPS + group_ids
-            later_ids = tl.load(ids_row + later, mask=later < num_qualifying, other=0, cache_modifier=".cg")
-            columns = ids[:, None] * GROUP + in_group  # [TILE_GROUPS, GROUP]
-            inside = (piece_first + group_ids < num_qualifying)[:, None] & (columns < length)
-            keys = _order_keys(values, inside)
-            is_candidate = _reaches(keys, bound, inclusive).to(tl.int32)
-            per_group = tl.sum(is_candidate, axis=1)  # [TILE_GROUPS]
-            group_first = num_candidates + tl.cumsum(per_group, axis=0) - per_group
-            position = group_first[:, None] + tl.cumsum(is_candidate, axis=1) - 1
-            tl.store(cand_keys_row + position, keys, mask=is_candidate != 0)
-            tl.store(cand_columns_row + position, columns, mask=is_candidate != 0)
-            num_candidates += tl.sum(per_group, axis=0)
-            _stamp(timeline_ptr, row, _TL_ROW_PIECES + piece_first // TILE_GROUPS, TIMELINE_SLOTS, TIMELINE)
-            if PREFETCH_GATHER:
-                values = next_values
-            else:
-                values = _gather_piece(src_row, start, stride_col, next_ids, next_first, num_qualifying, length,
-                                       TILE_GROUPS, GROUP, VECTOR_GATHER)
-            ids = next_ids
-            next_ids = later_ids
-            piece_first = next_first
+        if LEAN_GATHER:
+            num_candidates = _gather_candidates_lean(src_row, start, stride_col, length, ids, ids_row,
+                                                     num_qualifying, bound, inclusive, cand_keys_row,
+                                                     cand_columns_row, row, timeline_ptr, TIMELINE_SLOTS, TILE_GROUPS,
+                                                     GROUP, VECTOR_GATHER, PREFETCH_GATHER, TIMELINE)
+        else:
+            values = _gather_piece(src_row, start, stride_col, ids, piece_first, num_qualifying, length, TILE_GROUPS,
+                                   GROUP, VECTOR_GATHER)
+            next_ids = tl.load(ids_row + TILE_GROUPS + group_ids, mask=TILE_GROUPS + group_ids < num_qualifying,
+                               other=0, cache_modifier=".cg")
+            while piece_first < num_qualifying:
+                next_first = piece_first + TILE_GROUPS
+                if PREFETCH_GATHER:
+                    next_values = _gather_piece(src_row, start, stride_col, next_ids, next_first, num_qualifying,
+                                                length, TILE_GROUPS, GROUP, VECTOR_GATHER)
+                later = next_first + TILE_GROUPS + group_ids
+                later_ids = tl.load(ids_row + later, mask=later < num_qualifying, other=0, cache_modifier=".cg")
+                columns = ids[:, None] * GROUP + in_group  # [TILE_GROUPS, GROUP]
+                inside = (piece_first + group_ids < num_qualifying)[:, None] & (columns < length)
+                keys = _order_keys(values, inside)
+                is_candidate = _reaches(keys, bound, inclusive).to(tl.int32)
+                per_group = tl.sum(is_candidate, axis=1)  # [TILE_GROUPS]
+                group_first = num_candidates + tl.cumsum(per_group, axis=0) - per_group
+                position = group_first[:, None] + tl.cumsum(is_candidate, axis=1) - 1
+                tl.store(cand_keys_row + position, keys, mask=is_candidate != 0)
+                tl.store(cand_columns_row + position, columns, mask=is_candidate != 0)
+                num_candidates += tl.sum(per_group, axis=0)
+                _stamp(timeline_ptr, row, _TL_ROW_PIECES + piece_first // TILE_GROUPS, TIMELINE_SLOTS, TIMELINE)
+                if PREFETCH_GATHER:
+                    values = next_values
+                else:
+                    values = _gather_piece(src_row, start, stride_col, next_ids, next_first, num_qualifying, length,
+                                           TILE_GROUPS, GROUP, VECTOR_GATHER)
+                ids = next_ids
+                next_ids = later_ids
+                piece_first = next_first
         tl.debug_barrier()
 
     if STAGES >= 3:
@@ -1053,7 +1250,7 @@ def _row_pieces_kernel(
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
     STREAM_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, MAX_PIECES: tl.constexpr, PAD_BLOCK: tl.constexpr,
     SLOTS: tl.constexpr, CARRY: tl.constexpr, PDL: tl.constexpr = False, timeline_ptr=None,
-    TIMELINE: tl.constexpr = False,
+    TIMELINE: tl.constexpr = False, WAIT_READY: tl.constexpr = False, LEAN_GATHER: tl.constexpr = False,
 ):
     """Gather launch of row programs: program ``row * MAX_PIECES + piece`` re-reads the qualifying groups
     ``[piece * TILE_GROUPS, (piece + 1) * TILE_GROUPS)`` of its row (ids and bound from the row program
@@ -1062,16 +1259,29 @@ def _row_pieces_kernel(
     and stores its candidates in column order at that offset in the row's buffer (``capacity`` slots). The row's
     last piece program to finish (an acq_rel arrival counter) runs ``_select_and_emit`` (with ``CARRY``) on the
     buffer in place. A row without qualifying groups still runs piece 0 (nothing gathered), which pads. ``PDL``:
-    ``_wait_for_previous_grid``. ``TIMELINE``: ``_stamp`` (``_TL_*``)."""
+    ``_wait_for_previous_grid``; with ``WAIT_READY`` (``pieces_ready_max_rows``) a program lets the next launch start
+    and waits only for its own row's ``_PIECE_READY`` word (acquire), set by its row program, instead of the
+    whole row-program grid: the rows whose programs finish early gather early. ``TIMELINE``: ``_stamp``
+    (``_TL_*``; "waited" after the row's word). ``LEAN_GATHER`` (``lean_gather``, GROUP 4 to 16): the piece by
+    quads (``_gather_quads``, ``_compact_quads``)."""
     _stamp(timeline_ptr, tl.program_id(0), _TL_START, _TL_PIECE_SLOTS, TIMELINE)
-    _wait_for_previous_grid(PDL)
     TILE_GROUPS: tl.constexpr = STREAM_TILE // GROUP
     pid = tl.program_id(0)
-    _stamp(timeline_ptr, pid, _TL_WAITED, _TL_PIECE_SLOTS, TIMELINE)
     row = pid // MAX_PIECES
     piece = pid % MAX_PIECES
-    start, length = _row_window(row, row >= 0, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
     state_row = state_ptr + row.to(tl.int64) * state_stride
+    if WAIT_READY:
+        if PDL:
+            gdc_launch_dependents()
+        # The row programs all started before this grid (they release it after their own wait), so none waits
+        # on a program of this grid: the spin ends.
+        ready = tl.atomic_add(state_row + _PIECE_READY, 0, sem="acquire", scope="gpu")
+        while ready == 0:
+            ready = tl.atomic_add(state_row + _PIECE_READY, 0, sem="acquire", scope="gpu")
+    else:
+        _wait_for_previous_grid(PDL)
+    _stamp(timeline_ptr, pid, _TL_WAITED, _TL_PIECE_SLOTS, TIMELINE)
+    start, length = _row_window(row, row >= 0, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
     num_qualifying = tl.load(state_row + _PIECE_QUALIFYING)
     num_pieces = tl.maximum(tl.cdiv(num_qualifying, TILE_GROUPS), 1)
     if piece < num_pieces:
@@ -1082,22 +1292,32 @@ def _row_pieces_kernel(
         group_ids = tl.arange(0, TILE_GROUPS)  # [TILE_GROUPS]
         piece_first = piece * TILE_GROUPS
         ids = tl.load(ids_row + piece_first + group_ids, mask=piece_first + group_ids < num_qualifying, other=0)
-        values = _gather_piece(src_row, start, stride_col, ids, piece_first, num_qualifying, length, TILE_GROUPS,
-                               GROUP, True)
-        columns = ids[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [TILE_GROUPS, GROUP]
-        inside = (piece_first + group_ids < num_qualifying)[:, None] & (columns < length)
-        keys = _order_keys(values, inside)
-        is_candidate = _reaches(keys, bound, inclusive).to(tl.int32)
-        per_group = tl.sum(is_candidate, axis=1)  # [TILE_GROUPS]
-        position = (tl.cumsum(per_group, axis=0) - per_group)[:, None] + tl.cumsum(is_candidate, axis=1) - 1
-        # The flag needs only the count (not the candidates): later pieces of the row wait on it alone.
-        flags_row = state_row + _PIECE_FLAGS
-        tl.atomic_xchg(flags_row + piece, tl.sum(per_group, axis=0) + 1, sem="relaxed", scope="gpu")
-        first = tl.sum(_flags_before(flags_row, piece, GROUP_TILE // TILE_GROUPS) - 1, axis=0)
-        cand_keys_row = cand_keys_ptr + row.to(tl.int64) * capacity
-        cand_columns_row = cand_columns_ptr + row.to(tl.int64) * capacity
-        tl.store(cand_keys_row + first + position, keys, mask=is_candidate != 0)
-        tl.store(cand_columns_row + first + position, columns, mask=is_candidate != 0)
+        if LEAN_GATHER:
+            flags_row = state_row + _PIECE_FLAGS
+            cand_keys_row = cand_keys_ptr + row.to(tl.int64) * capacity
+            cand_columns_row = cand_columns_ptr + row.to(tl.int64) * capacity
+            quad0, quad1, quad2, quad3 = _gather_quads(src_row, start, stride_col, ids, piece_first, num_qualifying,
+                                                       length, TILE_GROUPS, GROUP, True)
+            _compact_quads(quad0, quad1, quad2, quad3, ids, piece_first, num_qualifying, length, bound, inclusive,
+                           piece * 0, cand_keys_row, cand_columns_row, flags_row, piece, TILE_GROUPS, GROUP,
+                           GROUP_TILE // TILE_GROUPS)
+        else:
+            values = _gather_piece(src_row, start, stride_col, ids, piece_first, num_qualifying, length, TILE_GROUPS,
+                                   GROUP, True)
+            columns = ids[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [TILE_GROUPS, GROUP]
+            inside = (piece_first + group_ids < num_qualifying)[:, None] & (columns < length)
+            keys = _order_keys(values, inside)
+            is_candidate = _reaches(keys, bound, inclusive).to(tl.int32)
+            per_group = tl.sum(is_candidate, axis=1)  # [TILE_GROUPS]
+            position = (tl.cumsum(per_group, axis=0) - per_group)[:, None] + tl.cumsum(is_candidate, axis=1) - 1
+            # The flag needs only the count (not the candidates): later pieces of the row wait on it alone.
+            flags_row = state_row + _PIECE_FLAGS
+            tl.atomic_xchg(flags_row + piece, tl.sum(per_group, axis=0) + 1, sem="relaxed", scope="gpu")
+            first = tl.sum(_flags_before(flags_row, piece, GROUP_TILE // TILE_GROUPS) - 1, axis=0)
+            cand_keys_row = cand_keys_ptr + row.to(tl.int64) * capacity
+            cand_columns_row = cand_columns_ptr + row.to(tl.int64) * capacity
+            tl.store(cand_keys_row + first + position, keys, mask=is_candidate != 0)
+            tl.store(cand_columns_row + first + position, columns, mask=is_candidate != 0)
         _stamp(timeline_ptr, pid, _TL_GATHERED, _TL_PIECE_SLOTS, TIMELINE)
         tl.debug_barrier()
         arrived = tl.atomic_add(state_row + _PIECE_ARRIVED, 1, sem="acq_rel", scope="gpu")
@@ -1285,6 +1505,8 @@ def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args
     groups = torch.empty((num_rows, 2 * group_tile), dtype=torch.int32, device=device)
     stream = not (config.maxima_launch and group <= config.chunk <= stream_tile)
     pieces = config.gather_launch and config.row_stages >= 2
+    row_ready = pieces and num_rows <= config.pieces_ready_max_rows and not stream
+    lean = config.lean_gather and 4 <= group <= 16
     pdl = _pdl_args(config, logits.device)
     if pieces:
         max_pieces = triton.cdiv(min(max(enough, k - 1), group_tile), stream_tile // group)
@@ -1295,10 +1517,11 @@ def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args
     cand_columns = torch.empty_like(cand_keys)
     if not stream:
         num_chunks = triton.cdiv(width, config.chunk)
+        ready_state = (state, state.stride(0)) if row_ready else (groups, 0)  # the words the maxima launch clears
         _split_group_max_kernel[(num_rows * num_chunks,)](
-            logits, logits.stride(0), logits.stride(1), *bounds, groups, groups, 0, width, next_n, num_chunks,
+            logits, logits.stride(0), logits.stride(1), *bounds, groups, *ready_state, width, next_n, num_chunks,
             CHUNK=config.chunk, GROUP=group, MAXIMA_STRIDE=2 * group_tile, CLEAR_STATE=False,
-            num_warps=config.split_warps, **bounds_flags, **pdl,
+            CLEAR_READY=row_ready, num_warps=config.split_warps, **bounds_flags, **pdl,
             **_timeline_args(timeline, "maxima", num_rows * num_chunks, _TL_MAXIMA_SLOTS.value, device),
         )
     warps = config.stream_warps
@@ -1310,8 +1533,9 @@ def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args
         GROUP=group, GROUP_TILE=group_tile, STREAM_TILE=stream_tile, CANDIDATE_BLOCK=candidate_block,
         PAD_BLOCK=_PAD_BLOCK, STREAM=stream, VECTOR_GATHER=config.vector_gather,
         PREFETCH_GATHER=config.prefetch_gather, STAGES=1 if pieces else config.row_stages, STORE_STATE=pieces,
-        CARRY_BOUND=_carry(group_tile, warps), CARRY_SEARCH=carry_search, num_warps=warps, **bounds_flags,
-        **slot_args[1], **pdl, **_timeline_args(timeline, "rows", num_rows, row_slots, device),
+        CARRY_BOUND=_carry(group_tile, warps), CARRY_SEARCH=carry_search, SIGNAL_READY=row_ready,
+        LEAN_GATHER=lean and not pieces, num_warps=warps,
+        **bounds_flags, **slot_args[1], **pdl, **_timeline_args(timeline, "rows", num_rows, row_slots, device),
     )
     if pieces:
         registers = {} if config.pieces_max_registers is None else dict(maxnreg=config.pieces_max_registers)
@@ -1319,8 +1543,9 @@ def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args
             logits, logits.stride(0), logits.stride(1), *bounds, out, out.stride(0), out.stride(1),
             groups, state, state.stride(0), cand_keys, cand_columns, capacity, width, k, next_n, *slot_args[0],
             GROUP=group, GROUP_TILE=group_tile, STREAM_TILE=stream_tile, CANDIDATE_BLOCK=candidate_block,
-            MAX_PIECES=max_pieces, PAD_BLOCK=_PAD_BLOCK, CARRY=carry_search, num_warps=warps, **registers,
-            **bounds_flags, **slot_args[1], **pdl,
+            MAX_PIECES=max_pieces, PAD_BLOCK=_PAD_BLOCK, CARRY=carry_search, WAIT_READY=row_ready,
+            LEAN_GATHER=lean, num_warps=warps,
+            **registers, **bounds_flags, **slot_args[1], **pdl,
             **_timeline_args(timeline, "pieces", num_rows * max_pieces, _TL_PIECE_SLOTS.value, device),
         )
 
