@@ -274,6 +274,26 @@ def test_wide_path_rule(kernel_device, monkeypatch, num_rows):
     assert launched == ["_launch_split" if num_rows < 3 else "_launch_row_programs"]
 
 
+@pytest.mark.parametrize("num_rows", [3, 4])
+def test_pieces_ready_rule(kernel_device, monkeypatch, num_rows):
+    # The gather pieces wait on their own row program's ready word in calls of up to `pieces_ready_max_rows` rows,
+    # on the whole row-program grid above; both exact.
+    config = replace(PIECES, pdl=True, pieces_ready_max_rows=3)
+    pieces_kernel = triton_impl._row_pieces_kernel
+    waits = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                waits.append(kwargs["WAIT_READY"])
+                return pieces_kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(triton_impl, "_row_pieces_kernel", Recorder())
+    assert_same(tie_heavy(num_rows, 40, 2, kernel_device), 5, None, None, config)
+    assert waits == [num_rows <= 3]
+
+
 def tie_heavy(num_rows, width, seed, device):
     rng = torch.Generator().manual_seed(seed)
     values = torch.randint(-3, 4, (num_rows, width), generator=rng).float() / 2
