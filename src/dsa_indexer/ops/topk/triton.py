@@ -1066,37 +1066,93 @@ def _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusiv
 
 
 @triton.jit
-def _gather_candidates_lean(src_row, start, stride_col, length, ids, ids_row, num_qualifying, bound, inclusive,
-                            cand_keys_row, cand_columns_row, row, timeline_ptr, TIMELINE_SLOTS: tl.constexpr,
-                            TILE_GROUPS: tl.constexpr, GROUP: tl.constexpr, VECTOR_GATHER: tl.constexpr,
-                            PREFETCH_GATHER: tl.constexpr, TIMELINE: tl.constexpr):
-    """A row program's gather loop with ``lean_gather``: the candidates of the ``num_qualifying`` groups listed at
-    ``ids_row`` (``ids``: the first piece's, already loaded) in column order at buffer slots ``0, ...``, piece by
-    piece (``_gather_quads``, ``_compact_quads``; the next piece's quads in flight with ``PREFETCH_GATHER``).
-    Returns the number of candidates."""
+def _compact_tile(values, ids, piece_first, num_qualifying, length, bound, inclusive, num_candidates, cand_keys_row,
+                  cand_columns_row, flags_row, piece, TILE_GROUPS: tl.constexpr, GROUP: tl.constexpr,
+                  FLAG_TILE: tl.constexpr):
+    """``_compact_quads`` for a piece loaded as one ``[TILE_GROUPS, GROUP]`` tile (``_gather_piece``; groups of any
+    width, a group spread over several lanes): per-group sums and in-group ranks across lanes."""
+    columns = ids[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [TILE_GROUPS, GROUP]
+    inside = (piece_first + tl.arange(0, TILE_GROUPS) < num_qualifying)[:, None] & (columns < length)
+    keys = _order_keys(values, inside)
+    is_candidate = _reaches(keys, bound, inclusive).to(tl.int32)
+    per_group = tl.sum(is_candidate, axis=1)  # [TILE_GROUPS]
+    position = (tl.cumsum(per_group, axis=0) - per_group)[:, None] + tl.cumsum(is_candidate, axis=1) - 1
+    piece_count = tl.sum(per_group, axis=0)
+    if FLAG_TILE > 0:
+        # The flag needs only the count (not the candidates): later pieces of the row wait on it alone.
+        tl.atomic_xchg(flags_row + piece, piece_count + 1, sem="relaxed", scope="gpu")
+        num_candidates += tl.sum(_flags_before(flags_row, piece, FLAG_TILE) - 1, axis=0)
+    tl.store(cand_keys_row + num_candidates + position, keys, mask=is_candidate != 0)
+    tl.store(cand_columns_row + num_candidates + position, columns, mask=is_candidate != 0)
+    return piece_count
+
+
+@triton.jit
+def _gather_loaded(src_row, start, stride_col, ids, piece_first, num_qualifying, length, TILE_GROUPS: tl.constexpr,
+                   GROUP: tl.constexpr, VECTOR_GATHER: tl.constexpr, LEAN_GATHER: tl.constexpr):
+    """A gather piece's logits as four tensors: the quads of ``_gather_quads`` with ``LEAN_GATHER``, else the
+    ``_gather_piece`` tile four times (``_compact_tile`` reads the first only)."""
+    if LEAN_GATHER:
+        quad0, quad1, quad2, quad3 = _gather_quads(src_row, start, stride_col, ids, piece_first, num_qualifying,
+                                                   length, TILE_GROUPS, GROUP, VECTOR_GATHER)
+    else:
+        quad0 = _gather_piece(src_row, start, stride_col, ids, piece_first, num_qualifying, length, TILE_GROUPS,
+                              GROUP, VECTOR_GATHER)
+        quad1 = quad0
+        quad2 = quad0
+        quad3 = quad0
+    return quad0, quad1, quad2, quad3
+
+
+@triton.jit
+def _compact_loaded(quad0, quad1, quad2, quad3, ids, piece_first, num_qualifying, length, bound, inclusive,
+                    num_candidates, cand_keys_row, cand_columns_row, flags_row, piece, TILE_GROUPS: tl.constexpr,
+                    GROUP: tl.constexpr, FLAG_TILE: tl.constexpr, LEAN_GATHER: tl.constexpr):
+    """``_compact_quads`` or ``_compact_tile`` of ``_gather_loaded``'s tensors; returns the piece's candidates."""
+    if LEAN_GATHER:
+        piece_count = _compact_quads(quad0, quad1, quad2, quad3, ids, piece_first, num_qualifying, length, bound,
+                                     inclusive, num_candidates, cand_keys_row, cand_columns_row, flags_row, piece,
+                                     TILE_GROUPS, GROUP, FLAG_TILE)
+    else:
+        piece_count = _compact_tile(quad0, ids, piece_first, num_qualifying, length, bound, inclusive, num_candidates,
+                                    cand_keys_row, cand_columns_row, flags_row, piece, TILE_GROUPS, GROUP, FLAG_TILE)
+    return piece_count
+
+
+@triton.jit
+def _gather_candidates(src_row, start, stride_col, length, ids, ids_row, num_qualifying, bound, inclusive,
+                       cand_keys_row, cand_columns_row, row, timeline_ptr, TIMELINE_SLOTS: tl.constexpr,
+                       TILE_GROUPS: tl.constexpr, GROUP: tl.constexpr, VECTOR_GATHER: tl.constexpr,
+                       PREFETCH_GATHER: tl.constexpr, LEAN_GATHER: tl.constexpr, TIMELINE: tl.constexpr):
+    """A row program's gather loop: the candidates of the ``num_qualifying`` groups listed at ``ids_row`` (``ids``:
+    the first piece's, already loaded) in column order at buffer slots ``0, ...``, piece by piece
+    (``_gather_loaded``, ``_compact_loaded``: by quads with ``LEAN_GATHER``, else by group tiles; the next piece's
+    logits in flight with ``PREFETCH_GATHER``, the ids a piece further ahead). Returns the number of candidates."""
     group_ids = tl.arange(0, TILE_GROUPS)  # [TILE_GROUPS]
     num_candidates = num_qualifying * 0
     piece_first = num_qualifying * 0
-    quad0, quad1, quad2, quad3 = _gather_quads(src_row, start, stride_col, ids, piece_first, num_qualifying, length,
-                                               TILE_GROUPS, GROUP, VECTOR_GATHER)
+    quad0, quad1, quad2, quad3 = _gather_loaded(src_row, start, stride_col, ids, piece_first, num_qualifying, length,
+                                                TILE_GROUPS, GROUP, VECTOR_GATHER, LEAN_GATHER)
     next_ids = tl.load(ids_row + TILE_GROUPS + group_ids, mask=TILE_GROUPS + group_ids < num_qualifying, other=0,
                        cache_modifier=".cg")
     while piece_first < num_qualifying:
         next_first = piece_first + TILE_GROUPS
         if PREFETCH_GATHER:
-            next0, next1, next2, next3 = _gather_quads(src_row, start, stride_col, next_ids, next_first,
-                                                       num_qualifying, length, TILE_GROUPS, GROUP, VECTOR_GATHER)
+            next0, next1, next2, next3 = _gather_loaded(src_row, start, stride_col, next_ids, next_first,
+                                                        num_qualifying, length, TILE_GROUPS, GROUP, VECTOR_GATHER,
+                                                        LEAN_GATHER)
         later = next_first + TILE_GROUPS + group_ids
         later_ids = tl.load(ids_row + later, mask=later < num_qualifying, other=0, cache_modifier=".cg")
-        num_candidates += _compact_quads(quad0, quad1, quad2, quad3, ids, piece_first, num_qualifying, length, bound,
-                                         inclusive, num_candidates, cand_keys_row, cand_columns_row, None, 0,
-                                         TILE_GROUPS, GROUP, 0)
+        num_candidates += _compact_loaded(quad0, quad1, quad2, quad3, ids, piece_first, num_qualifying, length, bound,
+                                          inclusive, num_candidates, cand_keys_row, cand_columns_row, None, 0,
+                                          TILE_GROUPS, GROUP, 0, LEAN_GATHER)
         _stamp(timeline_ptr, row, _TL_ROW_PIECES + piece_first // TILE_GROUPS, TIMELINE_SLOTS, TIMELINE)
         if PREFETCH_GATHER:
             quad0, quad1, quad2, quad3 = next0, next1, next2, next3
         else:
-            quad0, quad1, quad2, quad3 = _gather_quads(src_row, start, stride_col, next_ids, next_first,
-                                                       num_qualifying, length, TILE_GROUPS, GROUP, VECTOR_GATHER)
+            quad0, quad1, quad2, quad3 = _gather_loaded(src_row, start, stride_col, next_ids, next_first,
+                                                        num_qualifying, length, TILE_GROUPS, GROUP, VECTOR_GATHER,
+                                                        LEAN_GATHER)
         ids = next_ids
         next_ids = later_ids
         piece_first = next_first
@@ -1127,7 +1183,7 @@ def _row_program_kernel(
     after this grid's wait (``_wait_then_release_next_grid``). ``CARRY_BOUND`` / ``CARRY_SEARCH``: the counts
     (``_reaching``) of the lower-bound search and of the candidates' search (``_select_and_emit``). ``PDL``:
     ``_wait_for_previous_grid``. ``TIMELINE``: ``_stamp`` (``_TL_*``; gather piece i at ``_TL_ROW_PIECES + i``).
-    ``LEAN_GATHER`` (``lean_gather``, GROUP 4 to 16): the gather loop by quads (``_gather_candidates_lean``)."""
+    ``LEAN_GATHER`` (``lean_gather``, GROUP 4 to 16): the gather by quads (``_gather_candidates``)."""
     TIMELINE_SLOTS: tl.constexpr = _TL_ROW_PIECES + GROUP_TILE // (STREAM_TILE // GROUP)
     _stamp(timeline_ptr, tl.program_id(0), _TL_START, TIMELINE_SLOTS, TIMELINE)
     if SIGNAL_READY:
@@ -1193,45 +1249,11 @@ def _row_program_kernel(
         # Candidates of the qualifying groups, in column order (groups ascending, then columns in a group).
         cand_keys_row = cand_keys_ptr + row.to(tl.int64) * capacity
         cand_columns_row = cand_columns_ptr + row.to(tl.int64) * capacity
-        num_candidates = row * 0
-        piece_first = row * 0
         ids = tl.load(ids_row + group_ids, mask=group_ids < num_qualifying, other=0, cache_modifier=".cg")
-        if LEAN_GATHER:
-            num_candidates = _gather_candidates_lean(src_row, start, stride_col, length, ids, ids_row,
-                                                     num_qualifying, bound, inclusive, cand_keys_row,
-                                                     cand_columns_row, row, timeline_ptr, TIMELINE_SLOTS, TILE_GROUPS,
-                                                     GROUP, VECTOR_GATHER, PREFETCH_GATHER, TIMELINE)
-        else:
-            values = _gather_piece(src_row, start, stride_col, ids, piece_first, num_qualifying, length, TILE_GROUPS,
-                                   GROUP, VECTOR_GATHER)
-            next_ids = tl.load(ids_row + TILE_GROUPS + group_ids, mask=TILE_GROUPS + group_ids < num_qualifying,
-                               other=0, cache_modifier=".cg")
-            while piece_first < num_qualifying:
-                next_first = piece_first + TILE_GROUPS
-                if PREFETCH_GATHER:
-                    next_values = _gather_piece(src_row, start, stride_col, next_ids, next_first, num_qualifying,
-                                                length, TILE_GROUPS, GROUP, VECTOR_GATHER)
-                later = next_first + TILE_GROUPS + group_ids
-                later_ids = tl.load(ids_row + later, mask=later < num_qualifying, other=0, cache_modifier=".cg")
-                columns = ids[:, None] * GROUP + in_group  # [TILE_GROUPS, GROUP]
-                inside = (piece_first + group_ids < num_qualifying)[:, None] & (columns < length)
-                keys = _order_keys(values, inside)
-                is_candidate = _reaches(keys, bound, inclusive).to(tl.int32)
-                per_group = tl.sum(is_candidate, axis=1)  # [TILE_GROUPS]
-                group_first = num_candidates + tl.cumsum(per_group, axis=0) - per_group
-                position = group_first[:, None] + tl.cumsum(is_candidate, axis=1) - 1
-                tl.store(cand_keys_row + position, keys, mask=is_candidate != 0)
-                tl.store(cand_columns_row + position, columns, mask=is_candidate != 0)
-                num_candidates += tl.sum(per_group, axis=0)
-                _stamp(timeline_ptr, row, _TL_ROW_PIECES + piece_first // TILE_GROUPS, TIMELINE_SLOTS, TIMELINE)
-                if PREFETCH_GATHER:
-                    values = next_values
-                else:
-                    values = _gather_piece(src_row, start, stride_col, next_ids, next_first, num_qualifying, length,
-                                           TILE_GROUPS, GROUP, VECTOR_GATHER)
-                ids = next_ids
-                next_ids = later_ids
-                piece_first = next_first
+        num_candidates = _gather_candidates(src_row, start, stride_col, length, ids, ids_row, num_qualifying, bound,
+                                            inclusive, cand_keys_row, cand_columns_row, row, timeline_ptr,
+                                            TIMELINE_SLOTS, TILE_GROUPS, GROUP, VECTOR_GATHER, PREFETCH_GATHER,
+                                            LEAN_GATHER, TIMELINE)
         tl.debug_barrier()
 
     if STAGES >= 3:
@@ -1292,32 +1314,14 @@ def _row_pieces_kernel(
         group_ids = tl.arange(0, TILE_GROUPS)  # [TILE_GROUPS]
         piece_first = piece * TILE_GROUPS
         ids = tl.load(ids_row + piece_first + group_ids, mask=piece_first + group_ids < num_qualifying, other=0)
-        if LEAN_GATHER:
-            flags_row = state_row + _PIECE_FLAGS
-            cand_keys_row = cand_keys_ptr + row.to(tl.int64) * capacity
-            cand_columns_row = cand_columns_ptr + row.to(tl.int64) * capacity
-            quad0, quad1, quad2, quad3 = _gather_quads(src_row, start, stride_col, ids, piece_first, num_qualifying,
-                                                       length, TILE_GROUPS, GROUP, True)
-            _compact_quads(quad0, quad1, quad2, quad3, ids, piece_first, num_qualifying, length, bound, inclusive,
-                           piece * 0, cand_keys_row, cand_columns_row, flags_row, piece, TILE_GROUPS, GROUP,
-                           GROUP_TILE // TILE_GROUPS)
-        else:
-            values = _gather_piece(src_row, start, stride_col, ids, piece_first, num_qualifying, length, TILE_GROUPS,
-                                   GROUP, True)
-            columns = ids[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [TILE_GROUPS, GROUP]
-            inside = (piece_first + group_ids < num_qualifying)[:, None] & (columns < length)
-            keys = _order_keys(values, inside)
-            is_candidate = _reaches(keys, bound, inclusive).to(tl.int32)
-            per_group = tl.sum(is_candidate, axis=1)  # [TILE_GROUPS]
-            position = (tl.cumsum(per_group, axis=0) - per_group)[:, None] + tl.cumsum(is_candidate, axis=1) - 1
-            # The flag needs only the count (not the candidates): later pieces of the row wait on it alone.
-            flags_row = state_row + _PIECE_FLAGS
-            tl.atomic_xchg(flags_row + piece, tl.sum(per_group, axis=0) + 1, sem="relaxed", scope="gpu")
-            first = tl.sum(_flags_before(flags_row, piece, GROUP_TILE // TILE_GROUPS) - 1, axis=0)
-            cand_keys_row = cand_keys_ptr + row.to(tl.int64) * capacity
-            cand_columns_row = cand_columns_ptr + row.to(tl.int64) * capacity
-            tl.store(cand_keys_row + first + position, keys, mask=is_candidate != 0)
-            tl.store(cand_columns_row + first + position, columns, mask=is_candidate != 0)
+        flags_row = state_row + _PIECE_FLAGS
+        cand_keys_row = cand_keys_ptr + row.to(tl.int64) * capacity
+        cand_columns_row = cand_columns_ptr + row.to(tl.int64) * capacity
+        quad0, quad1, quad2, quad3 = _gather_loaded(src_row, start, stride_col, ids, piece_first, num_qualifying,
+                                                    length, TILE_GROUPS, GROUP, True, LEAN_GATHER)
+        _compact_loaded(quad0, quad1, quad2, quad3, ids, piece_first, num_qualifying, length, bound, inclusive,
+                        piece * 0, cand_keys_row, cand_columns_row, flags_row, piece, TILE_GROUPS, GROUP,
+                        GROUP_TILE // TILE_GROUPS, LEAN_GATHER)
         _stamp(timeline_ptr, pid, _TL_GATHERED, _TL_PIECE_SLOTS, TIMELINE)
         tl.debug_barrier()
         arrived = tl.atomic_add(state_row + _PIECE_ARRIVED, 1, sem="acq_rel", scope="gpu")
