@@ -412,6 +412,37 @@ def test_select_split_runs_ties_pins_and_strides(kernel_device, pieces, chunk):
     assert_views_and_strided_out_match(logits, starts, ends, 7, variant)
 
 
+# The fused select's first search round placed by the row's moments (``moment_probes``): rows whose moments
+# mislead (lognormal tails, huge values whose squares overflow, +inf blocks left out of the moments, one value,
+# negative rows) must still select exactly.
+MOMENT_VARIANTS = {"fused": dict(fused=True, fused_pieces=0, fused_step=16, moment_probes=True),
+                   "fused_off": dict(fused=True, fused_pieces=0, fused_step=16, moment_probes=False)}
+
+
+def moment_rows(width, generator):
+    normal = torch.randn(6, width, generator=generator)
+    rows = [normal[0], torch.exp(3 * normal[1]), normal[2] * 3e38, normal[3] - 50.0,
+            torch.full((width,), 2.5), normal[5].clamp_min(0.0)]
+    rows[5][::7] = float("inf")
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("variant", MOMENT_VARIANTS.values(), ids=MOMENT_VARIANTS.keys())
+@pytest.mark.parametrize("data", ["moments", "random", "ties", "close", "relu", "nan_and_neg_inf"])
+def test_select_moment_probes_match_reference(kernel_device, variant, data):
+    generator = torch.Generator().manual_seed(11)
+    if data == "moments":
+        logits = moment_rows(480, generator).to(kernel_device)
+        starts = torch.tensor([0, 4, 3, 0, 8, 1], dtype=torch.int32, device=kernel_device)
+        ends = torch.full((6,), 480, dtype=torch.int32, device=kernel_device)
+    else:
+        logits, starts, ends, _ = case(7, 60, 8, data, device=kernel_device)
+    for num_blocks_k in (1, 2, 5, 13, 100):
+        expected = select_candidate_blocks(logits, starts, ends, num_blocks_k, 4, backend="reference")
+        actual = select_candidate_blocks_triton(logits, starts, ends, num_blocks_k, 4, 1, **variant)
+        assert torch.equal(actual, expected)
+
+
 class LaunchRecorder:
     """Stands in for a Triton kernel: records the grids it is launched with, then launches."""
 
@@ -423,17 +454,20 @@ class LaunchRecorder:
         return self.kernel[grid]
 
 
-def test_select_default_path_follows_the_row_count(kernel_device, monkeypatch):
-    # From _SPLIT_MIN_ROWS rows on the default is the split select (with its defaults), below it the fused kernel.
+@pytest.mark.parametrize("min_rows,multiprocessors,split", [(8, 27, False), (7, 27, True), (8, 28, True),
+                                                             (9, 4 * 7 - 1, False)])
+def test_select_default_path_follows_the_row_count(kernel_device, monkeypatch, min_rows, multiprocessors, split):
+    # The default is the split select (with its defaults) from _SPLIT_MIN_ROWS rows on and when the 7 rows' 4
+    # pieces fit one program per SM (28), the fused kernel otherwise: each bound and one off it.
     logits, starts, ends, _ = case(7, 60, 8, "ties", device=kernel_device)
     expected = select_candidate_blocks(logits, starts, ends, 5, 8, backend="reference")
-    for min_rows, split in ((8, False), (7, True)):
-        recorder = LaunchRecorder(candidates_triton._split_select_kernel)
-        monkeypatch.setattr(candidates_triton, "_split_select_kernel", recorder)
-        monkeypatch.setattr(candidates_triton, "_SPLIT_MIN_ROWS", min_rows)
-        assert torch.equal(select_candidate_blocks_triton(logits, starts, ends, 5, 8, 1), expected)
-        assert bool(recorder.grids) == split
-        monkeypatch.undo()
+    recorder = LaunchRecorder(candidates_triton._split_select_kernel)
+    monkeypatch.setattr(candidates_triton, "_split_select_kernel", recorder)
+    monkeypatch.setattr(candidates_triton, "_SPLIT_MIN_ROWS", min_rows)
+    monkeypatch.setattr(candidates_triton, "_SPLIT_PIECES", 4)
+    monkeypatch.setattr(candidates_triton, "_multiprocessors", lambda device: multiprocessors)
+    assert torch.equal(select_candidate_blocks_triton(logits, starts, ends, 5, 8, 1), expected)
+    assert bool(recorder.grids) == split
 
 
 def test_select_fused_all_equal_unselectable_and_too_wide_rows(kernel_device):
@@ -532,7 +566,8 @@ def test_v41_shapes_select_variants(data, variant):
 
 # Bench-sized kernels (the configurations the sweep times).
 V41_FUSED_VARIANTS = {"fused": dict(fused_pieces=0), "fused_step_8192": dict(fused_pieces=0, fused_step=8192),
-                      "split_4": dict(fused_pieces=4), "split_8": dict(fused_pieces=8)}
+                      "split_4": dict(fused_pieces=4), "split_8": dict(fused_pieces=8),
+                      "fused_moments": dict(fused_pieces=0, moment_probes=True)}
 
 
 @pytest.mark.gpu

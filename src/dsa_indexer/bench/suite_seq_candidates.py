@@ -13,7 +13,9 @@ the host, which would put a CPU round trip inside the timed region).
   blocks: reads each row's logits once. The default is one launch: the split select (several streaming
   programs per row, the last selects) from 256 rows, one program per row (keys in registers) below; the stage
   records time the two kernels of the two-launch path (rows wider than 16384 blocks) alone, whose
-  block-key scratch (1/8 of the logits) is counted as overhead.
+  block-key scratch (1/8 of the logits) is counted as overhead. R 512 (256 MiB) is issue 4's shape, R 64 and 32
+  decode batches (32 takes the split kernel: its 128 pieces fit one per SM), R 2048 (1 GiB) a 2048-token prefill
+  chunk over the same context.
 - apply_candidate_mask: the same rows and the 2048 chosen blocks: writes -inf on every masked
   column (the kept ones are not touched), reads the candidate ids.
 - indices_to_slots (kernel owned by ``ops/topk``): 16384 top-2048 rows of 256 requests with 64K-token
@@ -176,6 +178,8 @@ def run(ceilings: dict[str, float]) -> list[dict]:
     rows = _bench_seq_pack(ceilings, generator)
     rows += _bench_candidates(ceilings, generator, 512, with_torch=True, stages=True)
     rows += _bench_candidates(ceilings, generator, 64, with_torch=False, stages=True)
+    rows += _bench_candidates(ceilings, generator, 32, with_torch=False, stages=False)
+    rows += _bench_candidates(ceilings, generator, 2048, with_torch=False, stages=False)
     rows += _bench_indices_to_slots(ceilings, generator)
     return rows
 
@@ -191,13 +195,18 @@ def run(ceilings: dict[str, float]) -> list[dict]:
 # row count returning one.
 SELECT_VARIANTS = {
     "default": {},
-    # The path the default does not take at this row count (the split / fused crossover, _SPLIT_MIN_ROWS).
-    "other_path": lambda num_rows: dict(fused_pieces=0 if num_rows >= candidates_triton._SPLIT_MIN_ROWS
-                                        else candidates_triton._SPLIT_PIECES),
+    # The path the default does not take at this row count (the split / fused crossovers: _default_pieces).
+    "other_path": lambda num_rows: dict(
+        fused_pieces=0 if candidates_triton._default_pieces(num_rows, torch.device("cuda"))
+        else candidates_triton._SPLIT_PIECES),
     "split_8": dict(fused_pieces=8),  # session 5 round 2: R 512 130.9 against 127.7 µs, R 256 85.7 against 85.9
+    # Session 8: the fused select's first search round placed by the row's moments (round 2: R 128 52.6 -> 49.8
+    # µs, R 64 43.5 -> 42.5; the same first round in the split select lost, its bounds pass +5 µs a row).
+    "moments": dict(moment_probes=True),
+    "no_moments": dict(moment_probes=False),
 }
 # The variants timed at the row counts of ``--subset-rows`` (the crossover's shapes).
-SUBSET_VARIANTS = ("default", "other_path", "split_8")
+SUBSET_VARIANTS = ("default", "other_path")
 
 
 def _select_kwargs(variant, num_rows: int) -> dict:

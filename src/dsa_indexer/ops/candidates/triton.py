@@ -31,9 +31,11 @@ One-launch paths (``fused``, default ``_SELECT_FUSED``; rows of at most ``_FUSED
 ``next_power_of_2(block_size) <= step``). Both hold the row's block *images*: topk's order key ``^ NONE``
 (uint32, unsigned order = value order, 0 for a block without selectable entries), never read the newest block
 (pinned), search the threshold over the other blocks for ``k - 1`` places by interpolation (four probes per
-round around the interpolated position of the k-th image, a bracket that at least halves every round) and emit
-with a prefix sum of ``greater + equal * 2**16`` in block-id order (as topk's ``_emit_taken``), then ``-1``
-padding. ``fused_pieces`` (default: ``_SPLIT_PIECES`` from ``_SPLIT_MIN_ROWS`` rows on, else 0) picks:
+round around the interpolated position of the k-th image, a bracket that at least halves every round; the fused
+kernel opens with four probes placed by the row's moments, ``_moment_probes``) and emit with a prefix sum of
+``greater + equal * 2**16`` in block-id order (as topk's ``_emit_taken``), then ``-1`` padding. ``fused_pieces``
+(default ``_default_pieces``: ``_SPLIT_PIECES`` from ``_SPLIT_MIN_ROWS`` rows on and when all the rows' pieces fit
+one program per SM, else 0) picks:
 
 - 0: ``_fused_select_kernel``, one program of ``_FUSED_WARPS`` warps per row, streams the row in steps of
   ``step`` logits (16-byte loads on rows whose start is a multiple of 4; the next step's loads are issued
@@ -73,6 +75,7 @@ the ops are CUDA-graph capturable.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -102,15 +105,17 @@ _FUSED_WARPS = 16  # 128 registers, one program per SM (32 warps, 64 registers, 
 _FUSED_STEP = 16384  # logits per streaming step (BLOCK_J x blocks per step); 8192: +4% in run 6
 # Split select from _SPLIT_MIN_ROWS rows on (session 5 rounds 1-2, cold graph, the defaults below: R 512 127.7 µs
 # against 150.5 for one program per row, R 256 85.9 against 89.4; below, one program per row wins: R 128 54.9
-# against 69.2, R 64 43.9 against 49.2): programs per row, their warps, register cap (three programs per SM: a
-# selecting one beside streaming ones), the selection's chunk of images re-read by every pass, and the logits per
-# streaming step.
+# against 69.2, R 64 43.9 against 49.2), and at few rows, when all the pieces fit one wave on the SMs (session 8:
+# R 1 / 16 / 32 / 33 24.6 / 32.5 / 31.4 / 33.8 µs against 35.7 / 40.2 / 37.1 / 38.3 fused; R 40 43.5 against
+# 38.6): programs per row, their warps, register cap (three programs per SM: a selecting one beside streaming
+# ones), the selection's chunk of images re-read by every pass, and the logits per streaming step.
 _SPLIT_MIN_ROWS = 256
 _SPLIT_PIECES = 4  # round 2: 127.7 µs against 130.9 for 8 pieces at R 512
 _SPLIT_WARPS = 8
 _SPLIT_MAX_REGISTERS = 80
 _SPLIT_CHUNK = 2048
 _SPLIT_STEP = 8192
+_MOMENT_PROBES = True  # the fused select's first search round placed by the row's moments (session 8: R 128 -5 %)
 _PAD_BLOCK = 1024
 
 
@@ -328,6 +333,11 @@ def _add_pairs(a_first, a_second, b_first, b_second):
 
 
 @triton.jit
+def _add_triples(a_first, a_second, a_third, b_first, b_second, b_third):
+    return a_first + b_first, a_second + b_second, a_third + b_third
+
+
+@triton.jit
 def _image_value(image):
     """The fp32 value whose order image is ``image`` (int64 in ``[1, 2**32)``)."""
     key = image.to(tl.int32) ^ NONE  # the low 32 bits; topk's signed order key
@@ -410,7 +420,48 @@ def _narrow_by_probes(below, above, middle, halving, first, second, k, low, low_
 
 
 @triton.jit
-def _kth_largest_interpolated(images, k, selectable, CARRY: tl.constexpr):
+def _moment_terms(images):
+    """fp32 ``(1, v, v * v)`` of the finite values ``v`` of the uint32 ``images`` (0 and ``+inf``'s image give
+    zeros): summed over a row they are the count, sum and sum of squares of its finite selectable values."""
+    finite = (images != 0) & (images < INF_IMAGE)
+    key = images.to(tl.int32, bitcast=True) ^ NONE
+    value = tl.where(finite, (key ^ ((key >> 31) & KEY_MAX)).to(tl.float32, bitcast=True), 0.0)
+    return finite.to(tl.float32), value, value * value
+
+
+@triton.jit
+def _moment_probes(k, selectable, finite, total, squares, low, high):
+    """Four probes (int64 images inside ``(low, high)``) for the first round of the search, placed in value space
+    by the row's moments: ``mean + sd * (z + d)`` for ``d`` in -0.3, -0.1, 0.1, 0.3, with ``z`` the standard
+    normal quantile of the k-th largest's place among the ``finite`` values (Tukey's lambda approximation,
+    ~0.01 off). On bell-shaped rows (the block maxima of normal or ReLU-weighted logits) they bracket the k-th
+    image within a few hundred images, where the first interpolated round leaves thousands (session 8's
+    simulation: 3.5 rounds against 6.3); elsewhere they are ordinary counted probes (the search stays exact)."""
+    mean = total / tl.maximum(finite, 1.0)
+    sd = tl.sqrt(tl.maximum(squares / tl.maximum(finite, 1.0) - mean * mean, 0.0))
+    above = (k - (selectable - finite.to(tl.int32))).to(tl.float32)  # the infinite ones rank first
+    tail = tl.minimum(tl.maximum(above / tl.maximum(finite, 1.0), 1e-4), 1.0 - 1e-4)
+    z = 4.91 * (tl.exp2(0.14 * tl.log2(1.0 - tail)) - tl.exp2(0.14 * tl.log2(tail)))
+    return (_probe(mean + sd * (z - 0.3), low, high), _probe(mean + sd * (z + 0.3), low, high),
+            _probe(mean + sd * (z - 0.1), low, high), _probe(mean + sd * (z + 0.1), low, high))
+
+
+@triton.jit
+def _probes(k, selectable, low, low_count, high, high_count, opening, finite, total, squares, MOMENTS: tl.constexpr):
+    """The four probes of a search round: ``_round_probes``, or with ``MOMENTS`` in the ``opening`` round
+    ``_moment_probes`` (one copy of the round's counting code serves both)."""
+    if MOMENTS:
+        if opening != 0:
+            below, above, middle, halving = _moment_probes(k, selectable, finite, total, squares, low, high)
+        else:
+            below, above, middle, halving = _round_probes(k, low, low_count, high, high_count)
+    else:
+        below, above, middle, halving = _round_probes(k, low, low_count, high, high_count)
+    return below, above, middle, halving
+
+
+@triton.jit
+def _kth_largest_interpolated(images, k, selectable, CARRY: tl.constexpr, MOMENTS: tl.constexpr):
     """A uint32 ``t`` that is the k-th largest of the 1-D uint32 ``images`` (fewer than 32768, ``selectable >
     k >= 1`` of them other than 0) or that exactly k images reach; either gives the same selection.
 
@@ -418,13 +469,22 @@ def _kth_largest_interpolated(images, k, selectable, CARRY: tl.constexpr):
     inside it per round (``_round_probes``; two packed int32 sums, one block reduction, ``_reach_pair`` with
     ``CARRY``). The image-space midpoint at least halves the bracket every round (at most 32 rounds whatever
     the data; 4-10 on the bench data against 10-13 for topk's two bits a round, run 6: -12%). Ends when
-    ``#(images >= low) == k`` or the bracket is one image wide (then ``low`` is the k-th largest)."""
+    ``#(images >= low) == k`` or the bracket is one image wide (then ``low`` is the k-th largest). ``MOMENTS``:
+    the first round's probes come from the row's moments (``_moment_probes``)."""
     low = tl.min(tl.where(images != 0, images, tl.full([], 0xFFFFFFFF, tl.uint32)), axis=0).to(tl.int64)
     high = tl.max(images, axis=0).to(tl.int64) + 1
     low_count = selectable
     high_count = selectable * 0
+    finite = 0.0
+    total = 0.0
+    squares = 0.0
+    if MOMENTS:
+        finite, total, squares = tl.reduce(_moment_terms(images), 0, _add_triples)
+    opening = selectable * 0 + 1
     while (low_count > k) & (high - low > 1):
-        below, above, middle, halving = _round_probes(k, low, low_count, high, high_count)
+        below, above, middle, halving = _probes(k, selectable, low, low_count, high, high_count, opening, finite,
+                                                total, squares, MOMENTS)
+        opening = opening * 0
         first, second = tl.reduce((_reach_pair(images, below, above, CARRY),
                                    _reach_pair(images, middle, halving, CARRY)), 0, _add_pairs)
         low, low_count, high, high_count = _narrow_by_probes(below, above, middle, halving, first, second, k, low,
@@ -433,7 +493,7 @@ def _kth_largest_interpolated(images, k, selectable, CARRY: tl.constexpr):
 
 
 @triton.jit
-def _threshold(images, num_blocks, num_blocks_k, CARRY: tl.constexpr):
+def _threshold(images, num_blocks, num_blocks_k, CARRY: tl.constexpr, MOMENTS: tl.constexpr):
     """The uint32 image ``t`` of a row's selection over its (unpinned) ``images``: every block above ``t`` is
     taken, then the first ``k - #(> t)`` equal to it in id order (0: take every selectable block; the image of
     ``+inf``: only the pin, ``k == 1``)."""
@@ -442,7 +502,7 @@ def _threshold(images, num_blocks, num_blocks_k, CARRY: tl.constexpr):
     t = tl.zeros([], tl.uint32)
     if selectable > k_rest:
         if k_rest > 0:
-            t = _kth_largest_interpolated(images, k_rest, selectable, CARRY)
+            t = _kth_largest_interpolated(images, k_rest, selectable, CARRY, MOMENTS)
         else:
             t = tl.full([], INF_IMAGE, tl.uint32)
     return t
@@ -454,6 +514,7 @@ def _fused_select_kernel(
     row_repeat, num_blocks_k, stride_row, stride_col, out_stride_row, out_stride_col,
     HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr, STEPS: tl.constexpr,
     STEP_NB: tl.constexpr, VECTOR: tl.constexpr, PAD_BLOCK: tl.constexpr, CARRY: tl.constexpr,
+    MOMENTS: tl.constexpr,
 ):
     """One program per row: stream the row, hold its ``STEPS * STEP_NB`` block images in registers
     (``[STEPS, STEP_NB]``, block ``s * STEP_NB + j`` at ``[s, j]``), find the threshold and emit.
@@ -484,7 +545,7 @@ def _fused_select_kernel(
     # Row-major flattening (free: [s, j] and s * STEP_NB + j share a thread) keeps block-id order.
     images = tl.reshape(images, [STEPS * STEP_NB])  # [NB]
     block_ids = tl.arange(0, STEPS * STEP_NB)  # [NB]
-    t = _threshold(images, num_blocks, num_blocks_k, CARRY)
+    t = _threshold(images, num_blocks, num_blocks_k, CARRY, MOMENTS)
     images = tl.where(block_ids == num_blocks - 1, INF_IMAGE, images)
     greater = images > t
     equal = (images == t) & (images != 0)
@@ -844,6 +905,27 @@ def select_from_keys(keys: torch.Tensor, starts: torch.Tensor | None, ends: torc
     return out
 
 
+@functools.lru_cache
+def _multiprocessor_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _multiprocessors(device: torch.device) -> int:
+    """SMs of ``device``; tensors on the CPU (Triton's interpreter) count as an H200's 132."""
+    if device.type != "cuda":
+        return 132
+    return _multiprocessor_count(torch.cuda.current_device() if device.index is None else device.index)
+
+
+def _default_pieces(num_rows: int, device: torch.device) -> int:
+    """Programs per row of the default one-launch select: ``_SPLIT_PIECES`` (the split kernel) from
+    ``_SPLIT_MIN_ROWS`` rows on and when every row's pieces fit one wave of programs, one per SM (each streams a
+    quarter of its row); else 0 (the fused kernel, one program per row)."""
+    if num_rows >= _SPLIT_MIN_ROWS or num_rows * _SPLIT_PIECES <= _multiprocessors(device):
+        return _SPLIT_PIECES
+    return 0
+
+
 def _carry_mode(elements: int, threads: int) -> int:
     """``CARRY`` of the search's counting for ``elements`` images counted at once by ``threads`` threads: 0
     (compare) under Triton's CPU interpreter (it cannot run inline PTX; the counts are the same), 4 when every
@@ -856,12 +938,14 @@ def _carry_mode(elements: int, threads: int) -> int:
 def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.Tensor, num_blocks_k: int,
                  block_size: int, row_repeat: int, out: torch.Tensor, *, vector: bool | None = None,
                  step: int = _FUSED_STEP, pieces: int | None = None, piece_warps: int | None = None,
-                 piece_chunk: int | None = None, piece_step: int | None = None) -> torch.Tensor:
-    """Rows of at most ``_FUSED_MAX_BLOCKS`` blocks in one launch. ``pieces`` (default: ``_SPLIT_PIECES`` from
-    ``_SPLIT_MIN_ROWS`` rows on, else 0) picks the kernel:
+                 piece_chunk: int | None = None, piece_step: int | None = None,
+                 moment_probes: bool | None = None) -> torch.Tensor:
+    """Rows of at most ``_FUSED_MAX_BLOCKS`` blocks in one launch. ``pieces`` (default ``_default_pieces``) picks the
+    kernel:
 
     - 0: ``_fused_select_kernel``, one program of ``_FUSED_WARPS`` warps per row, ``step`` logits per streaming
-      step. Needs ``next_power_of_2(block_size) <= step`` (``select_candidate_blocks_triton`` checks it).
+      step; ``moment_probes`` (default ``_MOMENT_PROBES``): its search's first round takes ``_moment_probes``.
+      Needs ``next_power_of_2(block_size) <= step`` (``select_candidate_blocks_triton`` checks it).
     - > 0: ``_split_select_kernel``, ``pieces`` programs of ``piece_warps`` (default ``_SPLIT_WARPS``) warps per
       row (at most one per block), the last to finish selecting with the images re-read in chunks of
       ``piece_chunk`` (default ``_SPLIT_CHUNK``, capped at the row's; the emit's tensor holds runs of 4 ids per
@@ -881,7 +965,7 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
     starts_arg, has_starts = _bounds_args(starts, ends)
     block_j = triton.next_power_of_2(block_size)
     if pieces is None:
-        pieces = _SPLIT_PIECES if num_rows >= _SPLIT_MIN_ROWS else 0
+        pieces = _default_pieces(num_rows, logits.device)
     if pieces:
         pieces = min(triton.next_power_of_2(pieces), padded_blocks)
         piece_blocks = padded_blocks // pieces
@@ -907,7 +991,8 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
         row_repeat, num_blocks_k, logits.stride(0), logits.stride(1), out.stride(0), out.stride(1),
         HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_J=block_j, STEPS=padded_blocks // step_blocks,
         STEP_NB=step_blocks, VECTOR=vector, PAD_BLOCK=_PAD_BLOCK,
-        CARRY=_carry_mode(padded_blocks, 32 * _FUSED_WARPS), num_warps=_FUSED_WARPS,
+        CARRY=_carry_mode(padded_blocks, 32 * _FUSED_WARPS),
+        MOMENTS=_MOMENT_PROBES if moment_probes is None else moment_probes, num_warps=_FUSED_WARPS,
     )
     return out
 
@@ -929,12 +1014,13 @@ def select_candidate_blocks_triton(
     fused_piece_warps: int | None = None,
     fused_piece_chunk: int | None = None,
     fused_piece_step: int | None = None,
+    moment_probes: bool | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``select_candidate_blocks_reference``. ``fused`` (default ``_SELECT_FUSED``; only
     logits of at most ``_FUSED_MAX_BLOCKS`` blocks per row and blocks of at most ``fused_step``
     positions, others take the two launches) runs ``select_fused`` with ``fused_step`` and the split select's
-    ``fused_pieces`` (0: one program per row; default by row count), ``fused_piece_warps``, ``fused_piece_chunk``
-    and ``fused_piece_step``;
+    ``fused_pieces`` (0: one program per row; default by row count), ``fused_piece_warps``, ``fused_piece_chunk``,
+    ``fused_piece_step`` and ``moment_probes`` (the fused kernel's);
     ``vector`` goes to whichever path runs, ``keys_tile`` to ``block_keys`` (two launches)."""
     if out is None:
         out = torch.empty((logits.shape[0], num_blocks_k), dtype=torch.int32, device=logits.device)
@@ -943,7 +1029,8 @@ def select_candidate_blocks_triton(
     if fused and padded_blocks <= _FUSED_MAX_BLOCKS and triton.next_power_of_2(block_size) <= fused_step:
         return select_fused(logits, starts, ends, num_blocks_k, block_size, row_repeat, out, vector=vector,
                             step=fused_step, pieces=fused_pieces, piece_warps=fused_piece_warps,
-                            piece_chunk=fused_piece_chunk, piece_step=fused_piece_step)
+                            piece_chunk=fused_piece_chunk, piece_step=fused_piece_step,
+                            moment_probes=moment_probes)
     keys = block_keys(logits, starts, ends, block_size, row_repeat, vector=vector, tile=keys_tile)
     return select_from_keys(keys, starts, ends, num_blocks_k, block_size, row_repeat, out)
 
