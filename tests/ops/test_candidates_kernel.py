@@ -412,11 +412,14 @@ def test_select_split_runs_ties_pins_and_strides(kernel_device, pieces, chunk):
     assert_views_and_strided_out_match(logits, starts, ends, 7, variant)
 
 
-# The fused select's first search round placed by the row's moments (``moment_probes``): rows whose moments
+# The first search round placed by the row's moments (the fused select's ``moment_probes``, the split select's
+# ``fused_piece_moments``, from its pieces' sums): rows whose moments
 # mislead (lognormal tails, huge values whose squares overflow, +inf blocks left out of the moments, one value,
 # negative rows) must still select exactly.
 MOMENT_VARIANTS = {"fused": dict(fused=True, fused_pieces=0, fused_step=16, moment_probes=True),
-                   "fused_off": dict(fused=True, fused_pieces=0, fused_step=16, moment_probes=False)}
+                   "fused_off": dict(fused=True, fused_pieces=0, fused_step=16, moment_probes=False),
+                   "split": dict(fused_pieces=4, fused_piece_step=16, fused_piece_moments=True),
+                   "split_off": dict(fused_pieces=4, fused_piece_step=16, fused_piece_moments=False)}
 
 
 def moment_rows(width, generator):
@@ -567,7 +570,8 @@ def test_v41_shapes_select_variants(data, variant):
 # Bench-sized kernels (the configurations the sweep times).
 V41_FUSED_VARIANTS = {"fused": dict(fused_pieces=0), "fused_step_8192": dict(fused_pieces=0, fused_step=8192),
                       "split_4": dict(fused_pieces=4), "split_8": dict(fused_pieces=8),
-                      "fused_moments": dict(fused_pieces=0, moment_probes=True)}
+                      "fused_moments": dict(fused_pieces=0, moment_probes=True),
+                      "split_4_no_moments": dict(fused_pieces=4, fused_piece_moments=False)}
 
 
 @pytest.mark.gpu

@@ -31,8 +31,9 @@ One-launch paths (``fused``, default ``_SELECT_FUSED``; rows of at most ``_FUSED
 ``next_power_of_2(block_size) <= step``). Both hold the row's block *images*: topk's order key ``^ NONE``
 (uint32, unsigned order = value order, 0 for a block without selectable entries), never read the newest block
 (pinned), search the threshold over the other blocks for ``k - 1`` places by interpolation (four probes per
-round around the interpolated position of the k-th image, a bracket that at least halves every round; the fused
-kernel opens with four probes placed by the row's moments, ``_moment_probes``) and emit with a prefix sum of
+round around the interpolated position of the k-th image, a bracket that at least halves every round; both open
+with four probes placed by the row's moments, ``_moment_probes``, which the split kernel's pieces sum while they
+stream) and emit with a prefix sum of
 ``greater + equal * 2**16`` in block-id order (as topk's ``_emit_taken``), then ``-1`` padding. ``fused_pieces``
 (default ``_default_pieces``: ``_SPLIT_PIECES`` from ``_SPLIT_MIN_ROWS`` rows on and when all the rows' pieces fit
 one program per SM, else 0) picks:
@@ -115,6 +116,9 @@ _SPLIT_WARPS = 8
 _SPLIT_MAX_REGISTERS = 80
 _SPLIT_CHUNK = 2048
 _SPLIT_STEP = 8192
+# The split select's search opened by moments its pieces sum while streaming (session 8 round 10: R 512 126.1
+# against 128.1 µs, R 256 82.5 against 86.2).
+_SPLIT_MOMENTS = True
 _MOMENT_PROBES = True  # the fused select's first search round placed by the row's moments (session 8: R 128 -5 %)
 _PAD_BLOCK = 1024
 
@@ -600,15 +604,19 @@ def _scratch_probe_counts(keys_row, below, above, middle, halving, NB: tl.conste
 
 
 @triton.jit
-def _kth_largest_in_scratch(keys_row, k, selectable, low, high, NB: tl.constexpr, CHUNK: tl.constexpr,
-                            CARRY: tl.constexpr):
+def _kth_largest_in_scratch(keys_row, k, selectable, low, high, finite, total, squares, NB: tl.constexpr,
+                            CHUNK: tl.constexpr, CARRY: tl.constexpr, MOMENTS: tl.constexpr):
     """``_kth_largest_interpolated`` over the NB images at ``keys_row`` (re-read every round, chunk by chunk,
     from L1 after the first round: the images never sit in registers); ``low`` / ``high`` (int64) are the
-    smallest image other than 0 and the largest image plus one. Same probes, same result."""
+    smallest image other than 0 and the largest image plus one, ``finite`` / ``total`` / ``squares`` the row's
+    sums of ``_moment_terms`` (the opening round's probes with ``MOMENTS``). Same probes, same result."""
     low_count = selectable
     high_count = selectable * 0
+    opening = selectable * 0 + 1
     while (low_count > k) & (high - low > 1):
-        below, above, middle, halving = _round_probes(k, low, low_count, high, high_count)
+        below, above, middle, halving = _probes(k, selectable, low, low_count, high, high_count, opening, finite,
+                                                total, squares, MOMENTS)
+        opening = opening * 0
         first, second = _scratch_probe_counts(keys_row, below, above, middle, halving, NB, CHUNK, CARRY)
         low, low_count, high, high_count = _narrow_by_probes(below, above, middle, halving, first, second, k, low,
                                                              low_count, high, high_count)
@@ -664,11 +672,14 @@ def _emit_prescanned(keys_row, t, num_blocks, num_blocks_k, out_row, out_stride_
 
 
 @triton.jit
-def _select_from_scratch(keys_row, num_blocks, num_blocks_k, out_row, out_stride_col, NB: tl.constexpr,
-                         CHUNK: tl.constexpr, LANES: tl.constexpr, PAD_BLOCK: tl.constexpr, CARRY: tl.constexpr):
+def _select_from_scratch(keys_row, moments_row, num_blocks, num_blocks_k, out_row, out_stride_col, NB: tl.constexpr,
+                         CHUNK: tl.constexpr, LANES: tl.constexpr, PAD_BLOCK: tl.constexpr, CARRY: tl.constexpr,
+                         PIECES: tl.constexpr, MOMENTS: tl.constexpr):
     """The selection of ``_split_select_kernel``: the row's NB images read in chunks of CHUNK (``[LANES, CHUNK
     // LANES]`` for the emit, one run of ids per row of the tensor) by every pass (bounds, search rounds, totals,
-    emit), so the selecting program needs no more registers than a streaming one."""
+    emit), so the selecting program needs no more registers than a streaming one. With ``MOMENTS`` the search opens
+    with ``_moment_probes`` from the pieces' sums at ``moments_row`` (``[PIECES, 3]`` fp32, added in piece
+    order)."""
     lanes = tl.arange(0, CHUNK)  # [CHUNK]
     present = tl.zeros([CHUNK], tl.int32)
     lowest = tl.full([CHUNK], 0xFFFFFFFF, tl.uint32)
@@ -683,8 +694,17 @@ def _select_from_scratch(keys_row, num_blocks, num_blocks_k, out_row, out_stride
     t = tl.zeros([], tl.uint32)
     if selectable > k_rest:
         if k_rest > 0:
+            finite = 0.0
+            total = 0.0
+            squares = 0.0
+            if MOMENTS:
+                pieces = tl.arange(0, PIECES) * 3
+                finite = tl.sum(tl.load(moments_row + pieces), axis=0)
+                total = tl.sum(tl.load(moments_row + pieces + 1), axis=0)
+                squares = tl.sum(tl.load(moments_row + pieces + 2), axis=0)
             t = _kth_largest_in_scratch(keys_row, k_rest, selectable, tl.min(lowest, axis=0).to(tl.int64),
-                                        tl.max(highest, axis=0).to(tl.int64) + 1, NB, CHUNK, CARRY)
+                                        tl.max(highest, axis=0).to(tl.int64) + 1, finite, total, squares, NB, CHUNK,
+                                        CARRY, MOMENTS)
         else:
             t = tl.full([], INF_IMAGE, tl.uint32)
     _emit_prescanned(keys_row, t, num_blocks, num_blocks_k, out_row, out_stride_col, NB, CHUNK, LANES, PAD_BLOCK)
@@ -693,35 +713,48 @@ def _select_from_scratch(keys_row, num_blocks, num_blocks_k, out_row, out_stride
 @triton.jit
 def _stream_piece_images(keys_row, row_ptr, first_column, stride_col, readable, first_block, STEPS: tl.constexpr,
                          STEP_NB: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr,
-                         UNIT_STRIDE: tl.constexpr):
+                         UNIT_STRIDE: tl.constexpr, MOMENTS: tl.constexpr):
     """Stores the block images of blocks ``[first_block, first_block + STEPS * STEP_NB)`` of one row at
     ``keys_row + block`` (0 past ``readable``), the next step's loads issued before the current step is
-    reduced."""
+    reduced. Returns the sums of ``_moment_terms`` over the images with ``MOMENTS`` (else zeros)."""
     lanes = tl.arange(0, STEP_NB)  # [STEP_NB]
+    finite = tl.zeros([STEP_NB], tl.float32)
+    total = tl.zeros([STEP_NB], tl.float32)
+    squares = tl.zeros([STEP_NB], tl.float32)
     values = _step_values(row_ptr, first_column, stride_col, first_block + lanes, readable, BLOCK_SIZE, BLOCK_J,
                           UNIT_STRIDE)
     for s in tl.static_range(STEPS):
         if s + 1 < STEPS:
             following = _step_values(row_ptr, first_column, stride_col, first_block + (s + 1) * STEP_NB + lanes,
                                      readable, BLOCK_SIZE, BLOCK_J, UNIT_STRIDE)
-        tl.store(keys_row + first_block + s * STEP_NB + lanes, _max_images(values).to(tl.int32, bitcast=True))
+        images = _max_images(values)
+        tl.store(keys_row + first_block + s * STEP_NB + lanes, images.to(tl.int32, bitcast=True))
+        if MOMENTS:
+            is_finite, value, square = _moment_terms(images)
+            finite += is_finite
+            total += value
+            squares += square
         if s + 1 < STEPS:
             values = following
+    if MOMENTS:
+        return tl.reduce((finite, total, squares), 0, _add_triples)
+    return 0.0, 0.0, 0.0
 
 
 @triton.jit(do_not_specialize=["row_repeat", "num_blocks_k"])
 def _split_select_kernel(
-    logits_ptr, starts_ptr, ends_ptr, out_ptr, keys_ptr, arrivals_ptr,
+    logits_ptr, starts_ptr, ends_ptr, out_ptr, keys_ptr, arrivals_ptr, moments_ptr,
     row_repeat, num_blocks_k, stride_row, stride_col, out_stride_row, out_stride_col,
     HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr, STEPS: tl.constexpr,
     STEP_NB: tl.constexpr, PIECES: tl.constexpr, LANES: tl.constexpr, VECTOR: tl.constexpr,
-    PAD_BLOCK: tl.constexpr, SELECT_CHUNK: tl.constexpr, CARRY: tl.constexpr,
+    PAD_BLOCK: tl.constexpr, SELECT_CHUNK: tl.constexpr, CARRY: tl.constexpr, MOMENTS: tl.constexpr,
 ):
     """``PIECES`` programs per row (program ``row * PIECES + piece``): each streams blocks ``[piece * NB /
     PIECES, (piece + 1) * NB / PIECES)`` of its row (``STEPS`` steps of ``STEP_NB`` blocks) into the row's
     scratch images ``keys_ptr + row * NB`` (int32 [R, NB], ``NB = PIECES * STEPS * STEP_NB``; the pinned
-    newest block and blocks past the row get 0), then arrives on ``arrivals[row]`` (acq_rel, zero at
-    launch). The last program to arrive selects the row (``_select_from_scratch``): every pass of the
+    newest block and blocks past the row get 0) and, with ``MOMENTS``, its images' ``_moment_terms`` sums into
+    ``moments_ptr`` (fp32 [R, PIECES, 3]), then arrives on ``arrivals[row]`` (acq_rel, zero at launch). The
+    last program to arrive selects the row (``_select_from_scratch``): every pass of the
     selection re-reads the images in chunks of SELECT_CHUNK (L1 hits after the first), so the kernel's
     registers are the streaming's and several programs fit per SM (a selecting one beside streaming ones).
     Why: the selection of one row overlaps the streaming of the later rows on the other SMs, instead of one
@@ -738,16 +771,22 @@ def _split_select_kernel(
     first_block = piece * (STEPS * STEP_NB)
     if VECTOR and (start % 4 == 0):
         aligned_start = (start // 4) * 4  # == start; the product tells the compiler it is 4-aligned
-        _stream_piece_images(keys_row, row_ptr, aligned_start, 1, readable, first_block, STEPS, STEP_NB,
-                             BLOCK_SIZE, BLOCK_J, True)
+        finite, total, squares = _stream_piece_images(keys_row, row_ptr, aligned_start, 1, readable, first_block,
+                                                      STEPS, STEP_NB, BLOCK_SIZE, BLOCK_J, True, MOMENTS)
     else:
-        _stream_piece_images(keys_row, row_ptr, start, stride_col, readable, first_block, STEPS, STEP_NB,
-                             BLOCK_SIZE, BLOCK_J, False)
+        finite, total, squares = _stream_piece_images(keys_row, row_ptr, start, stride_col, readable, first_block,
+                                                      STEPS, STEP_NB, BLOCK_SIZE, BLOCK_J, False, MOMENTS)
+    if MOMENTS:
+        piece_moments = moments_ptr + (row * PIECES + piece) * 3
+        tl.store(piece_moments, finite)
+        tl.store(piece_moments + 1, total)
+        tl.store(piece_moments + 2, squares)
     tl.debug_barrier()  # every thread's image stores precede the CTA's arrival (release)
     arrived = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel", scope="gpu")
     if arrived == PIECES - 1:
-        _select_from_scratch(keys_row, num_blocks, num_blocks_k, out_ptr + row * out_stride_row, out_stride_col,
-                             NB, SELECT_CHUNK, LANES, PAD_BLOCK, CARRY)
+        _select_from_scratch(keys_row, moments_ptr + row * PIECES * 3, num_blocks, num_blocks_k,
+                             out_ptr + row * out_stride_row, out_stride_col, NB, SELECT_CHUNK, LANES, PAD_BLOCK,
+                             CARRY, PIECES, MOMENTS)
 
 
 @triton.jit(do_not_specialize=["row_repeat", "num_candidates"])
@@ -939,7 +978,7 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
                  block_size: int, row_repeat: int, out: torch.Tensor, *, vector: bool | None = None,
                  step: int = _FUSED_STEP, pieces: int | None = None, piece_warps: int | None = None,
                  piece_chunk: int | None = None, piece_step: int | None = None,
-                 moment_probes: bool | None = None) -> torch.Tensor:
+                 moment_probes: bool | None = None, piece_moments: bool | None = None) -> torch.Tensor:
     """Rows of at most ``_FUSED_MAX_BLOCKS`` blocks in one launch. ``pieces`` (default ``_default_pieces``) picks the
     kernel:
 
@@ -950,7 +989,9 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
       row (at most one per block), the last to finish selecting with the images re-read in chunks of
       ``piece_chunk`` (default ``_SPLIT_CHUNK``, capped at the row's; the emit's tensor holds runs of 4 ids per
       row), under ptxas' cap of ``_SPLIT_MAX_REGISTERS`` registers; ``piece_step`` (default ``_SPLIT_STEP``) is
-      the logits per streaming step instead of ``step``. Scratch
+      the logits per streaming step instead of ``step``; ``piece_moments`` (default ``_SPLIT_MOMENTS``): each piece
+      also sums its images' ``_moment_terms`` and the selecting program opens its search with ``_moment_probes``.
+      Scratch
       images ``[R, next_power_of_2(blocks)]`` and zeroed arrival counters ``[R]`` are allocated per call (the
       zeroing is a memset in the same stream: CUDA-graph capturable, no state across calls)."""
     num_rows, width = logits.shape
@@ -976,13 +1017,16 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
         lanes = chunk // min(4, chunk)
         keys = torch.empty((num_rows, padded_blocks), dtype=torch.int32, device=logits.device)
         arrivals = torch.zeros((num_rows,), dtype=torch.int32, device=logits.device)
+        piece_moments = _SPLIT_MOMENTS if piece_moments is None else piece_moments
+        # The pieces' sums of _moment_terms (each piece writes its own 3 before arriving); logits stands in unused.
+        moments = torch.empty((num_rows, pieces, 3), device=logits.device) if piece_moments else logits
         _split_select_kernel[(num_rows * pieces,)](
-            logits, starts_arg, ends, out, keys, arrivals,
+            logits, starts_arg, ends, out, keys, arrivals, moments,
             row_repeat, num_blocks_k, logits.stride(0), logits.stride(1), out.stride(0), out.stride(1),
             HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_J=block_j, STEPS=piece_blocks // piece_step_blocks,
             STEP_NB=piece_step_blocks, PIECES=pieces, LANES=lanes, VECTOR=vector,
-            PAD_BLOCK=_PAD_BLOCK, SELECT_CHUNK=chunk, CARRY=_carry_mode(chunk, 32 * warps), num_warps=warps,
-            maxnreg=_SPLIT_MAX_REGISTERS,
+            PAD_BLOCK=_PAD_BLOCK, SELECT_CHUNK=chunk, CARRY=_carry_mode(chunk, 32 * warps), MOMENTS=piece_moments,
+            num_warps=warps, maxnreg=_SPLIT_MAX_REGISTERS,
         )
         return out
     step_blocks = min(max(1, step // block_j), padded_blocks)
@@ -1015,12 +1059,13 @@ def select_candidate_blocks_triton(
     fused_piece_chunk: int | None = None,
     fused_piece_step: int | None = None,
     moment_probes: bool | None = None,
+    fused_piece_moments: bool | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``select_candidate_blocks_reference``. ``fused`` (default ``_SELECT_FUSED``; only
     logits of at most ``_FUSED_MAX_BLOCKS`` blocks per row and blocks of at most ``fused_step``
     positions, others take the two launches) runs ``select_fused`` with ``fused_step`` and the split select's
     ``fused_pieces`` (0: one program per row; default by row count), ``fused_piece_warps``, ``fused_piece_chunk``,
-    ``fused_piece_step`` and ``moment_probes`` (the fused kernel's);
+    ``fused_piece_step``, ``moment_probes`` (the fused kernel's) and ``fused_piece_moments`` (the split kernel's);
     ``vector`` goes to whichever path runs, ``keys_tile`` to ``block_keys`` (two launches)."""
     if out is None:
         out = torch.empty((logits.shape[0], num_blocks_k), dtype=torch.int32, device=logits.device)
@@ -1030,7 +1075,7 @@ def select_candidate_blocks_triton(
         return select_fused(logits, starts, ends, num_blocks_k, block_size, row_repeat, out, vector=vector,
                             step=fused_step, pieces=fused_pieces, piece_warps=fused_piece_warps,
                             piece_chunk=fused_piece_chunk, piece_step=fused_piece_step,
-                            moment_probes=moment_probes)
+                            moment_probes=moment_probes, piece_moments=fused_piece_moments)
     keys = block_keys(logits, starts, ends, block_size, row_repeat, vector=vector, tile=keys_tile)
     return select_from_keys(keys, starts, ends, num_blocks_k, block_size, row_repeat, out)
 
