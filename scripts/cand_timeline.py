@@ -42,7 +42,7 @@ def _probe_kernel(
     num_blocks_k, stride_row, out_stride_row,
     BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr, STEPS: tl.constexpr, STEP_NB: tl.constexpr,
     PIECES: tl.constexpr, LANES: tl.constexpr, PAD_BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-    CARRY: tl.constexpr, MODE: tl.constexpr, CACHE: tl.constexpr, MOMENTS: tl.constexpr,
+    CARRY: tl.constexpr, MODE: tl.constexpr, MOMENTS: tl.constexpr,
 ):
     program = tl.program_id(0)
     tl.store(stamps_ptr + program * 16 + 1, _now(program))
@@ -53,7 +53,7 @@ def _probe_kernel(
     NB: tl.constexpr = PIECES * STEPS * STEP_NB
     keys_row = keys_ptr + row * NB
     ct._stream_piece_images(keys_row, logits_ptr + row * stride_row, 0, 1, num_blocks - 1,
-                            piece * (STEPS * STEP_NB), STEPS, STEP_NB, BLOCK_SIZE, BLOCK_J, True)
+                            piece * (STEPS * STEP_NB), STEPS, STEP_NB, BLOCK_SIZE, BLOCK_J, True, False)
     tl.debug_barrier()
     arrived = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel", scope="gpu")
     t1 = _now(arrived)
@@ -167,7 +167,7 @@ def _select_stamped(keys_row, rec, num_blocks, num_blocks_k, out_row, arrived, N
         tl.store(rec + 7, rounds.to(tl.int64))
 
 
-def _launch(logits, ends, out, keys, arrivals, stamps, mode, cache="", moments=False, carry=4):
+def _launch(logits, ends, out, keys, arrivals, stamps, mode, moments=False, carry=4):
     rows, width = logits.shape
     nb = width // 8
     pieces, step_nb = ct._SPLIT_PIECES, ct._SPLIT_STEP // 8
@@ -176,7 +176,8 @@ def _launch(logits, ends, out, keys, arrivals, stamps, mode, cache="", moments=F
     _probe_kernel[(rows * pieces,)](
         logits, ends, out, keys, arrivals, stamps, 2048, logits.stride(0), out.stride(0),
         BLOCK_SIZE=8, BLOCK_J=8, STEPS=nb // pieces // step_nb, STEP_NB=step_nb, PIECES=pieces, LANES=chunk // 4,
-        PAD_BLOCK=ct._PAD_BLOCK, CHUNK=chunk, CARRY=carry, MODE=mode, CACHE=cache, MOMENTS=moments, num_warps=ct._SPLIT_WARPS,
+        PAD_BLOCK=ct._PAD_BLOCK, CHUNK=chunk, CARRY=carry, MODE=mode, MOMENTS=moments,
+        num_warps=ct._SPLIT_WARPS,
         maxnreg=ct._SPLIT_MAX_REGISTERS)
 
 
@@ -242,9 +243,8 @@ def main(out_dir):
         entry = {}
         for mode, moments, carry in ((0, False, 4), (1, False, 4), (2, False, 4), (0, True, 4), (0, False, 0),
                                      (0, False, 1)):
-            cache = ""
             tag = f"probe_mode{mode}{'_moments' if moments else ''}{'' if carry == 4 else f'_carry{carry}'}"
-            _launch(logits, ends, out, keys, arrivals, stamps, mode, cache, moments, carry)
+            _launch(logits, ends, out, keys, arrivals, stamps, mode, moments, carry)
             torch.cuda.synchronize()
             if mode != 1 and not torch.equal(out, reference):
                 raise AssertionError(f"probe R {rows}: differs from the reference")
@@ -252,7 +252,7 @@ def main(out_dir):
             runs = []
             for _ in range(5):
                 flush.zero_()
-                _launch(logits, ends, out, keys, arrivals, stamps, mode, cache, moments, carry)
+                _launch(logits, ends, out, keys, arrivals, stamps, mode, moments, carry)
                 torch.cuda.synchronize()
                 runs.append(_summary(stamps, mode))
             runs.sort(key=lambda r: r.get("span_us", r["stream_end_us"]))
@@ -260,11 +260,10 @@ def main(out_dir):
             if mode == 2:
                 continue
             entry[f"{tag}_cold_memset_us"] = harness.cold_graph_us(
-                lambda m=mode, c=cache, o=moments, y=carry: _launch(logits, ends, out, keys, arrivals, stamps, m, c, o,
-                                                                    y))
+                lambda m=mode, o=moments, y=carry: _launch(logits, ends, out, keys, arrivals, stamps, m, o, y))
             entry[f"{tag}_cold_clean_us"] = harness.cold_graph_us(
-                lambda m=mode, c=cache, o=moments, y=carry: _launch(logits, ends, out, keys, arrivals, stamps, m, c, o,
-                                                                    y), before=clean_flush)
+                lambda m=mode, o=moments, y=carry: _launch(logits, ends, out, keys, arrivals, stamps, m, o, y),
+                before=clean_flush)
 
         def library():
             return ct.select_candidate_blocks_triton(logits, starts, ends, 2048, 8, 1, out)
@@ -278,17 +277,20 @@ def main(out_dir):
         print(f"R {rows}: " + json.dumps(entry, indent=None, default=lambda x: round(x, 2)), flush=True)
     with open(f"{out_dir}/cand_timeline.json", "w") as f:
         json.dump(results, f, indent=1)
-    print("\n| R | probe | library memset | library clean | floor | probe memset | probe span | stream end | tail | select p50 (bounds / "
-          "search / emit) | rounds p50 | µs a round | stream-only memset / clean |")
+    print("\n| R | probe | library memset | library clean | floor | probe memset | probe span | stream end | tail "
+          "| select p50 (bounds / search / emit) | rounds p50 | µs a round | stream-only memset / clean |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- |")
-    for (rows, e), suffix in ((item, suffix) for item in results.items() for suffix in ("", "_moments", "_carry0", "_carry1")):
-        p = e[f"probe_mode0{suffix}"]
+    for rows, e in results.items():
         q = e["probe_mode1"]
-        print(f"| {rows} | {suffix or 'default'} | {e['library_cold_memset_us']:.1f} | {e['library_cold_clean_us']:.1f} | {e['floor_us']:.1f} "
-              f"| {e[f'probe_mode0{suffix}_cold_memset_us']:.1f} | {p['span_us']:.1f} | {p['stream_end_us']:.1f} | {p['tail_us']:.1f} | {p['select_us_p50']:.1f} "
-              f"({p['bounds_us_p50']:.1f} / {p['search_us_p50']:.1f} / {p['emit_us_p50']:.1f}) | {p['rounds_p50']} "
-              f"| {p['us_per_round_p50']:.2f} | {e['probe_mode1_cold_memset_us']:.1f} / "
-              f"{e['probe_mode1_cold_clean_us']:.1f} (stream end {q['stream_end_us']:.1f}) |")
+        for suffix in ("", "_moments", "_carry0", "_carry1"):
+            p = e[f"probe_mode0{suffix}"]
+            print(f"| {rows} | {suffix or 'default'} | {e['library_cold_memset_us']:.1f} "
+                  f"| {e['library_cold_clean_us']:.1f} | {e['floor_us']:.1f} "
+                  f"| {e[f'probe_mode0{suffix}_cold_memset_us']:.1f} | {p['span_us']:.1f} | {p['stream_end_us']:.1f} "
+                  f"| {p['tail_us']:.1f} | {p['select_us_p50']:.1f} ({p['bounds_us_p50']:.1f} / "
+                  f"{p['search_us_p50']:.1f} / {p['emit_us_p50']:.1f}) | {p['rounds_p50']} "
+                  f"| {p['us_per_round_p50']:.2f} | {e['probe_mode1_cold_memset_us']:.1f} / "
+                  f"{e['probe_mode1_cold_clean_us']:.1f} (stream end {q['stream_end_us']:.1f}) |")
 
     print("\n| R | probe | µs a round: probes | counts (pass + reduction) | narrowing |")
     print("| --- | --- | ---: | ---: | ---: |")
