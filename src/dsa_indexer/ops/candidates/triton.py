@@ -991,9 +991,9 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
       row), under ptxas' cap of ``_SPLIT_MAX_REGISTERS`` registers; ``piece_step`` (default ``_SPLIT_STEP``) is
       the logits per streaming step instead of ``step``; ``piece_moments`` (default ``_SPLIT_MOMENTS``): each piece
       also sums its images' ``_moment_terms`` and the selecting program opens its search with ``_moment_probes``.
-      Scratch
-      images ``[R, next_power_of_2(blocks)]`` and zeroed arrival counters ``[R]`` are allocated per call (the
-      zeroing is a memset in the same stream: CUDA-graph capturable, no state across calls)."""
+      Scratch images ``[R, next_power_of_2(blocks)]``, the pieces' sums ``[R, pieces, 3]`` and zeroed arrival
+      counters ``[R]`` are allocated per call (the zeroing is a memset in the same stream: CUDA-graph capturable,
+      no state across calls)."""
     num_rows, width = logits.shape
     max_blocks = triton.cdiv(width, block_size)
     padded_blocks = triton.next_power_of_2(max(max_blocks, 1))
