@@ -45,7 +45,8 @@ def prefill_topk_case() -> bool:
 
 
 def candidate_cases() -> bool:
-    """Candidate blocks of 8 over ragged windows of 20000-column rows, K 300: the fused and the split select."""
+    """Candidate blocks of 8 over ragged windows of 20000-column rows, K 300: the fused select, the split select of 8
+    pieces and the default (6 rows: the split select of 4 pieces, its pieces summing the moments)."""
     from dsa_indexer.ops.candidates.triton import select_candidate_blocks_triton
 
     gen = torch.Generator().manual_seed(2)
@@ -55,7 +56,7 @@ def candidate_cases() -> bool:
     ends = (starts + torch.randint(0, width - 3000, (rows,), generator=gen).to(torch.int32).cuda()).clamp(max=width)
     expected = dsa.select_candidate_blocks(logits, starts, ends, num_blocks_k, block_size, backend="reference")
     ok = all(torch.equal(select_candidate_blocks_triton(logits, starts, ends, num_blocks_k, block_size, 1,
-                                                        fused_pieces=pieces), expected) for pieces in (0, 8))
+                                                        fused_pieces=pieces), expected) for pieces in (0, 8, None))
     masked, masked_reference = logits.clone(), logits.clone()
     dsa.apply_candidate_mask(masked, starts, ends, expected, block_size)
     dsa.apply_candidate_mask(masked_reference, starts, ends, expected, block_size, backend="reference")
