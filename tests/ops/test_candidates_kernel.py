@@ -473,6 +473,38 @@ def test_select_default_path_follows_the_row_count(kernel_device, monkeypatch, m
     assert bool(recorder.grids) == split
 
 
+def test_select_timeline_covers_the_split_select_only():
+    # The phase timeline is the split kernel's: asking it of the fused kernel is refused before any launch.
+    logits, starts, ends, _ = case(3, 60, 8, "random")
+    out = torch.full((3, 5), -777, dtype=torch.int32)
+    with pytest.raises(ValueError, match="split select"):
+        candidates_triton.select_fused(logits, starts, ends, 5, 8, 1, out, pieces=0, timeline={})
+    assert bool((out == -777).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("piece_moments", [True, False])
+def test_select_timeline_probe_gpu(piece_moments):
+    # The phase timeline (barriers and global-timer stamps) leaves the ids bitwise equal; every program stamps its
+    # start and arrival in order, and exactly one program a row (the last to arrive) its selection's phases.
+    logits, starts, ends, _ = case(12, 4000, 9, "random", device="cuda")
+    expected = select_candidate_blocks(logits, starts, ends, 40, 8, backend="reference")
+    out = torch.empty_like(expected)
+    timeline = {}
+    candidates_triton.select_fused(logits, starts, ends, 40, 8, 1, out, pieces=4, piece_moments=piece_moments,
+                                   timeline=timeline)
+    assert torch.equal(out, expected)
+    stamps = timeline["split"].cpu()
+    ct = candidates_triton
+    assert stamps.shape == (12 * 4, ct._TL_SLOTS.value)
+    assert bool((stamps[:, ct._TL_START.value] > 0).all())
+    assert bool((stamps[:, ct._TL_ARRIVED.value] >= stamps[:, ct._TL_START.value]).all())
+    selecting = stamps[stamps[:, ct._TL_EMITTED.value] > 0]
+    assert selecting.shape[0] == 12
+    phases = [ct._TL_ARRIVED.value, ct._TL_BOUNDS.value, ct._TL_SEARCHED.value, ct._TL_EMITTED.value]
+    assert bool((selecting[:, phases].diff(dim=1) >= 0).all())
+
+
 def test_select_fused_all_equal_unselectable_and_too_wide_rows(kernel_device):
     # Equal keys everywhere (the search ends on a one-key bracket), rows without selectable logits, and
     # rows wider than _FUSED_MAX_BLOCKS blocks (the two-launch path). 2048 and 4096 padded blocks: on a GPU,

@@ -31,7 +31,8 @@ a 256 MB memset that evicts the L2): the last is the honest figure for these cap
 ``python -m dsa_indexer.bench.suite_seq_candidates sweep [OUT_DIR] [--quick] [--rows R ...] [--no-slots]
 [--select-only] [--subset-rows R ...]`` times the kernel variants (keyword arguments of the Triton functions)
 against the current defaults in one process, with torch's ``fill_`` of the mask's bytes as the store-only ceiling;
-``... warm VARIANT`` compiles one select variant (run several in parallel before a sweep).
+``... warm VARIANT`` compiles one select variant (run several in parallel before a sweep); ``... timeline [--rows R ...]
+[--variants V ...]`` prints the split select's phase timeline (``timeline``).
 """
 
 from __future__ import annotations
@@ -367,23 +368,112 @@ def sweep(out_dir: str | None, quick: bool = False, rows_list: tuple[int, ...] =
     return rows
 
 
+# Split-select variants of the phase timeline: keyword arguments of ``select_fused``.
+TIMELINE_VARIANTS = {"default": {}, "no_moments": dict(piece_moments=False)}
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2] if values else float("nan")
+
+
+def _timeline_summary(stamps: torch.Tensor) -> dict[str, float]:
+    """One call's phases (µs) from the split select's stamps ``[programs, _TL_SLOTS]`` (ns; 0 = not reached)."""
+    ct = candidates_triton
+    start, arrived = stamps[:, ct._TL_START.value], stamps[:, ct._TL_ARRIVED.value]
+    selecting = stamps[stamps[:, ct._TL_EMITTED.value] > 0]
+    bounds, searched = selecting[:, ct._TL_BOUNDS.value], selecting[:, ct._TL_SEARCHED.value]
+    emitted = selecting[:, ct._TL_EMITTED.value]
+    origin = int(start.min())
+    us = lambda t: t.double() / 1e3  # noqa: E731
+    return {
+        "span": float(us(emitted.max() - origin)),
+        "stream_end": float(us(arrived.max() - origin)),
+        "tail": float(us(emitted.max() - arrived.max())),
+        "piece_p50": _median(us(arrived - start).tolist()),
+        "piece_p90": sorted(us(arrived - start).tolist())[int(0.9 * len(start))],
+        "select_p50": _median(us(emitted - selecting[:, ct._TL_ARRIVED.value]).tolist()),
+        "bounds_p50": _median(us(bounds - selecting[:, ct._TL_ARRIVED.value]).tolist()),
+        "search_p50": _median(us(searched - bounds).tolist()),
+        "emit_p50": _median(us(emitted - searched).tolist()),
+        "rounds_p50": _median(selecting[:, ct._TL_ROUNDS.value].double().tolist()),
+    }
+
+
+def timeline(rows_list: tuple[int, ...] = (512, 256, 64), variants: tuple[str, ...] = ("default",),
+             replays: int = 5) -> list[dict]:
+    """Phase timeline of the split select (``select_fused(..., timeline=...)``; ``_stamp`` barriers and global-timer
+    stamps, GPU only) on the suite's candidate shape (C 131072, blocks of 8, K 2048, random rows) for each of
+    ``variants`` (``TIMELINE_VARIANTS``) at each R: the call is checked bitwise against the reference, captured in a
+    CUDA graph and replayed ``replays`` times after a 256 MB memset (as ``harness.cold_graph_us``); prints, as
+    medians over replays, the span (first start to last emit), when the last piece arrives, the tail after it, the
+    pieces' durations and the selecting programs' phases (p50 over rows) with their search rounds."""
+    width, block_size, num_blocks_k = 131072, 8, 2048
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    results = []
+    print("| R | variant | span | last arrival | tail | piece p50 / p90 | selection p50 (bounds / search / emit) "
+          "| rounds p50 |")
+    print("| --- | --- | ---: | ---: | ---: | --- | --- | ---: |")
+    for num_rows in rows_list:
+        logits = torch.randn(num_rows, width, device="cuda")
+        starts = torch.zeros(num_rows, dtype=torch.int32, device="cuda")
+        ends = torch.full((num_rows,), width, dtype=torch.int32, device="cuda")
+        out = torch.empty((num_rows, num_blocks_k), dtype=torch.int32, device="cuda")
+        expected = select_candidate_blocks_reference(logits, starts, ends, num_blocks_k, block_size, 1)
+        for variant in variants:
+            stamps: dict[str, torch.Tensor] = {}
+
+            def select(stamps=stamps, kwargs=TIMELINE_VARIANTS[variant]):
+                return candidates_triton.select_fused(logits, starts, ends, num_blocks_k, block_size, 1, out,
+                                                      pieces=candidates_triton._SPLIT_PIECES, timeline=stamps,
+                                                      **kwargs)
+            select()
+            if not torch.equal(out, expected):
+                raise AssertionError(f"timeline {variant} R {num_rows}: differs from the reference")
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                select()
+            runs = []
+            for _ in range(replays):
+                stamps["split"].zero_()
+                flush.zero_()
+                graph.replay()
+                torch.cuda.synchronize()
+                runs.append(_timeline_summary(stamps["split"].cpu()))
+            row = {"R": num_rows, "variant": variant,
+                   **{key: round(_median([run[key] for run in runs]), 2) for key in runs[0]}}
+            results.append(row)
+            print(f"| {num_rows} | {variant} | {row['span']:.1f} | {row['stream_end']:.1f} | {row['tail']:.1f} "
+                  f"| {row['piece_p50']:.1f} / {row['piece_p90']:.1f} | {row['select_p50']:.1f} "
+                  f"({row['bounds_p50']:.1f} / {row['search_p50']:.1f} / {row['emit_p50']:.1f}) "
+                  f"| {row['rounds_p50']:.0f} |", flush=True)
+            del graph
+        del logits
+        torch.cuda.empty_cache()
+    return results
+
+
 def _main(argv: list[str]) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m dsa_indexer.bench.suite_seq_candidates",
                                      description="candidate / slot variant sweep (the suite runs through "
                                                  "dsa-indexer bench)")
-    parser.add_argument("command", choices=["sweep", "warm"])
+    parser.add_argument("command", choices=["sweep", "warm", "timeline"])
     parser.add_argument("out_dir", nargs="?", help="sweep: output folder; warm: the select variant to compile")
     parser.add_argument("--quick", action="store_true", help="shorter timing loops")
     parser.add_argument("--rows", type=int, nargs="+", default=[512, 64], help="candidate rows R to sweep")
     parser.add_argument("--no-slots", action="store_true", help="leave out indices_to_slots")
     parser.add_argument("--select-only", action="store_true", help="only the select variants")
+    parser.add_argument("--variants", nargs="+", default=["default"],
+                        help=f"timeline: split-select variants ({', '.join(TIMELINE_VARIANTS)})")
     parser.add_argument("--subset-rows", type=int, nargs="+", default=[],
                         help="rows R (timed after --rows) at which only the SUBSET_VARIANTS selects run")
     args = parser.parse_args(argv)
     if args.command == "warm":
         warm(args.out_dir)
+    elif args.command == "timeline":
+        timeline(tuple(args.rows), tuple(args.variants))
     else:
         sweep(args.out_dir, args.quick, tuple(args.rows), not args.no_slots, args.select_only,
               tuple(args.subset_rows))

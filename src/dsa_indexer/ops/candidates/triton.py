@@ -83,7 +83,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..topk.triton import KEY_MAX, LOW_FIELD, NONE, _reaches_unsigned
+from ..topk.triton import KEY_MAX, LOW_FIELD, NONE, _reaches_unsigned, _stamp, _timeline_args
 
 INF_IMAGE = tl.constexpr(0xFF800000)  # order image of +inf (topk's key of +inf ^ NONE)
 
@@ -121,6 +121,16 @@ _SPLIT_STEP = 8192
 _SPLIT_MOMENTS = True
 _MOMENT_PROBES = True  # the fused select's first search round placed by the row's moments (session 8: R 128 -5 %)
 _PAD_BLOCK = 1024
+# Phase timeline of the split select (topk's ``_stamp``, a timing probe, off by default): global-timer stamps per
+# program at its start and its arrival; the selecting program's also after the bounds pass, the search and the
+# emit, and its search's round count (a number, not a time).
+_TL_START = tl.constexpr(0)
+_TL_ARRIVED = tl.constexpr(1)
+_TL_BOUNDS = tl.constexpr(2)
+_TL_SEARCHED = tl.constexpr(3)
+_TL_EMITTED = tl.constexpr(4)
+_TL_ROUNDS = tl.constexpr(5)
+_TL_SLOTS = tl.constexpr(6)
 
 
 @triton.jit
@@ -605,14 +615,17 @@ def _scratch_probe_counts(keys_row, below, above, middle, halving, NB: tl.conste
 
 @triton.jit
 def _kth_largest_in_scratch(keys_row, k, selectable, low, high, finite, total, squares, NB: tl.constexpr,
-                            CHUNK: tl.constexpr, CARRY: tl.constexpr, MOMENTS: tl.constexpr):
+                            CHUNK: tl.constexpr, CARRY: tl.constexpr, MOMENTS: tl.constexpr, timeline_ptr=None,
+                            program=0, TIMELINE: tl.constexpr = False):
     """``_kth_largest_interpolated`` over the NB images at ``keys_row`` (re-read every round, chunk by chunk,
     from L1 after the first round: the images never sit in registers); ``low`` / ``high`` (int64) are the
     smallest image other than 0 and the largest image plus one, ``finite`` / ``total`` / ``squares`` the row's
-    sums of ``_moment_terms`` (the opening round's probes with ``MOMENTS``). Same probes, same result."""
+    sums of ``_moment_terms`` (the opening round's probes with ``MOMENTS``). Same probes, same result. With
+    ``TIMELINE`` the round count goes to word ``_TL_ROUNDS`` of ``program``'s timeline."""
     low_count = selectable
     high_count = selectable * 0
     opening = selectable * 0 + 1
+    rounds = selectable * 0
     while (low_count > k) & (high - low > 1):
         below, above, middle, halving = _probes(k, selectable, low, low_count, high, high_count, opening, finite,
                                                 total, squares, MOMENTS)
@@ -620,6 +633,9 @@ def _kth_largest_in_scratch(keys_row, k, selectable, low, high, finite, total, s
         first, second = _scratch_probe_counts(keys_row, below, above, middle, halving, NB, CHUNK, CARRY)
         low, low_count, high, high_count = _narrow_by_probes(below, above, middle, halving, first, second, k, low,
                                                              low_count, high, high_count)
+        rounds += 1
+    if TIMELINE:
+        tl.store(timeline_ptr + program.to(tl.int64) * _TL_SLOTS + _TL_ROUNDS, rounds.to(tl.int64))
     return low.to(tl.uint32)
 
 
@@ -674,7 +690,8 @@ def _emit_prescanned(keys_row, t, num_blocks, num_blocks_k, out_row, out_stride_
 @triton.jit
 def _select_from_scratch(keys_row, moments_row, num_blocks, num_blocks_k, out_row, out_stride_col, NB: tl.constexpr,
                          CHUNK: tl.constexpr, LANES: tl.constexpr, PAD_BLOCK: tl.constexpr, CARRY: tl.constexpr,
-                         PIECES: tl.constexpr, MOMENTS: tl.constexpr):
+                         PIECES: tl.constexpr, MOMENTS: tl.constexpr, timeline_ptr=None, program=0,
+                         TIMELINE: tl.constexpr = False):
     """The selection of ``_split_select_kernel``: the row's NB images read in chunks of CHUNK (``[LANES, CHUNK
     // LANES]`` for the emit, one run of ids per row of the tensor) by every pass (bounds, search rounds, totals,
     emit), so the selecting program needs no more registers than a streaming one. With ``MOMENTS`` the search opens
@@ -691,6 +708,7 @@ def _select_from_scratch(keys_row, moments_row, num_blocks, num_blocks_k, out_ro
         highest = tl.maximum(highest, images)
     selectable = tl.sum(present, axis=0)
     k_rest = num_blocks_k - (num_blocks > 0).to(tl.int32)
+    _stamp(timeline_ptr, program, _TL_BOUNDS, _TL_SLOTS, TIMELINE)
     t = tl.zeros([], tl.uint32)
     if selectable > k_rest:
         if k_rest > 0:
@@ -704,10 +722,12 @@ def _select_from_scratch(keys_row, moments_row, num_blocks, num_blocks_k, out_ro
                 squares = tl.sum(tl.load(moments_row + pieces + 2), axis=0)
             t = _kth_largest_in_scratch(keys_row, k_rest, selectable, tl.min(lowest, axis=0).to(tl.int64),
                                         tl.max(highest, axis=0).to(tl.int64) + 1, finite, total, squares, NB, CHUNK,
-                                        CARRY, MOMENTS)
+                                        CARRY, MOMENTS, timeline_ptr, program, TIMELINE)
         else:
             t = tl.full([], INF_IMAGE, tl.uint32)
+    _stamp(timeline_ptr, program, _TL_SEARCHED, _TL_SLOTS, TIMELINE)
     _emit_prescanned(keys_row, t, num_blocks, num_blocks_k, out_row, out_stride_col, NB, CHUNK, LANES, PAD_BLOCK)
+    _stamp(timeline_ptr, program, _TL_EMITTED, _TL_SLOTS, TIMELINE)
 
 
 @triton.jit
@@ -748,6 +768,7 @@ def _split_select_kernel(
     HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr, STEPS: tl.constexpr,
     STEP_NB: tl.constexpr, PIECES: tl.constexpr, LANES: tl.constexpr, VECTOR: tl.constexpr,
     PAD_BLOCK: tl.constexpr, SELECT_CHUNK: tl.constexpr, CARRY: tl.constexpr, MOMENTS: tl.constexpr,
+    timeline_ptr=None, TIMELINE: tl.constexpr = False,
 ):
     """``PIECES`` programs per row (program ``row * PIECES + piece``): each streams blocks ``[piece * NB /
     PIECES, (piece + 1) * NB / PIECES)`` of its row (``STEPS`` steps of ``STEP_NB`` blocks) into the row's
@@ -760,6 +781,7 @@ def _split_select_kernel(
     Why: the selection of one row overlaps the streaming of the later rows on the other SMs, instead of one
     program per row doing both one after the other (run 6: ~39 µs a row, 4 rows per SM)."""
     program = tl.program_id(0)
+    _stamp(timeline_ptr, program, _TL_START, _TL_SLOTS, TIMELINE)
     row = (program // PIECES).to(tl.int64)
     piece = program % PIECES
     start, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS)
@@ -783,10 +805,11 @@ def _split_select_kernel(
         tl.store(piece_moments + 2, squares)
     tl.debug_barrier()  # every thread's image stores precede the CTA's arrival (release)
     arrived = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel", scope="gpu")
+    _stamp(timeline_ptr, program, _TL_ARRIVED, _TL_SLOTS, TIMELINE)
     if arrived == PIECES - 1:
         _select_from_scratch(keys_row, moments_ptr + row * PIECES * 3, num_blocks, num_blocks_k,
                              out_ptr + row * out_stride_row, out_stride_col, NB, SELECT_CHUNK, LANES, PAD_BLOCK,
-                             CARRY, PIECES, MOMENTS)
+                             CARRY, PIECES, MOMENTS, timeline_ptr, program, TIMELINE)
 
 
 @triton.jit(do_not_specialize=["row_repeat", "num_candidates"])
@@ -978,7 +1001,8 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
                  block_size: int, row_repeat: int, out: torch.Tensor, *, vector: bool | None = None,
                  step: int = _FUSED_STEP, pieces: int | None = None, piece_warps: int | None = None,
                  piece_chunk: int | None = None, piece_step: int | None = None,
-                 moment_probes: bool | None = None, piece_moments: bool | None = None) -> torch.Tensor:
+                 moment_probes: bool | None = None, piece_moments: bool | None = None,
+                 timeline: dict | None = None) -> torch.Tensor:
     """Rows of at most ``_FUSED_MAX_BLOCKS`` blocks in one launch. ``pieces`` (default ``_default_pieces``) picks the
     kernel:
 
@@ -993,7 +1017,9 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
       also sums its images' ``_moment_terms`` and the selecting program opens its search with ``_moment_probes``.
       Scratch images ``[R, next_power_of_2(blocks)]``, the pieces' sums ``[R, pieces, 3]`` and zeroed arrival
       counters ``[R]`` are allocated per call (the zeroing is a memset in the same stream: CUDA-graph capturable,
-      no state across calls)."""
+      no state across calls). ``timeline`` (a dict; the split kernel only, GPU only): its phase timeline on, the
+      stamps in ``timeline["split"]``, int64 ``[R * pieces, _TL_SLOTS]`` (words ``_TL_*``; zeros where a program
+      did not reach the phase), created on the first call and reused (topk's ``_timeline_args``)."""
     num_rows, width = logits.shape
     max_blocks = triton.cdiv(width, block_size)
     padded_blocks = triton.next_power_of_2(max(max_blocks, 1))
@@ -1027,8 +1053,11 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
             STEP_NB=piece_step_blocks, PIECES=pieces, LANES=lanes, VECTOR=vector,
             PAD_BLOCK=_PAD_BLOCK, SELECT_CHUNK=chunk, CARRY=_carry_mode(chunk, 32 * warps), MOMENTS=piece_moments,
             num_warps=warps, maxnreg=_SPLIT_MAX_REGISTERS,
+            **_timeline_args(timeline, "split", num_rows * pieces, _TL_SLOTS.value, logits.device),
         )
         return out
+    if timeline is not None:
+        raise ValueError("the phase timeline covers the split select only (fused_pieces > 0)")
     step_blocks = min(max(1, step // block_j), padded_blocks)
     _fused_select_kernel[(num_rows,)](
         logits, starts_arg, ends, out,
