@@ -430,8 +430,14 @@ def moment_rows(width, generator):
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("variant", MOMENT_VARIANTS.values(), ids=MOMENT_VARIANTS.keys())
-@pytest.mark.parametrize("data", ["moments", "random", "ties", "close", "relu", "nan_and_neg_inf"])
+# Every data kind with the moments on; the interpolated opening (off: the search before session 8, still a keyword
+# argument) on the misleading rows, and on the GPU at the V4.1 shapes (split_4_no_moments).
+MOMENT_CASES = [(variant, data) for variant in ("fused", "split")
+                for data in ("moments", "random", "ties", "close", "relu", "nan_and_neg_inf")]
+MOMENT_CASES += [("fused_off", "moments"), ("split_off", "moments")]
+
+
+@pytest.mark.parametrize("variant,data", MOMENT_CASES, ids=[f"{v}-{d}" for v, d in MOMENT_CASES])
 def test_select_moment_probes_match_reference(kernel_device, variant, data):
     generator = torch.Generator().manual_seed(11)
     if data == "moments":
@@ -442,7 +448,7 @@ def test_select_moment_probes_match_reference(kernel_device, variant, data):
         logits, starts, ends, _ = case(7, 60, 8, data, device=kernel_device)
     for num_blocks_k in (1, 2, 5, 13, 100):
         expected = select_candidate_blocks(logits, starts, ends, num_blocks_k, 4, backend="reference")
-        actual = select_candidate_blocks_triton(logits, starts, ends, num_blocks_k, 4, 1, **variant)
+        actual = select_candidate_blocks_triton(logits, starts, ends, num_blocks_k, 4, 1, **MOMENT_VARIANTS[variant])
         assert torch.equal(actual, expected)
 
 
