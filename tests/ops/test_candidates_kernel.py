@@ -509,6 +509,11 @@ def test_select_timeline_probe_gpu(piece_moments):
     assert selecting.shape[0] == 12
     phases = [ct._TL_ARRIVED.value, ct._TL_BOUNDS.value, ct._TL_SEARCHED.value, ct._TL_EMITTED.value]
     assert bool((selecting[:, phases].diff(dim=1) >= 0).all())
+    searched = selecting[selecting[:, ct._TL_ROUNDS.value] > 0]  # rows whose search ran a round
+    assert searched.shape[0] > 0
+    rounds = [ct._TL_BOUNDS.value, ct._TL_FIRST_ROUND_START.value, ct._TL_FIRST_ROUND_END.value,
+              ct._TL_SEARCHED.value]
+    assert bool((searched[:, rounds].diff(dim=1) >= 0).all())
 
 
 def test_select_fused_all_equal_unselectable_and_too_wide_rows(kernel_device):

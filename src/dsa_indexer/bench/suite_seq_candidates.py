@@ -385,7 +385,7 @@ def _timeline_summary(stamps: torch.Tensor) -> dict[str, float]:
     emitted = selecting[:, ct._TL_EMITTED.value]
     origin = int(start.min())
     us = lambda t: t.double() / 1e3  # noqa: E731
-    return {
+    summary = {
         "span": float(us(emitted.max() - origin)),
         "stream_end": float(us(arrived.max() - origin)),
         "tail": float(us(emitted.max() - arrived.max())),
@@ -397,6 +397,13 @@ def _timeline_summary(stamps: torch.Tensor) -> dict[str, float]:
         "emit_p50": _median(us(emitted - searched).tolist()),
         "rounds_p50": _median(selecting[:, ct._TL_ROUNDS.value].double().tolist()),
     }
+    searching = selecting[selecting[:, ct._TL_FIRST_ROUND_END.value] > 0]
+    first_start = searching[:, ct._TL_FIRST_ROUND_START.value]
+    first_end = searching[:, ct._TL_FIRST_ROUND_END.value]
+    summary["before_first_round_p50"] = _median(us(first_start - searching[:, ct._TL_BOUNDS.value]).tolist())
+    summary["first_round_p50"] = _median(us(first_end - first_start).tolist())
+    summary["later_rounds_p50"] = _median(us(searching[:, ct._TL_SEARCHED.value] - first_end).tolist())
+    return summary
 
 
 def timeline(rows_list: tuple[int, ...] = (512, 256, 64), variants: tuple[str, ...] = ("default",),
@@ -406,13 +413,14 @@ def timeline(rows_list: tuple[int, ...] = (512, 256, 64), variants: tuple[str, .
     ``variants`` (``TIMELINE_VARIANTS``) at each R: the call is checked bitwise against the reference, captured in a
     CUDA graph and replayed ``replays`` times after a 256 MB memset (as ``harness.cold_graph_us``); prints, as
     medians over replays, the span (first start to last emit), when the last piece arrives, the tail after it, the
-    pieces' durations and the selecting programs' phases (p50 over rows) with their search rounds."""
+    pieces' durations and the selecting programs' phases (p50 over rows) with their search rounds, the search split
+    into the block reductions before its first round, the first round and the later ones."""
     width, block_size, num_blocks_k = 131072, 8, 2048
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     results = []
     print("| R | variant | span | last arrival | tail | piece p50 / p90 | selection p50 (bounds / search / emit) "
-          "| rounds p50 |")
-    print("| --- | --- | ---: | ---: | ---: | --- | --- | ---: |")
+          "| rounds p50 | search p50: before round 1 / round 1 / later rounds |")
+    print("| --- | --- | ---: | ---: | ---: | --- | --- | ---: | --- |")
     for num_rows in rows_list:
         logits = torch.randn(num_rows, width, device="cuda")
         starts = torch.zeros(num_rows, dtype=torch.int32, device="cuda")
@@ -446,7 +454,8 @@ def timeline(rows_list: tuple[int, ...] = (512, 256, 64), variants: tuple[str, .
             print(f"| {num_rows} | {variant} | {row['span']:.1f} | {row['stream_end']:.1f} | {row['tail']:.1f} "
                   f"| {row['piece_p50']:.1f} / {row['piece_p90']:.1f} | {row['select_p50']:.1f} "
                   f"({row['bounds_p50']:.1f} / {row['search_p50']:.1f} / {row['emit_p50']:.1f}) "
-                  f"| {row['rounds_p50']:.0f} |", flush=True)
+                  f"| {row['rounds_p50']:.0f} | {row['before_first_round_p50']:.1f} / {row['first_round_p50']:.1f} / "
+                  f"{row['later_rounds_p50']:.1f} |", flush=True)
             del graph
         del logits
         torch.cuda.empty_cache()

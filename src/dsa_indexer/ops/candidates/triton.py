@@ -122,15 +122,17 @@ _SPLIT_MOMENTS = True
 _MOMENT_PROBES = True  # the fused select's first search round placed by the row's moments (session 8: R 128 -5 %)
 _PAD_BLOCK = 1024
 # Phase timeline of the split select (topk's ``_stamp``, a timing probe, off by default): global-timer stamps per
-# program at its start and its arrival; the selecting program's also after the bounds pass, the search and the
-# emit, and its search's round count (a number, not a time).
+# program at its start and its arrival; the selecting program's also after the bounds pass, at the search's first
+# round (its start, its end), after the search and the emit, and its search's round count (a number, not a time).
 _TL_START = tl.constexpr(0)
 _TL_ARRIVED = tl.constexpr(1)
 _TL_BOUNDS = tl.constexpr(2)
 _TL_SEARCHED = tl.constexpr(3)
 _TL_EMITTED = tl.constexpr(4)
 _TL_ROUNDS = tl.constexpr(5)
-_TL_SLOTS = tl.constexpr(6)
+_TL_FIRST_ROUND_START = tl.constexpr(6)
+_TL_FIRST_ROUND_END = tl.constexpr(7)
+_TL_SLOTS = tl.constexpr(8)
 
 
 @triton.jit
@@ -626,6 +628,7 @@ def _kth_largest_in_scratch(keys_row, k, selectable, low, high, finite, total, s
     high_count = selectable * 0
     opening = selectable * 0 + 1
     rounds = selectable * 0
+    _stamp(timeline_ptr, program, _TL_FIRST_ROUND_START, _TL_SLOTS, TIMELINE)
     while (low_count > k) & (high - low > 1):
         below, above, middle, halving = _probes(k, selectable, low, low_count, high, high_count, opening, finite,
                                                 total, squares, MOMENTS)
@@ -633,6 +636,9 @@ def _kth_largest_in_scratch(keys_row, k, selectable, low, high, finite, total, s
         first, second = _scratch_probe_counts(keys_row, below, above, middle, halving, NB, CHUNK, CARRY)
         low, low_count, high, high_count = _narrow_by_probes(below, above, middle, halving, first, second, k, low,
                                                              low_count, high, high_count)
+        if TIMELINE:
+            if rounds == 0:
+                _stamp(timeline_ptr, program, _TL_FIRST_ROUND_END, _TL_SLOTS, TIMELINE)
         rounds += 1
     if TIMELINE:
         tl.store(timeline_ptr + program.to(tl.int64) * _TL_SLOTS + _TL_ROUNDS, rounds.to(tl.int64))
