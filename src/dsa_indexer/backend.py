@@ -7,6 +7,7 @@ kernel, and the PyTorch reference otherwise. The ``DSA_INDEXER_BACKEND`` environ
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from collections.abc import Callable
@@ -25,6 +26,17 @@ def triton_available() -> bool:
 def interpreter_enabled() -> bool:
     """Triton kernels run on the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    """SMs of the CUDA ``device`` (its index, or the current device), cached per device: the kernels' launch
+    planning sizes grids by it."""
+    return _multiprocessors_of(torch.cuda.current_device() if device.index is None else device.index)
 
 
 def requested_backend(backend: str) -> str:

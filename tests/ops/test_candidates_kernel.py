@@ -412,14 +412,13 @@ def test_select_split_runs_ties_pins_and_strides(kernel_device, pieces, chunk):
     assert_views_and_strided_out_match(logits, starts, ends, 7, variant)
 
 
-# The first search round placed by the row's moments (the fused select's ``moment_probes``, the split select's
-# ``fused_piece_moments``, from its pieces' sums): rows whose moments
-# mislead (lognormal tails, huge values whose squares overflow, +inf blocks left out of the moments, one value,
-# negative rows) must still select exactly.
+# The first search round placed by the row's moments (``moment_probes``; the split select's pieces sum them): rows
+# whose moments mislead (lognormal tails, huge values whose squares overflow, +inf blocks left out of the moments,
+# one value, negative rows) must still select exactly.
 MOMENT_VARIANTS = {"fused": dict(fused=True, fused_pieces=0, fused_step=16, moment_probes=True),
                    "fused_off": dict(fused=True, fused_pieces=0, fused_step=16, moment_probes=False),
-                   "split": dict(fused_pieces=4, fused_piece_step=16, fused_piece_moments=True),
-                   "split_off": dict(fused_pieces=4, fused_piece_step=16, fused_piece_moments=False)}
+                   "split": dict(fused_pieces=4, fused_piece_step=16, moment_probes=True),
+                   "split_off": dict(fused_pieces=4, fused_piece_step=16, moment_probes=False)}
 
 
 def moment_rows(width, generator):
@@ -431,7 +430,7 @@ def moment_rows(width, generator):
 
 
 # Every data kind with the moments on; the interpolated opening (off: the search before session 8, still a keyword
-# argument) on the misleading rows, and on the GPU at the V4.1 shapes (split_4_no_moments).
+# argument) on the misleading rows, and on the GPU at the V4.1 shapes (*_no_moments).
 MOMENT_CASES = [(variant, data) for variant in ("fused", "split")
                 for data in ("moments", "random", "ties", "close", "relu", "nan_and_neg_inf")]
 MOMENT_CASES += [("fused_off", "moments"), ("split_off", "moments")]
@@ -489,15 +488,15 @@ def test_select_timeline_covers_the_split_select_only():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("piece_moments", [True, False])
-def test_select_timeline_probe_gpu(piece_moments):
+@pytest.mark.parametrize("moment_probes", [True, False])
+def test_select_timeline_probe_gpu(moment_probes):
     # The phase timeline (barriers and global-timer stamps) leaves the ids bitwise equal; every program stamps its
     # start and arrival in order, and exactly one program a row (the last to arrive) its selection's phases.
     logits, starts, ends, _ = case(12, 4000, 9, "random", device="cuda")
     expected = select_candidate_blocks(logits, starts, ends, 40, 8, backend="reference")
     out = torch.empty_like(expected)
     timeline = {}
-    candidates_triton.select_fused(logits, starts, ends, 40, 8, 1, out, pieces=4, piece_moments=piece_moments,
+    candidates_triton.select_fused(logits, starts, ends, 40, 8, 1, out, pieces=4, moment_probes=moment_probes,
                                    timeline=timeline)
     assert torch.equal(out, expected)
     stamps = timeline["split"].cpu()
@@ -613,8 +612,8 @@ def test_v41_shapes_select_variants(data, variant):
 # Bench-sized kernels (the configurations the sweep times).
 V41_FUSED_VARIANTS = {"fused": dict(fused_pieces=0), "fused_step_8192": dict(fused_pieces=0, fused_step=8192),
                       "split_4": dict(fused_pieces=4), "split_8": dict(fused_pieces=8),
-                      "fused_moments": dict(fused_pieces=0, moment_probes=True),
-                      "split_4_no_moments": dict(fused_pieces=4, fused_piece_moments=False)}
+                      "fused_no_moments": dict(fused_pieces=0, moment_probes=False),
+                      "split_4_no_moments": dict(fused_pieces=4, moment_probes=False)}
 
 
 @pytest.mark.gpu

@@ -201,13 +201,10 @@ SELECT_VARIANTS = {
         fused_pieces=0 if candidates_triton._default_pieces(num_rows, torch.device("cuda"))
         else candidates_triton._SPLIT_PIECES),
     "split_8": dict(fused_pieces=8),  # session 5 round 2: R 512 130.9 against 127.7 µs, R 256 85.7 against 85.9
-    # Session 8: the fused select's first search round placed by the row's moments (the default; round 2: R 128
-    # 52.6 -> 49.8 µs, R 64 43.5 -> 42.5; computed in the split select's bounds pass it lost, +5 µs a row).
-    "moments": dict(moment_probes=True),
+    # Session 8: the search's first round placed by the row's moments, the default of both kernels (the split
+    # select's pieces sum them while streaming). Fused R 128 52.6 -> 49.8 µs, R 64 43.5 -> 42.5; split R 512 128.1
+    # -> 126.1, R 256 86.2 -> 82.5 (summed in the split select's bounds pass instead, it lost: +5 µs a row).
     "no_moments": dict(moment_probes=False),
-    # The split select's search opened by moments its pieces sum while streaming (no extra pass in the selection;
-    # the default since session 8 round 10: R 512 126.1 against 128.1 µs, R 256 82.5 against 86.2).
-    "split_no_moments": dict(fused_pieces=4, fused_piece_moments=False),
 }
 # The variants timed at the row counts of ``--subset-rows`` (the crossover's shapes).
 SUBSET_VARIANTS = ("default", "other_path")
@@ -369,7 +366,7 @@ def sweep(out_dir: str | None, quick: bool = False, rows_list: tuple[int, ...] =
 
 
 # Split-select variants of the phase timeline: keyword arguments of ``select_fused``.
-TIMELINE_VARIANTS = {"default": {}, "no_moments": dict(piece_moments=False)}
+TIMELINE_VARIANTS = {"default": {}, "no_moments": dict(moment_probes=False)}
 
 
 def _median(values: list[float]) -> float:

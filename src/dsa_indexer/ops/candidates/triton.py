@@ -76,13 +76,13 @@ the ops are CUDA-graph capturable.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
+from ... import backend as _backend
 from ..topk.triton import KEY_MAX, LOW_FIELD, NONE, _reaches_unsigned, _stamp, _timeline_args
 
 INF_IMAGE = tl.constexpr(0xFF800000)  # order image of +inf (topk's key of +inf ^ NONE)
@@ -116,10 +116,10 @@ _SPLIT_WARPS = 8
 _SPLIT_MAX_REGISTERS = 80
 _SPLIT_CHUNK = 2048
 _SPLIT_STEP = 8192
-# The split select's search opened by moments its pieces sum while streaming (session 8 round 10: R 512 126.1
-# against 128.1 µs, R 256 82.5 against 86.2).
-_SPLIT_MOMENTS = True
-_MOMENT_PROBES = True  # the fused select's first search round placed by the row's moments (session 8: R 128 -5 %)
+# Both one-launch selects open their search with probes placed by the row's moments (``_moment_probes``; the split
+# select's pieces sum them while streaming). Session 8: fused R 128 -5 %, R 64 -2..-9 %; split R 512 126.1 against
+# 128.1 µs, R 256 82.5 against 86.2.
+_MOMENT_PROBES = True
 _PAD_BLOCK = 1024
 # Phase timeline of the split select (topk's ``_stamp``, a timing probe, off by default): global-timer stamps per
 # program at its start and its arrival; the selecting program's also after the bounds pass, at the search's first
@@ -355,7 +355,7 @@ def _add_triples(a_first, a_second, a_third, b_first, b_second, b_third):
 
 @triton.jit
 def _image_value(image):
-    """The fp32 value whose order image is ``image`` (int64 in ``[1, 2**32)``)."""
+    """The fp32 value whose order image is ``image`` (int64 in ``[1, 2**32)``, or uint32)."""
     key = image.to(tl.int32) ^ NONE  # the low 32 bits; topk's signed order key
     return (key ^ ((key >> 31) & KEY_MAX)).to(tl.float32, bitcast=True)
 
@@ -440,8 +440,7 @@ def _moment_terms(images):
     """fp32 ``(1, v, v * v)`` of the finite values ``v`` of the uint32 ``images`` (0 and ``+inf``'s image give
     zeros): summed over a row they are the count, sum and sum of squares of its finite selectable values."""
     finite = (images != 0) & (images < INF_IMAGE)
-    key = images.to(tl.int32, bitcast=True) ^ NONE
-    value = tl.where(finite, (key ^ ((key >> 31) & KEY_MAX)).to(tl.float32, bitcast=True), 0.0)
+    value = tl.where(finite, _image_value(images), 0.0)
     return finite.to(tl.float32), value, value * value
 
 
@@ -973,16 +972,9 @@ def select_from_keys(keys: torch.Tensor, starts: torch.Tensor | None, ends: torc
     return out
 
 
-@functools.lru_cache
-def _multiprocessor_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _multiprocessors(device: torch.device) -> int:
     """SMs of ``device``; tensors on the CPU (Triton's interpreter) count as an H200's 132."""
-    if device.type != "cuda":
-        return 132
-    return _multiprocessor_count(torch.cuda.current_device() if device.index is None else device.index)
+    return _backend.multiprocessor_count(device) if device.type == "cuda" else 132
 
 
 def _default_pieces(num_rows: int, device: torch.device) -> int:
@@ -1007,26 +999,24 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
                  block_size: int, row_repeat: int, out: torch.Tensor, *, vector: bool | None = None,
                  step: int = _FUSED_STEP, pieces: int | None = None, piece_warps: int | None = None,
                  piece_chunk: int | None = None, piece_step: int | None = None,
-                 moment_probes: bool | None = None, piece_moments: bool | None = None,
-                 timeline: dict | None = None) -> torch.Tensor:
-    """Rows of at most ``_FUSED_MAX_BLOCKS`` blocks in one launch. ``pieces`` (default ``_default_pieces``) picks the
-    kernel:
+                 moment_probes: bool | None = None, timeline: dict | None = None) -> torch.Tensor:
+    """Rows of at most ``_FUSED_MAX_BLOCKS`` blocks in one launch. ``moment_probes`` (default ``_MOMENT_PROBES``): the
+    search's first round takes ``_moment_probes``. ``pieces`` (default ``_default_pieces``) picks the kernel:
 
     - 0: ``_fused_select_kernel``, one program of ``_FUSED_WARPS`` warps per row, ``step`` logits per streaming
-      step; ``moment_probes`` (default ``_MOMENT_PROBES``): its search's first round takes ``_moment_probes``.
-      Needs ``next_power_of_2(block_size) <= step`` (``select_candidate_blocks_triton`` checks it).
+      step. Needs ``next_power_of_2(block_size) <= step`` (``select_candidate_blocks_triton`` checks it).
     - > 0: ``_split_select_kernel``, ``pieces`` programs of ``piece_warps`` (default ``_SPLIT_WARPS``) warps per
       row (at most one per block), the last to finish selecting with the images re-read in chunks of
       ``piece_chunk`` (default ``_SPLIT_CHUNK``, capped at the row's; the emit's tensor holds runs of 4 ids per
       row), under ptxas' cap of ``_SPLIT_MAX_REGISTERS`` registers; ``piece_step`` (default ``_SPLIT_STEP``) is
-      the logits per streaming step instead of ``step``; ``piece_moments`` (default ``_SPLIT_MOMENTS``): each piece
-      also sums its images' ``_moment_terms`` and the selecting program opens its search with ``_moment_probes``.
-      Scratch images ``[R, next_power_of_2(blocks)]``, the pieces' sums ``[R, pieces, 3]`` and zeroed arrival
+      the logits per streaming step instead of ``step``. With ``moment_probes`` each piece also sums its images'
+      ``_moment_terms`` for the selecting program. Scratch images ``[R, next_power_of_2(blocks)]``, the pieces' sums ``[R, pieces, 3]`` and zeroed arrival
       counters ``[R]`` are allocated per call (the zeroing is a memset in the same stream: CUDA-graph capturable,
       no state across calls). ``timeline`` (a dict; the split kernel only, GPU only): its phase timeline on, the
       stamps in ``timeline["split"]``, int64 ``[R * pieces, _TL_SLOTS]`` (words ``_TL_*``; zeros where a program
       did not reach the phase), created on the first call and reused (topk's ``_timeline_args``)."""
     num_rows, width = logits.shape
+    moments = _MOMENT_PROBES if moment_probes is None else moment_probes
     max_blocks = triton.cdiv(width, block_size)
     padded_blocks = triton.next_power_of_2(max(max_blocks, 1))
     assert padded_blocks <= _FUSED_MAX_BLOCKS, "the fused select holds at most _FUSED_MAX_BLOCKS keys per row"
@@ -1049,15 +1039,14 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
         lanes = chunk // min(4, chunk)
         keys = torch.empty((num_rows, padded_blocks), dtype=torch.int32, device=logits.device)
         arrivals = torch.zeros((num_rows,), dtype=torch.int32, device=logits.device)
-        piece_moments = _SPLIT_MOMENTS if piece_moments is None else piece_moments
         # The pieces' sums of _moment_terms (each piece writes its own 3 before arriving); logits stands in unused.
-        moments = torch.empty((num_rows, pieces, 3), device=logits.device) if piece_moments else logits
+        piece_sums = torch.empty((num_rows, pieces, 3), device=logits.device) if moments else logits
         _split_select_kernel[(num_rows * pieces,)](
-            logits, starts_arg, ends, out, keys, arrivals, moments,
+            logits, starts_arg, ends, out, keys, arrivals, piece_sums,
             row_repeat, num_blocks_k, logits.stride(0), logits.stride(1), out.stride(0), out.stride(1),
             HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_J=block_j, STEPS=piece_blocks // piece_step_blocks,
             STEP_NB=piece_step_blocks, PIECES=pieces, LANES=lanes, VECTOR=vector,
-            PAD_BLOCK=_PAD_BLOCK, SELECT_CHUNK=chunk, CARRY=_carry_mode(chunk, 32 * warps), MOMENTS=piece_moments,
+            PAD_BLOCK=_PAD_BLOCK, SELECT_CHUNK=chunk, CARRY=_carry_mode(chunk, 32 * warps), MOMENTS=moments,
             num_warps=warps, maxnreg=_SPLIT_MAX_REGISTERS,
             **_timeline_args(timeline, "split", num_rows * pieces, _TL_SLOTS.value, logits.device),
         )
@@ -1070,8 +1059,7 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
         row_repeat, num_blocks_k, logits.stride(0), logits.stride(1), out.stride(0), out.stride(1),
         HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_J=block_j, STEPS=padded_blocks // step_blocks,
         STEP_NB=step_blocks, VECTOR=vector, PAD_BLOCK=_PAD_BLOCK,
-        CARRY=_carry_mode(padded_blocks, 32 * _FUSED_WARPS),
-        MOMENTS=_MOMENT_PROBES if moment_probes is None else moment_probes, num_warps=_FUSED_WARPS,
+        CARRY=_carry_mode(padded_blocks, 32 * _FUSED_WARPS), MOMENTS=moments, num_warps=_FUSED_WARPS,
     )
     return out
 
@@ -1094,13 +1082,12 @@ def select_candidate_blocks_triton(
     fused_piece_chunk: int | None = None,
     fused_piece_step: int | None = None,
     moment_probes: bool | None = None,
-    fused_piece_moments: bool | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``select_candidate_blocks_reference``. ``fused`` (default ``_SELECT_FUSED``; only
     logits of at most ``_FUSED_MAX_BLOCKS`` blocks per row and blocks of at most ``fused_step``
     positions, others take the two launches) runs ``select_fused`` with ``fused_step`` and the split select's
     ``fused_pieces`` (0: one program per row; default by row count), ``fused_piece_warps``, ``fused_piece_chunk``,
-    ``fused_piece_step``, ``moment_probes`` (the fused kernel's) and ``fused_piece_moments`` (the split kernel's);
+    ``fused_piece_step`` and ``moment_probes``;
     ``vector`` goes to whichever path runs, ``keys_tile`` to ``block_keys`` (two launches)."""
     if out is None:
         out = torch.empty((logits.shape[0], num_blocks_k), dtype=torch.int32, device=logits.device)
@@ -1110,7 +1097,7 @@ def select_candidate_blocks_triton(
         return select_fused(logits, starts, ends, num_blocks_k, block_size, row_repeat, out, vector=vector,
                             step=fused_step, pieces=fused_pieces, piece_warps=fused_piece_warps,
                             piece_chunk=fused_piece_chunk, piece_step=fused_piece_step,
-                            moment_probes=moment_probes, piece_moments=fused_piece_moments)
+                            moment_probes=moment_probes)
     keys = block_keys(logits, starts, ends, block_size, row_repeat, vector=vector, tile=keys_tile)
     return select_from_keys(keys, starts, ends, num_blocks_k, block_size, row_repeat, out)
 

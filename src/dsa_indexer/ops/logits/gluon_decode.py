@@ -51,9 +51,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ... import backend as _backend
 from ...cache import IndexerKCache
 from ...formats import FP8_DTYPE
-from .triton import _device_index, _num_sms, _split_tiles
+from .triton import _split_tiles
 
 __all__ = ["paged_mqa_logits_gluon", "gluon_decode_preferred", "gluon_decode_config", "GLUON_DECODE_CONFIG"]
 
@@ -585,7 +586,7 @@ def paged_mqa_logits_gluon(
     num_works = batch * num_groups * num_splits
     programs = num_works
     if persistent_per_sm:
-        programs = min(num_works, persistent_per_sm * _num_sms(_device_index(q.device)))
+        programs = min(num_works, persistent_per_sm * _backend.multiprocessor_count(q.device))
     buffer = cache.buffer
     descriptors = _tma_pages(cache, config)
     if descriptors is None and len(config) > 10 and config[10]:

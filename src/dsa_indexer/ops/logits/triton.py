@@ -442,11 +442,6 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
@@ -563,7 +558,7 @@ def mqa_logits_triton(
 def _split_tiles(work_groups: int, key_tiles: int, device: torch.device, per_sm: int, lo: int, hi: int) -> int:
     """Key tiles per split, a power of two: about ``per_sm`` programs per SM over the whole call, within
     ``[lo, hi]`` and no more than one request needs."""
-    sms = 4 if _interpreting() else _num_sms(_device_index(device))
+    sms = 4 if _interpreting() else _backend.multiprocessor_count(device)
     tiles = min(hi, triton.next_power_of_2(key_tiles), max(lo, triton.cdiv(work_groups * key_tiles, sms * per_sm)))
     return triton.next_power_of_2(tiles)
 
