@@ -117,8 +117,9 @@ _SPLIT_MAX_REGISTERS = 80
 _SPLIT_CHUNK = 2048
 _SPLIT_STEP = 8192
 # Both one-launch selects open their search with probes placed by the row's moments (``_moment_probes``; the split
-# select's pieces sum them while streaming). Session 8: fused R 128 -5 %, R 64 -2..-9 %; split R 512 126.1 against
-# 128.1 µs, R 256 82.5 against 86.2.
+# select's pieces sum them while streaming, from the fp32 block maxima). Session 8: fused R 128 -5 %, R 64 -2..-9 %;
+# split R 512 126.1 against 128.1 µs, R 256 82.5 against 86.2; session 9 (the pieces' sums without the image decode,
+# ~260 SASS fewer a piece thread): R 512 123.7 against 128.3 without the moments, R 2048 371.6 (69.1 %) against 378.7.
 _MOMENT_PROBES = True
 _PAD_BLOCK = 1024
 # Phase timeline of the split select (topk's ``_stamp``, a timing probe, off by default): global-timer stamps per
@@ -312,14 +313,26 @@ def _step_values(row_ptr, first_column, stride_col, blocks, readable, BLOCK_SIZE
 
 
 @triton.jit
-def _max_images(values):
-    """uint32 order images of the row maxima of ``values`` [STEP_NB, BLOCK_J]: topk's order key ``^ NONE``
-    (unsigned order = value order), 0 when no entry is selectable (NaN and ``-inf`` only)."""
-    best = tl.max(tl.where(values != values, float("-inf"), values), axis=1)  # [STEP_NB]
+def _block_maxima(values):
+    """fp32 row maxima of ``values`` [STEP_NB, BLOCK_J] over their selectable entries (``-inf`` when there is
+    none: NaN and ``-inf`` only)."""
+    return tl.max(tl.where(values != values, float("-inf"), values), axis=1)  # [STEP_NB]
+
+
+@triton.jit
+def _maxima_images(best):
+    """uint32 order images of the fp32 block maxima ``best``: topk's order key ``^ NONE`` (unsigned order =
+    value order), 0 for ``-inf`` (no selectable entry)."""
     bits = best.to(tl.int32, bitcast=True)
     bits = tl.where(bits == NONE, 0, bits)  # -0.0 ranks as +0.0
     image = bits ^ ((bits >> 31) | NONE)  # negative: all bits flipped; else the sign bit set
     return tl.where(best == float("-inf"), 0, image).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _max_images(values):
+    """uint32 order images of the row maxima of ``values`` [STEP_NB, BLOCK_J] (``_maxima_images``)."""
+    return _maxima_images(_block_maxima(values))
 
 
 @triton.jit
@@ -441,6 +454,15 @@ def _moment_terms(images):
     zeros): summed over a row they are the count, sum and sum of squares of its finite selectable values."""
     finite = (images != 0) & (images < INF_IMAGE)
     value = tl.where(finite, _image_value(images), 0.0)
+    return finite.to(tl.float32), value, value * value
+
+
+@triton.jit
+def _maxima_moment_terms(best):
+    """``_moment_terms`` of the images of the fp32 block maxima ``best``, from the values themselves (no image
+    decode; the same sums: ``-0.0`` and ``+0.0`` add alike)."""
+    finite = (best > float("-inf")) & (best < float("inf"))
+    value = tl.where(finite, best, 0.0)
     return finite.to(tl.float32), value, value * value
 
 
@@ -741,7 +763,8 @@ def _stream_piece_images(keys_row, row_ptr, first_column, stride_col, readable, 
                          UNIT_STRIDE: tl.constexpr, MOMENTS: tl.constexpr):
     """Stores the block images of blocks ``[first_block, first_block + STEPS * STEP_NB)`` of one row at
     ``keys_row + block`` (0 past ``readable``), the next step's loads issued before the current step is
-    reduced. Returns the sums of ``_moment_terms`` over the images with ``MOMENTS`` (else zeros)."""
+    reduced. Returns the sums of ``_moment_terms`` over the images with ``MOMENTS`` (else zeros), taken from the
+    block maxima before they become images (``_maxima_moment_terms``)."""
     lanes = tl.arange(0, STEP_NB)  # [STEP_NB]
     finite = tl.zeros([STEP_NB], tl.float32)
     total = tl.zeros([STEP_NB], tl.float32)
@@ -752,10 +775,10 @@ def _stream_piece_images(keys_row, row_ptr, first_column, stride_col, readable, 
         if s + 1 < STEPS:
             following = _step_values(row_ptr, first_column, stride_col, first_block + (s + 1) * STEP_NB + lanes,
                                      readable, BLOCK_SIZE, BLOCK_J, UNIT_STRIDE)
-        images = _max_images(values)
-        tl.store(keys_row + first_block + s * STEP_NB + lanes, images.to(tl.int32, bitcast=True))
+        best = _block_maxima(values)
+        tl.store(keys_row + first_block + s * STEP_NB + lanes, _maxima_images(best).to(tl.int32, bitcast=True))
         if MOMENTS:
-            is_finite, value, square = _moment_terms(images)
+            is_finite, value, square = _maxima_moment_terms(best)
             finite += is_finite
             total += value
             squares += square
