@@ -412,13 +412,14 @@ def test_select_split_runs_ties_pins_and_strides(kernel_device, pieces, chunk):
     assert_views_and_strided_out_match(logits, starts, ends, 7, variant)
 
 
-# The first search round placed by the row's moments (``moment_probes``; the split select's pieces sum them): rows
+# The first search round placed by the row's moments (``moment_probes``; the split select samples them): rows
 # whose moments mislead (lognormal tails, huge values whose squares overflow, +inf blocks left out of the moments,
 # one value, negative rows) must still select exactly.
 MOMENT_VARIANTS = {"fused": dict(fused=True, fused_pieces=0, fused_step=16, moment_probes=True),
                    "fused_off": dict(fused=True, fused_pieces=0, fused_step=16, moment_probes=False),
                    "split": dict(fused_pieces=4, fused_piece_step=16, moment_probes=True),
-                   "split_off": dict(fused_pieces=4, fused_piece_step=16, moment_probes=False)}
+                   "split_off": dict(fused_pieces=4, fused_piece_step=16, moment_probes=False),
+                   "split_sample": dict(fused_pieces=4, fused_piece_step=16, moment_sample=16)}
 
 
 def moment_rows(width, generator):
@@ -431,7 +432,7 @@ def moment_rows(width, generator):
 
 # Every data kind with the moments on; the interpolated opening (off: the search before session 8, still a keyword
 # argument) on the misleading rows, and on the GPU at the V4.1 shapes (*_no_moments).
-MOMENT_CASES = [(variant, data) for variant in ("fused", "split")
+MOMENT_CASES = [(variant, data) for variant in ("fused", "split", "split_sample")
                 for data in ("moments", "random", "ties", "close", "relu", "nan_and_neg_inf")]
 MOMENT_CASES += [("fused_off", "moments"), ("split_off", "moments")]
 
@@ -484,6 +485,16 @@ def test_select_timeline_covers_the_split_select_only():
     out = torch.full((3, 5), -777, dtype=torch.int32)
     with pytest.raises(ValueError, match="split select"):
         candidates_triton.select_fused(logits, starts, ends, 5, 8, 1, out, pieces=0, timeline={})
+    assert bool((out == -777).all())
+
+
+@pytest.mark.parametrize("sample", [3, 0, -8])
+def test_select_moment_sample_must_be_a_power_of_two(sample):
+    # Refused before any launch: the sample is a power-of-two tensor of the selecting program.
+    logits, starts, ends, _ = case(3, 60, 8, "random")
+    out = torch.full((3, 5), -777, dtype=torch.int32)
+    with pytest.raises(ValueError, match="moment_sample"):
+        candidates_triton.select_fused(logits, starts, ends, 5, 8, 1, out, pieces=4, moment_sample=sample)
     assert bool((out == -777).all())
 
 
@@ -613,7 +624,8 @@ def test_v41_shapes_select_variants(data, variant):
 V41_FUSED_VARIANTS = {"fused": dict(fused_pieces=0), "fused_step_8192": dict(fused_pieces=0, fused_step=8192),
                       "split_4": dict(fused_pieces=4), "split_8": dict(fused_pieces=8),
                       "fused_no_moments": dict(fused_pieces=0, moment_probes=False),
-                      "split_4_no_moments": dict(fused_pieces=4, moment_probes=False)}
+                      "split_4_no_moments": dict(fused_pieces=4, moment_probes=False),
+                      "split_4_sample_1024": dict(fused_pieces=4, moment_sample=1024)}
 
 
 @pytest.mark.gpu

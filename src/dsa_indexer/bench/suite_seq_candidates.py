@@ -205,6 +205,9 @@ SELECT_VARIANTS = {
     # select's pieces sum them while streaming). Fused R 128 52.6 -> 49.8 µs, R 64 43.5 -> 42.5; split R 512 128.1
     # -> 126.1, R 256 86.2 -> 82.5 (summed in the split select's bounds pass instead, it lost: +5 µs a row).
     "no_moments": dict(moment_probes=False),
+    # Session 9 round 8: the split select's moments from 256 of a row's images (the default) against 1024; the pieces
+    # summing every image (session 8's default) lost (R 2048 365-382 against 361.8 µs).
+    "sample_1024": dict(moment_sample=1024),
 }
 # The variants timed at the row counts of ``--subset-rows`` (the crossover's shapes).
 SUBSET_VARIANTS = ("default", "other_path")

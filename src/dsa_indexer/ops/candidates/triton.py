@@ -32,8 +32,8 @@ One-launch paths (``fused``, default ``_SELECT_FUSED``; rows of at most ``_FUSED
 (uint32, unsigned order = value order, 0 for a block without selectable entries), never read the newest block
 (pinned), search the threshold over the other blocks for ``k - 1`` places by interpolation (four probes per
 round around the interpolated position of the k-th image, a bracket that at least halves every round; both open
-with four probes placed by the row's moments, ``_moment_probes``, which the split kernel's pieces sum while they
-stream) and emit with a prefix sum of
+with four probes placed by the row's moments, ``_moment_probes``: all its images' in the fused kernel, a strided
+sample's in the split kernel) and emit with a prefix sum of
 ``greater + equal * 2**16`` in block-id order (as topk's ``_emit_taken``), then ``-1`` padding. ``fused_pieces``
 (default ``_default_pieces``: ``_SPLIT_PIECES`` from ``_SPLIT_MIN_ROWS`` rows on and when all the rows' pieces fit
 one program per SM, else 0) picks:
@@ -116,11 +116,13 @@ _SPLIT_WARPS = 8
 _SPLIT_MAX_REGISTERS = 80
 _SPLIT_CHUNK = 2048
 _SPLIT_STEP = 8192
-# Both one-launch selects open their search with probes placed by the row's moments (``_moment_probes``; the split
-# select's pieces sum them while streaming, from the fp32 block maxima). Session 8: fused R 128 -5 %, R 64 -2..-9 %;
-# split R 512 126.1 against 128.1 µs, R 256 82.5 against 86.2; session 9 (the pieces' sums without the image decode,
-# ~260 SASS fewer a piece thread): R 512 123.7 against 128.3 without the moments, R 2048 371.6 (69.1 %) against 378.7.
+# Both one-launch selects open their search with probes placed by the row's moments (``_moment_probes``). Session 8:
+# fused R 128 -5 %, R 64 -2..-9 %. The split select's selecting program takes the moments of _MOMENT_SAMPLE of the
+# row's images at a stride (a power of two; session 9 round 8, µs: R 2048 361.8 against 370.4 for 1024 of them,
+# 365-382 for the pieces summing every image while streaming, 369.0 without moments; R 512 121.4 / 124.7 / 121.8 /
+# 126.0).
 _MOMENT_PROBES = True
+_MOMENT_SAMPLE = 256
 _PAD_BLOCK = 1024
 # Phase timeline of the split select (topk's ``_stamp``, a timing probe, off by default): global-timer stamps per
 # program at its start and its arrival; the selecting program's also after the bounds pass, at the search's first
@@ -464,15 +466,6 @@ def _moment_terms(images):
 
 
 @triton.jit
-def _maxima_moment_terms(best):
-    """``_moment_terms`` of the images of the fp32 block maxima ``best``, from the values themselves (no image
-    decode; the same sums: ``-0.0`` and ``+0.0`` add alike)."""
-    finite = (best > float("-inf")) & (best < float("inf"))
-    value = tl.where(finite, best, 0.0)
-    return finite.to(tl.float32), value, value * value
-
-
-@triton.jit
 def _moment_probes(k, selectable, finite, total, squares, low, high):
     """Four probes (int64 images inside ``(low, high)``) for the first round of the search, placed in value space
     by the row's moments: ``mean + sd * (z + d)`` for ``d`` in -0.3, -0.1, 0.1, 0.3, with ``z`` the standard
@@ -721,15 +714,17 @@ def _emit_prescanned(keys_row, t, num_blocks, num_blocks_k, out_row, out_stride_
 
 
 @triton.jit
-def _select_from_scratch(keys_row, moments_row, num_blocks, num_blocks_k, out_row, out_stride_col, NB: tl.constexpr,
+def _select_from_scratch(keys_row, num_blocks, num_blocks_k, out_row, out_stride_col, NB: tl.constexpr,
                          CHUNK: tl.constexpr, LANES: tl.constexpr, PAD_BLOCK: tl.constexpr, CARRY: tl.constexpr,
-                         PIECES: tl.constexpr, MOMENTS: tl.constexpr, timeline_ptr=None, program=0,
+                         MOMENTS: tl.constexpr, SAMPLE: tl.constexpr, timeline_ptr=None, program=0,
                          TIMELINE: tl.constexpr = False):
     """The selection of ``_split_select_kernel``: the row's NB images read in chunks of CHUNK (``[LANES, CHUNK
     // LANES]`` for the emit, one run of ids per row of the tensor) by every pass (bounds, search rounds, totals,
     emit), so the selecting program needs no more registers than a streaming one. With ``MOMENTS`` the search opens
-    with ``_moment_probes`` from the pieces' sums at ``moments_row`` (``[PIECES, 3]`` fp32, added in piece
-    order)."""
+    with ``_moment_probes`` from the moments of SAMPLE images at a stride of ``NB / SAMPLE`` (blocks ``0, NB /
+    SAMPLE, ...``), scaled to the row: an estimate is all the probes need (the search counts every probe), and
+    session 9 measured it cheaper than the pieces summing every image while they stream (R 2048 361.8 against
+    365-382 µs; the pieces are the critical resource, the sample is 1 image per thread of the selecting program)."""
     lanes = tl.arange(0, CHUNK)  # [CHUNK]
     present = tl.zeros([CHUNK], tl.int32)
     lowest = tl.full([CHUNK], 0xFFFFFFFF, tl.uint32)
@@ -749,10 +744,11 @@ def _select_from_scratch(keys_row, moments_row, num_blocks, num_blocks_k, out_ro
             total = 0.0
             squares = 0.0
             if MOMENTS:
-                pieces = tl.arange(0, PIECES) * 3
-                finite = tl.sum(tl.load(moments_row + pieces), axis=0)
-                total = tl.sum(tl.load(moments_row + pieces + 1), axis=0)
-                squares = tl.sum(tl.load(moments_row + pieces + 2), axis=0)
+                sampled = _load_images(keys_row, tl.arange(0, SAMPLE) * (NB // SAMPLE))  # [SAMPLE]
+                finite, total, squares = tl.reduce(_moment_terms(sampled), 0, _add_triples)
+                finite *= NB // SAMPLE  # a power of two: the mean and deviation are the sample's exactly
+                total *= NB // SAMPLE
+                squares *= NB // SAMPLE
             t = _kth_largest_in_scratch(keys_row, k_rest, selectable, tl.min(lowest, axis=0).to(tl.int64),
                                         tl.max(highest, axis=0).to(tl.int64) + 1, finite, total, squares, NB, CHUNK,
                                         CARRY, MOMENTS, timeline_ptr, program, TIMELINE)
@@ -766,49 +762,36 @@ def _select_from_scratch(keys_row, moments_row, num_blocks, num_blocks_k, out_ro
 @triton.jit
 def _stream_piece_images(keys_row, row_ptr, first_column, stride_col, readable, first_block, STEPS: tl.constexpr,
                          STEP_NB: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr,
-                         UNIT_STRIDE: tl.constexpr, MOMENTS: tl.constexpr, MAXNUM: tl.constexpr):
+                         UNIT_STRIDE: tl.constexpr, MAXNUM: tl.constexpr):
     """Stores the block images of blocks ``[first_block, first_block + STEPS * STEP_NB)`` of one row at
     ``keys_row + block`` (0 past ``readable``), the next step's loads issued before the current step is
-    reduced. Returns the sums of ``_moment_terms`` over the images with ``MOMENTS`` (else zeros), taken from the
-    block maxima before they become images (``_maxima_moment_terms``)."""
+    reduced."""
     lanes = tl.arange(0, STEP_NB)  # [STEP_NB]
-    finite = tl.zeros([STEP_NB], tl.float32)
-    total = tl.zeros([STEP_NB], tl.float32)
-    squares = tl.zeros([STEP_NB], tl.float32)
     values = _step_values(row_ptr, first_column, stride_col, first_block + lanes, readable, BLOCK_SIZE, BLOCK_J,
                           UNIT_STRIDE)
     for s in tl.static_range(STEPS):
         if s + 1 < STEPS:
             following = _step_values(row_ptr, first_column, stride_col, first_block + (s + 1) * STEP_NB + lanes,
                                      readable, BLOCK_SIZE, BLOCK_J, UNIT_STRIDE)
-        best = _block_maxima(values, MAXNUM)
-        tl.store(keys_row + first_block + s * STEP_NB + lanes, _maxima_images(best).to(tl.int32, bitcast=True))
-        if MOMENTS:
-            is_finite, value, square = _maxima_moment_terms(best)
-            finite += is_finite
-            total += value
-            squares += square
+        images = _max_images(values, MAXNUM)
+        tl.store(keys_row + first_block + s * STEP_NB + lanes, images.to(tl.int32, bitcast=True))
         if s + 1 < STEPS:
             values = following
-    if MOMENTS:
-        return tl.reduce((finite, total, squares), 0, _add_triples)
-    return 0.0, 0.0, 0.0
 
 
 @triton.jit(do_not_specialize=["row_repeat", "num_blocks_k"])
 def _split_select_kernel(
-    logits_ptr, starts_ptr, ends_ptr, out_ptr, keys_ptr, arrivals_ptr, moments_ptr,
+    logits_ptr, starts_ptr, ends_ptr, out_ptr, keys_ptr, arrivals_ptr,
     row_repeat, num_blocks_k, stride_row, stride_col, out_stride_row, out_stride_col,
     HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr, STEPS: tl.constexpr,
     STEP_NB: tl.constexpr, PIECES: tl.constexpr, LANES: tl.constexpr, VECTOR: tl.constexpr,
     PAD_BLOCK: tl.constexpr, SELECT_CHUNK: tl.constexpr, CARRY: tl.constexpr, MOMENTS: tl.constexpr,
-    MAXNUM: tl.constexpr, timeline_ptr=None, TIMELINE: tl.constexpr = False,
+    SAMPLE: tl.constexpr, MAXNUM: tl.constexpr, timeline_ptr=None, TIMELINE: tl.constexpr = False,
 ):
     """``PIECES`` programs per row (program ``row * PIECES + piece``): each streams blocks ``[piece * NB /
     PIECES, (piece + 1) * NB / PIECES)`` of its row (``STEPS`` steps of ``STEP_NB`` blocks) into the row's
     scratch images ``keys_ptr + row * NB`` (int32 [R, NB], ``NB = PIECES * STEPS * STEP_NB``; the pinned
-    newest block and blocks past the row get 0) and, with ``MOMENTS``, its images' ``_moment_terms`` sums into
-    ``moments_ptr`` (fp32 [R, PIECES, 3]), then arrives on ``arrivals[row]`` (acq_rel, zero at launch). The
+    newest block and blocks past the row get 0), then arrives on ``arrivals[row]`` (acq_rel, zero at launch). The
     last program to arrive selects the row (``_select_from_scratch``): every pass of the
     selection re-reads the images in chunks of SELECT_CHUNK (L1 hits after the first), so the kernel's
     registers are the streaming's and several programs fit per SM (a selecting one beside streaming ones).
@@ -827,23 +810,17 @@ def _split_select_kernel(
     first_block = piece * (STEPS * STEP_NB)
     if VECTOR and (start % 4 == 0):
         aligned_start = (start // 4) * 4  # == start; the product tells the compiler it is 4-aligned
-        finite, total, squares = _stream_piece_images(keys_row, row_ptr, aligned_start, 1, readable, first_block,
-                                                      STEPS, STEP_NB, BLOCK_SIZE, BLOCK_J, True, MOMENTS, MAXNUM)
+        _stream_piece_images(keys_row, row_ptr, aligned_start, 1, readable, first_block, STEPS, STEP_NB, BLOCK_SIZE,
+                             BLOCK_J, True, MAXNUM)
     else:
-        finite, total, squares = _stream_piece_images(keys_row, row_ptr, start, stride_col, readable, first_block,
-                                                      STEPS, STEP_NB, BLOCK_SIZE, BLOCK_J, False, MOMENTS, MAXNUM)
-    if MOMENTS:
-        piece_moments = moments_ptr + (row * PIECES + piece) * 3
-        tl.store(piece_moments, finite)
-        tl.store(piece_moments + 1, total)
-        tl.store(piece_moments + 2, squares)
+        _stream_piece_images(keys_row, row_ptr, start, stride_col, readable, first_block, STEPS, STEP_NB, BLOCK_SIZE,
+                             BLOCK_J, False, MAXNUM)
     tl.debug_barrier()  # every thread's image stores precede the CTA's arrival (release)
     arrived = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel", scope="gpu")
     _stamp(timeline_ptr, program, _TL_ARRIVED, _TL_SLOTS, TIMELINE)
     if arrived == PIECES - 1:
-        _select_from_scratch(keys_row, moments_ptr + row * PIECES * 3, num_blocks, num_blocks_k,
-                             out_ptr + row * out_stride_row, out_stride_col, NB, SELECT_CHUNK, LANES, PAD_BLOCK,
-                             CARRY, PIECES, MOMENTS, timeline_ptr, program, TIMELINE)
+        _select_from_scratch(keys_row, num_blocks, num_blocks_k, out_ptr + row * out_stride_row, out_stride_col, NB,
+                             SELECT_CHUNK, LANES, PAD_BLOCK, CARRY, MOMENTS, SAMPLE, timeline_ptr, program, TIMELINE)
 
 
 @triton.jit(do_not_specialize=["row_repeat", "num_candidates"])
@@ -1034,7 +1011,8 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
                  block_size: int, row_repeat: int, out: torch.Tensor, *, vector: bool | None = None,
                  step: int = _FUSED_STEP, pieces: int | None = None, piece_warps: int | None = None,
                  piece_chunk: int | None = None, piece_step: int | None = None,
-                 moment_probes: bool | None = None, timeline: dict | None = None) -> torch.Tensor:
+                 moment_probes: bool | None = None, moment_sample: int | None = None,
+                 timeline: dict | None = None) -> torch.Tensor:
     """Rows of at most ``_FUSED_MAX_BLOCKS`` blocks in one launch. ``moment_probes`` (default ``_MOMENT_PROBES``): the
     search's first round takes ``_moment_probes``. ``pieces`` (default ``_default_pieces``) picks the kernel:
 
@@ -1044,14 +1022,18 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
       row (at most one per block), the last to finish selecting with the images re-read in chunks of
       ``piece_chunk`` (default ``_SPLIT_CHUNK``, capped at the row's; the emit's tensor holds runs of 4 ids per
       row), under ptxas' cap of ``_SPLIT_MAX_REGISTERS`` registers; ``piece_step`` (default ``_SPLIT_STEP``) is
-      the logits per streaming step instead of ``step``. With ``moment_probes`` each piece also sums its images'
-      ``_moment_terms`` for the selecting program. Scratch images ``[R, next_power_of_2(blocks)]``, the pieces' sums ``[R, pieces, 3]`` and zeroed arrival
+      the logits per streaming step instead of ``step``; ``moment_sample`` (default ``_MOMENT_SAMPLE``, a power of
+      two, capped at the row's padded blocks) the images whose moments place the first probes. Scratch images
+      ``[R, next_power_of_2(blocks)]`` and zeroed arrival
       counters ``[R]`` are allocated per call (the zeroing is a memset in the same stream: CUDA-graph capturable,
       no state across calls). ``timeline`` (a dict; the split kernel only, GPU only): its phase timeline on, the
       stamps in ``timeline["split"]``, int64 ``[R * pieces, _TL_SLOTS]`` (words ``_TL_*``; zeros where a program
       did not reach the phase), created on the first call and reused (topk's ``_timeline_args``)."""
     num_rows, width = logits.shape
     moments = _MOMENT_PROBES if moment_probes is None else moment_probes
+    sample = _MOMENT_SAMPLE if moment_sample is None else moment_sample
+    if sample < 1 or sample & (sample - 1):
+        raise ValueError(f"moment_sample must be a power of two, got {sample}")
     max_blocks = triton.cdiv(width, block_size)
     padded_blocks = triton.next_power_of_2(max(max_blocks, 1))
     assert padded_blocks <= _FUSED_MAX_BLOCKS, "the fused select holds at most _FUSED_MAX_BLOCKS keys per row"
@@ -1074,15 +1056,13 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
         lanes = chunk // min(4, chunk)
         keys = torch.empty((num_rows, padded_blocks), dtype=torch.int32, device=logits.device)
         arrivals = torch.zeros((num_rows,), dtype=torch.int32, device=logits.device)
-        # The pieces' sums of _moment_terms (each piece writes its own 3 before arriving); logits stands in unused.
-        piece_sums = torch.empty((num_rows, pieces, 3), device=logits.device) if moments else logits
         _split_select_kernel[(num_rows * pieces,)](
-            logits, starts_arg, ends, out, keys, arrivals, piece_sums,
+            logits, starts_arg, ends, out, keys, arrivals,
             row_repeat, num_blocks_k, logits.stride(0), logits.stride(1), out.stride(0), out.stride(1),
             HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_J=block_j, STEPS=piece_blocks // piece_step_blocks,
             STEP_NB=piece_step_blocks, PIECES=pieces, LANES=lanes, VECTOR=vector,
             PAD_BLOCK=_PAD_BLOCK, SELECT_CHUNK=chunk, CARRY=_carry_mode(chunk, 32 * warps), MOMENTS=moments,
-            MAXNUM=_maxnum_mode(), num_warps=warps, maxnreg=_SPLIT_MAX_REGISTERS,
+            SAMPLE=min(sample, padded_blocks), MAXNUM=_maxnum_mode(), num_warps=warps, maxnreg=_SPLIT_MAX_REGISTERS,
             **_timeline_args(timeline, "split", num_rows * pieces, _TL_SLOTS.value, logits.device),
         )
         return out
@@ -1118,12 +1098,13 @@ def select_candidate_blocks_triton(
     fused_piece_chunk: int | None = None,
     fused_piece_step: int | None = None,
     moment_probes: bool | None = None,
+    moment_sample: int | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``select_candidate_blocks_reference``. ``fused`` (default ``_SELECT_FUSED``; only
     logits of at most ``_FUSED_MAX_BLOCKS`` blocks per row and blocks of at most ``fused_step``
     positions, others take the two launches) runs ``select_fused`` with ``fused_step`` and the split select's
     ``fused_pieces`` (0: one program per row; default by row count), ``fused_piece_warps``, ``fused_piece_chunk``,
-    ``fused_piece_step`` and ``moment_probes``;
+    ``fused_piece_step``, ``moment_probes`` and ``moment_sample``;
     ``vector`` goes to whichever path runs, ``keys_tile`` to ``block_keys`` (two launches)."""
     if out is None:
         out = torch.empty((logits.shape[0], num_blocks_k), dtype=torch.int32, device=logits.device)
@@ -1133,7 +1114,7 @@ def select_candidate_blocks_triton(
         return select_fused(logits, starts, ends, num_blocks_k, block_size, row_repeat, out, vector=vector,
                             step=fused_step, pieces=fused_pieces, piece_warps=fused_piece_warps,
                             piece_chunk=fused_piece_chunk, piece_step=fused_piece_step,
-                            moment_probes=moment_probes)
+                            moment_probes=moment_probes, moment_sample=moment_sample)
     keys = block_keys(logits, starts, ends, block_size, row_repeat, vector=vector, tile=keys_tile)
     return select_from_keys(keys, starts, ends, num_blocks_k, block_size, row_repeat, out)
 
