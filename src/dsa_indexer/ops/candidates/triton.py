@@ -315,16 +315,13 @@ def _step_values(row_ptr, first_column, stride_col, blocks, readable, BLOCK_SIZE
 
 
 @triton.jit
-def _block_maxima(values, MAXNUM: tl.constexpr):
+def _block_maxima(values):
     """fp32 row maxima of ``values`` [STEP_NB, BLOCK_J] over their selectable entries (``-inf`` when there is
-    none: NaN and ``-inf`` only). ``MAXNUM``: ``tl.max`` on the GPU is PTX ``max.f32``, which skips a NaN operand,
-    so only a block of NaN alone gives NaN, mapped once per block (session 9: ~2 instructions a logit fewer in the
-    streaming than masking every NaN first); Triton's CPU interpreter takes ``np.maximum``, which propagates NaN,
-    so there the NaN entries are masked first (the same maxima)."""
-    if MAXNUM:
-        best = tl.max(values, axis=1)  # [STEP_NB]
-        return tl.where(best != best, float("-inf"), best)
-    return tl.max(tl.where(values != values, float("-inf"), values), axis=1)  # [STEP_NB]
+    none: NaN and ``-inf`` only). ``tl.max`` skips NaN operands (PTX ``max.f32`` on the GPU, ``np.nanmax`` in
+    Triton's CPU interpreter), so only a block of NaN alone gives NaN, mapped once per block (session 9: ~2
+    instructions a logit fewer in the streaming than masking every NaN before the maximum)."""
+    best = tl.max(values, axis=1)  # [STEP_NB]
+    return tl.where(best != best, float("-inf"), best)
 
 
 @triton.jit
@@ -338,15 +335,15 @@ def _maxima_images(best):
 
 
 @triton.jit
-def _max_images(values, MAXNUM: tl.constexpr):
+def _max_images(values):
     """uint32 order images of the row maxima of ``values`` [STEP_NB, BLOCK_J] (``_maxima_images``)."""
-    return _maxima_images(_block_maxima(values, MAXNUM))
+    return _maxima_images(_block_maxima(values))
 
 
 @triton.jit
 def _stream_row_images(images, row_ptr, first_column, stride_col, readable, STEPS: tl.constexpr,
                        STEP_NB: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr,
-                       UNIT_STRIDE: tl.constexpr, MAXNUM: tl.constexpr):
+                       UNIT_STRIDE: tl.constexpr):
     """``images [STEPS, STEP_NB]`` (block ``s * STEP_NB + j`` at ``[s, j]``) with the block images of the
     row's readable blocks. The next step's loads are issued before the current step is reduced (two steps
     of logits in registers), so they are in flight across the step's layout-conversion barrier (run 6: -4%
@@ -358,7 +355,7 @@ def _stream_row_images(images, row_ptr, first_column, stride_col, readable, STEP
         if s + 1 < STEPS:
             following = _step_values(row_ptr, first_column, stride_col, (s + 1) * STEP_NB + lanes, readable,
                                      BLOCK_SIZE, BLOCK_J, UNIT_STRIDE)
-        images = tl.where(step_ids[:, None] == s, _max_images(values, MAXNUM)[None, :], images)
+        images = tl.where(step_ids[:, None] == s, _max_images(values)[None, :], images)
         if s + 1 < STEPS:
             values = following
     return images
@@ -550,7 +547,7 @@ def _fused_select_kernel(
     row_repeat, num_blocks_k, stride_row, stride_col, out_stride_row, out_stride_col,
     HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr, STEPS: tl.constexpr,
     STEP_NB: tl.constexpr, VECTOR: tl.constexpr, PAD_BLOCK: tl.constexpr, CARRY: tl.constexpr,
-    MOMENTS: tl.constexpr, MAXNUM: tl.constexpr,
+    MOMENTS: tl.constexpr,
 ):
     """One program per row: stream the row, hold its ``STEPS * STEP_NB`` block images in registers
     (``[STEPS, STEP_NB]``, block ``s * STEP_NB + j`` at ``[s, j]``), find the threshold and emit.
@@ -574,10 +571,10 @@ def _fused_select_kernel(
     if VECTOR and (start % 4 == 0):
         aligned_start = (start // 4) * 4  # == start; the product tells the compiler it is 4-aligned
         images = _stream_row_images(images, row_ptr, aligned_start, 1, readable, STEPS, STEP_NB, BLOCK_SIZE,
-                                    BLOCK_J, True, MAXNUM)
+                                    BLOCK_J, True)
     else:
         images = _stream_row_images(images, row_ptr, start, stride_col, readable, STEPS, STEP_NB, BLOCK_SIZE,
-                                    BLOCK_J, False, MAXNUM)
+                                    BLOCK_J, False)
     # Row-major flattening (free: [s, j] and s * STEP_NB + j share a thread) keeps block-id order.
     images = tl.reshape(images, [STEPS * STEP_NB])  # [NB]
     block_ids = tl.arange(0, STEPS * STEP_NB)  # [NB]
@@ -762,7 +759,7 @@ def _select_from_scratch(keys_row, num_blocks, num_blocks_k, out_row, out_stride
 @triton.jit
 def _stream_piece_images(keys_row, row_ptr, first_column, stride_col, readable, first_block, STEPS: tl.constexpr,
                          STEP_NB: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr,
-                         UNIT_STRIDE: tl.constexpr, MAXNUM: tl.constexpr):
+                         UNIT_STRIDE: tl.constexpr):
     """Stores the block images of blocks ``[first_block, first_block + STEPS * STEP_NB)`` of one row at
     ``keys_row + block`` (0 past ``readable``), the next step's loads issued before the current step is
     reduced."""
@@ -773,7 +770,7 @@ def _stream_piece_images(keys_row, row_ptr, first_column, stride_col, readable, 
         if s + 1 < STEPS:
             following = _step_values(row_ptr, first_column, stride_col, first_block + (s + 1) * STEP_NB + lanes,
                                      readable, BLOCK_SIZE, BLOCK_J, UNIT_STRIDE)
-        images = _max_images(values, MAXNUM)
+        images = _max_images(values)
         tl.store(keys_row + first_block + s * STEP_NB + lanes, images.to(tl.int32, bitcast=True))
         if s + 1 < STEPS:
             values = following
@@ -786,7 +783,7 @@ def _split_select_kernel(
     HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr, STEPS: tl.constexpr,
     STEP_NB: tl.constexpr, PIECES: tl.constexpr, LANES: tl.constexpr, VECTOR: tl.constexpr,
     PAD_BLOCK: tl.constexpr, SELECT_CHUNK: tl.constexpr, CARRY: tl.constexpr, MOMENTS: tl.constexpr,
-    SAMPLE: tl.constexpr, MAXNUM: tl.constexpr, timeline_ptr=None, TIMELINE: tl.constexpr = False,
+    SAMPLE: tl.constexpr, timeline_ptr=None, TIMELINE: tl.constexpr = False,
 ):
     """``PIECES`` programs per row (program ``row * PIECES + piece``): each streams blocks ``[piece * NB /
     PIECES, (piece + 1) * NB / PIECES)`` of its row (``STEPS`` steps of ``STEP_NB`` blocks) into the row's
@@ -811,10 +808,10 @@ def _split_select_kernel(
     if VECTOR and (start % 4 == 0):
         aligned_start = (start // 4) * 4  # == start; the product tells the compiler it is 4-aligned
         _stream_piece_images(keys_row, row_ptr, aligned_start, 1, readable, first_block, STEPS, STEP_NB, BLOCK_SIZE,
-                             BLOCK_J, True, MAXNUM)
+                             BLOCK_J, True)
     else:
         _stream_piece_images(keys_row, row_ptr, start, stride_col, readable, first_block, STEPS, STEP_NB, BLOCK_SIZE,
-                             BLOCK_J, False, MAXNUM)
+                             BLOCK_J, False)
     tl.debug_barrier()  # every thread's image stores precede the CTA's arrival (release)
     arrived = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel", scope="gpu")
     _stamp(timeline_ptr, program, _TL_ARRIVED, _TL_SLOTS, TIMELINE)
@@ -1001,12 +998,6 @@ def _carry_mode(elements: int, threads: int) -> int:
     return 4 if elements % (4 * threads) == 0 else 1
 
 
-def _maxnum_mode() -> bool:
-    """``MAXNUM`` of the one-launch selects' block maxima (``_block_maxima``): off under Triton's CPU interpreter,
-    whose ``tl.max`` propagates NaN."""
-    return os.environ.get("TRITON_INTERPRET") != "1"
-
-
 def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.Tensor, num_blocks_k: int,
                  block_size: int, row_repeat: int, out: torch.Tensor, *, vector: bool | None = None,
                  step: int = _FUSED_STEP, pieces: int | None = None, piece_warps: int | None = None,
@@ -1062,7 +1053,7 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
             HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_J=block_j, STEPS=piece_blocks // piece_step_blocks,
             STEP_NB=piece_step_blocks, PIECES=pieces, LANES=lanes, VECTOR=vector,
             PAD_BLOCK=_PAD_BLOCK, SELECT_CHUNK=chunk, CARRY=_carry_mode(chunk, 32 * warps), MOMENTS=moments,
-            SAMPLE=min(sample, padded_blocks), MAXNUM=_maxnum_mode(), num_warps=warps, maxnreg=_SPLIT_MAX_REGISTERS,
+            SAMPLE=min(sample, padded_blocks), num_warps=warps, maxnreg=_SPLIT_MAX_REGISTERS,
             **_timeline_args(timeline, "split", num_rows * pieces, _TL_SLOTS.value, logits.device),
         )
         return out
@@ -1074,8 +1065,7 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
         row_repeat, num_blocks_k, logits.stride(0), logits.stride(1), out.stride(0), out.stride(1),
         HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_J=block_j, STEPS=padded_blocks // step_blocks,
         STEP_NB=step_blocks, VECTOR=vector, PAD_BLOCK=_PAD_BLOCK,
-        CARRY=_carry_mode(padded_blocks, 32 * _FUSED_WARPS), MOMENTS=moments, MAXNUM=_maxnum_mode(),
-        num_warps=_FUSED_WARPS,
+        CARRY=_carry_mode(padded_blocks, 32 * _FUSED_WARPS), MOMENTS=moments, num_warps=_FUSED_WARPS,
     )
     return out
 
