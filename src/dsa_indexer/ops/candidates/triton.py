@@ -771,8 +771,8 @@ def _stream_piece_images(keys_row, row_ptr, first_column, stride_col, readable, 
             following = _step_values(row_ptr, first_column, stride_col, first_block + (s + 1) * STEP_NB + lanes,
                                      readable, BLOCK_SIZE, BLOCK_J, UNIT_STRIDE)
         images = _max_images(values)
-        # Stored from the maxima's layout (``max_contiguous`` 1: scalar stores), not converted through shared
-        # memory for 16-byte stores (session 9 round 12: R 512 121.6 against 122.3 µs, R 256 80.6 against 81.6).
+        # Scalar stores (``max_contiguous`` 1): the images still pass through shared memory, as 16-byte accesses
+        # (for 16-byte stores they went as 4-byte ones; session 9 round 12: R 512 121.6 against 122.3 µs).
         ids = tl.max_contiguous(first_block + s * STEP_NB + lanes, 1)
         tl.store(keys_row + ids, images.to(tl.int32, bitcast=True))
         if s + 1 < STEPS:
