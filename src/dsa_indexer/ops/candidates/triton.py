@@ -315,29 +315,18 @@ def _step_values(row_ptr, first_column, stride_col, blocks, readable, BLOCK_SIZE
 
 
 @triton.jit
-def _block_maxima(values):
-    """fp32 row maxima of ``values`` [STEP_NB, BLOCK_J] over their selectable entries (``-inf`` when there is
-    none: NaN and ``-inf`` only). ``tl.max`` skips NaN operands (PTX ``max.f32`` on the GPU, ``np.nanmax`` in
-    Triton's CPU interpreter), so only a block of NaN alone gives NaN, mapped once per block (session 9: ~2
-    instructions a logit fewer in the streaming than masking every NaN before the maximum)."""
+def _max_images(values):
+    """uint32 order images of the row maxima of ``values`` [STEP_NB, BLOCK_J]: topk's order key ``^ NONE``
+    (unsigned order = value order), 0 when no entry is selectable (NaN and ``-inf`` only). ``tl.max`` skips NaN
+    operands (PTX ``max.f32`` on the GPU, ``np.nanmax`` in Triton's CPU interpreter), so only a block of NaN alone
+    gives NaN, mapped once per block (session 9: ~2 instructions a logit fewer in the streaming than masking every
+    NaN before the maximum)."""
     best = tl.max(values, axis=1)  # [STEP_NB]
-    return tl.where(best != best, float("-inf"), best)
-
-
-@triton.jit
-def _maxima_images(best):
-    """uint32 order images of the fp32 block maxima ``best``: topk's order key ``^ NONE`` (unsigned order =
-    value order), 0 for ``-inf`` (no selectable entry)."""
+    best = tl.where(best != best, float("-inf"), best)
     bits = best.to(tl.int32, bitcast=True)
     bits = tl.where(bits == NONE, 0, bits)  # -0.0 ranks as +0.0
     image = bits ^ ((bits >> 31) | NONE)  # negative: all bits flipped; else the sign bit set
     return tl.where(best == float("-inf"), 0, image).to(tl.uint32, bitcast=True)
-
-
-@triton.jit
-def _max_images(values):
-    """uint32 order images of the row maxima of ``values`` [STEP_NB, BLOCK_J] (``_maxima_images``)."""
-    return _maxima_images(_block_maxima(values))
 
 
 @triton.jit
@@ -456,7 +445,8 @@ def _narrow_by_probes(below, above, middle, halving, first, second, k, low, low_
 @triton.jit
 def _moment_terms(images):
     """fp32 ``(1, v, v * v)`` of the finite values ``v`` of the uint32 ``images`` (0 and ``+inf``'s image give
-    zeros): summed over a row they are the count, sum and sum of squares of its finite selectable values."""
+    zeros): summed over images (a row's, or a sample of them) they are the count, sum and sum of squares of their
+    finite selectable values."""
     finite = (images != 0) & (images < INF_IMAGE)
     value = tl.where(finite, _image_value(images), 0.0)
     return finite.to(tl.float32), value, value * value
