@@ -297,6 +297,39 @@ def test_cuda_graph_replay_follows_new_bounds():
         assert torch.equal(masked.view(torch.int32), expected_masked.view(torch.int32))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("blocks_per_row", [32, 64, 96])
+@pytest.mark.parametrize("data", ["random", "ties"])
+def test_select_split_discard_leaves_other_rows_images(blocks_per_row, data):
+    # Rows of one, two and three 128-byte lines of scratch images (96 blocks pad to 128), many rows selected at
+    # once: a row's discarded lines are its own, so every row still selects from its own images, run after run.
+    generator = torch.Generator().manual_seed(6)
+    num_rows, width = 1536, 8 * blocks_per_row - 3
+    logits = make_logits(num_rows, width, generator, data).cuda()
+    starts = torch.randint(0, 16, (num_rows,), generator=generator, dtype=torch.int32).cuda()
+    ends = torch.full((num_rows,), width, dtype=torch.int32, device="cuda")
+    variant = dict(fused_pieces=4, fused_piece_discard=True)
+    for num_blocks_k in (1, 7, blocks_per_row // 2):
+        expected = select_candidate_blocks(logits, starts, ends, num_blocks_k, 8, backend="reference")
+        for _ in range(5):
+            assert torch.equal(select_candidate_blocks_triton(logits, starts, ends, num_blocks_k, 8, 1, **variant),
+                               expected)
+
+
+@pytest.mark.gpu
+def test_select_split_discards_only_rows_of_whole_lines():
+    lines = torch.empty(4, 32, dtype=torch.int32, device="cuda")
+    assert candidates_triton._discardable_rows(lines)
+    assert not candidates_triton._discardable_rows(torch.empty(4, 16, dtype=torch.int32, device="cuda"))
+    assert not candidates_triton._discardable_rows(lines.view(-1)[8:].view(3, 40)[:, :32])
+    assert not candidates_triton._discardable_rows(torch.empty(4, 32, dtype=torch.int32))
+
+
+def test_select_split_discard_is_off_under_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not candidates_triton._discardable_rows(torch.empty(4, 32, dtype=torch.int32))
+
+
 # The two-launch select (block keys + radix select: rows wider than the fused kernel's limit).
 VARIANTS = {
     "two_launch_scalar_keys": dict(fused=False, vector=False),
@@ -625,7 +658,9 @@ V41_FUSED_VARIANTS = {"fused": dict(fused_pieces=0), "fused_step_8192": dict(fus
                       "split_4": dict(fused_pieces=4), "split_8": dict(fused_pieces=8),
                       "fused_no_moments": dict(fused_pieces=0, moment_probes=False),
                       "split_4_no_moments": dict(fused_pieces=4, moment_probes=False),
-                      "split_4_sample_1024": dict(fused_pieces=4, moment_sample=1024)}
+                      "split_4_sample_1024": dict(fused_pieces=4, moment_sample=1024),
+                      "split_4_discard": dict(fused_pieces=4, fused_piece_discard=True),
+                      "split_4_evict_first": dict(fused_pieces=4, fused_piece_evict_first=True)}
 
 
 @pytest.mark.gpu

@@ -208,6 +208,11 @@ SELECT_VARIANTS = {
     # Session 9 round 8: the split select's moments from 256 of a row's images (the default) against 1024; the pieces
     # summing every image (session 8's default) lost (R 2048 365-382 against 361.8 µs).
     "sample_1024": dict(moment_sample=1024),
+    # Session 10: the selected rows' scratch images dropped from the L2 unwritten; the pieces' logits loads with an
+    # evict-first L2 hint; both.
+    "discard": dict(fused_piece_discard=True),
+    "evict_first": dict(fused_piece_evict_first=True),
+    "discard_evict_first": dict(fused_piece_discard=True, fused_piece_evict_first=True),
 }
 # The variants timed at the row counts of ``--subset-rows`` (the crossover's shapes).
 SUBSET_VARIANTS = ("default", "other_path")
@@ -306,11 +311,12 @@ def warm(variant: str) -> None:
 
 
 def sweep(out_dir: str | None, quick: bool = False, rows_list: tuple[int, ...] = (512, 64),
-          with_slots: bool = True, select_only: bool = False, subset_rows: tuple[int, ...] = ()) -> list[dict]:
+          with_slots: bool = True, select_only: bool = False, subset_rows: tuple[int, ...] = (),
+          select_variants: tuple[str, ...] | None = None) -> list[dict]:
     """Time every variant against the default on the suite's shapes (candidate ops at each R of
     ``rows_list``, indices_to_slots if ``with_slots``; only the select variants with ``select_only``; at the R of
-    ``subset_rows``, after ``rows_list``, only the ``SUBSET_VARIANTS`` selects); each checked bit-equal to the
-    default.
+    ``subset_rows``, after ``rows_list``, only the ``SUBSET_VARIANTS`` selects; ``select_variants``: only these
+    of ``SELECT_VARIANTS``); each checked bit-equal to the default.
     Rows: op, R, variant, event / warm-graph / cold-graph µs, % of the copy floor (on the cold-graph time)."""
     rep = 60 if quick else 120
     n = 1 << 30
@@ -339,7 +345,7 @@ def sweep(out_dir: str | None, quick: bool = False, rows_list: tuple[int, ...] =
     generator = torch.Generator(device="cuda").manual_seed(0)
     # The issue's shapes first: the lead's time cap may cut the tail.
     for num_rows in rows_list:
-        _sweep_candidates(record, generator, num_rows, select_only=select_only)
+        _sweep_candidates(record, generator, num_rows, select_only=select_only, select_variants=select_variants)
         torch.cuda.empty_cache()
         if with_slots and not select_only and num_rows == rows_list[0]:
             _sweep_slots(record, generator)
@@ -478,6 +484,8 @@ def _main(argv: list[str]) -> None:
                         help=f"timeline: split-select variants ({', '.join(TIMELINE_VARIANTS)})")
     parser.add_argument("--subset-rows", type=int, nargs="+", default=[],
                         help="rows R (timed after --rows) at which only the SUBSET_VARIANTS selects run")
+    parser.add_argument("--select-variants", nargs="+", choices=list(SELECT_VARIANTS),
+                        help="sweep: only these select variants (default: all)")
     args = parser.parse_args(argv)
     if args.command == "warm":
         warm(args.out_dir)
@@ -485,7 +493,7 @@ def _main(argv: list[str]) -> None:
         timeline(tuple(args.rows), tuple(args.variants))
     else:
         sweep(args.out_dir, args.quick, tuple(args.rows), not args.no_slots, args.select_only,
-              tuple(args.subset_rows))
+              tuple(args.subset_rows), tuple(args.select_variants) if args.select_variants else None)
 
 
 if __name__ == "__main__":

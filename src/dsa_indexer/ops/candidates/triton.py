@@ -123,6 +123,10 @@ _SPLIT_STEP = 8192
 # 126.0).
 _MOMENT_PROBES = True
 _MOMENT_SAMPLE = 256
+# The split select's scratch images: dropped from the L2 unwritten once their row is selected (``_discard_lines``),
+# and the pieces' logits loads with an evict-first L2 hint. Session 10: measured below before being made defaults.
+_SPLIT_DISCARD = False
+_SPLIT_EVICT_FIRST = False
 _PAD_BLOCK = 1024
 # Phase timeline of the split select (topk's ``_stamp``, a timing probe, off by default): global-timer stamps per
 # program at its start and its arrival; the selecting program's also after the bounds pass, at the search's first
@@ -299,10 +303,11 @@ def _select_kernel(
 
 @triton.jit
 def _step_values(row_ptr, first_column, stride_col, blocks, readable, BLOCK_SIZE: tl.constexpr,
-                 BLOCK_J: tl.constexpr, UNIT_STRIDE: tl.constexpr):
+                 BLOCK_J: tl.constexpr, UNIT_STRIDE: tl.constexpr, EVICTION: tl.constexpr = ""):
     """fp32 logits ``[STEP_NB, BLOCK_J]`` of ``blocks`` [STEP_NB] (``-inf`` past ``readable`` and past
     the block). With ``UNIT_STRIDE`` and a 4-aligned ``first_column`` the mask is constant over each
-    block's ``BLOCK_SIZE`` (a multiple of 4) columns, so the loads are 16 bytes wide."""
+    block's ``BLOCK_SIZE`` (a multiple of 4) columns, so the loads are 16 bytes wide. ``EVICTION``: the loads'
+    eviction policy (``"evict_first"``: an L2 hint, the logits are read once)."""
     inner = tl.arange(0, BLOCK_J)  # [BLOCK_J]
     pos = blocks[:, None] * BLOCK_SIZE + inner[None, :]  # [STEP_NB, BLOCK_J] row-relative
     if BLOCK_J == BLOCK_SIZE:
@@ -310,8 +315,9 @@ def _step_values(row_ptr, first_column, stride_col, blocks, readable, BLOCK_SIZE
     else:
         ok = (blocks < readable)[:, None] & (inner < BLOCK_SIZE)[None, :]
     if UNIT_STRIDE:
-        return tl.load(row_ptr + first_column + pos, mask=ok, other=float("-inf"))
-    return tl.load(row_ptr + (first_column + pos) * stride_col, mask=ok, other=float("-inf"))
+        return tl.load(row_ptr + first_column + pos, mask=ok, other=float("-inf"), eviction_policy=EVICTION)
+    return tl.load(row_ptr + (first_column + pos) * stride_col, mask=ok, other=float("-inf"),
+                   eviction_policy=EVICTION)
 
 
 @triton.jit
@@ -746,20 +752,34 @@ def _select_from_scratch(keys_row, num_blocks, num_blocks_k, out_row, out_stride
     _stamp(timeline_ptr, program, _TL_EMITTED, _TL_SLOTS, TIMELINE)
 
 
+# ``discard.global.L2``: the 128-byte line at ``$1`` leaves the L2 without a write-back (its bytes become undefined).
+_DISCARD_L2_ASM = tl.constexpr("discard.global.L2 [$1], 128;\nmov.u32 $0, 0;")
+
+
+@triton.jit
+def _discard_lines(first, LINES: tl.constexpr):
+    """Drops ``LINES`` 128-byte lines of int32 words from ``first`` (128-byte aligned) out of the L2 unwritten: a
+    selected row's scratch images are dead, and their dirty lines would otherwise be written back to DRAM later,
+    in the streaming's bandwidth (32 MiB at R 512, 128 MiB at R 2048). GPU only (inline PTX)."""
+    tl.debug_barrier()  # every thread's reads of the images precede their discard
+    lines = tl.arange(0, LINES)
+    tl.inline_asm_elementwise(_DISCARD_L2_ASM, "=r,l", [first + lines * 32], dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit
 def _stream_piece_images(keys_row, row_ptr, first_column, stride_col, readable, first_block, STEPS: tl.constexpr,
                          STEP_NB: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr,
-                         UNIT_STRIDE: tl.constexpr):
+                         UNIT_STRIDE: tl.constexpr, EVICTION: tl.constexpr):
     """Stores the block images of blocks ``[first_block, first_block + STEPS * STEP_NB)`` of one row at
     ``keys_row + block`` (0 past ``readable``), the next step's loads issued before the current step is
     reduced."""
     lanes = tl.arange(0, STEP_NB)  # [STEP_NB]
     values = _step_values(row_ptr, first_column, stride_col, first_block + lanes, readable, BLOCK_SIZE, BLOCK_J,
-                          UNIT_STRIDE)
+                          UNIT_STRIDE, EVICTION)
     for s in tl.static_range(STEPS):
         if s + 1 < STEPS:
             following = _step_values(row_ptr, first_column, stride_col, first_block + (s + 1) * STEP_NB + lanes,
-                                     readable, BLOCK_SIZE, BLOCK_J, UNIT_STRIDE)
+                                     readable, BLOCK_SIZE, BLOCK_J, UNIT_STRIDE, EVICTION)
         images = _max_images(values)
         # Scalar stores (``max_contiguous`` 1): the images still pass through shared memory, as 16-byte accesses
         # (for 16-byte stores they went as 4-byte ones; session 9 round 12: R 512 121.6 against 122.3 µs).
@@ -776,7 +796,8 @@ def _split_select_kernel(
     HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr, STEPS: tl.constexpr,
     STEP_NB: tl.constexpr, PIECES: tl.constexpr, LANES: tl.constexpr, VECTOR: tl.constexpr,
     PAD_BLOCK: tl.constexpr, SELECT_CHUNK: tl.constexpr, CARRY: tl.constexpr, MOMENTS: tl.constexpr,
-    SAMPLE: tl.constexpr, timeline_ptr=None, TIMELINE: tl.constexpr = False,
+    SAMPLE: tl.constexpr, DISCARD: tl.constexpr, EVICTION: tl.constexpr, timeline_ptr=None,
+    TIMELINE: tl.constexpr = False,
 ):
     """``PIECES`` programs per row (program ``row * PIECES + piece``): each streams blocks ``[piece * NB /
     PIECES, (piece + 1) * NB / PIECES)`` of its row (``STEPS`` steps of ``STEP_NB`` blocks) into the row's
@@ -786,7 +807,9 @@ def _split_select_kernel(
     selection re-reads the images in chunks of SELECT_CHUNK (L1 hits after the first), so the kernel's
     registers are the streaming's and several programs fit per SM (a selecting one beside streaming ones).
     Why: the selection of one row overlaps the streaming of the later rows on the other SMs, instead of one
-    program per row doing both one after the other (run 6: ~39 µs a row, 4 rows per SM)."""
+    program per row doing both one after the other (run 6: ~39 µs a row, 4 rows per SM). ``DISCARD`` (GPU only,
+    rows of whole 128-byte lines): the selecting program then drops the row's images from the L2 unwritten
+    (``_discard_lines``). ``EVICTION``: the logits loads' eviction policy."""
     program = tl.program_id(0)
     _stamp(timeline_ptr, program, _TL_START, _TL_SLOTS, TIMELINE)
     row = (program // PIECES).to(tl.int64)
@@ -801,16 +824,18 @@ def _split_select_kernel(
     if VECTOR and (start % 4 == 0):
         aligned_start = (start // 4) * 4  # == start; the product tells the compiler it is 4-aligned
         _stream_piece_images(keys_row, row_ptr, aligned_start, 1, readable, first_block, STEPS, STEP_NB, BLOCK_SIZE,
-                             BLOCK_J, True)
+                             BLOCK_J, True, EVICTION)
     else:
         _stream_piece_images(keys_row, row_ptr, start, stride_col, readable, first_block, STEPS, STEP_NB, BLOCK_SIZE,
-                             BLOCK_J, False)
+                             BLOCK_J, False, EVICTION)
     tl.debug_barrier()  # every thread's image stores precede the CTA's arrival (release)
     arrived = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel", scope="gpu")
     _stamp(timeline_ptr, program, _TL_ARRIVED, _TL_SLOTS, TIMELINE)
     if arrived == PIECES - 1:
         _select_from_scratch(keys_row, num_blocks, num_blocks_k, out_ptr + row * out_stride_row, out_stride_col, NB,
                              SELECT_CHUNK, LANES, PAD_BLOCK, CARRY, MOMENTS, SAMPLE, timeline_ptr, program, TIMELINE)
+        if DISCARD:
+            _discard_lines(keys_row, NB // 32)
 
 
 @triton.jit(do_not_specialize=["row_repeat", "num_candidates"])
@@ -982,6 +1007,15 @@ def _default_pieces(num_rows: int, device: torch.device) -> int:
     return 0
 
 
+def _discardable_rows(keys: torch.Tensor) -> bool:
+    """Whether each row of the scratch images ``keys`` (int32 ``[R, NB]``, contiguous) is whole 128-byte lines, so
+    that discarding a row's lines leaves the other rows' alone; never under Triton's CPU interpreter (no inline
+    PTX)."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or keys.device.type != "cuda":
+        return False
+    return keys.data_ptr() % 128 == 0 and keys.stride(0) * keys.element_size() % 128 == 0
+
+
 def _carry_mode(elements: int, threads: int) -> int:
     """``CARRY`` of the search's counting for ``elements`` images counted at once by ``threads`` threads: 0
     (compare) under Triton's CPU interpreter (it cannot run inline PTX; the counts are the same), 4 when every
@@ -996,6 +1030,7 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
                  step: int = _FUSED_STEP, pieces: int | None = None, piece_warps: int | None = None,
                  piece_chunk: int | None = None, piece_step: int | None = None,
                  moment_probes: bool | None = None, moment_sample: int | None = None,
+                 piece_discard: bool | None = None, piece_evict_first: bool | None = None,
                  timeline: dict | None = None) -> torch.Tensor:
     """Rows of at most ``_FUSED_MAX_BLOCKS`` blocks in one launch. ``moment_probes`` (default ``_MOMENT_PROBES``): the
     search's first round takes ``_moment_probes``. ``pieces`` (default ``_default_pieces``) picks the kernel:
@@ -1007,7 +1042,10 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
       ``piece_chunk`` (default ``_SPLIT_CHUNK``, capped at the row's; the emit's tensor holds runs of 4 ids per
       row), under ptxas' cap of ``_SPLIT_MAX_REGISTERS`` registers; ``piece_step`` (default ``_SPLIT_STEP``) is
       the logits per streaming step instead of ``step``; ``moment_sample`` (default ``_MOMENT_SAMPLE``, a power of
-      two, capped at the row's padded blocks) the images whose moments place the first probes. Scratch images
+      two, capped at the row's padded blocks) the images whose moments place the first probes; ``piece_discard``
+      (default ``_SPLIT_DISCARD``) drops each selected row's images from the L2 unwritten where its rows are whole
+      lines (``_discardable_rows``), ``piece_evict_first`` (default ``_SPLIT_EVICT_FIRST``) gives the logits loads
+      an evict-first L2 hint. Scratch images
       ``[R, next_power_of_2(blocks)]`` and zeroed arrival
       counters ``[R]`` are allocated per call (the zeroing is a memset in the same stream: CUDA-graph capturable,
       no state across calls). ``timeline`` (a dict; the split kernel only, GPU only): its phase timeline on, the
@@ -1040,13 +1078,16 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
         lanes = chunk // min(4, chunk)
         keys = torch.empty((num_rows, padded_blocks), dtype=torch.int32, device=logits.device)
         arrivals = torch.zeros((num_rows,), dtype=torch.int32, device=logits.device)
+        discard = (_SPLIT_DISCARD if piece_discard is None else piece_discard) and _discardable_rows(keys)
+        evict_first = _SPLIT_EVICT_FIRST if piece_evict_first is None else piece_evict_first
         _split_select_kernel[(num_rows * pieces,)](
             logits, starts_arg, ends, out, keys, arrivals,
             row_repeat, num_blocks_k, logits.stride(0), logits.stride(1), out.stride(0), out.stride(1),
             HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_J=block_j, STEPS=piece_blocks // piece_step_blocks,
             STEP_NB=piece_step_blocks, PIECES=pieces, LANES=lanes, VECTOR=vector,
             PAD_BLOCK=_PAD_BLOCK, SELECT_CHUNK=chunk, CARRY=_carry_mode(chunk, 32 * warps), MOMENTS=moments,
-            SAMPLE=min(sample, padded_blocks), num_warps=warps, maxnreg=_SPLIT_MAX_REGISTERS,
+            SAMPLE=min(sample, padded_blocks), DISCARD=discard, EVICTION="evict_first" if evict_first else "",
+            num_warps=warps, maxnreg=_SPLIT_MAX_REGISTERS,
             **_timeline_args(timeline, "split", num_rows * pieces, _TL_SLOTS.value, logits.device),
         )
         return out
@@ -1082,12 +1123,14 @@ def select_candidate_blocks_triton(
     fused_piece_step: int | None = None,
     moment_probes: bool | None = None,
     moment_sample: int | None = None,
+    fused_piece_discard: bool | None = None,
+    fused_piece_evict_first: bool | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``select_candidate_blocks_reference``. ``fused`` (default ``_SELECT_FUSED``; only
     logits of at most ``_FUSED_MAX_BLOCKS`` blocks per row and blocks of at most ``fused_step``
     positions, others take the two launches) runs ``select_fused`` with ``fused_step`` and the split select's
     ``fused_pieces`` (0: one program per row; default by row count), ``fused_piece_warps``, ``fused_piece_chunk``,
-    ``fused_piece_step``, ``moment_probes`` and ``moment_sample``;
+    ``fused_piece_step``, ``moment_probes``, ``moment_sample``, ``fused_piece_discard`` and ``fused_piece_evict_first``;
     ``vector`` goes to whichever path runs, ``keys_tile`` to ``block_keys`` (two launches)."""
     if out is None:
         out = torch.empty((logits.shape[0], num_blocks_k), dtype=torch.int32, device=logits.device)
@@ -1097,7 +1140,8 @@ def select_candidate_blocks_triton(
         return select_fused(logits, starts, ends, num_blocks_k, block_size, row_repeat, out, vector=vector,
                             step=fused_step, pieces=fused_pieces, piece_warps=fused_piece_warps,
                             piece_chunk=fused_piece_chunk, piece_step=fused_piece_step,
-                            moment_probes=moment_probes, moment_sample=moment_sample)
+                            moment_probes=moment_probes, moment_sample=moment_sample,
+                            piece_discard=fused_piece_discard, piece_evict_first=fused_piece_evict_first)
     keys = block_keys(logits, starts, ends, block_size, row_repeat, vector=vector, tile=keys_tile)
     return select_from_keys(keys, starts, ends, num_blocks_k, block_size, row_repeat, out)
 
