@@ -208,11 +208,13 @@ SELECT_VARIANTS = {
     # Session 9 round 8: the split select's moments from 256 of a row's images (the default) against 1024; the pieces
     # summing every image (session 8's default) lost (R 2048 365-382 against 361.8 µs).
     "sample_1024": dict(moment_sample=1024),
-    # Session 10: the selected rows' scratch images dropped from the L2 unwritten; the pieces' logits loads with an
-    # evict-first L2 hint; both.
-    "discard": dict(fused_piece_discard=True),
-    "evict_first": dict(fused_piece_evict_first=True),
-    "discard_evict_first": dict(fused_piece_discard=True, fused_piece_evict_first=True),
+    # Session 10 round 1 (split select, the defaults since): the selected rows' scratch images dropped from the L2
+    # unwritten, and the pieces' logits loads with an evict-first L2 hint; R 2048 336.9 µs against 357.9 / 355.2 with
+    # one of them and 382.6 without both (cold graph), R 512 117.0 against 119.9 / 118.7 / 120.9. The fused kernel's
+    # loads with the same hint (round 2).
+    "no_discard": dict(fused_piece_discard=False),
+    "no_evict_first": dict(fused_piece_evict_first=False),
+    "fused_evict_first": dict(fused_evict_first=True),
 }
 # The variants timed at the row counts of ``--subset-rows`` (the crossover's shapes).
 SUBSET_VARIANTS = ("default", "other_path")

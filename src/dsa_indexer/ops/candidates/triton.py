@@ -123,10 +123,14 @@ _SPLIT_STEP = 8192
 # 126.0).
 _MOMENT_PROBES = True
 _MOMENT_SAMPLE = 256
-# The split select's scratch images: dropped from the L2 unwritten once their row is selected (``_discard_lines``),
-# and the pieces' logits loads with an evict-first L2 hint. Session 10: measured below before being made defaults.
-_SPLIT_DISCARD = False
-_SPLIT_EVICT_FIRST = False
+# The split select's scratch images dropped from the L2 unwritten once their row is selected (``_discard_lines``: no
+# write-back of dead lines), and the pieces' logits loads with an evict-first L2 hint (read once: the images and
+# other dirty lines stay in the L2). Session 10 round 1 (cold graph, µs, default / discard / evict-first / both): R 2048
+# 382.6 / 357.9 / 355.2 / 336.9 (event 362.1 -> 337.4), R 512 120.9 / 119.9 / 118.7 / 117.0, R 256 81.2 / 80.7 /
+# 79.5 / 79.7. The fused kernel's loads: ``_FUSED_EVICT_FIRST``.
+_SPLIT_DISCARD = True
+_SPLIT_EVICT_FIRST = True
+_FUSED_EVICT_FIRST = False
 _PAD_BLOCK = 1024
 # Phase timeline of the split select (topk's ``_stamp``, a timing probe, off by default): global-timer stamps per
 # program at its start and its arrival; the selecting program's also after the bounds pass, at the search's first
@@ -303,7 +307,7 @@ def _select_kernel(
 
 @triton.jit
 def _step_values(row_ptr, first_column, stride_col, blocks, readable, BLOCK_SIZE: tl.constexpr,
-                 BLOCK_J: tl.constexpr, UNIT_STRIDE: tl.constexpr, EVICTION: tl.constexpr = ""):
+                 BLOCK_J: tl.constexpr, UNIT_STRIDE: tl.constexpr, EVICTION: tl.constexpr):
     """fp32 logits ``[STEP_NB, BLOCK_J]`` of ``blocks`` [STEP_NB] (``-inf`` past ``readable`` and past
     the block). With ``UNIT_STRIDE`` and a 4-aligned ``first_column`` the mask is constant over each
     block's ``BLOCK_SIZE`` (a multiple of 4) columns, so the loads are 16 bytes wide. ``EVICTION``: the loads'
@@ -338,18 +342,19 @@ def _max_images(values):
 @triton.jit
 def _stream_row_images(images, row_ptr, first_column, stride_col, readable, STEPS: tl.constexpr,
                        STEP_NB: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr,
-                       UNIT_STRIDE: tl.constexpr):
+                       UNIT_STRIDE: tl.constexpr, EVICTION: tl.constexpr):
     """``images [STEPS, STEP_NB]`` (block ``s * STEP_NB + j`` at ``[s, j]``) with the block images of the
     row's readable blocks. The next step's loads are issued before the current step is reduced (two steps
     of logits in registers), so they are in flight across the step's layout-conversion barrier (run 6: -4%
     against loading after the reduce)."""
     step_ids = tl.arange(0, STEPS)  # [STEPS]
     lanes = tl.arange(0, STEP_NB)  # [STEP_NB]
-    values = _step_values(row_ptr, first_column, stride_col, lanes, readable, BLOCK_SIZE, BLOCK_J, UNIT_STRIDE)
+    values = _step_values(row_ptr, first_column, stride_col, lanes, readable, BLOCK_SIZE, BLOCK_J, UNIT_STRIDE,
+                          EVICTION)
     for s in tl.static_range(STEPS):
         if s + 1 < STEPS:
             following = _step_values(row_ptr, first_column, stride_col, (s + 1) * STEP_NB + lanes, readable,
-                                     BLOCK_SIZE, BLOCK_J, UNIT_STRIDE)
+                                     BLOCK_SIZE, BLOCK_J, UNIT_STRIDE, EVICTION)
         images = tl.where(step_ids[:, None] == s, _max_images(values)[None, :], images)
         if s + 1 < STEPS:
             values = following
@@ -543,7 +548,7 @@ def _fused_select_kernel(
     row_repeat, num_blocks_k, stride_row, stride_col, out_stride_row, out_stride_col,
     HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr, STEPS: tl.constexpr,
     STEP_NB: tl.constexpr, VECTOR: tl.constexpr, PAD_BLOCK: tl.constexpr, CARRY: tl.constexpr,
-    MOMENTS: tl.constexpr,
+    MOMENTS: tl.constexpr, EVICTION: tl.constexpr,
 ):
     """One program per row: stream the row, hold its ``STEPS * STEP_NB`` block images in registers
     (``[STEPS, STEP_NB]``, block ``s * STEP_NB + j`` at ``[s, j]``), find the threshold and emit.
@@ -553,7 +558,8 @@ def _fused_select_kernel(
     pin holds the largest image, ``+inf``'s; removing one copy of the maximum shifts every rank by one),
     and keeps the pin's image out of the searched range (a narrower starting bracket). ``VECTOR`` (unit
     column stride): rows whose start is a multiple of 4 load from a base the compiler knows to be
-    4-aligned (16-byte loads). ``CARRY``: the search's counting (``_reach_pair``).
+    4-aligned (16-byte loads). ``CARRY``: the search's counting (``_reach_pair``). ``EVICTION``: the logits loads'
+    eviction policy.
 
     The emit's prefix sum runs over the flattened images, in which each thread holds ``NB / threads``
     separate runs of one id: a warp scan and a cross-warp exchange per run (~3K of the ~8K SASS
@@ -567,10 +573,10 @@ def _fused_select_kernel(
     if VECTOR and (start % 4 == 0):
         aligned_start = (start // 4) * 4  # == start; the product tells the compiler it is 4-aligned
         images = _stream_row_images(images, row_ptr, aligned_start, 1, readable, STEPS, STEP_NB, BLOCK_SIZE,
-                                    BLOCK_J, True)
+                                    BLOCK_J, True, EVICTION)
     else:
         images = _stream_row_images(images, row_ptr, start, stride_col, readable, STEPS, STEP_NB, BLOCK_SIZE,
-                                    BLOCK_J, False)
+                                    BLOCK_J, False, EVICTION)
     # Row-major flattening (free: [s, j] and s * STEP_NB + j share a thread) keeps block-id order.
     images = tl.reshape(images, [STEPS * STEP_NB])  # [NB]
     block_ids = tl.arange(0, STEPS * STEP_NB)  # [NB]
@@ -1031,7 +1037,7 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
                  piece_chunk: int | None = None, piece_step: int | None = None,
                  moment_probes: bool | None = None, moment_sample: int | None = None,
                  piece_discard: bool | None = None, piece_evict_first: bool | None = None,
-                 timeline: dict | None = None) -> torch.Tensor:
+                 evict_first: bool | None = None, timeline: dict | None = None) -> torch.Tensor:
     """Rows of at most ``_FUSED_MAX_BLOCKS`` blocks in one launch. ``moment_probes`` (default ``_MOMENT_PROBES``): the
     search's first round takes ``_moment_probes``. ``pieces`` (default ``_default_pieces``) picks the kernel:
 
@@ -1045,7 +1051,8 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
       two, capped at the row's padded blocks) the images whose moments place the first probes; ``piece_discard``
       (default ``_SPLIT_DISCARD``) drops each selected row's images from the L2 unwritten where its rows are whole
       lines (``_discardable_rows``), ``piece_evict_first`` (default ``_SPLIT_EVICT_FIRST``) gives the logits loads
-      an evict-first L2 hint. Scratch images
+      an evict-first L2 hint; ``evict_first`` (default ``_FUSED_EVICT_FIRST``) gives the fused kernel's loads the
+      same hint. Scratch images
       ``[R, next_power_of_2(blocks)]`` and zeroed arrival
       counters ``[R]`` are allocated per call (the zeroing is a memset in the same stream: CUDA-graph capturable,
       no state across calls). ``timeline`` (a dict; the split kernel only, GPU only): its phase timeline on, the
@@ -1099,7 +1106,9 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
         row_repeat, num_blocks_k, logits.stride(0), logits.stride(1), out.stride(0), out.stride(1),
         HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_J=block_j, STEPS=padded_blocks // step_blocks,
         STEP_NB=step_blocks, VECTOR=vector, PAD_BLOCK=_PAD_BLOCK,
-        CARRY=_carry_mode(padded_blocks, 32 * _FUSED_WARPS), MOMENTS=moments, num_warps=_FUSED_WARPS,
+        CARRY=_carry_mode(padded_blocks, 32 * _FUSED_WARPS), MOMENTS=moments,
+        EVICTION="evict_first" if (_FUSED_EVICT_FIRST if evict_first is None else evict_first) else "",
+        num_warps=_FUSED_WARPS,
     )
     return out
 
@@ -1125,12 +1134,14 @@ def select_candidate_blocks_triton(
     moment_sample: int | None = None,
     fused_piece_discard: bool | None = None,
     fused_piece_evict_first: bool | None = None,
+    fused_evict_first: bool | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``select_candidate_blocks_reference``. ``fused`` (default ``_SELECT_FUSED``; only
     logits of at most ``_FUSED_MAX_BLOCKS`` blocks per row and blocks of at most ``fused_step``
     positions, others take the two launches) runs ``select_fused`` with ``fused_step`` and the split select's
     ``fused_pieces`` (0: one program per row; default by row count), ``fused_piece_warps``, ``fused_piece_chunk``,
-    ``fused_piece_step``, ``moment_probes``, ``moment_sample``, ``fused_piece_discard`` and ``fused_piece_evict_first``;
+    ``fused_piece_step``, ``moment_probes``, ``moment_sample``, ``fused_piece_discard``, ``fused_piece_evict_first``
+    and ``fused_evict_first``;
     ``vector`` goes to whichever path runs, ``keys_tile`` to ``block_keys`` (two launches)."""
     if out is None:
         out = torch.empty((logits.shape[0], num_blocks_k), dtype=torch.int32, device=logits.device)
@@ -1141,7 +1152,8 @@ def select_candidate_blocks_triton(
                             step=fused_step, pieces=fused_pieces, piece_warps=fused_piece_warps,
                             piece_chunk=fused_piece_chunk, piece_step=fused_piece_step,
                             moment_probes=moment_probes, moment_sample=moment_sample,
-                            piece_discard=fused_piece_discard, piece_evict_first=fused_piece_evict_first)
+                            piece_discard=fused_piece_discard, piece_evict_first=fused_piece_evict_first,
+                            evict_first=fused_evict_first)
     keys = block_keys(logits, starts, ends, block_size, row_repeat, vector=vector, tile=keys_tile)
     return select_from_keys(keys, starts, ends, num_blocks_k, block_size, row_repeat, out)
 
