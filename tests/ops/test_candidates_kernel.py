@@ -661,7 +661,7 @@ V41_FUSED_VARIANTS = {"fused": dict(fused_pieces=0), "fused_step_8192": dict(fus
                       "split_4_sample_1024": dict(fused_pieces=4, moment_sample=1024),
                       "split_4_keep_images": dict(fused_pieces=4, fused_piece_discard=False,
                                                   fused_piece_evict_first=False),
-                      "fused_evict_first": dict(fused_pieces=0, fused_evict_first=True)}
+                      "fused_normal_loads": dict(fused_pieces=0, fused_evict_first=False)}
 
 
 @pytest.mark.gpu

@@ -211,10 +211,9 @@ SELECT_VARIANTS = {
     # Session 10 round 1 (split select, the defaults since): the selected rows' scratch images dropped from the L2
     # unwritten, and the pieces' logits loads with an evict-first L2 hint; R 2048 336.9 µs against 357.9 / 355.2 with
     # one of them and 382.6 without both (cold graph), R 512 117.0 against 119.9 / 118.7 / 120.9. The fused kernel's
-    # loads with the same hint (round 2).
+    # loads with the same hint (round 2: R 128 46.2 against 48.1 µs, R 64 40.7 against 40.9).
     "no_discard": dict(fused_piece_discard=False),
-    "no_evict_first": dict(fused_piece_evict_first=False),
-    "fused_evict_first": dict(fused_evict_first=True),
+    "no_evict_first": dict(fused_piece_evict_first=False, fused_evict_first=False),
 }
 # The variants timed at the row counts of ``--subset-rows`` (the crossover's shapes).
 SUBSET_VARIANTS = ("default", "other_path")

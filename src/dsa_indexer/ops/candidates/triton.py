@@ -127,10 +127,11 @@ _MOMENT_SAMPLE = 256
 # write-back of dead lines), and the pieces' logits loads with an evict-first L2 hint (read once: the images and
 # other dirty lines stay in the L2). Session 10 round 1 (cold graph, µs, default / discard / evict-first / both): R 2048
 # 382.6 / 357.9 / 355.2 / 336.9 (event 362.1 -> 337.4), R 512 120.9 / 119.9 / 118.7 / 117.0, R 256 81.2 / 80.7 /
-# 79.5 / 79.7. The fused kernel's loads: ``_FUSED_EVICT_FIRST``.
+# 79.5 / 79.7. The fused kernel's loads with the same hint (round 2, cold graph: R 128 48.1 -> 46.2 µs, R 64 40.9 ->
+# 40.7).
 _SPLIT_DISCARD = True
 _SPLIT_EVICT_FIRST = True
-_FUSED_EVICT_FIRST = False
+_FUSED_EVICT_FIRST = True
 _PAD_BLOCK = 1024
 # Phase timeline of the split select (topk's ``_stamp``, a timing probe, off by default): global-timer stamps per
 # program at its start and its arrival; the selecting program's also after the bounds pass, at the search's first
