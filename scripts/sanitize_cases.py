@@ -46,7 +46,8 @@ def prefill_topk_case() -> bool:
 
 def candidate_cases() -> bool:
     """Candidate blocks of 8 over ragged windows of 20000-column rows, K 300: the fused select, the split select of 8
-    pieces and the default (6 rows: the split select of 4 pieces, its pieces summing the moments)."""
+    pieces and the default (6 rows: the split select of 4 pieces); both split selects discard their rows' scratch
+    images (rows of 4096 blocks: whole 128-byte lines) and load the logits evict-first."""
     from dsa_indexer.ops.candidates.triton import select_candidate_blocks_triton
 
     gen = torch.Generator().manual_seed(2)
