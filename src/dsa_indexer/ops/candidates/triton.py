@@ -47,7 +47,11 @@ one program per SM, else 0) picks:
   the same stream) selects the row, re-reading the images in chunks in every pass, which keeps the kernel's
   registers to the streaming's (three programs per SM): the selection of one row overlaps the streaming of later
   rows. Its emit scans the row's run counts once (``_emit_prescanned``), then ranks within each run. Session 5
-  round 2 (R 512, cold CUDA graph): 127.7 µs (4 pieces) against 150.5 for one program per row.
+  round 2 (R 512, cold CUDA graph): 127.7 µs (4 pieces) against 150.5 for one program per row. Once a row is
+  selected its images are dead: the selecting program drops their lines from the L2 without a write-back
+  (``_discard_lines``), and the pieces load the logits with an evict-first L2 hint, so the images stay in the L2
+  until then (session 10: R 2048 382.6 -> 336.9 µs; the scratch's write-back was 12 % more DRAM traffic than the
+  floor counts).
 
 Both searches count the probes with carry chains (``_reach_pair``, ``_reach_accumulate``: PTX ``add.cc`` +
 ``addc``, ~1.5 instead of ~3.7-4.25 SASS instructions per image and probe; session 5 round 2: R 512 -1.3%, R 64
