@@ -47,8 +47,9 @@ def prefill_topk_case() -> bool:
 def candidate_cases() -> bool:
     """Candidate blocks of 8 over ragged windows of 20000-column rows, K 300: the fused select, the split select of 8
     pieces and the default (6 rows: the split select of 4 pieces); both split selects discard their rows' scratch
-    images (rows of 4096 blocks: whole 128-byte lines) and load the logits evict-first."""
-    from dsa_indexer.ops.candidates.triton import select_candidate_blocks_triton
+    images (rows of 4096 blocks: whole 128-byte lines) and load the logits evict-first; the mask by the default path
+    (separate flags at 6 rows) and by the fused one (each row builds, then discards, its own flags)."""
+    from dsa_indexer.ops.candidates.triton import apply_candidate_mask_triton, select_candidate_blocks_triton
 
     gen = torch.Generator().manual_seed(2)
     rows, width, num_blocks_k, block_size = 6, 20000, 300, 8
@@ -58,10 +59,12 @@ def candidate_cases() -> bool:
     expected = dsa.select_candidate_blocks(logits, starts, ends, num_blocks_k, block_size, backend="reference")
     ok = all(torch.equal(select_candidate_blocks_triton(logits, starts, ends, num_blocks_k, block_size, 1,
                                                         fused_pieces=pieces), expected) for pieces in (0, 8, None))
-    masked, masked_reference = logits.clone(), logits.clone()
+    masked, fused, masked_reference = logits.clone(), logits.clone(), logits.clone()
     dsa.apply_candidate_mask(masked, starts, ends, expected, block_size)
+    apply_candidate_mask_triton(fused, starts, ends, expected, block_size, 1, fused_flags=True)
     dsa.apply_candidate_mask(masked_reference, starts, ends, expected, block_size, backend="reference")
-    return ok and torch.equal(masked.view(torch.int32), masked_reference.view(torch.int32))
+    return ok and all(torch.equal(result.view(torch.int32), masked_reference.view(torch.int32))
+                      for result in (masked, fused))
 
 
 def gluon_cases() -> bool:

@@ -317,6 +317,25 @@ def test_select_split_discard_leaves_other_rows_images(blocks_per_row, data):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("blocks_per_row", [100, 200])
+def test_mask_fused_flags_discard_leaves_other_rows_flags(blocks_per_row):
+    # 1536 rows masked at once, each dropping its one or two 128-byte lines of flags after its tiles: a row's
+    # discarded flags are its own, so every row still keeps exactly its listed blocks, run after run.
+    generator = torch.Generator().manual_seed(7)
+    num_rows, width = 1536, 8 * blocks_per_row - 5
+    logits = make_logits(num_rows, width, generator, "random").cuda()
+    starts = torch.randint(0, 16, (num_rows,), generator=generator, dtype=torch.int32).cuda()
+    ends = torch.full((num_rows,), width, dtype=torch.int32, device="cuda")
+    candidate_blocks = torch.randint(-1, blocks_per_row, (num_rows, 9), generator=generator, dtype=torch.int32).cuda()
+    expected = logits.clone()
+    apply_candidate_mask(expected, starts, ends, candidate_blocks, 8, backend="reference")
+    for _ in range(5):
+        masked = logits.clone()
+        apply_candidate_mask_triton(masked, starts, ends, candidate_blocks, 8, 1, fused_flags=True, discard_flags=True)
+        assert torch.equal(masked.view(torch.int32), expected.view(torch.int32))
+
+
+@pytest.mark.gpu
 def test_select_split_discards_only_rows_of_whole_lines():
     lines = torch.empty(4, 32, dtype=torch.int32, device="cuda")
     assert candidates_triton._discardable_rows(lines)
@@ -679,7 +698,8 @@ def test_v41_shapes_fused_select(data, variant):
 
 
 V41_MASK_VARIANTS = {**MASK_VARIANTS, "tile_4096": dict(tile=4096), "tile_8192": dict(tile=8192),
-                     "fused_flags_streaming": dict(fused_flags=True, streaming=True)}
+                     "fused_flags_streaming": dict(fused_flags=True, streaming=True),
+                     "fused_flags_kept": dict(fused_flags=True, discard_flags=False)}
 
 
 @pytest.mark.gpu

@@ -227,6 +227,8 @@ MASK_VARIANTS = {
     "default": {},
     "unfused": dict(fused_flags=False),
     "not_streaming": dict(streaming=False),
+    # Session 10: the fused mask's flag rows dropped from the L2 unwritten once masked (the default) against kept.
+    "keep_flags": dict(discard_flags=False),
 }
 SLOT_VARIANTS = {"default": {}, "unaligned_1024x4": dict(aligned_rows=False, block=1024)}
 

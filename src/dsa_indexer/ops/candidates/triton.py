@@ -103,6 +103,7 @@ _KEYS_VECTOR = True  # 16-byte loads in the block-keys pass on aligned interior 
 _MASK_VECTOR = True  # 16-byte stores in the mask kernel on aligned interior tiles (90.6 -> 84.8 µs at R 512)
 _MASK_FUSED_MIN_ROWS = 256  # rows from which one mask kernel also builds the flags (None: never)
 _MASK_STREAMING = True  # streaming (.cs) stores in the mask kernel
+_MASK_DISCARD_FLAGS = True  # the fused mask drops its dead flag rows from the L2 (``_discard_lines``; session 10)
 # Fused one-launch select, the default since run 6 (session 4): R 512 155.5 µs against 207.1 (two launches).
 _SELECT_FUSED = True
 _FUSED_MAX_BLOCKS = 16384  # 32 images per thread of 16 warps; the search packs two counts per int32 (< 2**15 each)
@@ -768,13 +769,19 @@ _DISCARD_L2_ASM = tl.constexpr("discard.global.L2 [$1], 128;\nmov.u32 $0, 0;")
 
 
 @triton.jit
-def _discard_lines(first, LINES: tl.constexpr):
-    """Drops ``LINES`` 128-byte lines of int32 words from ``first`` (128-byte aligned) out of the L2 unwritten: a
-    selected row's scratch images are dead, and their dirty lines would otherwise be written back to DRAM later,
-    in the streaming's bandwidth (32 MiB at R 512, 128 MiB at R 2048). GPU only (inline PTX)."""
-    tl.debug_barrier()  # every thread's reads of the images precede their discard
-    lines = tl.arange(0, LINES)
-    tl.inline_asm_elementwise(_DISCARD_L2_ASM, "=r,l", [first + lines * 32], dtype=tl.int32, is_pure=False, pack=1)
+def _discard_lines(first, num_lines, LINE: tl.constexpr, CHUNK: tl.constexpr):
+    """Drops the ``num_lines`` 128-byte lines from ``first`` (128-byte aligned, ``LINE`` elements a line) out of the L2
+    unwritten, ``CHUNK`` a trip: dead scratch (a selected row's images, a masked row's flags) whose dirty lines
+    would otherwise be written back to DRAM later, in the streaming's bandwidth (the select's images: 32 MiB at R
+    512, 128 MiB at R 2048). GPU only (inline PTX)."""
+    tl.debug_barrier()  # every thread's reads of the lines precede their discard
+    lanes = tl.arange(0, CHUNK)
+    base = num_lines * 0
+    while base < num_lines:
+        line = tl.minimum(base + lanes, num_lines - 1)  # lanes past the end drop the last line again
+        tl.inline_asm_elementwise(_DISCARD_L2_ASM, "=r,l", [first + line * LINE], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+        base += CHUNK
 
 
 @triton.jit
@@ -846,7 +853,7 @@ def _split_select_kernel(
         _select_from_scratch(keys_row, num_blocks, num_blocks_k, out_ptr + row * out_stride_row, out_stride_col, NB,
                              SELECT_CHUNK, LANES, PAD_BLOCK, CARRY, MOMENTS, SAMPLE, timeline_ptr, program, TIMELINE)
         if DISCARD:
-            _discard_lines(keys_row, NB // 32)
+            _discard_lines(keys_row, NB // 32, 32, NB // 32)
 
 
 @triton.jit(do_not_specialize=["row_repeat", "num_candidates"])
@@ -872,6 +879,7 @@ def _mask_kernel(
     num_candidates, cand_stride_row, cand_stride_col,
     HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_J: tl.constexpr,
     VECTOR: tl.constexpr, FUSED_FLAGS: tl.constexpr, BLOCK_K: tl.constexpr, STORE_CACHE: tl.constexpr,
+    DISCARD_FLAGS: tl.constexpr,
 ):
     """Blocks are numbered relative to the row start, from ``-ceil(start / BLOCK_SIZE)`` up to
     ``span_blocks`` of them, so the tiles also cover the columns before ``start`` and after ``end``.
@@ -888,7 +896,9 @@ def _mask_kernel(
     ``FUSED_FLAGS`` (one program per row, ``programs_per_row == 1``): the program builds its row's
     flags itself (clears ``[0, row blocks)``, barrier, sets the listed ids, barrier) instead of the
     memset and ``_candidate_flags_kernel`` launches; the barrier makes the CTA's global stores
-    visible to its own later loads. ``STORE_CACHE`` is the ``-inf`` stores' cache modifier.
+    visible to its own later loads. ``STORE_CACHE`` is the ``-inf`` stores' cache modifier. ``DISCARD_FLAGS`` (with
+    ``FUSED_FLAGS``; GPU only, flag rows of whole 128-byte lines): the program then drops its row's flags from the L2
+    unwritten (``_discard_lines``).
     """
     row = tl.program_id(0).to(tl.int64)
     start64, length64 = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS)
@@ -948,6 +958,8 @@ def _mask_kernel(
                          tl.full([BLOCK_NB, BLOCK_J], float("-inf"), tl.float32), mask=masked,
                          cache_modifier=STORE_CACHE)
         tile += programs_per_row
+    if FUSED_FLAGS and DISCARD_FLAGS:
+        _discard_lines(flags_row, (num_blocks + 127) // 128, 128, 256)
 
 
 def _tiles(block_size: int, tile: int) -> tuple[int, int]:
@@ -1018,13 +1030,13 @@ def _default_pieces(num_rows: int, device: torch.device) -> int:
     return 0
 
 
-def _discardable_rows(keys: torch.Tensor) -> bool:
-    """Whether each row of the scratch images ``keys`` (int32 ``[R, NB]``, contiguous) is whole 128-byte lines, so
-    that discarding a row's lines leaves the other rows' alone; never under Triton's CPU interpreter (no inline
-    PTX)."""
-    if os.environ.get("TRITON_INTERPRET") == "1" or keys.device.type != "cuda":
+def _discardable_rows(scratch: torch.Tensor) -> bool:
+    """Whether each row of ``scratch`` (``[R, N]``, unit column stride: the split select's images, the fused mask's
+    flags) starts a 128-byte line and its row stride is whole lines, so that discarding a row's lines leaves the
+    other rows' alone; never under Triton's CPU interpreter (no inline PTX)."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or scratch.device.type != "cuda":
         return False
-    return keys.data_ptr() % 128 == 0 and keys.stride(0) * keys.element_size() % 128 == 0
+    return scratch.data_ptr() % 128 == 0 and scratch.stride(0) * scratch.element_size() % 128 == 0
 
 
 def _carry_mode(elements: int, threads: int) -> int:
@@ -1175,12 +1187,15 @@ def apply_candidate_mask_triton(
     tile: int = _MASK_TILE,
     fused_flags: bool | None = None,
     streaming: bool | None = None,
+    discard_flags: bool | None = None,
 ) -> None:
     """Triton twin of ``apply_candidate_mask_reference`` (in place). ``vector`` (default
     ``_MASK_VECTOR``) enables the 16-byte-store path (unit column stride, ``block_size % 4 == 0``);
     ``tile`` is the positions per mask tile; ``fused_flags`` (default: ``num_rows >=
     _MASK_FUSED_MIN_ROWS``) runs one mask program per row that builds its own flags (one launch instead
-    of three); ``streaming`` (default ``_MASK_STREAMING``) marks the stores ``.cs``."""
+    of three); ``streaming`` (default ``_MASK_STREAMING``) marks the stores ``.cs``; ``discard_flags`` (default
+    ``_MASK_DISCARD_FLAGS``; with ``fused_flags``) drops each row's flags from the L2 unwritten once the row is masked
+    (their rows padded to whole 128-byte lines)."""
     num_rows, width = logits.shape
     if num_rows == 0 or width == 0:
         return
@@ -1193,8 +1208,12 @@ def apply_candidate_mask_triton(
     num_candidates = candidate_blocks.shape[1]
     block_nb, block_j = _tiles(block_size, tile)
     block_nb = min(block_nb, triton.next_power_of_2(max_blocks + 1))
+    discard = False
     if fused_flags:
-        flags = torch.empty((num_rows, max_blocks), dtype=torch.int8, device=logits.device)
+        discard = _MASK_DISCARD_FLAGS if discard_flags is None else discard_flags
+        flag_columns = triton.cdiv(max_blocks, 128) * 128 if discard else max_blocks
+        flags = torch.empty((num_rows, flag_columns), dtype=torch.int8, device=logits.device)[:, :max_blocks]
+        discard = discard and _discardable_rows(flags)
         programs = 1
     else:
         flags = torch.zeros((num_rows, max_blocks), dtype=torch.int8, device=logits.device)
@@ -1211,5 +1230,6 @@ def apply_candidate_mask_triton(
         row_repeat, width, programs, max_blocks + 1, logits.stride(0), logits.stride(1), flags.stride(0),
         num_candidates, candidate_blocks.stride(0), candidate_blocks.stride(1),
         HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_NB=block_nb, BLOCK_J=block_j, VECTOR=vector,
-        FUSED_FLAGS=fused_flags, BLOCK_K=1024, STORE_CACHE=".cs" if streaming else "", num_warps=8,
+        FUSED_FLAGS=fused_flags, BLOCK_K=1024, STORE_CACHE=".cs" if streaming else "", DISCARD_FLAGS=discard,
+        num_warps=8,
     )
