@@ -678,8 +678,7 @@ V41_FUSED_VARIANTS = {"fused": dict(fused_pieces=0), "fused_step_8192": dict(fus
                       "fused_no_moments": dict(fused_pieces=0, moment_probes=False),
                       "split_4_no_moments": dict(fused_pieces=4, moment_probes=False),
                       "split_4_sample_1024": dict(fused_pieces=4, moment_sample=1024),
-                      "split_4_keep_images": dict(fused_pieces=4, fused_piece_discard=False,
-                                                  fused_piece_evict_first=False),
+                      "split_4_keep_images": dict(fused_pieces=4, fused_piece_discard=False, fused_evict_first=False),
                       "fused_normal_loads": dict(fused_pieces=0, fused_evict_first=False)}
 
 

@@ -213,7 +213,7 @@ SELECT_VARIANTS = {
     # one of them and 382.6 without both (cold graph), R 512 117.0 against 119.9 / 118.7 / 120.9. The fused kernel's
     # loads with the same hint (round 2: R 128 46.2 against 48.1 µs, R 64 40.7 against 40.9).
     "no_discard": dict(fused_piece_discard=False),
-    "no_evict_first": dict(fused_piece_evict_first=False, fused_evict_first=False),
+    "no_evict_first": dict(fused_evict_first=False),
 }
 # The variants timed at the row counts of ``--subset-rows`` (the crossover's shapes).
 SUBSET_VARIANTS = ("default", "other_path")

@@ -130,13 +130,12 @@ _MOMENT_PROBES = True
 _MOMENT_SAMPLE = 256
 # The split select's scratch images dropped from the L2 unwritten once their row is selected (``_discard_lines``: no
 # write-back of dead lines), and the pieces' logits loads with an evict-first L2 hint (read once: the images and
-# other dirty lines stay in the L2). Session 10 round 1 (cold graph, µs, default / discard / evict-first / both): R 2048
-# 382.6 / 357.9 / 355.2 / 336.9 (event 362.1 -> 337.4), R 512 120.9 / 119.9 / 118.7 / 117.0, R 256 81.2 / 80.7 /
-# 79.5 / 79.7. The fused kernel's loads with the same hint (round 2, cold graph: R 128 48.1 -> 46.2 µs, R 64 40.9 ->
-# 40.7).
+# other dirty lines stay in the L2). Session 10 round 1 (cold graph, µs, default / discard / evict-first / both):
+# R 2048 382.6 / 357.9 / 355.2 / 336.9 (event 362.1 -> 337.4), R 512 120.9 / 119.9 / 118.7 / 117.0, R 256 81.2 /
+# 80.7 / 79.5 / 79.7. The fused kernel's loads take the same hint (round 2, cold graph: R 128 48.1 -> 46.2 µs, R 64 40.9 ->
+# 40.7): one switch for both one-launch selects.
 _SPLIT_DISCARD = True
-_SPLIT_EVICT_FIRST = True
-_FUSED_EVICT_FIRST = True
+_SELECT_EVICT_FIRST = True
 _PAD_BLOCK = 1024
 # Phase timeline of the split select (topk's ``_stamp``, a timing probe, off by default): global-timer stamps per
 # program at its start and its arrival; the selecting program's also after the bounds pass, at the search's first
@@ -1034,7 +1033,7 @@ def _discardable_rows(scratch: torch.Tensor) -> bool:
     """Whether each row of ``scratch`` (``[R, N]``, unit column stride: the split select's images, the fused mask's
     flags) starts a 128-byte line and its row stride is whole lines, so that discarding a row's lines leaves the
     other rows' alone; never under Triton's CPU interpreter (no inline PTX)."""
-    if os.environ.get("TRITON_INTERPRET") == "1" or scratch.device.type != "cuda":
+    if _backend.interpreter_enabled() or scratch.device.type != "cuda":
         return False
     return scratch.data_ptr() % 128 == 0 and scratch.stride(0) * scratch.element_size() % 128 == 0
 
@@ -1053,8 +1052,8 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
                  step: int = _FUSED_STEP, pieces: int | None = None, piece_warps: int | None = None,
                  piece_chunk: int | None = None, piece_step: int | None = None,
                  moment_probes: bool | None = None, moment_sample: int | None = None,
-                 piece_discard: bool | None = None, piece_evict_first: bool | None = None,
-                 evict_first: bool | None = None, timeline: dict | None = None) -> torch.Tensor:
+                 piece_discard: bool | None = None, evict_first: bool | None = None,
+                 timeline: dict | None = None) -> torch.Tensor:
     """Rows of at most ``_FUSED_MAX_BLOCKS`` blocks in one launch. ``moment_probes`` (default ``_MOMENT_PROBES``): the
     search's first round takes ``_moment_probes``. ``pieces`` (default ``_default_pieces``) picks the kernel:
 
@@ -1067,9 +1066,8 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
       the logits per streaming step instead of ``step``; ``moment_sample`` (default ``_MOMENT_SAMPLE``, a power of
       two, capped at the row's padded blocks) the images whose moments place the first probes; ``piece_discard``
       (default ``_SPLIT_DISCARD``) drops each selected row's images from the L2 unwritten where its rows are whole
-      lines (``_discardable_rows``), ``piece_evict_first`` (default ``_SPLIT_EVICT_FIRST``) gives the logits loads
-      an evict-first L2 hint; ``evict_first`` (default ``_FUSED_EVICT_FIRST``) gives the fused kernel's loads the
-      same hint. Scratch images
+      lines (``_discardable_rows``). ``evict_first`` (default ``_SELECT_EVICT_FIRST``, either kernel) gives the
+      logits loads an evict-first L2 hint. Scratch images
       ``[R, next_power_of_2(blocks)]`` and zeroed arrival
       counters ``[R]`` are allocated per call (the zeroing is a memset in the same stream: CUDA-graph capturable,
       no state across calls). ``timeline`` (a dict; the split kernel only, GPU only): its phase timeline on, the
@@ -1087,6 +1085,7 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
         return out
     if width == 0:
         return out.fill_(-1)
+    eviction = "evict_first" if (_SELECT_EVICT_FIRST if evict_first is None else evict_first) else ""
     vector = (_KEYS_VECTOR if vector is None else vector) and logits.stride(1) == 1
     starts_arg, has_starts = _bounds_args(starts, ends)
     block_j = triton.next_power_of_2(block_size)
@@ -1103,14 +1102,13 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
         keys = torch.empty((num_rows, padded_blocks), dtype=torch.int32, device=logits.device)
         arrivals = torch.zeros((num_rows,), dtype=torch.int32, device=logits.device)
         discard = (_SPLIT_DISCARD if piece_discard is None else piece_discard) and _discardable_rows(keys)
-        evict_first = _SPLIT_EVICT_FIRST if piece_evict_first is None else piece_evict_first
         _split_select_kernel[(num_rows * pieces,)](
             logits, starts_arg, ends, out, keys, arrivals,
             row_repeat, num_blocks_k, logits.stride(0), logits.stride(1), out.stride(0), out.stride(1),
             HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_J=block_j, STEPS=piece_blocks // piece_step_blocks,
             STEP_NB=piece_step_blocks, PIECES=pieces, LANES=lanes, VECTOR=vector,
             PAD_BLOCK=_PAD_BLOCK, SELECT_CHUNK=chunk, CARRY=_carry_mode(chunk, 32 * warps), MOMENTS=moments,
-            SAMPLE=min(sample, padded_blocks), DISCARD=discard, EVICTION="evict_first" if evict_first else "",
+            SAMPLE=min(sample, padded_blocks), DISCARD=discard, EVICTION=eviction,
             num_warps=warps, maxnreg=_SPLIT_MAX_REGISTERS,
             **_timeline_args(timeline, "split", num_rows * pieces, _TL_SLOTS.value, logits.device),
         )
@@ -1124,8 +1122,7 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
         HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_J=block_j, STEPS=padded_blocks // step_blocks,
         STEP_NB=step_blocks, VECTOR=vector, PAD_BLOCK=_PAD_BLOCK,
         CARRY=_carry_mode(padded_blocks, 32 * _FUSED_WARPS), MOMENTS=moments,
-        EVICTION="evict_first" if (_FUSED_EVICT_FIRST if evict_first is None else evict_first) else "",
-        num_warps=_FUSED_WARPS,
+        EVICTION=eviction, num_warps=_FUSED_WARPS,
     )
     return out
 
@@ -1150,15 +1147,14 @@ def select_candidate_blocks_triton(
     moment_probes: bool | None = None,
     moment_sample: int | None = None,
     fused_piece_discard: bool | None = None,
-    fused_piece_evict_first: bool | None = None,
     fused_evict_first: bool | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``select_candidate_blocks_reference``. ``fused`` (default ``_SELECT_FUSED``; only
     logits of at most ``_FUSED_MAX_BLOCKS`` blocks per row and blocks of at most ``fused_step``
     positions, others take the two launches) runs ``select_fused`` with ``fused_step`` and the split select's
     ``fused_pieces`` (0: one program per row; default by row count), ``fused_piece_warps``, ``fused_piece_chunk``,
-    ``fused_piece_step``, ``moment_probes``, ``moment_sample``, ``fused_piece_discard``, ``fused_piece_evict_first``
-    and ``fused_evict_first``;
+    ``fused_piece_step``, ``moment_probes``, ``moment_sample``, ``fused_piece_discard`` and
+    ``fused_evict_first``;
     ``vector`` goes to whichever path runs, ``keys_tile`` to ``block_keys`` (two launches)."""
     if out is None:
         out = torch.empty((logits.shape[0], num_blocks_k), dtype=torch.int32, device=logits.device)
@@ -1169,8 +1165,7 @@ def select_candidate_blocks_triton(
                             step=fused_step, pieces=fused_pieces, piece_warps=fused_piece_warps,
                             piece_chunk=fused_piece_chunk, piece_step=fused_piece_step,
                             moment_probes=moment_probes, moment_sample=moment_sample,
-                            piece_discard=fused_piece_discard, piece_evict_first=fused_piece_evict_first,
-                            evict_first=fused_evict_first)
+                            piece_discard=fused_piece_discard, evict_first=fused_evict_first)
     keys = block_keys(logits, starts, ends, block_size, row_repeat, vector=vector, tile=keys_tile)
     return select_from_keys(keys, starts, ends, num_blocks_k, block_size, row_repeat, out)
 
