@@ -15,7 +15,9 @@ Variants: ``auto`` = the library's dispatch (``ops/logits``: Triton or Gluon wit
 with that ``GLUON_SWEEP_CONFIGS`` entry. L2 state before each replay (``flush``): ``dirty`` = a 256 MB memset
 (the suite's method, ``harness.cold_graph_us``: the L2 ends full of dirty lines whose write-back the kernel
 pays), ``clean`` = a 256 MB read (clean lines of another buffer), ``meta`` = clean, then the lengths and block
-table read (only the keys cold), ``hot`` = no flush. ``bits``: bitwise equal to ``auto`` at the same shape.
+table read (only the keys cold), ``hot`` = no flush, ``rotating`` = the suite's ``us``: replays cycling through
+sets of pages, queries and outputs larger than three L2s (``harness.rotating_graph_us``, DESIGN.md §12; the
+configs part takes it with ``--flush rotating``). ``bits``: bitwise equal to ``auto`` at the same shape.
 
   OUT=/tmp/diag python scripts/gluon_decode_diag.py --part configs --table
   OUT=/tmp/diag python scripts/gluon_decode_diag.py --part configs --large --next-n 2 --variants auto cta3 cta3-tma
@@ -28,7 +30,7 @@ import os
 import torch
 
 from dsa_indexer.bench import harness
-from dsa_indexer.bench.suite_logits import _decode_case, _decode_pool, decode_floor
+from dsa_indexer.bench.suite_logits import _decode_case, _decode_pool, _rotation, decode_floor
 from dsa_indexer.ops import logits as logits_ops
 from dsa_indexer.ops.logits import gluon_decode
 from dsa_indexer.ops.logits.gluon_decode import GLUON_SWEEP_CONFIGS, paged_mqa_logits_gluon
@@ -51,25 +53,26 @@ FLUSH_CASES = [
 ]
 
 
-def applies(name, next_n):
+def applies(name, next_n, any_rows=False):
     """Whether variant ``name`` is timed at ``next_n``: a sweep configuration at the row count it is built for
-    (field 4: draft rows per program at most)."""
-    if name not in GLUON_SWEEP_CONFIGS:
+    (field 4: draft rows per program at most), or at every row count with ``any_rows``."""
+    if name not in GLUON_SWEEP_CONFIGS or any_rows:
         return True
     return (GLUON_SWEEP_CONFIGS[name][4] == 1) == (next_n == 1)
 
 
-def config_cases(large, variants=None, only_next_n=None, only_shapes=None):
+def config_cases(large, variants=None, only_next_n=None, only_shapes=None, flush="dirty", any_rows=False):
     """(B, L, next_n, flush, variants) of the configs part; ``only_shapes``: (B, L, next_n) to keep."""
     variants = tuple(variants or ("auto", *GLUON_SWEEP_CONFIGS, "auto-again"))
     shapes = SMALL_SHAPES + (LARGE_SHAPES + LARGE_SHAPES_ONE_ROW if large else [])
-    return [(batch, length, next_n, "dirty", tuple(name for name in variants if applies(name, next_n)))
+    return [(batch, length, next_n, flush, tuple(name for name in variants if applies(name, next_n, any_rows)))
             for batch, length, next_n in shapes if (only_next_n is None or next_n == only_next_n)
             and (not only_shapes or (batch, length, next_n) in only_shapes)]
 
 
 def decode_call(name, args, out):
-    """A no-argument callable running variant ``name`` on the decode arguments ``args`` into ``out``."""
+    """A no-argument callable running variant ``name`` on the decode arguments ``args`` into ``out`` (the
+    arguments are bound now: rotating sets keep their own)."""
     if name in ("auto", "auto-again"):
         return lambda: logits_ops._paged_mqa_logits_triton(*args, True, out)
     if name == "empty":
@@ -79,9 +82,15 @@ def decode_call(name, args, out):
     return lambda: paged_mqa_logits_gluon(*args, True, out, config=config)
 
 
-def graph_us(call, flush, metadata, reps=30):
-    """Median µs of CUDA-graph replays of ``call`` with the L2 in state ``flush`` before each replay (see the
-    module docstring; ``metadata``: the lengths and block table, read for ``meta``)."""
+def graph_us(name, args, out, flush, rotation, reps=30):
+    """Median µs of CUDA-graph replays of variant ``name`` with the L2 in state ``flush`` before each replay
+    (see the module docstring; ``rotation``: the (arguments, output) sets of ``rotating``, the first being
+    ``(args, out)``)."""
+    if flush == "rotating":
+        return harness.rotating_graph_us(
+            [decode_call(name, a, out if i == 0 else o) for i, (a, o) in enumerate(rotation)], reps)
+    call = decode_call(name, args, out)
+    metadata = (args[4], args[5])
     if flush == "dirty":
         return harness.cold_graph_us(call, reps)
     words = torch.zeros(64 << 20, dtype=torch.int32, device="cuda")  # 256 MB, read: clean lines
@@ -132,10 +141,14 @@ def run_part(part, cases, out_dir):
             args = _decode_case(cache, batch, length, next_n, gen)[4]
             auto = torch.empty((batch * next_n, length), device="cuda")
             decode_call("auto", args, auto)()
+            rotation = None
+            if flush == "rotating":
+                moved = decode_floor("fp8", batch, length, next_n, ceilings)["moved"]
+                rotation = _rotation(args, auto, harness.rotation_count(moved))
             for name in variants:
                 out = auto if name in ("auto", "empty") else torch.empty_like(auto)
                 try:
-                    us = graph_us(decode_call(name, args, out), flush, (args[4], args[5]))
+                    us = graph_us(name, args, out, flush, rotation)
                 except Exception as error:  # noqa: BLE001 - a failing variant must not hide the others
                     print(f"{name} B={batch} L={length} n={next_n}: {type(error).__name__}: {error}"[:300], flush=True)
                     continue
@@ -186,6 +199,10 @@ def main() -> None:
     parser.add_argument("--next-n", type=int, help="configs: the shapes with this next_n only")
     parser.add_argument("--shape", action="append", metavar="B,L_IN_K,NEXT_N",
                         help="configs: this shape only (repeatable), e.g. 32,128,2")
+    parser.add_argument("--flush", choices=("dirty", "clean", "rotating"), default="dirty",
+                        help="configs: the L2 state before each replay (default: dirty, the memset)")
+    parser.add_argument("--any-rows", action="store_true",
+                        help="configs: time every configuration at every next_n (one-row ones run draft rows in groups)")
     parser.add_argument("--warm", action="store_true", help="configs: compile the kernels only (nothing timed)")
     parser.add_argument("--table", action="store_true", help="print the table of every part measured in $OUT")
     options = parser.parse_args()
@@ -193,8 +210,8 @@ def main() -> None:
     os.makedirs(out_dir, exist_ok=True)
     shapes = [tuple(int(x) for x in shape.split(",")) for shape in options.shape or ()]
     shapes = [(batch, length * K, next_n) for batch, length, next_n in shapes]
-    cases = (config_cases(options.large, options.variants, options.next_n, shapes) if options.part == "configs"
-             else FLUSH_CASES)
+    cases = (config_cases(options.large, options.variants, options.next_n, shapes, options.flush, options.any_rows)
+             if options.part == "configs" else FLUSH_CASES)
     if options.part and options.warm:
         warm(cases)
     elif options.part:

@@ -250,6 +250,40 @@ def test_gluon_decode_tma_pages_only_where_the_cache_allows():
     assert _tma_pages(padded.cache, config) is None
 
 
+@needs_gluon
+def test_gluon_page_descriptors_are_built_once_per_cache_and_buffer():
+    """The launchers' host state is memoised: a cache's TMA descriptors are built once (they describe its
+    buffer, so a new buffer gets new ones), and go with the cache; the compile-time constants are one
+    read-only mapping per configuration."""
+    import gc
+
+    from dsa_indexer.cache import IndexerKCache
+    from dsa_indexer.ops.logits.gluon_decode import _PAGE_DESCRIPTORS, _tma_pages, kernel_constants
+
+    config = GLUON_SWEEP_CONFIGS["cta3"]
+    cache = IndexerKCache(4, block_size=64, head_dim=128, fmt="fp8")
+    first = _tma_pages(cache, config)
+    assert _tma_pages(cache, config) is first
+    assert first[0].base.data_ptr() == cache.buffer.data_ptr()
+    other = IndexerKCache(4, block_size=64, head_dim=128, fmt="fp8")
+    assert _tma_pages(other, config)[0].base.data_ptr() == other.buffer.data_ptr()
+    cache.buffer = torch.zeros_like(cache.buffer)
+    rebuilt = _tma_pages(cache, config)
+    assert rebuilt is not first and rebuilt[0].base.data_ptr() == cache.buffer.data_ptr()
+    mxfp4 = IndexerKCache(4, block_size=64, head_dim=128, fmt="mxfp4")
+    mxfp4_pages = gluon_decode_mxfp4._tma_pages(mxfp4, gluon_decode_mxfp4.GLUON_MXFP4_DECODE_CONFIG)
+    assert mxfp4_pages is gluon_decode_mxfp4._tma_pages(mxfp4, gluon_decode_mxfp4.GLUON_MXFP4_DECODE_CONFIG)
+    assert mxfp4_pages[0].block_shape == [64, 64]
+    held = len(_PAGE_DESCRIPTORS)
+    del cache, other, mxfp4, first, rebuilt, mxfp4_pages
+    gc.collect()
+    assert len(_PAGE_DESCRIPTORS) == held - 3
+    constants = kernel_constants(64, 128, 64, 2, 4, True, 16, config, query_slots=1, tma_pages=True)
+    assert kernel_constants(64, 128, 64, 2, 4, True, 16, config, query_slots=1, tma_pages=True) is constants
+    with pytest.raises(TypeError):
+        constants["TILES"] = 8
+
+
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("persistent", [False, True])

@@ -1,7 +1,9 @@
 """Timing, ceilings and result records shared by the benchmark suites (DESIGN.md §12).
 
 Times are medians of ``triton.testing.do_bench`` (which clears the L2 before every call, so decode-sized
-kernels are measured cold) or of CUDA-graph replays for launches too short for event timing. Ceilings
+kernels are measured cold) or of CUDA-graph replays for launches too short for event timing: after a
+256 MB memset (``cold_graph_us``, the anchors' state: an L2 full of dirty lines) or cycling through buffer
+sets larger than the L2 (``rotating_graph_us``, DESIGN.md §12). Ceilings
 are measured in the same process: a device-to-device copy (read + write bandwidth), a read-only pass
 (a reduction), and an FP8 matrix product through ``torch._scaled_mm``.
 """
@@ -46,6 +48,47 @@ def cold_graph_us(fn, reps: int = 100, *, before=None) -> float:
     torch.cuda.synchronize()
     times = sorted(start.elapsed_time(end) for start, end in events)
     return times[reps // 2] * 1e3
+
+
+# ~100 µs at the H200's clock: longer than the host needs to queue an event, a graph replay and an event.
+_SPACER_CYCLES = 200_000
+
+
+def rotating_graph_us(calls, reps: int = 100) -> float:
+    """Median µs of CUDA-graph replays cycling through ``calls``, each on its own buffers (DESIGN.md §12:
+    cold L2 by rotating buffers larger than it). Nothing runs between replays, so each one finds the L2
+    holding the previous calls' lines: its own inputs are not there once the buffers of the other calls
+    exceed the L2, and the lines it evicts are clean reads and the previous outputs, not a flush's dirty
+    bytes."""
+    for fn in calls:
+        fn()
+    torch.cuda.synchronize()
+    graphs = []
+    for fn in calls:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graphs.append(graph)
+    for graph in graphs:  # one round untimed: every replay then follows the previous call's, as timed
+        graph.replay()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for i, (start, end) in enumerate(events):
+        # A spin (no memory traffic) keeps the GPU busy while the host queues the replay, so the timed region
+        # holds the kernels, not the host's launch of the next graph.
+        torch.cuda._sleep(_SPACER_CYCLES)
+        start.record()
+        graphs[i % len(graphs)].replay()
+        end.record()
+    torch.cuda.synchronize()
+    times = sorted(start.elapsed_time(end) for start, end in events)
+    return times[reps // 2] * 1e3
+
+
+def rotation_count(bytes_per_call: int, minimum: int = 2) -> int:
+    """How many buffer sets ``rotating_graph_us`` cycles through: enough that the bytes of the other sets
+    are at least three times this GPU's L2."""
+    l2_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    return max(minimum, 1 + -(-3 * l2_bytes // max(1, bytes_per_call)))
 
 
 def measure_ceilings() -> dict[str, float]:

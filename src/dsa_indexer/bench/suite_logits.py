@@ -10,9 +10,12 @@ Shapes: H=64 heads, D=128, 64-token pages.
   measured in the same run; and the tensor work, 2·H·D flops per (row, key), at the FP8 matmul rate
   measured in the same run (Hopper has no FP4 tensor cores: MXFP4 keys are expanded to e4m3, so the MMA
   work is FP8's, and at next_n = 2 it exceeds the byte time for MXFP4). Times are cold-L2 medians of CUDA
-  graph replays (a 256 MB memset before each replay, outside the timed region): an engine replays decode
-  as a graph, and eager timing here measured the host's Triton launch path (20-80 µs) as much as the
-  kernels at the small shapes. The eager ``do_bench`` median is recorded beside it (``eager_us``).
+  graph replays (an engine replays decode as a graph): ``us`` cycles through sets of pages, queries and
+  outputs whose other sets exceed three L2s (DESIGN.md §12: rotating buffers; ``harness.rotating_graph_us``);
+  ``memset_us`` replays after a 256 MB memset, as the anchors' ``do_bench`` does (an L2 full of dirty
+  lines, whose write-back the kernel pays: 1-7 µs at B <= 32, NOTES_logits.md session 7), with its own %
+  (``memset_pct_of_floor``): compare with the anchors' table by ``memset_us``. The eager ``do_bench``
+  median (memset, host launch included) is recorded beside them (``eager_us``).
 - Prefill: S=2048 queries over SKV in {8K, 32K, 64K} with ks=0, ke=i+SKV-S+1, and a causal 8K prompt
   (ks=0, ke=i+1), ``clean=False``. Floor: 2*H*D flops per valid (query, key) pair at the FP8 matmul rate
   measured in the same run. Timed like decode (graph replays after an L2 flush; eager median beside it).
@@ -33,6 +36,7 @@ samples), and DeepGEMM's test likewise takes one calc_diff over a batch of 64-12
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -104,15 +108,22 @@ def _decode_pool(fmt: str, num_pages: int) -> IndexerKCache:
     return cache
 
 
-def _decode_case(cache: IndexerKCache, batch: int, length: int, next_n: int, gen: torch.Generator):
-    fmt = cache.fmt
+def _decode_inputs(cache: IndexerKCache, batch: int, length: int, next_n: int, gen: torch.Generator):
+    """One decode call over ``batch`` requests of ``length`` positions on random pages of the pool:
+    (queries ``[B, next_n, H, D]`` and weights ``[B * next_n, H]`` unquantised, the call's arguments)."""
     pages = length // PAGE
     table = torch.randperm(cache.num_blocks, generator=gen)[: batch * pages].view(batch, pages).int().cuda()
     lens = torch.tensor([length - next_n + 1 + t for t in range(next_n)], dtype=torch.int32)
     context_lens = lens.repeat(batch, 1).cuda()
     q = torch.randn(batch, next_n, HEADS, DIM, generator=gen).cuda()
     weights = torch.randn(batch * next_n, HEADS, generator=gen).cuda()
-    q_stored, q_scale, w = _quantize_q(q, weights, fmt)
+    q_stored, q_scale, w = _quantize_q(q, weights, cache.fmt)
+    return q, weights, (q_stored, q_scale, cache, w, context_lens, table, length)
+
+
+def _decode_case(cache: IndexerKCache, batch: int, length: int, next_n: int, gen: torch.Generator):
+    q, weights, args = _decode_inputs(cache, batch, length, next_n, gen)
+    table = args[5]
     # Real keys for the checked requests (first and last), inserted over the random pool bytes.
     checked = sorted({0, batch - 1})
     keys = torch.randn(len(checked), length, DIM, generator=gen).cuda()
@@ -120,7 +131,7 @@ def _decode_case(cache: IndexerKCache, batch: int, length: int, next_n: int, gen
     for i, b in enumerate(checked):
         slots = table[b, positions // PAGE].long() * PAGE + positions % PAGE
         cache.insert(keys[i], slots, backend="reference")
-    return q, weights, keys, checked, (q_stored, q_scale, cache, w, context_lens, table, length)
+    return q, weights, keys, checked, args
 
 
 def _decode_check(args, q, weights, keys, checked, next_n, gen, decode=kernels.paged_mqa_logits_triton):
@@ -187,6 +198,19 @@ def _dispatched_decode(args) -> tuple[str, list]:
     return kernel, list(config)
 
 
+def _rotation(args, out: torch.Tensor, count: int) -> list[tuple]:
+    """``count`` (arguments, output) sets of one decode shape for ``harness.rotating_graph_us``: the timed
+    call's, then calls on fresh random pages of the same pool with their own queries and outputs (their own
+    generator, so the suite's other draws do not move)."""
+    q_stored, _, cache, _, _, _, length = args
+    batch, next_n = q_stored.shape[:2]
+    gen = torch.Generator().manual_seed(batch * length + next_n)
+    sets = [(args, out)]
+    for _ in range(count - 1):
+        sets.append((_decode_inputs(cache, batch, length, next_n, gen)[2], torch.empty_like(out)))
+    return sets
+
+
 def _decode_rows(fmt: str, ceilings: dict[str, float], gen: torch.Generator) -> list[dict]:
     from dsa_indexer.ops.logits import _paged_mqa_logits_triton as dispatched  # the backend's call, validated
 
@@ -197,17 +221,22 @@ def _decode_rows(fmt: str, ceilings: dict[str, float], gen: torch.Generator) -> 
         checks = _decode_check(args, q, weights, keys, checked, next_n, gen, dispatched)
         del q, weights, keys
         out = torch.empty((batch * next_n, length), device="cuda")
-        us = harness.cold_graph_us(lambda: dispatched(*args, True, out))
-        eager_us = harness.median_us(lambda: dispatched(*args, True, out))
-        triton_us = harness.cold_graph_us(lambda: kernels.paged_mqa_logits_triton(*args, True, out))
-        torch_us = harness.median_us(lambda: reference.paged_mqa_logits(*args, True, out), warmup_ms=1, rep_ms=50)
         floor = decode_floor(fmt, batch, length, next_n, ceilings)
+        rotation = _rotation(args, out, harness.rotation_count(floor["moved"]))
+        us = harness.rotating_graph_us([functools.partial(dispatched, *a, True, o) for a, o in rotation])
+        memset_us = harness.cold_graph_us(lambda: dispatched(*args, True, out))
+        eager_us = harness.median_us(lambda: dispatched(*args, True, out))
+        triton_us = harness.rotating_graph_us(
+            [functools.partial(kernels.paged_mqa_logits_triton, *a, True, o) for a, o in rotation])
+        del rotation
+        torch_us = harness.median_us(lambda: reference.paged_mqa_logits(*args, True, out), warmup_ms=1, rep_ms=50)
         kernel, config = _dispatched_decode(args)
         rows.append(harness.record(
             "paged_mqa_logits", {"B": batch, "L": length, "next_n": next_n, "fmt": fmt}, us,
             floor["floor_us"], tbs=floor["moved"] / us / 1e6,
             tflops=2 * HEADS * DIM * batch * next_n * length / us / 1e6,
-            baselines={"torch": torch_us, "triton_kernel": triton_us}, eager_us=round(eager_us, 2),
+            baselines={"torch": torch_us, "triton_kernel": triton_us}, memset_us=round(memset_us, 2),
+            memset_pct_of_floor=round(100 * floor["floor_us"] / memset_us, 1), eager_us=round(eager_us, 2),
             bound=floor["bound"], byte_floor_us=round(floor["byte_floor_us"], 2),
             tensor_floor_us=round(floor["tensor_floor_us"], 2), kernel=kernel, config=config, **checks,
         ))
@@ -326,8 +355,6 @@ def _baseline_kernel():
 def _sweep_calls(fmt: str, next_n: int, baseline):
     """(name, function of ``(args, out)`` running the variant on a case, or None when unavailable)
     for the Triton variants, then the Gluon ones that apply to ``next_n``."""
-    import functools
-
     calls = []
     for name, kwargs in SWEEP_VARIANTS[fmt].items():
         if kwargs is None:
@@ -351,7 +378,8 @@ def _gluon_variant(args, out, *, config):
 
 
 def sweep(out_dir: str | None = None, formats=("mxfp4", "fp8"), variants=None, compile_only: bool = False) -> None:
-    """Cold-L2 graph-replay µs of each decode variant on each sweep shape, with its calc_diff against
+    """Cold-L2 graph-replay µs (rotating buffers, as the suite's ``us``) of each decode variant on each sweep
+    shape, with its calc_diff against
     the default variant's output (checked against the reference by ``run`` and the tests); prints a table
     last and writes ``logits_sweep.json`` to ``out_dir`` when given. ``variants`` (names) restricts the
     variants; ``compile_only`` runs each once and times nothing (fills Triton's cache, e.g. in parallel
@@ -372,6 +400,8 @@ def sweep(out_dir: str | None = None, formats=("mxfp4", "fp8"), variants=None, c
             floor_us = None if compile_only else decode_floor(fmt, batch, length, next_n, ceilings)["floor_us"]
             expected = torch.empty((batch * next_n, length), device="cuda")
             kernels.paged_mqa_logits_triton(*args, True, expected)
+            others = [] if compile_only else _rotation(args, expected, harness.rotation_count(
+                decode_floor(fmt, batch, length, next_n, ceilings)["moved"]))[1:]
             for name, call_with in _sweep_calls(fmt, next_n, baseline):
                 if variants is not None and name not in variants:
                     continue
@@ -382,8 +412,8 @@ def sweep(out_dir: str | None = None, formats=("mxfp4", "fp8"), variants=None, c
                 if call_with is None:
                     continue
                 out = torch.empty_like(expected)
-                call = lambda: call_with(args, out)  # noqa: E731
-                us = harness.cold_graph_us(call, reps=50)
+                us = harness.rotating_graph_us(
+                    [functools.partial(call_with, a, o) for a, o in [(args, out), *others]], reps=50)
                 try:
                     diff = calc_diff(out, expected)
                 except AssertionError as error:  # -inf masks differ

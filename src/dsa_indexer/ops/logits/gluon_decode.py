@@ -37,6 +37,10 @@ the launcher picks the configuration (programs per SM, persistence) by work size
 
 from __future__ import annotations
 
+import functools
+import types
+import weakref
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -467,18 +471,20 @@ def _paged_mqa_logits_ws_kernel(
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
+@functools.lru_cache(maxsize=256)
 def kernel_constants(heads: int, dim: int, block_size: int, rows: int, tiles: int, clean: bool, copy_align: int,
-                     config: tuple, query_slots: int = 1, tma_pages: bool = False) -> dict:
+                     config: tuple, query_slots: int = 1, tma_pages: bool = False) -> types.MappingProxyType:
     """The kernel's compile-time arguments (launcher and ahead-of-time compilation share them); ``config``
     is a ``GLUON_DECODE_CONFIG``-like tuple, ``query_slots`` 2 when a program runs several work items,
-    ``tma_pages`` whether the launch copies the tiles by TMA (``_tma_pages``)."""
+    ``tma_pages`` whether the launch copies the tiles by TMA (``_tma_pages``). Cached, read-only: building
+    the layouts is host time on every decode call otherwise."""
     num_stages, producer_warps, producer_regs = config[0], config[5], config[6]
     if dim & (dim - 1) or not 32 <= dim <= 512:
         raise ValueError(f"the Gluon decode kernel needs a power-of-two head_dim in [32, 512], got {dim}")
     if heads > 128:
         raise ValueError(f"the Gluon decode kernel takes at most 128 heads, got {heads}")
     lanes_per_row = dim // 16
-    return dict(
+    return types.MappingProxyType(dict(
         HEADS=heads, BLOCK_H=max(16, triton.next_power_of_2(heads)), DIM=dim, BLOCK_SIZE=block_size, ROWS=rows,
         TILES=tiles, NUM_STAGES=num_stages, QUERY_SLOTS=query_slots, CLEAN=clean, PRODUCER_WARPS=producer_warps,
         PRODUCER_REGS=producer_regs, COPY_ALIGN=copy_align,
@@ -488,7 +494,7 @@ def kernel_constants(heads: int, dim: int, block_size: int, rows: int, tiles: in
         SCALE_LAYOUT=gl.BlockedLayout([1], [32], [producer_warps], [0]),
         EARLY_TABLE=bool(len(config) > 9 and config[9]) and block_size % BLOCK_K.value == 0,
         TMA_PAGES=tma_pages,
-    )
+    ))
 
 
 def _tma_pages(cache: IndexerKCache, config: tuple) -> tuple[TensorDescriptor, TensorDescriptor] | None:
@@ -501,6 +507,33 @@ def _tma_pages(cache: IndexerKCache, config: tuple) -> tuple[TensorDescriptor, T
     if (len(config) < 11 or not config[10] or buffer.data_ptr() % 16 or cache.page_stride % row_bytes
             or cache.block_size % BLOCK_K.value or row_bytes > 128):
         return None
+    return page_descriptors(cache, _build_page_descriptors)
+
+
+# Per cache object: (the buffer's address, shape and page stride, its descriptors by builder). The
+# descriptors reference the buffer, not the cache, so an entry goes when its cache does.
+_PAGE_DESCRIPTORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def page_descriptors(cache: IndexerKCache, build) -> tuple:
+    """``build(cache)`` (TMA descriptors over the cache's pages), built once per cache and buffer: building
+    them costs more host time than launching the kernel."""
+    buffer = cache.buffer
+    identity = (buffer.data_ptr(), tuple(buffer.shape), cache.page_stride)
+    memo = _PAGE_DESCRIPTORS.get(cache)
+    if memo is None or memo[0] != identity:
+        memo = (identity, {})
+        _PAGE_DESCRIPTORS[cache] = memo
+    built = memo[1].get(build)
+    if built is None:
+        built = memo[1][build] = build(cache)
+    return built
+
+
+def _build_page_descriptors(cache: IndexerKCache) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """``_tma_pages``'s descriptors: the cache as rows of one e4m3 key row (``head_dim`` bytes)."""
+    buffer = cache.buffer
+    row_bytes = cache.head_dim
     rows = ((buffer.shape[0] - 1) * cache.page_stride + cache.block_size * (row_bytes + 4)) // row_bytes
     key_layout = gl.NVMMASharedLayout(swizzle_byte_width=row_bytes, element_bitwidth=8, rank=2)
     scale_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)

@@ -36,6 +36,9 @@ Gluon does not run under the Triton interpreter: this path needs a CUDA GPU with
 
 from __future__ import annotations
 
+import functools
+import types
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -60,6 +63,7 @@ from .gluon_decode import (
     _store_row,
     _store_tail,
     _work_item,
+    page_descriptors,
 )
 from .triton import _E2M1_EXPAND_ASM, _E4M3_TABLE_ASM, _mxfp4_rows
 
@@ -248,15 +252,17 @@ def _paged_mqa_logits_mxfp4_ws_kernel(
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
+@functools.lru_cache(maxsize=256)
 def kernel_constants(heads: int, block_size: int, rows: int, tiles: int, clean: bool, copy_align: int,
-                     config: tuple[int, ...], tma_pages: bool = False) -> dict:
+                     config: tuple[int, ...], tma_pages: bool = False) -> types.MappingProxyType:
     """The kernel's compile-time arguments (launcher and ahead-of-time compilation share them); ``tma_pages``:
-    whether the launch takes the TMA producer (``_tma_pages``)."""
+    whether the launch takes the TMA producer (``_tma_pages``). Cached, read-only: building the layouts
+    costs more host time than the launch."""
     num_stages, producer_warps, producer_regs = config[0], config[5], config[6]
     if heads > 128:
         raise ValueError(f"the Gluon MXFP4 decode kernel takes at most 128 heads, got {heads}")
     lanes_per_row = (DIM.value // 2) // copy_align  # copy_align bytes a thread, a packed row is D/2 bytes
-    return dict(
+    return types.MappingProxyType(dict(
         HEADS=heads, BLOCK_H=max(16, triton.next_power_of_2(heads)), BLOCK_SIZE=block_size, ROWS=rows,
         TILES=tiles, NUM_STAGES=num_stages, CLEAN=clean, TMA_PAGES=int(tma_pages), PRODUCER_WARPS=producer_warps,
         PRODUCER_REGS=producer_regs, COPY_ALIGN=copy_align,
@@ -276,20 +282,24 @@ def kernel_constants(heads: int, block_size: int, rows: int, tiles: int, clean: 
             lane_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
             warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[BLOCK_K.value, 4, 4, 4]),
         QUERY_LAYOUT=gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0]),
-    )
+    ))
 
 
 def _tma_pages(cache: IndexerKCache, config: tuple[int, ...]) -> tuple[TensorDescriptor, TensorDescriptor] | None:
     """The key and scale descriptors of ``_fill_tiles_tma`` when ``config`` asks for TMA page copies and the
     cache allows them (16-byte aligned base, 64-byte multiple page stride, pages of whole 64-key tiles);
     None otherwise (the cp.async producer runs)."""
-    buffer = cache.buffer
-    page_stride = cache.page_stride
-    if (len(config) < 9 or not config[8] or buffer.data_ptr() % 16 or page_stride % 64
+    if (len(config) < 9 or not config[8] or cache.buffer.data_ptr() % 16 or cache.page_stride % 64
             or cache.block_size % BLOCK_K.value):
         return None
+    return page_descriptors(cache, _build_page_descriptors)
+
+
+def _build_page_descriptors(cache: IndexerKCache) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """``_tma_pages``'s descriptors: the cache as rows of one packed key row (``D/2`` bytes)."""
+    buffer = cache.buffer
     row_bytes = DIM.value // 2  # one packed key row = one descriptor row
-    rows = ((buffer.shape[0] - 1) * page_stride + cache.block_size * (row_bytes + 4)) // row_bytes
+    rows = ((buffer.shape[0] - 1) * cache.page_stride + cache.block_size * (row_bytes + 4)) // row_bytes
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
     return (TensorDescriptor(buffer, [rows, row_bytes], [row_bytes, 1], [BLOCK_K.value, row_bytes], layout),
             TensorDescriptor(buffer, [rows, row_bytes], [row_bytes, 1], [BLOCK_K.value // 16, row_bytes], layout))
