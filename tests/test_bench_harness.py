@@ -1,5 +1,6 @@
-"""The benchmark harness's timing of decode-sized kernels (``dsa_indexer.bench.harness``): which calls a
-rotating timing replays, and how many buffer sets it asks for. CUDA graphs: GPU only."""
+"""The benchmark harness's timing of decode-sized kernels (``dsa_indexer.bench.harness``): which graphs a
+timing replays and when its flush runs, and how many buffer sets a rotating timing asks for. CUDA graphs: GPU
+only."""
 
 from __future__ import annotations
 
@@ -19,6 +20,15 @@ def test_rotating_graph_us_replays_each_set_in_turn():
     torch.cuda.synchronize()
     assert us > 0
     assert counters.tolist() == [1 + 1 + 4] * 3
+
+
+@pytest.mark.gpu
+def test_cold_graph_us_runs_the_flush_before_each_replay():
+    counters = torch.zeros(2, dtype=torch.int64, device="cuda")
+    us = harness.cold_graph_us(lambda: counters[0].add_(1), reps=7, before=lambda: counters[1].add_(1))
+    torch.cuda.synchronize()
+    assert us > 0
+    assert counters.tolist() == [1 + 7, 7]
 
 
 @pytest.mark.gpu

@@ -31,19 +31,33 @@ def median_us(fn, *, graph: bool = False, warmup_ms: int = 25, rep_ms: int = 200
 def cold_graph_us(fn, reps: int = 100, *, before=None) -> float:
     """Median µs of CUDA-graph replays of ``fn``, each after a 256 MB memset that evicts the L2 (or, given
     ``before``, after calling it instead: another L2 state, untimed)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
     if before is None:
         flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
         before = flush.zero_
+    return _replays_median_us(_captured([fn]), reps, before)
+
+
+def _captured(calls) -> list:
+    """One CUDA graph per call of ``calls``, each run once eagerly first (compilation, allocator)."""
+    for fn in calls:
+        fn()
+    torch.cuda.synchronize()
+    graphs = []
+    for fn in calls:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graphs.append(graph)
+    return graphs
+
+
+def _replays_median_us(graphs: list, reps: int, before) -> float:
+    """Median µs of ``reps`` replays of ``graphs`` in turn, each timed by events after ``before()``."""
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, end in events:
+    for i, (start, end) in enumerate(events):
         before()
         start.record()
-        graph.replay()
+        graphs[i % len(graphs)].replay()
         end.record()
     torch.cuda.synchronize()
     times = sorted(start.elapsed_time(end) for start, end in events)
@@ -56,32 +70,15 @@ _SPACER_CYCLES = 200_000
 
 def rotating_graph_us(calls, reps: int = 100) -> float:
     """Median µs of CUDA-graph replays cycling through ``calls``, each on its own buffers (DESIGN.md §12:
-    cold L2 by rotating buffers larger than it). Nothing runs between replays, so each one finds the L2
-    holding the previous calls' lines: its own inputs are not there once the buffers of the other calls
-    exceed the L2, and the lines it evicts are clean reads and the previous outputs, not a flush's dirty
-    bytes."""
-    for fn in calls:
-        fn()
-    torch.cuda.synchronize()
-    graphs = []
-    for fn in calls:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        graphs.append(graph)
+    cold L2 by rotating buffers larger than it). Only a spin kernel (no memory traffic) runs between replays:
+    it keeps the GPU busy while the host queues the next replay, so the timed region holds the kernels, not
+    the host's launch. Each replay finds the L2 holding the previous calls' lines: its own inputs are not
+    there once the buffers of the other calls exceed the L2, and the lines it evicts are clean reads and the
+    previous outputs, not a flush's dirty bytes."""
+    graphs = _captured(calls)
     for graph in graphs:  # one round untimed: every replay then follows the previous call's, as timed
         graph.replay()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for i, (start, end) in enumerate(events):
-        # A spin (no memory traffic) keeps the GPU busy while the host queues the replay, so the timed region
-        # holds the kernels, not the host's launch of the next graph.
-        torch.cuda._sleep(_SPACER_CYCLES)
-        start.record()
-        graphs[i % len(graphs)].replay()
-        end.record()
-    torch.cuda.synchronize()
-    times = sorted(start.elapsed_time(end) for start, end in events)
-    return times[reps // 2] * 1e3
+    return _replays_median_us(graphs, reps, lambda: torch.cuda._sleep(_SPACER_CYCLES))
 
 
 def rotation_count(bytes_per_call: int, minimum: int = 2) -> int:
