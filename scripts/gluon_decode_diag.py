@@ -29,6 +29,7 @@ import os
 
 import torch
 
+from dsa_indexer.backend import multiprocessor_count
 from dsa_indexer.bench import harness
 from dsa_indexer.bench.suite_logits import _decode_case, _decode_pool, _rotation, decode_floor
 from dsa_indexer.ops import logits as logits_ops
@@ -157,7 +158,8 @@ def run_part(part, cases, out_dir):
                 elif name.startswith("auto"):
                     kernel = logits_ops.decode_kernel(args[0], cache, length)
                     config = (kernel if kernel == "triton"
-                              else list(gluon_decode.gluon_decode_config(batch, next_n, length)))
+                              else list(gluon_decode.gluon_decode_config(
+                                  batch, next_n, length, multiprocessor_count(args[0].device))))
                 else:
                     config = None
                 floor_us = decode_floor("fp8", batch, length, next_n, ceilings)["floor_us"]

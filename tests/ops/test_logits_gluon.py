@@ -178,7 +178,7 @@ def _aligned(inputs: DecodeInputs) -> DecodeInputs:
                         inputs.max_context_len)
 
 
-TMA_VARIANTS = ["cta3", "persist2-coarse-early", "persist4-one-row"]  # the three defaults
+TMA_VARIANTS = ["cta3", "persist2-coarse-early", "wave3-early", "persist4-one-row"]  # the defaults
 
 
 @pytest.mark.gpu
@@ -195,7 +195,7 @@ def test_gluon_decode_tma_pages_give_the_copies_bits_gpu(kernel_device, variant,
     from dsa_indexer.ops.logits.gluon_decode import _tma_pages
 
     config = GLUON_SWEEP_CONFIGS[variant]
-    copies = config[:5] + (4,) + config[6:10] + (0,)  # four cp.async warps, as where TMA cannot run
+    copies = config[:5] + (4,) + config[6:10] + (0,) + config[11:]  # four cp.async warps, as where TMA cannot run
     next_n = 1 if config[4] == 1 else 2
     if case == "mixed":
         lengths = [[max(0, n - 7 * t) for t in range(next_n)] for n in REQUEST_LENGTHS + [128, 129, 191, 192, 3200]]
@@ -278,10 +278,10 @@ def test_gluon_page_descriptors_are_built_once_per_cache_and_buffer():
     del cache, other, mxfp4, first, rebuilt, mxfp4_pages
     gc.collect()
     assert len(_PAGE_DESCRIPTORS) == held - 3
-    constants = kernel_constants(64, 128, 64, 2, 4, True, 16, config, query_slots=1, tma_pages=True)
-    assert kernel_constants(64, 128, 64, 2, 4, True, 16, config, query_slots=1, tma_pages=True) is constants
+    constants = kernel_constants(64, 128, 64, 2, True, 16, config, query_slots=1, tma_pages=True)
+    assert kernel_constants(64, 128, 64, 2, True, 16, config, query_slots=1, tma_pages=True) is constants
     with pytest.raises(TypeError):
-        constants["TILES"] = 8
+        constants["ROWS"] = 1
 
 
 @pytest.mark.gpu
@@ -320,19 +320,28 @@ def test_gluon_decode_rule_by_work_size():
 
 @needs_gluon
 def test_gluon_decode_config_by_work_size():
-    """The FP8 launcher's default configuration: the one-row one at next_n = 1, with draft rows the
-    three-programs-per-SM one from 4M keys, the persistent one below; each is one of the swept (and
-    tested) configurations. MXFP4: the one-row configuration at next_n = 1."""
+    """The FP8 launcher's default configuration: the one-row one at next_n = 1; with draft rows the
+    three-programs-per-SM one from 4M keys, below it the one-wave one where its wave fills at least
+    ``GLUON_WAVE_MIN_FILL`` of the slots and the persistent one elsewhere; each is one of the swept (and tested)
+    configurations. MXFP4: the one-row configuration at next_n = 1."""
     config = gluon_decode.gluon_decode_config
     for batch, length in [(1, 131072), (32, 32768), (128, 131072)]:
-        assert config(batch, 1, length) == gluon_decode.GLUON_DECODE_CONFIG_ONE_ROW == (4, 8, 2, 32, 1, 1, 24, 64, 4, 0, 1)
+        assert config(batch, 1, length, 132) == gluon_decode.GLUON_DECODE_CONFIG_ONE_ROW == (
+            4, 8, 2, 32, 1, 1, 24, 64, 4, 0, 1)
     for batch, length, next_n in [(32, 131072, 2), (128, 32768, 2), (128, 131072, 2), (32, 131072, 4)]:
-        assert config(batch, next_n, length) == gluon_decode.GLUON_DECODE_CONFIG == (4, 8, 2, 32, 2, 1, 24, 80, 0, 0, 1)
-    for batch, length, next_n in [(32, 32768, 2), (32, 32768, 4), (1, 131072, 2), (2, 1024, 3)]:
-        assert config(batch, next_n, length) == gluon_decode.GLUON_DECODE_CONFIG_SMALL
+        assert config(batch, next_n, length, 132) == gluon_decode.GLUON_DECODE_CONFIG == (4, 8, 2, 32, 2, 1, 24, 80, 0, 0, 1)
+    # One wave of 3 x 132 slots: B = 32 at L = 32K fills 384 (12 splits of 43 tiles), B = 1 at 128K 342 (6 tiles),
+    # B = 16 at 64K 384; B = 256 at 8K only 256 (a split a request), B = 2 at 1K 64.
+    for batch, length, next_n in [(32, 32768, 2), (1, 131072, 2), (16, 65536, 2), (16, 32768, 4)]:
+        assert config(batch, next_n, length, 132) == gluon_decode.GLUON_DECODE_CONFIG_WAVE
+    for batch, length, next_n in [(256, 8192, 2), (2, 1024, 3), (100, 16384, 2)]:
+        assert config(batch, next_n, length, 132) == gluon_decode.GLUON_DECODE_CONFIG_SMALL
+    assert gluon_decode._wave_split(32, 512, 3, 132) == (43, 384 / 396)
+    assert gluon_decode._wave_split(1, 2048, 3, 132) == (6, 342 / 396)
     assert gluon_decode.GLUON_DECODE_CONFIG_SMALL == (4, 4, 2, 32, 2, 1, 24, 128, 2, 1, 1)
+    assert gluon_decode.GLUON_DECODE_CONFIG_WAVE == (4, 3, 2, 32, 2, 1, 24, 80, 0, 1, 1, 1)
     defaults = {gluon_decode.GLUON_DECODE_CONFIG, gluon_decode.GLUON_DECODE_CONFIG_SMALL,
-                gluon_decode.GLUON_DECODE_CONFIG_ONE_ROW}
+                gluon_decode.GLUON_DECODE_CONFIG_ONE_ROW, gluon_decode.GLUON_DECODE_CONFIG_WAVE}
     assert defaults <= set(GLUON_SWEEP_CONFIGS.values())
     mxfp4 = gluon_decode_mxfp4
     assert mxfp4.GLUON_MXFP4_DECODE_CONFIG_ONE_ROW == (4, 8, 2, 32, 2, 1, 24, 64, 1)

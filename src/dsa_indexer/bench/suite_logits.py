@@ -188,9 +188,10 @@ def _dispatched_decode(args) -> tuple[str, list]:
     if kernel == "triton":
         return kernel, list(kernels.DECODE_CONFIG[cache.fmt])
     if cache.fmt == "fp8":
+        from dsa_indexer.backend import multiprocessor_count
         from dsa_indexer.ops.logits.gluon_decode import gluon_decode_config
 
-        return kernel, list(gluon_decode_config(batch, next_n, length))
+        return kernel, list(gluon_decode_config(batch, next_n, length, multiprocessor_count(q.device)))
     from dsa_indexer.ops.logits import gluon_decode_mxfp4
 
     config = (gluon_decode_mxfp4.GLUON_MXFP4_DECODE_CONFIG_ONE_ROW if next_n == 1

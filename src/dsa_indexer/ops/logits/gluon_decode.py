@@ -1,7 +1,7 @@
 """Gluon (warp-specialised) FP8 paged decode logits: the twin of ``paged_mqa_logits_triton`` for fmt fp8.
 
 Same contract and work items as the Triton kernel (``triton.py``): (request, group of ``ROWS`` draft rows,
-split of ``TILES * BLOCK_K`` positions), one key tile of ``BLOCK_K = 64`` positions at a time (one wgmma M
+split of ``split_tiles * BLOCK_K`` positions), one key tile of ``BLOCK_K = 64`` positions at a time (one wgmma M
 tile). A program runs one work item, or, persistent, items ``pid, pid + programs, ...`` (a few programs
 per SM), so that the next item's first loads overlap this item's last tiles instead of a new program's
 prologue (lengths, block table, first keys: dependent cold reads). What changes is who waits for what:
@@ -66,13 +66,14 @@ BLOCK_K = gl.constexpr(64)  # positions per key tile: one wgmma M tile
 # (cp.async ring stages, work items per SM aimed at, key tiles per split min/max, draft rows per program at
 # most (1 or 2), producer warps, producer registers per thread, register cap per thread at launch,
 # persistent programs per SM: 0 = one program per work item, and optionally whether each item's first
-# table entry is read beside its lengths: 0/1, 0 when absent, and TMA page copies: 0/1, 0 when absent (the
-# cp.async producer), see ``_fill_tiles_tma``, taken where the cache allows: ``_tma_pages``; the three
-# defaults set it). Warp specialisation rounds the producer up to a whole warpgroup (4 consumer warps + 1 or
+# table entry is read beside its lengths: 0/1, 0 when absent, TMA page copies: 0/1, 0 when absent (the
+# cp.async producer), see ``_fill_tiles_tma``, taken where the cache allows: ``_tma_pages``; the defaults set
+# it, and one wave: 0/1, 0 when absent, splits of any size that give about ``per_sm`` items a SM, ``_wave_split``,
+# instead of the power-of-two split between the min and max). Warp specialisation rounds the producer up to a whole warpgroup (4 consumer warps + 1 or
 # 4 producer warps = 256 threads), so the cap decides the programs per SM: 128 gives two, 80 three, 64 four
 # (the consumer gets 2 * cap - producer registers).
-# Measured winners (H200, cold-L2 graph replays, NOTES_logits.md runs 6 and 9, session 5 round 2), picked per
-# call by ``gluon_decode_config``; all three take keys, scales and queries by TMA from one producer warp
+# Measured winners (H200, cold-L2 graph replays, NOTES_logits.md runs 6 and 9, session 5 round 2, session 11),
+# picked per call by ``gluon_decode_config``; all four take keys, scales and queries by TMA from one producer warp
 # (two copies a tile, one per query row; session 5 round 2: 1.01-1.12x against four cp.async warps). Draft rows
 # at ``batch * max_context_len >= GLUON_LARGE_KEYS``: three programs per SM, one work item each (168.5 vs 187.8 µs
 # at B = 32, L = 128K, next_n = 2).
@@ -82,11 +83,17 @@ GLUON_DECODE_CONFIG = (4, 8, 2, 32, 2, 1, 24, 80, 0, 0, 1)
 # entry read beside its lengths (``persist2-coarse-early-tma``: 13.95 µs at B = 1, L = 128K, 51.5 at B = 32,
 # L = 32K).
 GLUON_DECODE_CONFIG_SMALL = (4, 4, 2, 32, 2, 1, 24, 128, 2, 1, 1)
+# Draft rows below 4M keys where one wave fills at least GLUON_WAVE_MIN_FILL of its slots: three one-item
+# programs per SM (cap 80), each row group's tiles in even splits of any size, so that the items fill one wave
+# (field 11; ``_wave_split``), first table entry beside the lengths (session 11, rotating buffers: 43.8 against
+# 46.7 µs at B = 32, L = 32K; equal at B = 1, L = 128K and from 4M keys).
+GLUON_DECODE_CONFIG_WAVE = (4, 3, 2, 32, 2, 1, 24, 80, 0, 1, 1, 1)
+GLUON_WAVE_MIN_FILL = 0.8
 # next_n = 1: four persistent programs per SM (one accumulator: 104 consumer registers, no spills).
 GLUON_DECODE_CONFIG_ONE_ROW = (4, 8, 2, 32, 1, 1, 24, 64, 4, 0, 1)
 GLUON_LARGE_KEYS = 1 << 22
 # Configurations timed by the benchmark sweep (each is tested against the reference and the default's bits):
-# the three defaults, their cp.async twins (four producer warps: the defaults until session 5, and the path a
+# the defaults, their cp.async twins (four producer warps: the defaults until session 5, and the path a
 # cache that TMA cannot take runs) and the steps from the session-3 small-shape default to the current one (the
 # variants that lost in runs 5-9 and in session 5 are recorded in NOTES_logits.md, not kept here). Consumer
 # registers: 232 at cap 128 (216 with the cp.async twin's 40 producer registers), 136 at cap 80 (128 with 32;
@@ -105,6 +112,9 @@ GLUON_SWEEP_CONFIGS = {
     # Twice the tiles a split (4 items per SM aimed at): half the items, so half the per-item query copies
     # (16 KB each at next_n = 2, as much as a 2-tile item's keys) and first-entry chains at small shapes.
     "persist2-coarse-early-copies": (4, 4, 2, 32, 2, 4, 40, 128, 2, 1),
+    "wave3-early": GLUON_DECODE_CONFIG_WAVE,
+    # The one-wave default without the early table entry.
+    "wave3": GLUON_DECODE_CONFIG_WAVE[:9] + (0,) + GLUON_DECODE_CONFIG_WAVE[10:],
 }
 # Smallest ``batch * max_context_len`` the dispatch sends to the Gluon kernel, by draft rows (see
 # ``gluon_decode_preferred``).
@@ -122,7 +132,7 @@ def _row_length(lens_ptr, stride_lb, stride_lt, request, t, next_n, one_d):
 
 @gluon.jit
 def _work_item(lens_ptr, stride_lb, stride_lt, work, next_n, one_d, max_context_len, num_splits, num_groups,
-               ROWS: gl.constexpr, TILES: gl.constexpr):
+               ROWS: gl.constexpr, split_tiles):
     """Work item ``work`` (request, split, row group fastest, as in the Triton kernel's program ids): the
     request, its first draft row ``t0``, the rows' lengths, the split ``[split_start, split_end)``, where
     reading stops (``read_end``: the longer row's length inside the split) and the tiles read."""
@@ -137,8 +147,8 @@ def _work_item(lens_ptr, stride_lb, stride_lt, work, next_n, one_d, max_context_
     else:
         length1 = length0
         extent = length0
-    split_start = split * (TILES * BLOCK_K)
-    split_end = gl.minimum(split_start + TILES * BLOCK_K, max_context_len)
+    split_start = split * (split_tiles * BLOCK_K)
+    split_end = gl.minimum(split_start + split_tiles * BLOCK_K, max_context_len)
     read_end = gl.minimum(split_end, extent)
     num_tiles = (gl.maximum(read_end - split_start, 0) + BLOCK_K - 1) // BLOCK_K
     return request, t0, length0, length1, split_start, split_end, read_end, num_tiles
@@ -257,9 +267,9 @@ def _fill_tiles_tma(key_desc, scale_desc, page_rows, table_row, key_ring, scale_
 def _producer(q_ptr, stride_qb, stride_qt, stride_qh, values_ptr, cache_ptr, page_units, table_ptr, stride_tb,
               table_columns, lens_ptr, stride_lb, stride_lt, key_desc, scale_desc, page_rows, query_desc,
               key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty,
-              next_n, one_d, max_context_len, num_splits, num_groups, num_works,
+              next_n, one_d, max_context_len, num_splits, num_groups, num_works, split_tiles,
               HEADS: gl.constexpr, BLOCK_H: gl.constexpr, DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-              ROWS: gl.constexpr, TILES: gl.constexpr, NUM_STAGES: gl.constexpr, QUERY_SLOTS: gl.constexpr,
+              ROWS: gl.constexpr, NUM_STAGES: gl.constexpr, QUERY_SLOTS: gl.constexpr,
               COPY_ALIGN: gl.constexpr, COPY_LAYOUT: gl.constexpr, SCALE_LAYOUT: gl.constexpr,
               EARLY_TABLE: gl.constexpr, TMA_PAGES: gl.constexpr):
     """Per work item of this program: the group's queries ``[ROWS, BLOCK_H, DIM]`` into a query slot, then
@@ -282,13 +292,14 @@ def _producer(q_ptr, stride_qb, stride_qt, stride_qh, values_ptr, cache_ptr, pag
             # The entry depends on the item's index only: read beside the lengths, not after them (two cold
             # reads in parallel instead of a chain). Past the request's length it may be garbage; then no tile
             # of the item is read, so it is never used.
-            first_column = (work // num_groups % num_splits) * (TILES * BLOCK_K) // BLOCK_SIZE
+            first_column = (work // num_groups % num_splits) * (split_tiles * BLOCK_K) // BLOCK_SIZE
             first_page = gl.load(table_ptr + (work // num_groups // num_splits).to(gl.int64) * stride_tb + first_column,
                                  mask=first_column < table_columns, other=0)
         else:
             first_page = 0  # unused: the first entry is read after the lengths
         request, t0, _, _, split_start, _, read_end, num_tiles = _work_item(
-            lens_ptr, stride_lb, stride_lt, work, next_n, one_d, max_context_len, num_splits, num_groups, ROWS, TILES)
+            lens_ptr, stride_lb, stride_lt, work, next_n, one_d, max_context_len, num_splits, num_groups, ROWS,
+            split_tiles)
         table_row = table_ptr + request.to(gl.int64) * stride_tb
         query_slot = done % QUERY_SLOTS
         # A fresh barrier has completed no phase; waiting on parity 1 passes, so the first round is free.
@@ -367,7 +378,7 @@ def _store_tail(out_row0, out_row1, present0, present1, split_start, split_end, 
 def _consumer(w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_lb, stride_lt,
               key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty,
               next_n, one_d, max_context_len, num_splits, num_groups, num_works,
-              HEADS: gl.constexpr, BLOCK_H: gl.constexpr, ROWS: gl.constexpr, TILES: gl.constexpr,
+              split_tiles, HEADS: gl.constexpr, BLOCK_H: gl.constexpr, ROWS: gl.constexpr,
               NUM_STAGES: gl.constexpr, QUERY_SLOTS: gl.constexpr, CLEAN: gl.constexpr, TMA_PAGES: gl.constexpr):
     """Per work item, per tile: one async wgmma per row, row 0's epilogue under row 1's wgmma; then the
     item's ``-inf`` tail. Query slot and ring stages go back to the producer as soon as they are read."""
@@ -380,7 +391,8 @@ def _consumer(w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_
     done = 0  # work items done by this program
     for work in range(gl.program_id(0), num_works, gl.num_programs(0)):
         request, t0, length0, length1, split_start, split_end, read_end, num_tiles = _work_item(
-            lens_ptr, stride_lb, stride_lt, work, next_n, one_d, max_context_len, num_splits, num_groups, ROWS, TILES)
+            lens_ptr, stride_lb, stride_lt, work, next_n, one_d, max_context_len, num_splits, num_groups, ROWS,
+            split_tiles)
         present0, present1, half_w0, half_w1, out_row0, out_row1 = _row_outputs(
             w_ptr, stride_wr, stride_wh, out_ptr, stride_or, request, t0, next_n, head, HEADS, ROWS)
         query_slot = done % QUERY_SLOTS
@@ -423,7 +435,7 @@ def _consumer(w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_
 
 
 @gluon.jit(do_not_specialize=["table_columns", "next_n", "one_d", "max_context_len", "num_splits", "num_groups",
-                              "num_works"])
+                              "num_works", "split_tiles"])
 def _paged_mqa_logits_ws_kernel(
     q_ptr, stride_qb, stride_qt, stride_qh,
     w_ptr, stride_wr, stride_wh,
@@ -431,15 +443,17 @@ def _paged_mqa_logits_ws_kernel(
     lens_ptr, stride_lb, stride_lt,
     table_ptr, stride_tb, table_columns,
     out_ptr, stride_or,
-    next_n, one_d, max_context_len, num_splits, num_groups, num_works, key_desc, scale_desc, page_rows, query_desc,
+    next_n, one_d, max_context_len, num_splits, num_groups, num_works, split_tiles, key_desc, scale_desc, page_rows,
+    query_desc,
     HEADS: gl.constexpr, BLOCK_H: gl.constexpr, DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-    ROWS: gl.constexpr, TILES: gl.constexpr, NUM_STAGES: gl.constexpr, QUERY_SLOTS: gl.constexpr,
+    ROWS: gl.constexpr, NUM_STAGES: gl.constexpr, QUERY_SLOTS: gl.constexpr,
     CLEAN: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, COPY_ALIGN: gl.constexpr,
     KEY_SMEM_LAYOUT: gl.constexpr, COPY_LAYOUT: gl.constexpr, SCALE_LAYOUT: gl.constexpr, EARLY_TABLE: gl.constexpr,
     TMA_PAGES: gl.constexpr,
 ):
     """Work items ``pid, pid + programs, ...`` of ``num_works`` (draft rows ``[t0, t0 + ROWS)`` of one
-    request over one split of ``TILES * BLOCK_K`` positions each; one item per program unless persistent).
+    request over one split of ``split_tiles * BLOCK_K`` positions each; one item per program unless persistent;
+    ``split_tiles`` is a runtime value, so a one-wave split of any size compiles once).
     ``key_desc``, ``scale_desc``, ``page_rows``, ``query_desc``: the TMA copies' arguments (``_producer``) with
     ``TMA_PAGES``, None otherwise."""
     key_ring = gl.allocate_shared_memory(gl.float8e4nv, [NUM_STAGES, BLOCK_K, DIM], KEY_SMEM_LAYOUT)
@@ -460,20 +474,20 @@ def _paged_mqa_logits_ws_kernel(
     gl.warp_specialize([
         (_consumer, (w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_lb, stride_lt,
                      key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty,
-                     next_n, one_d, max_context_len, num_splits, num_groups, num_works,
-                     HEADS, BLOCK_H, ROWS, TILES, NUM_STAGES, QUERY_SLOTS, CLEAN, TMA_PAGES)),
+                     next_n, one_d, max_context_len, num_splits, num_groups, num_works, split_tiles,
+                     HEADS, BLOCK_H, ROWS, NUM_STAGES, QUERY_SLOTS, CLEAN, TMA_PAGES)),
         (_producer, (q_ptr, stride_qb, stride_qt, stride_qh, values_ptr, cache_ptr, page_units, table_ptr,
                      stride_tb, table_columns, lens_ptr, stride_lb, stride_lt, key_desc, scale_desc, page_rows,
                      query_desc, key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty, next_n,
-                     one_d, max_context_len, num_splits, num_groups, num_works, HEADS, BLOCK_H, DIM, BLOCK_SIZE,
-                     ROWS, TILES, NUM_STAGES, QUERY_SLOTS, COPY_ALIGN, COPY_LAYOUT, SCALE_LAYOUT, EARLY_TABLE,
+                     one_d, max_context_len, num_splits, num_groups, num_works, split_tiles, HEADS, BLOCK_H, DIM,
+                     BLOCK_SIZE, ROWS, NUM_STAGES, QUERY_SLOTS, COPY_ALIGN, COPY_LAYOUT, SCALE_LAYOUT, EARLY_TABLE,
                      TMA_PAGES)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
 @functools.lru_cache(maxsize=256)
-def kernel_constants(heads: int, dim: int, block_size: int, rows: int, tiles: int, clean: bool, copy_align: int,
-                     config: tuple, query_slots: int = 1, tma_pages: bool = False) -> types.MappingProxyType:
+def kernel_constants(heads: int, dim: int, block_size: int, rows: int, clean: bool, copy_align: int, config: tuple,
+                     query_slots: int = 1, tma_pages: bool = False) -> types.MappingProxyType:
     """The kernel's compile-time arguments (launcher and ahead-of-time compilation share them); ``config``
     is a ``GLUON_DECODE_CONFIG``-like tuple, ``query_slots`` 2 when a program runs several work items,
     ``tma_pages`` whether the launch copies the tiles by TMA (``_tma_pages``). Cached, read-only: building
@@ -486,7 +500,7 @@ def kernel_constants(heads: int, dim: int, block_size: int, rows: int, tiles: in
     lanes_per_row = dim // 16
     return types.MappingProxyType(dict(
         HEADS=heads, BLOCK_H=max(16, triton.next_power_of_2(heads)), DIM=dim, BLOCK_SIZE=block_size, ROWS=rows,
-        TILES=tiles, NUM_STAGES=num_stages, QUERY_SLOTS=query_slots, CLEAN=clean, PRODUCER_WARPS=producer_warps,
+        NUM_STAGES=num_stages, QUERY_SLOTS=query_slots, CLEAN=clean, PRODUCER_WARPS=producer_warps,
         PRODUCER_REGS=producer_regs, COPY_ALIGN=copy_align,
         KEY_SMEM_LAYOUT=gl.NVMMASharedLayout(swizzle_byte_width=min(128, dim), element_bitwidth=8, rank=2),
         COPY_LAYOUT=gl.BlockedLayout([1, 16], [32 // lanes_per_row, lanes_per_row], [producer_warps, 1], [1, 0])
@@ -553,13 +567,19 @@ def gluon_decode_preferred(batch: int, next_n: int, max_context_len: int) -> boo
     return keys >= (GLUON_MIN_KEYS_ONE_ROW if next_n == 1 else GLUON_MIN_KEYS_DRAFT_ROWS)
 
 
-def gluon_decode_config(batch: int, next_n: int, max_context_len: int) -> tuple:
-    """The launcher's default configuration for this call (host integers only): ``GLUON_DECODE_CONFIG_ONE_ROW``
-    at next_n = 1; with draft rows ``GLUON_DECODE_CONFIG`` from ``GLUON_LARGE_KEYS`` keys up (more
-    programs per SM), ``GLUON_DECODE_CONFIG_SMALL`` below (persistent: fewer, longer-lived programs)."""
+def gluon_decode_config(batch: int, next_n: int, max_context_len: int, sms: int) -> tuple:
+    """The launcher's default configuration for this call (host integers only; ``sms``: the GPU's SM count):
+    ``GLUON_DECODE_CONFIG_ONE_ROW`` at next_n = 1; with draft rows ``GLUON_DECODE_CONFIG`` from
+    ``GLUON_LARGE_KEYS`` keys up (more programs per SM), below it ``GLUON_DECODE_CONFIG_WAVE`` where its one
+    wave is well filled (``_wave_split``), else ``GLUON_DECODE_CONFIG_SMALL`` (persistent: fewer, longer-lived
+    programs)."""
     if next_n == 1:
         return GLUON_DECODE_CONFIG_ONE_ROW
-    return GLUON_DECODE_CONFIG if batch * max_context_len >= GLUON_LARGE_KEYS else GLUON_DECODE_CONFIG_SMALL
+    if batch * max_context_len >= GLUON_LARGE_KEYS:
+        return GLUON_DECODE_CONFIG
+    row_groups = batch * triton.cdiv(next_n, 2)
+    fill = _wave_split(row_groups, triton.cdiv(max_context_len, BLOCK_K.value), GLUON_DECODE_CONFIG_WAVE[1], sms)[1]
+    return GLUON_DECODE_CONFIG_WAVE if fill >= GLUON_WAVE_MIN_FILL else GLUON_DECODE_CONFIG_SMALL
 
 
 def _nothing_to_read(cache: IndexerKCache, block_table: torch.Tensor, batch: int, max_context_len: int, clean: bool,
@@ -575,6 +595,14 @@ def _nothing_to_read(cache: IndexerKCache, block_table: torch.Tensor, batch: int
     return False
 
 
+def _wave_split(work_groups: int, key_tiles: int, per_sm: int, sms: int) -> tuple[int, float]:
+    """One wave of one-item programs, ``per_sm`` a SM: (key tiles per split, any count: each row group's tiles
+    in as many even splits as the wave's slots allow; the share of the slots the items fill)."""
+    slots = per_sm * sms
+    tiles = triton.cdiv(key_tiles, max(1, slots // work_groups))
+    return tiles, work_groups * triton.cdiv(key_tiles, tiles) / slots
+
+
 def _launch_shape(q: torch.Tensor, cache: IndexerKCache, max_context_len: int, config: tuple) -> tuple:
     """(draft rows per work item: 1 or 2, row groups, splits per row group, key tiles per split, copy width
     in bytes) of a call, shared by the FP8 and MXFP4 launchers; ``config`` fields 1-4 as in
@@ -584,7 +612,10 @@ def _launch_shape(q: torch.Tensor, cache: IndexerKCache, max_context_len: int, c
     rows = 1 if min(next_n, max_rows) == 1 else 2
     num_groups = triton.cdiv(next_n, rows)
     key_tiles = triton.cdiv(max_context_len, BLOCK_K)
-    tiles = _split_tiles(batch * num_groups, key_tiles, q.device, per_sm, lo, hi)
+    if len(config) > 11 and config[11]:
+        tiles = _wave_split(batch * num_groups, key_tiles, per_sm, _backend.multiprocessor_count(q.device))[0]
+    else:
+        tiles = _split_tiles(batch * num_groups, key_tiles, q.device, per_sm, lo, hi)
     # 16-byte copies when the cache allows them; the cache guarantees 4-byte alignment (cp.async's minimum).
     copy_align = 16 if cache.buffer.data_ptr() % 16 == 0 and cache.page_stride % 16 == 0 else 4
     return rows, num_groups, triton.cdiv(key_tiles, tiles), tiles, copy_align
@@ -612,7 +643,7 @@ def paged_mqa_logits_gluon(
     heads = weights.shape[1]
     if _nothing_to_read(cache, block_table, batch, max_context_len, clean, out):
         return out
-    config = config or gluon_decode_config(batch, next_n, max_context_len)
+    config = config or gluon_decode_config(batch, next_n, max_context_len, _backend.multiprocessor_count(q.device))
     maxnreg = config[7]
     persistent_per_sm = config[8] if len(config) > 8 else 0
     rows, num_groups, num_splits, tiles, copy_align = _launch_shape(q, cache, max_context_len, config)
@@ -626,7 +657,7 @@ def paged_mqa_logits_gluon(
         # The cp.async producer instead: four warps' copies, in the same registers (the producer partition is
         # a whole warpgroup either way).
         config = config[:5] + (4,) + config[6:]
-    constants = kernel_constants(heads, cache.head_dim, cache.block_size, rows, tiles, clean, copy_align, config,
+    constants = kernel_constants(heads, cache.head_dim, cache.block_size, rows, clean, copy_align, config,
                                  query_slots=1 if programs == num_works else 2, tma_pages=descriptors is not None)
     key_desc, scale_desc = descriptors or (None, None)
     q_values = q
@@ -646,7 +677,7 @@ def paged_mqa_logits_gluon(
         context_lens, context_lens.stride(0), 0 if one_d else context_lens.stride(1),
         block_table, block_table.stride(0), block_table.shape[1],
         out, out.stride(0),
-        next_n, int(one_d), max_context_len, num_splits, num_groups, num_works, key_desc, scale_desc,
+        next_n, int(one_d), max_context_len, num_splits, num_groups, num_works, tiles, key_desc, scale_desc,
         cache.page_stride // cache.head_dim if descriptors else None, query_desc,
         **constants, num_warps=4, maxnreg=maxnreg,
     )
