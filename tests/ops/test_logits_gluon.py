@@ -329,15 +329,18 @@ def test_gluon_decode_config_by_work_size():
         assert config(batch, 1, length, 132) == gluon_decode.GLUON_DECODE_CONFIG_ONE_ROW == (
             4, 8, 2, 32, 1, 1, 24, 64, 4, 0, 1)
     for batch, length, next_n in [(32, 131072, 2), (128, 32768, 2), (128, 131072, 2), (32, 131072, 4)]:
-        assert config(batch, next_n, length, 132) == gluon_decode.GLUON_DECODE_CONFIG == (4, 8, 2, 32, 2, 1, 24, 80, 0, 0, 1)
+        assert config(batch, next_n, length, 132) == gluon_decode.GLUON_DECODE_CONFIG == (
+            4, 8, 2, 32, 2, 1, 24, 80, 0, 0, 1)
     # One wave of 3 x 132 slots: B = 32 at L = 32K fills 384 (12 splits of 43 tiles), B = 1 at 128K 342 (6 tiles),
-    # B = 16 at 64K 384; B = 256 at 8K only 256 (a split a request), B = 2 at 1K 64.
+    # B = 16 at 64K 384; B = 256 at 8K only 256 (a split a request), B = 2 at 1K 64, B = 512 at 4K 512 (two waves,
+    # the second 116 items).
     for batch, length, next_n in [(32, 32768, 2), (1, 131072, 2), (16, 65536, 2), (16, 32768, 4)]:
         assert config(batch, next_n, length, 132) == gluon_decode.GLUON_DECODE_CONFIG_WAVE
-    for batch, length, next_n in [(256, 8192, 2), (2, 1024, 3), (100, 16384, 2)]:
+    for batch, length, next_n in [(256, 8192, 2), (2, 1024, 3), (100, 16384, 2), (512, 4096, 2)]:
         assert config(batch, next_n, length, 132) == gluon_decode.GLUON_DECODE_CONFIG_SMALL
     assert gluon_decode._wave_split(32, 512, 3, 132) == (43, 384 / 396)
     assert gluon_decode._wave_split(1, 2048, 3, 132) == (6, 342 / 396)
+    assert gluon_decode._wave_split(512, 64, 3, 132) == (64, 512 / 792)
     assert gluon_decode.GLUON_DECODE_CONFIG_SMALL == (4, 4, 2, 32, 2, 1, 24, 128, 2, 1, 1)
     assert gluon_decode.GLUON_DECODE_CONFIG_WAVE == (4, 3, 2, 32, 2, 1, 24, 80, 0, 1, 1, 1)
     defaults = {gluon_decode.GLUON_DECODE_CONFIG, gluon_decode.GLUON_DECODE_CONFIG_SMALL,

@@ -69,9 +69,9 @@ BLOCK_K = gl.constexpr(64)  # positions per key tile: one wgmma M tile
 # table entry is read beside its lengths: 0/1, 0 when absent, TMA page copies: 0/1, 0 when absent (the
 # cp.async producer), see ``_fill_tiles_tma``, taken where the cache allows: ``_tma_pages``; the defaults set
 # it, and one wave: 0/1, 0 when absent, splits of any size that give about ``per_sm`` items a SM, ``_wave_split``,
-# instead of the power-of-two split between the min and max). Warp specialisation rounds the producer up to a whole warpgroup (4 consumer warps + 1 or
-# 4 producer warps = 256 threads), so the cap decides the programs per SM: 128 gives two, 80 three, 64 four
-# (the consumer gets 2 * cap - producer registers).
+# instead of the power-of-two split between the min and max). Warp specialisation rounds the producer up to a
+# whole warpgroup (4 consumer warps + 1 or 4 producer warps = 256 threads), so the cap decides the programs per
+# SM: 128 gives two, 80 three, 64 four (the consumer gets 2 * cap - producer registers).
 # Measured winners (H200, cold-L2 graph replays, NOTES_logits.md runs 6 and 9, session 5 round 2, session 11),
 # picked per call by ``gluon_decode_config``; all four take keys, scales and queries by TMA from one producer warp
 # (two copies a tile, one per query row; session 5 round 2: 1.01-1.12x against four cp.async warps). Draft rows
@@ -577,7 +577,7 @@ def gluon_decode_config(batch: int, next_n: int, max_context_len: int, sms: int)
         return GLUON_DECODE_CONFIG_ONE_ROW
     if batch * max_context_len >= GLUON_LARGE_KEYS:
         return GLUON_DECODE_CONFIG
-    row_groups = batch * triton.cdiv(next_n, 2)
+    row_groups = batch * triton.cdiv(next_n, GLUON_DECODE_CONFIG_WAVE[4])
     fill = _wave_split(row_groups, triton.cdiv(max_context_len, BLOCK_K.value), GLUON_DECODE_CONFIG_WAVE[1], sms)[1]
     return GLUON_DECODE_CONFIG_WAVE if fill >= GLUON_WAVE_MIN_FILL else GLUON_DECODE_CONFIG_SMALL
 
@@ -597,10 +597,12 @@ def _nothing_to_read(cache: IndexerKCache, block_table: torch.Tensor, batch: int
 
 def _wave_split(work_groups: int, key_tiles: int, per_sm: int, sms: int) -> tuple[int, float]:
     """One wave of one-item programs, ``per_sm`` a SM: (key tiles per split, any count: each row group's tiles
-    in as many even splits as the wave's slots allow; the share of the slots the items fill)."""
+    in as many even splits as the wave's slots allow; the share of the slots of the waves the items take, so
+    more row groups than slots, which need a second, partly empty wave, count as a poor fill)."""
     slots = per_sm * sms
     tiles = triton.cdiv(key_tiles, max(1, slots // work_groups))
-    return tiles, work_groups * triton.cdiv(key_tiles, tiles) / slots
+    items = work_groups * triton.cdiv(key_tiles, tiles)
+    return tiles, items / (triton.cdiv(items, slots) * slots)
 
 
 def _launch_shape(q: torch.Tensor, cache: IndexerKCache, max_context_len: int, config: tuple) -> tuple:
