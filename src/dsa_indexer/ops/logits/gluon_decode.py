@@ -386,30 +386,45 @@ def _consume_rows_overlapped(key_ring, scale_ring, query_ring, ready, empty, use
     """Two draft rows' tiles with row 1's epilogue of each tile under the next tile's row-0 wgmma (and row 0's
     under row 1's): the tensor core gets the next tile while the last epilogue runs, with no accumulator more
     live than in the plain order (one in flight, one being summed). Same operations, so the same bits."""
-    acc1 = zero
-    key_mul1 = gl.zeros([BLOCK_K], gl.float32, layout=gl.SliceLayout(1, mma_layout))
-    for tile in range(num_tiles):
-        stage = (uses + tile) % NUM_STAGES
-        mbarrier.wait(ready.index(stage), ((uses + tile) // NUM_STAGES) & 1)
+    if num_tiles > 0:
+        # Tile 0 in the plain order, peeled: no branch may sit between a wgmma's issue and its wait, or ptxas
+        # serialises the wgmmas (it waits for every one before the branch).
+        stage = uses % NUM_STAGES
+        mbarrier.wait(ready.index(stage), (uses // NUM_STAGES) & 1)
         if not TMA_PAGES:
             fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async one
         keys = key_ring.index(stage)
         acc0 = warpgroup_mma(keys, query_ring.index(query_slot * 2).permute((1, 0)), zero, use_acc=False,
                              is_async=True)
-        if tile > 0:
-            previous = split_start + (tile - 1) * BLOCK_K + key
-            _store_row(acc1, half_w1, key_mul1, out_row1, previous, previous < read_end, length1, present1, CLEAN)
         acc1 = warpgroup_mma(keys, query_ring.index(query_slot * 2 + 1).permute((1, 0)), zero, use_acc=False,
                              is_async=True)
-        key_mul = scale_ring.index(stage).load(gl.SliceLayout(1, mma_layout))  # [BLOCK_K]
-        positions = split_start + tile * BLOCK_K + key
+        key_mul1 = scale_ring.index(stage).load(gl.SliceLayout(1, mma_layout))  # [BLOCK_K]
         acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
-        _store_row(acc0, half_w0, key_mul, out_row0, positions, positions < read_end, length0, present0, CLEAN)
+        _store_row(acc0, half_w0, key_mul1, out_row0, split_start + key, split_start + key < read_end, length0,
+                   present0, CLEAN)
         acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
         gl.thread_barrier()  # every warp is past its reads of this stage
         mbarrier.arrive(empty.index(stage), count=1)
-        key_mul1 = key_mul
-    if num_tiles > 0:
+        for tile in range(1, num_tiles):
+            stage = (uses + tile) % NUM_STAGES
+            mbarrier.wait(ready.index(stage), ((uses + tile) // NUM_STAGES) & 1)
+            if not TMA_PAGES:
+                fence_async_shared()
+            keys = key_ring.index(stage)
+            acc0 = warpgroup_mma(keys, query_ring.index(query_slot * 2).permute((1, 0)), zero, use_acc=False,
+                                 is_async=True)
+            previous = split_start + (tile - 1) * BLOCK_K + key
+            _store_row(acc1, half_w1, key_mul1, out_row1, previous, previous < read_end, length1, present1, CLEAN)
+            acc1 = warpgroup_mma(keys, query_ring.index(query_slot * 2 + 1).permute((1, 0)), zero, use_acc=False,
+                                 is_async=True)
+            key_mul = scale_ring.index(stage).load(gl.SliceLayout(1, mma_layout))  # [BLOCK_K]
+            positions = split_start + tile * BLOCK_K + key
+            acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
+            _store_row(acc0, half_w0, key_mul, out_row0, positions, positions < read_end, length0, present0, CLEAN)
+            acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index(stage), count=1)
+            key_mul1 = key_mul
         last = split_start + (num_tiles - 1) * BLOCK_K + key
         _store_row(acc1, half_w1, key_mul1, out_row1, last, last < read_end, length1, present1, CLEAN)
 

@@ -191,23 +191,31 @@ def _consumer(q_ptr, stride_qb, stride_qt, stride_qh, w_ptr, stride_wr, stride_w
         # Row 1's epilogue of each tile under the next tile's row-0 wgmma (and row 0's under row 1's): the
         # tensor core gets the next tile while the last epilogue runs; one accumulator in flight and one being
         # summed, as in the plain order. Same operations, so the same bits.
-        acc1 = zero
-        key_mul1 = gl.zeros([BLOCK_K], gl.float32, layout=row_layout)
-        for tile in range(num_tiles):
-            keys, key_mul = _take_tile(key_ring, scale_ring, ready, empty, tile, NUM_STAGES, ROW_BYTES_LAYOUT,
-                                       PACKED_LAYOUT, a_layout, row_layout)
+        if num_tiles > 0:
+            # Tile 0 in the plain order, peeled: no branch may sit between a wgmma's issue and its wait, or
+            # ptxas serialises the wgmmas.
+            keys, key_mul1 = _take_tile(key_ring, scale_ring, ready, empty, 0, NUM_STAGES, ROW_BYTES_LAYOUT,
+                                        PACKED_LAYOUT, a_layout, row_layout)
             acc0 = warpgroup_mma(keys, query_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-            if tile > 0:
+            acc1 = warpgroup_mma(keys, query_smem.index(1).permute((1, 0)), zero, use_acc=False, is_async=True)
+            acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
+            _store_row(acc0, half_w0, key_mul1, out_row0, split_start + key, split_start + key < read_end, length0,
+                       present0, CLEAN)
+            acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
+            for tile in range(1, num_tiles):
+                keys, key_mul = _take_tile(key_ring, scale_ring, ready, empty, tile, NUM_STAGES, ROW_BYTES_LAYOUT,
+                                           PACKED_LAYOUT, a_layout, row_layout)
+                acc0 = warpgroup_mma(keys, query_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
                 previous = split_start + (tile - 1) * BLOCK_K + key
                 _store_row(acc1, half_w1, key_mul1, out_row1, previous, previous < read_end, length1, present1,
                            CLEAN)
-            acc1 = warpgroup_mma(keys, query_smem.index(1).permute((1, 0)), zero, use_acc=False, is_async=True)
-            positions = split_start + tile * BLOCK_K + key
-            acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
-            _store_row(acc0, half_w0, key_mul, out_row0, positions, positions < read_end, length0, present0, CLEAN)
-            acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
-            key_mul1 = key_mul
-        if num_tiles > 0:
+                acc1 = warpgroup_mma(keys, query_smem.index(1).permute((1, 0)), zero, use_acc=False, is_async=True)
+                positions = split_start + tile * BLOCK_K + key
+                acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
+                _store_row(acc0, half_w0, key_mul, out_row0, positions, positions < read_end, length0, present0,
+                           CLEAN)
+                acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
+                key_mul1 = key_mul
             last = split_start + (num_tiles - 1) * BLOCK_K + key
             _store_row(acc1, half_w1, key_mul1, out_row1, last, last < read_end, length1, present1, CLEAN)
     else:
