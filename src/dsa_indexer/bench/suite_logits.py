@@ -338,7 +338,6 @@ SWEEP_VARIANTS = {
 GLUON_SWEEP_VARIANTS = {
     "mxfp4": {
         "gluon": {"config": (4, 8, 2, 32, 2, 1, 24, 80, 1), "next_n": (2,)},
-        "gluon-overlap": {"config": (4, 8, 2, 32, 2, 1, 24, 80, 1, 1), "next_n": (2,)},
         "gluon-one-row": {"config": (4, 8, 2, 32, 2, 1, 24, 64, 1), "next_n": (1,)},
         "gluon-copies": {"config": (4, 8, 2, 32, 2, 4, 40, 80, 0), "next_n": (2,)},
         "gluon-copies-one-row": {"config": (4, 8, 2, 32, 2, 4, 24, 64, 0), "next_n": (1,)},

@@ -115,10 +115,6 @@ GLUON_SWEEP_CONFIGS = {
     "wave3-early": GLUON_DECODE_CONFIG_WAVE,
     # The one-wave default without the early table entry.
     "wave3": GLUON_DECODE_CONFIG_WAVE[:9] + (0,) + GLUON_DECODE_CONFIG_WAVE[10:],
-    # Row 1's epilogue under the next tile's row-0 wgmma (field 12, ``_consume_rows_overlapped``).
-    "wave3-early-overlap": GLUON_DECODE_CONFIG_WAVE + (1,),
-    "cta3-overlap": GLUON_DECODE_CONFIG + (0, 1),
-    "persist2-coarse-early-overlap": GLUON_DECODE_CONFIG_SMALL + (0, 1),
 }
 # Smallest ``batch * max_context_len`` the dispatch sends to the Gluon kernel, by draft rows (see
 # ``gluon_decode_preferred``).
@@ -379,66 +375,13 @@ def _store_tail(out_row0, out_row1, present0, present1, split_start, split_end, 
 
 
 @gluon.jit
-def _consume_rows_overlapped(key_ring, scale_ring, query_ring, ready, empty, uses, num_tiles, query_slot, half_w0,
-                             half_w1, out_row0, out_row1, split_start, read_end, length0, length1, present0, present1,
-                             key, zero, mma_layout: gl.constexpr, NUM_STAGES: gl.constexpr, CLEAN: gl.constexpr,
-                             TMA_PAGES: gl.constexpr):
-    """Two draft rows' tiles with row 1's epilogue of each tile under the next tile's row-0 wgmma (and row 0's
-    under row 1's): the tensor core gets the next tile while the last epilogue runs, with no accumulator more
-    live than in the plain order (one in flight, one being summed). Same operations, so the same bits."""
-    if num_tiles > 0:
-        # Tile 0 in the plain order, peeled: no branch may sit between a wgmma's issue and its wait, or ptxas
-        # serialises the wgmmas (it waits for every one before the branch).
-        stage = uses % NUM_STAGES
-        mbarrier.wait(ready.index(stage), (uses // NUM_STAGES) & 1)
-        if not TMA_PAGES:
-            fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async one
-        keys = key_ring.index(stage)
-        acc0 = warpgroup_mma(keys, query_ring.index(query_slot * 2).permute((1, 0)), zero, use_acc=False,
-                             is_async=True)
-        acc1 = warpgroup_mma(keys, query_ring.index(query_slot * 2 + 1).permute((1, 0)), zero, use_acc=False,
-                             is_async=True)
-        key_mul1 = scale_ring.index(stage).load(gl.SliceLayout(1, mma_layout))  # [BLOCK_K]
-        acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
-        _store_row(acc0, half_w0, key_mul1, out_row0, split_start + key, split_start + key < read_end, length0,
-                   present0, CLEAN)
-        acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
-        gl.thread_barrier()  # every warp is past its reads of this stage
-        mbarrier.arrive(empty.index(stage), count=1)
-        for tile in range(1, num_tiles):
-            stage = (uses + tile) % NUM_STAGES
-            mbarrier.wait(ready.index(stage), ((uses + tile) // NUM_STAGES) & 1)
-            if not TMA_PAGES:
-                fence_async_shared()
-            keys = key_ring.index(stage)
-            acc0 = warpgroup_mma(keys, query_ring.index(query_slot * 2).permute((1, 0)), zero, use_acc=False,
-                                 is_async=True)
-            previous = split_start + (tile - 1) * BLOCK_K + key
-            _store_row(acc1, half_w1, key_mul1, out_row1, previous, previous < read_end, length1, present1, CLEAN)
-            acc1 = warpgroup_mma(keys, query_ring.index(query_slot * 2 + 1).permute((1, 0)), zero, use_acc=False,
-                                 is_async=True)
-            key_mul = scale_ring.index(stage).load(gl.SliceLayout(1, mma_layout))  # [BLOCK_K]
-            positions = split_start + tile * BLOCK_K + key
-            acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
-            _store_row(acc0, half_w0, key_mul, out_row0, positions, positions < read_end, length0, present0, CLEAN)
-            acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
-            gl.thread_barrier()
-            mbarrier.arrive(empty.index(stage), count=1)
-            key_mul1 = key_mul
-        last = split_start + (num_tiles - 1) * BLOCK_K + key
-        _store_row(acc1, half_w1, key_mul1, out_row1, last, last < read_end, length1, present1, CLEAN)
-
-
-@gluon.jit
 def _consumer(w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_lb, stride_lt,
               key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty,
               next_n, one_d, max_context_len, num_splits, num_groups, num_works,
               split_tiles, HEADS: gl.constexpr, BLOCK_H: gl.constexpr, ROWS: gl.constexpr,
-              NUM_STAGES: gl.constexpr, QUERY_SLOTS: gl.constexpr, CLEAN: gl.constexpr, TMA_PAGES: gl.constexpr,
-              OVERLAP_ROWS: gl.constexpr):
-    """Per work item, per tile: one async wgmma per row, row 0's epilogue under row 1's wgmma (with
-    ``OVERLAP_ROWS``, row 1's under the next tile's row 0: ``_consume_rows_overlapped``); then the item's
-    ``-inf`` tail. Query slot and ring stages go back to the producer as soon as they are read."""
+              NUM_STAGES: gl.constexpr, QUERY_SLOTS: gl.constexpr, CLEAN: gl.constexpr, TMA_PAGES: gl.constexpr):
+    """Per work item, per tile: one async wgmma per row, row 0's epilogue under row 1's wgmma; then the
+    item's ``-inf`` tail. Query slot and ring stages go back to the producer as soon as they are read."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_H, 32])
     head = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, mma_layout))
@@ -454,37 +397,32 @@ def _consumer(w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_
             w_ptr, stride_wr, stride_wh, out_ptr, stride_or, request, t0, next_n, head, HEADS, ROWS)
         query_slot = done % QUERY_SLOTS
         mbarrier.wait(query_ready.index(query_slot), (done // QUERY_SLOTS) & 1)
-        if ROWS == 2 and OVERLAP_ROWS:
-            _consume_rows_overlapped(key_ring, scale_ring, query_ring, ready, empty, uses, num_tiles, query_slot,
-                                     half_w0, half_w1, out_row0, out_row1, split_start, read_end, length0, length1,
-                                     present0, present1, key, zero, mma_layout, NUM_STAGES, CLEAN, TMA_PAGES)
-        else:
-            for tile in range(num_tiles):
-                stage = (uses + tile) % NUM_STAGES
-                mbarrier.wait(ready.index(stage), ((uses + tile) // NUM_STAGES) & 1)
-                if not TMA_PAGES:  # TMA writes through the async proxy, as wgmma reads
-                    fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async one
-                keys = key_ring.index(stage)
-                acc0 = warpgroup_mma(keys, query_ring.index(query_slot * ROWS).permute((1, 0)), zero, use_acc=False,
-                                     is_async=True)
-                if ROWS == 2:
-                    acc1 = warpgroup_mma(keys, query_ring.index(query_slot * ROWS + 1).permute((1, 0)), zero,
-                                         use_acc=False, is_async=True)
-                key_mul = scale_ring.index(stage).load(gl.SliceLayout(1, mma_layout))  # [BLOCK_K]
-                positions = split_start + tile * BLOCK_K + key
-                live = positions < read_end
-                if ROWS == 2:
-                    acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
-                    _store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
-                    acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
-                    gl.thread_barrier()  # every warp is past its reads of this stage
-                    mbarrier.arrive(empty.index(stage), count=1)
-                    _store_row(acc1, half_w1, key_mul, out_row1, positions, live, length1, present1, CLEAN)
-                else:
-                    acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, ))
-                    gl.thread_barrier()
-                    mbarrier.arrive(empty.index(stage), count=1)
-                    _store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
+        for tile in range(num_tiles):
+            stage = (uses + tile) % NUM_STAGES
+            mbarrier.wait(ready.index(stage), ((uses + tile) // NUM_STAGES) & 1)
+            if not TMA_PAGES:  # TMA writes through the async proxy, as wgmma reads
+                fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async one
+            keys = key_ring.index(stage)
+            acc0 = warpgroup_mma(keys, query_ring.index(query_slot * ROWS).permute((1, 0)), zero, use_acc=False,
+                                 is_async=True)
+            if ROWS == 2:
+                acc1 = warpgroup_mma(keys, query_ring.index(query_slot * ROWS + 1).permute((1, 0)), zero,
+                                     use_acc=False, is_async=True)
+            key_mul = scale_ring.index(stage).load(gl.SliceLayout(1, mma_layout))  # [BLOCK_K]
+            positions = split_start + tile * BLOCK_K + key
+            live = positions < read_end
+            if ROWS == 2:
+                acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
+                _store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
+                acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
+                gl.thread_barrier()  # every warp is past its reads of this stage
+                mbarrier.arrive(empty.index(stage), count=1)
+                _store_row(acc1, half_w1, key_mul, out_row1, positions, live, length1, present1, CLEAN)
+            else:
+                acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, ))
+                gl.thread_barrier()
+                mbarrier.arrive(empty.index(stage), count=1)
+                _store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
         # Every wgmma of this item has been waited for. The barrier also keeps a warp from falling a whole
         # item behind (an item without tiles has no other): a slot is refilled only after every warp has
         # passed its wait for the current fill, so no wait can see the parity of a later fill.
@@ -511,7 +449,7 @@ def _paged_mqa_logits_ws_kernel(
     ROWS: gl.constexpr, NUM_STAGES: gl.constexpr, QUERY_SLOTS: gl.constexpr,
     CLEAN: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, COPY_ALIGN: gl.constexpr,
     KEY_SMEM_LAYOUT: gl.constexpr, COPY_LAYOUT: gl.constexpr, SCALE_LAYOUT: gl.constexpr, EARLY_TABLE: gl.constexpr,
-    TMA_PAGES: gl.constexpr, OVERLAP_ROWS: gl.constexpr,
+    TMA_PAGES: gl.constexpr,
 ):
     """Work items ``pid, pid + programs, ...`` of ``num_works`` (draft rows ``[t0, t0 + ROWS)`` of one
     request over one split of ``split_tiles * BLOCK_K`` positions each; one item per program unless persistent;
@@ -537,7 +475,7 @@ def _paged_mqa_logits_ws_kernel(
         (_consumer, (w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_lb, stride_lt,
                      key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty,
                      next_n, one_d, max_context_len, num_splits, num_groups, num_works, split_tiles,
-                     HEADS, BLOCK_H, ROWS, NUM_STAGES, QUERY_SLOTS, CLEAN, TMA_PAGES, OVERLAP_ROWS)),
+                     HEADS, BLOCK_H, ROWS, NUM_STAGES, QUERY_SLOTS, CLEAN, TMA_PAGES)),
         (_producer, (q_ptr, stride_qb, stride_qt, stride_qh, values_ptr, cache_ptr, page_units, table_ptr,
                      stride_tb, table_columns, lens_ptr, stride_lb, stride_lt, key_desc, scale_desc, page_rows,
                      query_desc, key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty, next_n,
@@ -570,7 +508,6 @@ def kernel_constants(heads: int, dim: int, block_size: int, rows: int, clean: bo
         SCALE_LAYOUT=gl.BlockedLayout([1], [32], [producer_warps], [0]),
         EARLY_TABLE=bool(len(config) > 9 and config[9]) and block_size % BLOCK_K.value == 0,
         TMA_PAGES=tma_pages,
-        OVERLAP_ROWS=bool(len(config) > 12 and config[12]),
     ))
 
 

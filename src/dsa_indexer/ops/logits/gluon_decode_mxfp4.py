@@ -171,9 +171,9 @@ def _consumer(q_ptr, stride_qb, stride_qt, stride_qh, w_ptr, stride_wr, stride_w
               request, t0, next_n, length0, length1, split_start, split_end, read_end, num_tiles,
               HEADS: gl.constexpr, BLOCK_H: gl.constexpr, ROWS: gl.constexpr, NUM_STAGES: gl.constexpr,
               CLEAN: gl.constexpr, ROW_BYTES_LAYOUT: gl.constexpr, PACKED_LAYOUT: gl.constexpr,
-              QUERY_LAYOUT: gl.constexpr, OVERLAP_ROWS: gl.constexpr):
-    """Queries once; per tile: expand, one async wgmma per row, row 0's epilogue under row 1's wgmma (with
-    ``OVERLAP_ROWS``, row 1's under the next tile's row 0); then the ``-inf`` tail."""
+              QUERY_LAYOUT: gl.constexpr):
+    """Queries once; per tile: expand, one async wgmma per row, row 0's epilogue under row 1's wgmma; then the
+    ``-inf`` tail."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_H, 32])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=4)
@@ -187,54 +187,22 @@ def _consumer(q_ptr, stride_qb, stride_qt, stride_qh, w_ptr, stride_wr, stride_w
     present0, present1, half_w0, half_w1, out_row0, out_row1 = _row_outputs(
         w_ptr, stride_wr, stride_wh, out_ptr, stride_or, request, t0, next_n, head, HEADS, ROWS)
     zero = gl.zeros([BLOCK_K, BLOCK_H], gl.float32, layout=mma_layout)
-    if ROWS == 2 and OVERLAP_ROWS:
-        # Row 1's epilogue of each tile under the next tile's row-0 wgmma (and row 0's under row 1's): the
-        # tensor core gets the next tile while the last epilogue runs; one accumulator in flight and one being
-        # summed, as in the plain order. Same operations, so the same bits.
-        if num_tiles > 0:
-            # Tile 0 in the plain order, peeled: no branch may sit between a wgmma's issue and its wait, or
-            # ptxas serialises the wgmmas.
-            keys, key_mul1 = _take_tile(key_ring, scale_ring, ready, empty, 0, NUM_STAGES, ROW_BYTES_LAYOUT,
-                                        PACKED_LAYOUT, a_layout, row_layout)
-            acc0 = warpgroup_mma(keys, query_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+    for tile in range(num_tiles):
+        keys, key_mul = _take_tile(key_ring, scale_ring, ready, empty, tile, NUM_STAGES, ROW_BYTES_LAYOUT,
+                                   PACKED_LAYOUT, a_layout, row_layout)
+        acc0 = warpgroup_mma(keys, query_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+        if ROWS == 2:
             acc1 = warpgroup_mma(keys, query_smem.index(1).permute((1, 0)), zero, use_acc=False, is_async=True)
+        positions = split_start + tile * BLOCK_K + key
+        live = positions < read_end
+        if ROWS == 2:
             acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
-            _store_row(acc0, half_w0, key_mul1, out_row0, split_start + key, split_start + key < read_end, length0,
-                       present0, CLEAN)
+            _store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
             acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
-            for tile in range(1, num_tiles):
-                keys, key_mul = _take_tile(key_ring, scale_ring, ready, empty, tile, NUM_STAGES, ROW_BYTES_LAYOUT,
-                                           PACKED_LAYOUT, a_layout, row_layout)
-                acc0 = warpgroup_mma(keys, query_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-                previous = split_start + (tile - 1) * BLOCK_K + key
-                _store_row(acc1, half_w1, key_mul1, out_row1, previous, previous < read_end, length1, present1,
-                           CLEAN)
-                acc1 = warpgroup_mma(keys, query_smem.index(1).permute((1, 0)), zero, use_acc=False, is_async=True)
-                positions = split_start + tile * BLOCK_K + key
-                acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
-                _store_row(acc0, half_w0, key_mul, out_row0, positions, positions < read_end, length0, present0,
-                           CLEAN)
-                acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
-                key_mul1 = key_mul
-            last = split_start + (num_tiles - 1) * BLOCK_K + key
-            _store_row(acc1, half_w1, key_mul1, out_row1, last, last < read_end, length1, present1, CLEAN)
-    else:
-        for tile in range(num_tiles):
-            keys, key_mul = _take_tile(key_ring, scale_ring, ready, empty, tile, NUM_STAGES, ROW_BYTES_LAYOUT,
-                                       PACKED_LAYOUT, a_layout, row_layout)
-            acc0 = warpgroup_mma(keys, query_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-            if ROWS == 2:
-                acc1 = warpgroup_mma(keys, query_smem.index(1).permute((1, 0)), zero, use_acc=False, is_async=True)
-            positions = split_start + tile * BLOCK_K + key
-            live = positions < read_end
-            if ROWS == 2:
-                acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
-                _store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
-                acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
-                _store_row(acc1, half_w1, key_mul, out_row1, positions, live, length1, present1, CLEAN)
-            else:
-                acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, ))
-                _store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
+            _store_row(acc1, half_w1, key_mul, out_row1, positions, live, length1, present1, CLEAN)
+        else:
+            acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, ))
+            _store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
     if CLEAN:
         _store_tail(out_row0, out_row1, present0, present1, split_start, split_end, read_end, key, ROWS)
 
@@ -254,7 +222,6 @@ def _paged_mqa_logits_mxfp4_ws_kernel(
     COPY_ALIGN: gl.constexpr,
     QUERY_SMEM_LAYOUT: gl.constexpr, COPY_LAYOUT: gl.constexpr, SCALE_LAYOUT: gl.constexpr,
     ROW_BYTES_LAYOUT: gl.constexpr, PACKED_LAYOUT: gl.constexpr, QUERY_LAYOUT: gl.constexpr,
-    OVERLAP_ROWS: gl.constexpr,
 ):
     """Draft rows ``[t0, t0 + ROWS)`` of one request over one split of ``TILES * BLOCK_K`` positions
     (program ids: request, split, row group fastest, as in the Triton kernel). ``key_desc``, ``scale_desc``,
@@ -278,8 +245,7 @@ def _paged_mqa_logits_mxfp4_ws_kernel(
         (_consumer, (q_ptr, stride_qb, stride_qt, stride_qh, w_ptr, stride_wr, stride_wh, out_ptr, stride_or,
                      key_ring, scale_ring, query_smem, ready, empty,
                      request, t0, next_n, length0, length1, split_start, split_end, read_end, num_tiles,
-                     HEADS, BLOCK_H, ROWS, NUM_STAGES, CLEAN, ROW_BYTES_LAYOUT, PACKED_LAYOUT, QUERY_LAYOUT,
-                     OVERLAP_ROWS)),
+                     HEADS, BLOCK_H, ROWS, NUM_STAGES, CLEAN, ROW_BYTES_LAYOUT, PACKED_LAYOUT, QUERY_LAYOUT)),
         (_producer, (values_ptr, cache_ptr, page_units, key_desc, scale_desc, page_rows, table_row, key_ring,
                      scale_ring, ready, empty, split_start, read_end, num_tiles, BLOCK_SIZE, NUM_STAGES, TMA_PAGES,
                      COPY_ALIGN, COPY_LAYOUT, SCALE_LAYOUT)),
@@ -316,7 +282,6 @@ def kernel_constants(heads: int, block_size: int, rows: int, tiles: int, clean: 
             lane_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
             warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[BLOCK_K.value, 4, 4, 4]),
         QUERY_LAYOUT=gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0]),
-        OVERLAP_ROWS=bool(len(config) > 9 and config[9]),
     ))
 
 
