@@ -115,10 +115,6 @@ GLUON_SWEEP_CONFIGS = {
     "wave3-early": GLUON_DECODE_CONFIG_WAVE,
     # The one-wave default without the early table entry.
     "wave3": GLUON_DECODE_CONFIG_WAVE[:9] + (0,) + GLUON_DECODE_CONFIG_WAVE[10:],
-    # Weights read from shared memory per tile (field 12): cap 64, four programs a SM at two rows.
-    "wave3-early-smemw": GLUON_DECODE_CONFIG_WAVE + (1,),
-    "wave4-early-smemw": (4, 4, 2, 32, 2, 1, 24, 64, 0, 1, 1, 1, 1),
-    "cta4-smemw": (4, 8, 2, 32, 2, 1, 24, 64, 0, 0, 1, 0, 1),
 }
 # Smallest ``batch * max_context_len`` the dispatch sends to the Gluon kernel, by draft rows (see
 # ``gluon_decode_preferred``).
@@ -383,12 +379,9 @@ def _consumer(w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_
               key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty,
               next_n, one_d, max_context_len, num_splits, num_groups, num_works,
               split_tiles, HEADS: gl.constexpr, BLOCK_H: gl.constexpr, ROWS: gl.constexpr,
-              NUM_STAGES: gl.constexpr, QUERY_SLOTS: gl.constexpr, CLEAN: gl.constexpr, TMA_PAGES: gl.constexpr,
-              weight_smem, WEIGHTS_SMEM: gl.constexpr):
+              NUM_STAGES: gl.constexpr, QUERY_SLOTS: gl.constexpr, CLEAN: gl.constexpr, TMA_PAGES: gl.constexpr):
     """Per work item, per tile: one async wgmma per row, row 0's epilogue under row 1's wgmma; then the
-    item's ``-inf`` tail. Query slot and ring stages go back to the producer as soon as they are read.
-    ``WEIGHTS_SMEM``: the rows' weights wait in ``weight_smem`` ``[2, BLOCK_H]`` and are read per tile, not
-    held in registers (32 registers fewer at two rows: four programs a SM fit)."""
+    item's ``-inf`` tail. Query slot and ring stages go back to the producer as soon as they are read."""
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_H, 32])
     head = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, mma_layout))
@@ -402,10 +395,6 @@ def _consumer(w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_
             split_tiles)
         present0, present1, half_w0, half_w1, out_row0, out_row1 = _row_outputs(
             w_ptr, stride_wr, stride_wh, out_ptr, stride_or, request, t0, next_n, head, HEADS, ROWS)
-        if WEIGHTS_SMEM:
-            weight_smem.index(0).store(half_w0)
-            weight_smem.index(1).store(half_w1)
-            gl.thread_barrier()  # the previous item's reads are behind the barrier that closed it
         query_slot = done % QUERY_SLOTS
         mbarrier.wait(query_ready.index(query_slot), (done // QUERY_SLOTS) & 1)
         for tile in range(num_tiles):
@@ -422,24 +411,18 @@ def _consumer(w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_
             key_mul = scale_ring.index(stage).load(gl.SliceLayout(1, mma_layout))  # [BLOCK_K]
             positions = split_start + tile * BLOCK_K + key
             live = positions < read_end
-            if WEIGHTS_SMEM:
-                w0 = weight_smem.index(0).load(head.type.layout)
-                w1 = weight_smem.index(1).load(head.type.layout)
-            else:
-                w0 = half_w0
-                w1 = half_w1
             if ROWS == 2:
                 acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
-                _store_row(acc0, w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
+                _store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
                 acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
                 gl.thread_barrier()  # every warp is past its reads of this stage
                 mbarrier.arrive(empty.index(stage), count=1)
-                _store_row(acc1, w1, key_mul, out_row1, positions, live, length1, present1, CLEAN)
+                _store_row(acc1, half_w1, key_mul, out_row1, positions, live, length1, present1, CLEAN)
             else:
                 acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, ))
                 gl.thread_barrier()
                 mbarrier.arrive(empty.index(stage), count=1)
-                _store_row(acc0, w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
+                _store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
         # Every wgmma of this item has been waited for. The barrier also keeps a warp from falling a whole
         # item behind (an item without tiles has no other): a slot is refilled only after every warp has
         # passed its wait for the current fill, so no wait can see the parity of a later fill.
@@ -466,7 +449,7 @@ def _paged_mqa_logits_ws_kernel(
     ROWS: gl.constexpr, NUM_STAGES: gl.constexpr, QUERY_SLOTS: gl.constexpr,
     CLEAN: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, COPY_ALIGN: gl.constexpr,
     KEY_SMEM_LAYOUT: gl.constexpr, COPY_LAYOUT: gl.constexpr, SCALE_LAYOUT: gl.constexpr, EARLY_TABLE: gl.constexpr,
-    TMA_PAGES: gl.constexpr, WEIGHTS_SMEM: gl.constexpr,
+    TMA_PAGES: gl.constexpr,
 ):
     """Work items ``pid, pid + programs, ...`` of ``num_works`` (draft rows ``[t0, t0 + ROWS)`` of one
     request over one split of ``split_tiles * BLOCK_K`` positions each; one item per program unless persistent;
@@ -481,8 +464,6 @@ def _paged_mqa_logits_ws_kernel(
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     query_ready = gl.allocate_shared_memory(gl.int64, [QUERY_SLOTS, 1], mbarrier.MBarrierLayout())
     query_empty = gl.allocate_shared_memory(gl.int64, [QUERY_SLOTS, 1], mbarrier.MBarrierLayout())
-    weight_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H if WEIGHTS_SMEM else 1],
-                                            gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(s), count=1 if TMA_PAGES else 32 * PRODUCER_WARPS)
         mbarrier.init(empty.index(s), count=1)
@@ -494,7 +475,7 @@ def _paged_mqa_logits_ws_kernel(
         (_consumer, (w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_lb, stride_lt,
                      key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty,
                      next_n, one_d, max_context_len, num_splits, num_groups, num_works, split_tiles,
-                     HEADS, BLOCK_H, ROWS, NUM_STAGES, QUERY_SLOTS, CLEAN, TMA_PAGES, weight_smem, WEIGHTS_SMEM)),
+                     HEADS, BLOCK_H, ROWS, NUM_STAGES, QUERY_SLOTS, CLEAN, TMA_PAGES)),
         (_producer, (q_ptr, stride_qb, stride_qt, stride_qh, values_ptr, cache_ptr, page_units, table_ptr,
                      stride_tb, table_columns, lens_ptr, stride_lb, stride_lt, key_desc, scale_desc, page_rows,
                      query_desc, key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty, next_n,
@@ -527,7 +508,6 @@ def kernel_constants(heads: int, dim: int, block_size: int, rows: int, clean: bo
         SCALE_LAYOUT=gl.BlockedLayout([1], [32], [producer_warps], [0]),
         EARLY_TABLE=bool(len(config) > 9 and config[9]) and block_size % BLOCK_K.value == 0,
         TMA_PAGES=tma_pages,
-        WEIGHTS_SMEM=bool(len(config) > 12 and config[12]),
     ))
 
 
