@@ -187,16 +187,12 @@ def _dispatched_decode(args) -> tuple[str, list]:
     kernel = decode_kernel(q, cache, length)
     if kernel == "triton":
         return kernel, list(kernels.DECODE_CONFIG[cache.fmt])
-    if cache.fmt == "fp8":
-        from dsa_indexer.backend import multiprocessor_count
-        from dsa_indexer.ops.logits.gluon_decode import gluon_decode_config
+    from dsa_indexer.backend import multiprocessor_count
+    from dsa_indexer.ops.logits.gluon_decode import gluon_decode_config
+    from dsa_indexer.ops.logits.gluon_decode_mxfp4 import gluon_mxfp4_decode_config
 
-        return kernel, list(gluon_decode_config(batch, next_n, length, multiprocessor_count(q.device)))
-    from dsa_indexer.ops.logits import gluon_decode_mxfp4
-
-    config = (gluon_decode_mxfp4.GLUON_MXFP4_DECODE_CONFIG_ONE_ROW if next_n == 1
-              else gluon_decode_mxfp4.GLUON_MXFP4_DECODE_CONFIG)
-    return kernel, list(config)
+    choose = gluon_decode_config if cache.fmt == "fp8" else gluon_mxfp4_decode_config
+    return kernel, list(choose(batch, next_n, length, multiprocessor_count(q.device)))
 
 
 def _rotation(args, out: torch.Tensor, count: int) -> list[tuple]:
@@ -310,7 +306,8 @@ def run(ceilings: dict[str, float]) -> list[dict]:
 # ``paged_mqa_logits_triton``; "baseline" is the previous kernel when ``dsa_indexer.ops.logits._baseline``
 # exists, a snapshot kept only for a measuring run).
 SWEEP_CASES = [
-    ("mxfp4", 32, 131072, 1), ("mxfp4", 128, 32768, 2), ("mxfp4", 32, 32768, 1), ("mxfp4", 32, 131072, 2),
+    ("mxfp4", 32, 131072, 1), ("mxfp4", 128, 32768, 2), ("mxfp4", 32, 32768, 1), ("mxfp4", 32, 32768, 2),
+    ("mxfp4", 32, 131072, 2),
     ("mxfp4", 1, 131072, 1), ("mxfp4", 128, 131072, 1), ("mxfp4", 128, 131072, 2),
     ("fp8", 32, 131072, 2), ("fp8", 128, 32768, 2), ("fp8", 1, 131072, 2), ("fp8", 32, 32768, 1),
 ]
@@ -333,11 +330,12 @@ SWEEP_VARIANTS = {
 }
 # Gluon warp-specialised MXFP4 decode (``paged_mqa_logits_gluon_mxfp4``): name -> its ``config`` (fields of
 # ``GLUON_MXFP4_DECODE_CONFIG``: stages, programs/SM aimed at, tiles/split min/max, rows/program, producer
-# warps, producer registers, launch register cap, TMA page copies) and the draft-row counts it is timed at:
-# the defaults (TMA) and the cp.async producer they replaced (what caches TMA cannot take still run).
+# warps, producer registers, launch register cap, TMA page copies, one wave) and the draft-row counts it is timed
+# at: the defaults (TMA) and the cp.async producer they replaced (what caches TMA cannot take still run).
 GLUON_SWEEP_VARIANTS = {
     "mxfp4": {
         "gluon": {"config": (4, 8, 2, 32, 2, 1, 24, 80, 1), "next_n": (2,)},
+        "gluon-wave": {"config": (4, 3, 2, 32, 2, 1, 24, 80, 1, 1), "next_n": (2,)},
         "gluon-one-row": {"config": (4, 8, 2, 32, 2, 1, 24, 64, 1), "next_n": (1,)},
         "gluon-copies": {"config": (4, 8, 2, 32, 2, 4, 40, 80, 0), "next_n": (2,)},
         "gluon-copies-one-row": {"config": (4, 8, 2, 32, 2, 4, 24, 64, 0), "next_n": (1,)},

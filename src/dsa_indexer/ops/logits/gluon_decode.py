@@ -577,9 +577,16 @@ def gluon_decode_config(batch: int, next_n: int, max_context_len: int, sms: int)
         return GLUON_DECODE_CONFIG_ONE_ROW
     if batch * max_context_len >= GLUON_LARGE_KEYS:
         return GLUON_DECODE_CONFIG
-    row_groups = batch * triton.cdiv(next_n, GLUON_DECODE_CONFIG_WAVE[4])
-    fill = _wave_split(row_groups, triton.cdiv(max_context_len, BLOCK_K.value), GLUON_DECODE_CONFIG_WAVE[1], sms)[1]
-    return GLUON_DECODE_CONFIG_WAVE if fill >= GLUON_WAVE_MIN_FILL else GLUON_DECODE_CONFIG_SMALL
+    return GLUON_DECODE_CONFIG_WAVE if wave_fills(GLUON_DECODE_CONFIG_WAVE, batch, next_n, max_context_len, sms) \
+        else GLUON_DECODE_CONFIG_SMALL
+
+
+def wave_fills(config: tuple, batch: int, next_n: int, max_context_len: int, sms: int) -> bool:
+    """Whether the one-wave split of ``config`` (fields 1 and 4: programs a SM, draft rows a program) takes at
+    least ``GLUON_WAVE_MIN_FILL`` of its wave's slots for this call (host integers only)."""
+    row_groups = batch * triton.cdiv(next_n, config[4])
+    fill = _wave_split(row_groups, triton.cdiv(max_context_len, BLOCK_K.value), config[1], sms)[1]
+    return fill >= GLUON_WAVE_MIN_FILL
 
 
 def _nothing_to_read(cache: IndexerKCache, block_table: torch.Tensor, batch: int, max_context_len: int, clean: bool,
@@ -605,16 +612,18 @@ def _wave_split(work_groups: int, key_tiles: int, per_sm: int, sms: int) -> tupl
     return tiles, items / (triton.cdiv(items, slots) * slots)
 
 
-def _launch_shape(q: torch.Tensor, cache: IndexerKCache, max_context_len: int, config: tuple) -> tuple:
+def _launch_shape(q: torch.Tensor, cache: IndexerKCache, max_context_len: int, config: tuple,
+                  one_wave: bool) -> tuple:
     """(draft rows per work item: 1 or 2, row groups, splits per row group, key tiles per split, copy width
     in bytes) of a call, shared by the FP8 and MXFP4 launchers; ``config`` fields 1-4 as in
-    ``GLUON_DECODE_CONFIG`` (work items per SM aimed at, tiles per split min/max, draft rows at most)."""
+    ``GLUON_DECODE_CONFIG`` (work items per SM aimed at, tiles per split min/max, draft rows at most);
+    ``one_wave``: splits of any size that fill one wave (``_wave_split``), else power-of-two ones."""
     batch, next_n = q.shape[:2]
     per_sm, lo, hi, max_rows = config[1:5]
     rows = 1 if min(next_n, max_rows) == 1 else 2
     num_groups = triton.cdiv(next_n, rows)
     key_tiles = triton.cdiv(max_context_len, BLOCK_K)
-    if len(config) > 11 and config[11]:
+    if one_wave:
         tiles = _wave_split(batch * num_groups, key_tiles, per_sm, _backend.multiprocessor_count(q.device))[0]
     else:
         tiles = _split_tiles(batch * num_groups, key_tiles, q.device, per_sm, lo, hi)
@@ -648,7 +657,8 @@ def paged_mqa_logits_gluon(
     config = config or gluon_decode_config(batch, next_n, max_context_len, _backend.multiprocessor_count(q.device))
     maxnreg = config[7]
     persistent_per_sm = config[8] if len(config) > 8 else 0
-    rows, num_groups, num_splits, tiles, copy_align = _launch_shape(q, cache, max_context_len, config)
+    rows, num_groups, num_splits, tiles, copy_align = _launch_shape(q, cache, max_context_len, config,
+                                                                    len(config) > 11 and bool(config[11]))
     num_works = batch * num_groups * num_splits
     programs = num_works
     if persistent_per_sm:

@@ -2,7 +2,7 @@
 
 Same contract, grid and arithmetic as the Triton kernel (``triton.py``, module docstring: MXFP4, the PTX
 expansion and ``_dot_order``): programs over (request, group of ``ROWS`` draft rows, split of
-``TILES * BLOCK_K`` positions), one key tile of ``BLOCK_K = 64`` positions at a time. What changes is who
+``split_tiles * BLOCK_K`` positions), one key tile of ``BLOCK_K = 64`` positions at a time. What changes is who
 waits for what:
 
 - A producer partition (one warp, few registers) copies, per key tile, the block-table entry (one tile
@@ -52,9 +52,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ... import backend as _backend
 from ...cache import IndexerKCache
 from ...formats import FP8_DTYPE
 from .gluon_decode import (
+    GLUON_LARGE_KEYS,
     _fill_tiles,
     _fill_tiles_tma,
     _launch_shape,
@@ -63,22 +65,29 @@ from .gluon_decode import (
     _store_row,
     _store_tail,
     _work_item,
+    wave_fills,
     page_descriptors,
 )
 from .triton import _E2M1_EXPAND_ASM, _E4M3_TABLE_ASM, _mxfp4_rows
 
-__all__ = ["paged_mqa_logits_gluon_mxfp4", "gluon_mxfp4_decode_preferred", "GLUON_MXFP4_DECODE_CONFIG"]
+__all__ = ["paged_mqa_logits_gluon_mxfp4", "gluon_mxfp4_decode_preferred", "gluon_mxfp4_decode_config",
+           "GLUON_MXFP4_DECODE_CONFIG"]
 
 BLOCK_K = gl.constexpr(64)  # positions per key tile: one wgmma M tile
 DIM = gl.constexpr(128)  # head_dim this kernel takes: D/32 = 4 scale blocks, one per lane of a quad
 # (ring stages, programs per SM aimed at, key tiles per split min/max, draft rows per program at most (1 or
 # 2), producer warps, producer registers per thread, register cap per thread at launch, TMA page copies 0/1:
-# ``_fill_tiles_tma`` where the cache allows, else the cp.async producer). Warp specialisation rounds the
+# ``_fill_tiles_tma`` where the cache allows, else the cp.async producer, and optionally one wave 0/1: splits of
+# any size, ``_wave_split``, instead of the power-of-two split between the min and max). Warp specialisation rounds the
 # warps up to whole warpgroups (4 consumer + 1 producer warp = 256 threads), so the cap decides the programs per SM:
 # 128 gives two, 80 three (consumer 136 registers with 24 producer registers), 64 four (consumer 104).
 # Draft rows: three programs per SM, TMA (NOTES_logits.md, session 5 round 1: 204.7 vs 220.5 µs with cp.async
 # at B = 32, L = 128K, next_n = 2).
 GLUON_MXFP4_DECODE_CONFIG = (4, 8, 2, 32, 2, 1, 24, 80, 1)
+# Draft rows below GLUON_LARGE_KEYS keys where one wave fills its slots (``wave_fills``): the same programs, each
+# row group's tiles in even splits of any size that give one wave of three programs a SM (field 9; the FP8
+# kernel's ``GLUON_DECODE_CONFIG_WAVE``).
+GLUON_MXFP4_DECODE_CONFIG_WAVE = (4, 3, 2, 32, 2, 1, 24, 80, 1, 1)
 # next_n = 1: four programs per SM, TMA (session 5 round 1: 131.6 vs 150.7 µs with cp.async at B = 32, L = 128K).
 GLUON_MXFP4_DECODE_CONFIG_ONE_ROW = (4, 8, 2, 32, 2, 1, 24, 64, 1)
 # Smallest ``batch * max_context_len`` the dispatch sends to this kernel (``gluon_mxfp4_decode_preferred``).
@@ -207,7 +216,7 @@ def _consumer(q_ptr, stride_qb, stride_qt, stride_qh, w_ptr, stride_wr, stride_w
         _store_tail(out_row0, out_row1, present0, present1, split_start, split_end, read_end, key, ROWS)
 
 
-@gluon.jit(do_not_specialize=["next_n", "one_d", "max_context_len", "num_splits", "num_groups"])
+@gluon.jit(do_not_specialize=["next_n", "one_d", "max_context_len", "num_splits", "num_groups", "split_tiles"])
 def _paged_mqa_logits_mxfp4_ws_kernel(
     q_ptr, stride_qb, stride_qt, stride_qh,
     w_ptr, stride_wr, stride_wh,
@@ -215,20 +224,21 @@ def _paged_mqa_logits_mxfp4_ws_kernel(
     lens_ptr, stride_lb, stride_lt,
     table_ptr, stride_tb,
     out_ptr, stride_or,
-    next_n, one_d, max_context_len, num_splits, num_groups, key_desc, scale_desc, page_rows,
+    next_n, one_d, max_context_len, num_splits, num_groups, split_tiles, key_desc, scale_desc, page_rows,
     HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-    ROWS: gl.constexpr, TILES: gl.constexpr, NUM_STAGES: gl.constexpr, CLEAN: gl.constexpr,
+    ROWS: gl.constexpr, NUM_STAGES: gl.constexpr, CLEAN: gl.constexpr,
     TMA_PAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     COPY_ALIGN: gl.constexpr,
     QUERY_SMEM_LAYOUT: gl.constexpr, COPY_LAYOUT: gl.constexpr, SCALE_LAYOUT: gl.constexpr,
     ROW_BYTES_LAYOUT: gl.constexpr, PACKED_LAYOUT: gl.constexpr, QUERY_LAYOUT: gl.constexpr,
 ):
-    """Draft rows ``[t0, t0 + ROWS)`` of one request over one split of ``TILES * BLOCK_K`` positions
-    (program ids: request, split, row group fastest, as in the Triton kernel). ``key_desc``, ``scale_desc``,
+    """Draft rows ``[t0, t0 + ROWS)`` of one request over one split of ``split_tiles * BLOCK_K`` positions
+    (program ids: request, split, row group fastest, as in the Triton kernel; ``split_tiles`` is a runtime
+    value, so a one-wave split of any size compiles once). ``key_desc``, ``scale_desc``,
     ``page_rows``: ``_fill_tiles_tma``'s arguments with ``TMA_PAGES``, None otherwise."""
     request, t0, length0, length1, split_start, split_end, read_end, num_tiles = _work_item(
         lens_ptr, stride_lb, stride_lt, gl.program_id(0), next_n, one_d, max_context_len, num_splits, num_groups, ROWS,
-        TILES)
+        split_tiles)
     table_row = table_ptr + request.to(gl.int64) * stride_tb
 
     key_ring = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, BLOCK_K, DIM // 2],
@@ -253,7 +263,7 @@ def _paged_mqa_logits_mxfp4_ws_kernel(
 
 
 @functools.lru_cache(maxsize=256)
-def kernel_constants(heads: int, block_size: int, rows: int, tiles: int, clean: bool, copy_align: int,
+def kernel_constants(heads: int, block_size: int, rows: int, clean: bool, copy_align: int,
                      config: tuple[int, ...], tma_pages: bool = False) -> types.MappingProxyType:
     """The kernel's compile-time arguments (launcher and ahead-of-time compilation share them); ``tma_pages``:
     whether the launch takes the TMA producer (``_tma_pages``). Cached, read-only: building the layouts
@@ -264,7 +274,7 @@ def kernel_constants(heads: int, block_size: int, rows: int, tiles: int, clean: 
     lanes_per_row = (DIM.value // 2) // copy_align  # copy_align bytes a thread, a packed row is D/2 bytes
     return types.MappingProxyType(dict(
         HEADS=heads, BLOCK_H=max(16, triton.next_power_of_2(heads)), BLOCK_SIZE=block_size, ROWS=rows,
-        TILES=tiles, NUM_STAGES=num_stages, CLEAN=clean, TMA_PAGES=int(tma_pages), PRODUCER_WARPS=producer_warps,
+        NUM_STAGES=num_stages, CLEAN=clean, TMA_PAGES=int(tma_pages), PRODUCER_WARPS=producer_warps,
         PRODUCER_REGS=producer_regs, COPY_ALIGN=copy_align,
         QUERY_SMEM_LAYOUT=gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2),
         COPY_LAYOUT=gl.BlockedLayout([1, copy_align], [32 // lanes_per_row, lanes_per_row], [producer_warps, 1],
@@ -313,6 +323,19 @@ def gluon_mxfp4_decode_preferred(batch: int, next_n: int, max_context_len: int) 
     return batch * max_context_len >= GLUON_MXFP4_MIN_KEYS
 
 
+def gluon_mxfp4_decode_config(batch: int, next_n: int, max_context_len: int, sms: int) -> tuple[int, ...]:
+    """The launcher's default configuration for this call (host integers only; ``sms``: the GPU's SM count):
+    ``GLUON_MXFP4_DECODE_CONFIG_ONE_ROW`` at next_n = 1; with draft rows ``GLUON_MXFP4_DECODE_CONFIG_WAVE``
+    below ``GLUON_LARGE_KEYS`` keys where its one wave is well filled (``wave_fills``), else
+    ``GLUON_MXFP4_DECODE_CONFIG``."""
+    if next_n == 1:
+        return GLUON_MXFP4_DECODE_CONFIG_ONE_ROW
+    if batch * max_context_len < GLUON_LARGE_KEYS and wave_fills(GLUON_MXFP4_DECODE_CONFIG_WAVE, batch, next_n,
+                                                                 max_context_len, sms):
+        return GLUON_MXFP4_DECODE_CONFIG_WAVE
+    return GLUON_MXFP4_DECODE_CONFIG
+
+
 def paged_mqa_logits_gluon_mxfp4(
     q: torch.Tensor,
     q_scale: torch.Tensor | None,
@@ -328,7 +351,7 @@ def paged_mqa_logits_gluon_mxfp4(
 ) -> torch.Tensor:
     """Gluon twin of ``paged_mqa_logits_triton`` for MXFP4 caches with ``head_dim == 128`` (same arguments,
     validated by the public wrapper; CUDA with sm_90+ only). ``config`` overrides
-    ``GLUON_MXFP4_DECODE_CONFIG`` (``GLUON_MXFP4_DECODE_CONFIG_ONE_ROW`` at next_n = 1; benchmarks)."""
+    ``gluon_mxfp4_decode_config``'s choice (benchmarks)."""
     if cache.fmt != "mxfp4" or q_scale is None:
         raise ValueError(f"the Gluon MXFP4 decode kernel takes MXFP4 caches only, got fmt {cache.fmt!r}")
     if cache.head_dim != DIM.value:
@@ -339,16 +362,18 @@ def paged_mqa_logits_gluon_mxfp4(
         return out
     q_values, q_mul = _mxfp4_rows(q, q_scale, FP8_DTYPE)  # [B, next_n, H, D] de-interleaved e4m3
     w = weights * q_mul.view(batch * next_n, heads)
-    config = config or (GLUON_MXFP4_DECODE_CONFIG_ONE_ROW if next_n == 1 else GLUON_MXFP4_DECODE_CONFIG)
+    config = config or gluon_mxfp4_decode_config(batch, next_n, max_context_len,
+                                                 _backend.multiprocessor_count(q.device))
     maxnreg = config[7]
-    rows, num_groups, num_splits, tiles, copy_align = _launch_shape(q, cache, max_context_len, config)
+    rows, num_groups, num_splits, tiles, copy_align = _launch_shape(q, cache, max_context_len, config,
+                                                                    len(config) > 9 and bool(config[9]))
     buffer = cache.buffer
     descriptors = _tma_pages(cache, config)
     if descriptors is None and len(config) > 8 and config[8]:
         # The cp.async producer instead: four warps' copies, in the same registers (the producer partition is
         # a whole warpgroup either way).
         config = config[:5] + (4,) + config[6:]
-    constants = kernel_constants(heads, cache.block_size, rows, tiles, clean, copy_align, config,
+    constants = kernel_constants(heads, cache.block_size, rows, clean, copy_align, config,
                                  tma_pages=descriptors is not None)
     key_desc, scale_desc = descriptors or (None, None)
     one_d = context_lens.dim() == 1
@@ -359,7 +384,7 @@ def paged_mqa_logits_gluon_mxfp4(
         context_lens, context_lens.stride(0), 0 if one_d else context_lens.stride(1),
         block_table, block_table.stride(0),
         out, out.stride(0),
-        next_n, int(one_d), max_context_len, num_splits, num_groups, key_desc, scale_desc,
+        next_n, int(one_d), max_context_len, num_splits, num_groups, tiles, key_desc, scale_desc,
         cache.page_stride // (DIM.value // 2) if descriptors else None,
         **constants, num_warps=4, maxnreg=maxnreg,
     )
