@@ -69,8 +69,8 @@ def candidate_cases() -> bool:
 
 def gluon_cases() -> bool:
     """The Gluon decode kernels called directly with each default configuration (FP8: the large-shape, small-shape,
-    one-wave and one-row ones; MXFP4: draft rows and one row), TMA page copies, clean and not, on 3 requests of 3008
-    keys in a 200-page pool: calc_diff against the reference under the kernel tier (the valid entries only when
+    one-wave and one-row ones; MXFP4: draft rows, one wave and one row), TMA page copies, clean and not, on 3
+    requests of 3008 keys in a 200-page pool: calc_diff against the reference under the kernel tier (the valid entries only when
     not clean)."""
     from dsa_indexer.bench.suite_logits import REFERENCE_BOUND, _decode_case, _decode_pool
     from dsa_indexer.ops.logits import gluon_decode, gluon_decode_mxfp4, reference
@@ -83,6 +83,7 @@ def gluon_cases() -> bool:
                                     (gluon_decode.GLUON_DECODE_CONFIG_ONE_ROW, 1))]
     cases += [("mxfp4", gluon_decode_mxfp4.paged_mqa_logits_gluon_mxfp4, config, next_n)
               for config, next_n in ((gluon_decode_mxfp4.GLUON_MXFP4_DECODE_CONFIG, 2),
+                                     (gluon_decode_mxfp4.GLUON_MXFP4_DECODE_CONFIG_WAVE, 2),
                                      (gluon_decode_mxfp4.GLUON_MXFP4_DECODE_CONFIG_ONE_ROW, 1))]
     ok = True
     for fmt, decode, config, next_n in cases:

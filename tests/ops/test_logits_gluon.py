@@ -323,8 +323,8 @@ def test_gluon_decode_config_by_work_size():
     """The FP8 launcher's default configuration: the one-row one at next_n = 1; with draft rows the
     three-programs-per-SM one from 4M keys, below it the one-wave one where its wave fills at least
     ``GLUON_WAVE_MIN_FILL`` of the slots and the persistent one elsewhere; each is one of the swept (and tested)
-    configurations. MXFP4: the one-row configuration at next_n = 1; with draft rows the one-wave one below 4M
-    keys where it fills its wave, else the three-programs-per-SM one; each is swept (and tested)."""
+    configurations. MXFP4: the one-row configuration at next_n = 1; with draft rows the one-wave one where it
+    fills its wave, else the three-programs-per-SM one; each is swept (and tested)."""
     config = gluon_decode.gluon_decode_config
     for batch, length in [(1, 131072), (32, 32768), (128, 131072)]:
         assert config(batch, 1, length, 132) == gluon_decode.GLUON_DECODE_CONFIG_ONE_ROW == (
@@ -353,9 +353,9 @@ def test_gluon_decode_config_by_work_size():
     assert mxfp4.GLUON_MXFP4_DECODE_CONFIG_WAVE == (4, 3, 2, 32, 2, 1, 24, 80, 1, 1)
     for batch, length in [(1, 131072), (32, 32768), (128, 131072)]:
         assert mxfp4.gluon_mxfp4_decode_config(batch, 1, length, 132) == mxfp4.GLUON_MXFP4_DECODE_CONFIG_ONE_ROW
-    for batch, length, next_n in [(32, 32768, 2), (1, 131072, 2), (16, 32768, 4)]:
+    for batch, length, next_n in [(32, 32768, 2), (1, 131072, 2), (16, 32768, 4), (32, 131072, 2), (128, 131072, 2)]:
         assert mxfp4.gluon_mxfp4_decode_config(batch, next_n, length, 132) == mxfp4.GLUON_MXFP4_DECODE_CONFIG_WAVE
-    for batch, length, next_n in [(32, 131072, 2), (128, 32768, 2), (256, 8192, 2), (512, 4096, 2)]:
+    for batch, length, next_n in [(256, 8192, 2), (512, 4096, 2), (100, 16384, 2)]:
         assert mxfp4.gluon_mxfp4_decode_config(batch, next_n, length, 132) == mxfp4.GLUON_MXFP4_DECODE_CONFIG
     from dsa_indexer.bench.suite_logits import GLUON_SWEEP_VARIANTS
 

@@ -56,7 +56,6 @@ from ... import backend as _backend
 from ...cache import IndexerKCache
 from ...formats import FP8_DTYPE
 from .gluon_decode import (
-    GLUON_LARGE_KEYS,
     _fill_tiles,
     _fill_tiles_tma,
     _launch_shape,
@@ -84,9 +83,10 @@ DIM = gl.constexpr(128)  # head_dim this kernel takes: D/32 = 4 scale blocks, on
 # Draft rows: three programs per SM, TMA (NOTES_logits.md, session 5 round 1: 204.7 vs 220.5 µs with cp.async
 # at B = 32, L = 128K, next_n = 2).
 GLUON_MXFP4_DECODE_CONFIG = (4, 8, 2, 32, 2, 1, 24, 80, 1)
-# Draft rows below GLUON_LARGE_KEYS keys where one wave fills its slots (``wave_fills``): the same programs, each
-# row group's tiles in even splits of any size that give one wave of three programs a SM (field 9; the FP8
-# kernel's ``GLUON_DECODE_CONFIG_WAVE``).
+# Draft rows where one wave fills its slots (``wave_fills``): the same programs, each row group's tiles in even
+# splits of any size that give one wave of three programs a SM (field 9; the FP8 kernel's
+# ``GLUON_DECODE_CONFIG_WAVE``). Session 12, rotating: 61.7 against 66.5 µs at B = 32, L = 32K, next_n = 2;
+# 204.2-204.8 against 208.3-208.6 at 4M keys, 746.6 against 750.6 at B = 128, L = 128K.
 GLUON_MXFP4_DECODE_CONFIG_WAVE = (4, 3, 2, 32, 2, 1, 24, 80, 1, 1)
 # next_n = 1: four programs per SM, TMA (session 5 round 1: 131.6 vs 150.7 µs with cp.async at B = 32, L = 128K).
 GLUON_MXFP4_DECODE_CONFIG_ONE_ROW = (4, 8, 2, 32, 2, 1, 24, 64, 1)
@@ -326,12 +326,10 @@ def gluon_mxfp4_decode_preferred(batch: int, next_n: int, max_context_len: int) 
 def gluon_mxfp4_decode_config(batch: int, next_n: int, max_context_len: int, sms: int) -> tuple[int, ...]:
     """The launcher's default configuration for this call (host integers only; ``sms``: the GPU's SM count):
     ``GLUON_MXFP4_DECODE_CONFIG_ONE_ROW`` at next_n = 1; with draft rows ``GLUON_MXFP4_DECODE_CONFIG_WAVE``
-    below ``GLUON_LARGE_KEYS`` keys where its one wave is well filled (``wave_fills``), else
-    ``GLUON_MXFP4_DECODE_CONFIG``."""
+    where its one wave is well filled (``wave_fills``), else ``GLUON_MXFP4_DECODE_CONFIG``."""
     if next_n == 1:
         return GLUON_MXFP4_DECODE_CONFIG_ONE_ROW
-    if batch * max_context_len < GLUON_LARGE_KEYS and wave_fills(GLUON_MXFP4_DECODE_CONFIG_WAVE, batch, next_n,
-                                                                 max_context_len, sms):
+    if wave_fills(GLUON_MXFP4_DECODE_CONFIG_WAVE, batch, next_n, max_context_len, sms):
         return GLUON_MXFP4_DECODE_CONFIG_WAVE
     return GLUON_MXFP4_DECODE_CONFIG
 
