@@ -70,8 +70,8 @@ def candidate_cases() -> bool:
 def gluon_cases() -> bool:
     """The Gluon decode kernels called directly with each default configuration (FP8: the large-shape, small-shape,
     one-wave and one-row ones; MXFP4: draft rows, one wave and one row), TMA page copies, clean and not, on 3
-    requests of 3008 keys in a 200-page pool: calc_diff against the reference under the kernel tier (the valid entries only when
-    not clean)."""
+    requests of 3008 keys in a 200-page pool: calc_diff against the reference under the kernel tier (the valid
+    entries only when not clean)."""
     from dsa_indexer.bench.suite_logits import REFERENCE_BOUND, _decode_case, _decode_pool
     from dsa_indexer.ops.logits import gluon_decode, gluon_decode_mxfp4, reference
     from dsa_indexer.testing import calc_diff
