@@ -307,15 +307,18 @@ def test_gluon_decode_replays_in_a_cuda_graph_with_changed_lengths_gpu(kernel_de
 @needs_gluon
 def test_gluon_decode_rule_by_work_size():
     """FP8: draft rows go to the Gluon kernel from 64K keys, one row from 1M keys (measured crossovers);
-    MXFP4 from 1M keys."""
+    MXFP4 from 1M keys, and draft rows from 128K keys where their one wave fills its slots."""
     preferred = gluon_decode.gluon_decode_preferred
     assert preferred(32, 2, 131072) and preferred(128, 2, 32768) and preferred(1, 2, 131072)
     assert preferred(32, 4, 32768) and not preferred(1, 2, 4096)
     assert preferred(32, 1, 131072) and preferred(128, 1, 32768) and preferred(32, 1, 32768)
     assert not preferred(1, 1, 131072) and not preferred(4, 1, 131072)
-    mxfp4 = gluon_decode_mxfp4.gluon_mxfp4_decode_preferred
-    assert mxfp4(32, 1, 32768) and mxfp4(32, 2, 32768) and mxfp4(128, 2, 131072)
-    assert not mxfp4(1, 1, 131072) and not mxfp4(1, 2, 131072)
+    def mxfp4(batch, next_n, length):
+        return gluon_decode_mxfp4.gluon_mxfp4_decode_preferred(batch, next_n, length, 132)
+
+    assert mxfp4(32, 1, 32768) and mxfp4(32, 2, 32768) and mxfp4(128, 2, 131072) and mxfp4(300, 2, 4096)
+    assert mxfp4(1, 2, 131072) and mxfp4(2, 3, 65536) and mxfp4(4, 2, 32768)
+    assert not mxfp4(1, 1, 131072) and not mxfp4(1, 2, 65536) and not mxfp4(100, 2, 2048)
 
 
 @needs_gluon

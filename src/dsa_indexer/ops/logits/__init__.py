@@ -93,10 +93,15 @@ def decode_kernel(q: torch.Tensor, cache: IndexerKCache, max_context_len: int) -
         return "gluon"
     batch, next_n = q.shape[:2]
     if cache.fmt == "fp8":
-        from .gluon_decode import gluon_decode_preferred as preferred
+        from .gluon_decode import gluon_decode_preferred
+
+        preferred = gluon_decode_preferred(batch, next_n, max_context_len)
     else:
-        from .gluon_decode_mxfp4 import gluon_mxfp4_decode_preferred as preferred
-    return "gluon" if preferred(batch, next_n, max_context_len) else "triton"
+        from .gluon_decode_mxfp4 import gluon_mxfp4_decode_preferred
+
+        preferred = gluon_mxfp4_decode_preferred(batch, next_n, max_context_len,
+                                                 _backend.multiprocessor_count(q.device))
+    return "gluon" if preferred else "triton"
 
 
 def _paged_mqa_logits_triton(q, q_scale, cache, weights, context_lens, block_table, max_context_len, clean, out):
