@@ -313,6 +313,7 @@ def test_gluon_decode_rule_by_work_size():
     assert preferred(32, 4, 32768) and not preferred(1, 2, 4096)
     assert preferred(32, 1, 131072) and preferred(128, 1, 32768) and preferred(32, 1, 32768)
     assert not preferred(1, 1, 131072) and not preferred(4, 1, 131072)
+
     def mxfp4(batch, next_n, length):
         return gluon_decode_mxfp4.gluon_mxfp4_decode_preferred(batch, next_n, length, 132)
 

@@ -577,8 +577,9 @@ def gluon_decode_config(batch: int, next_n: int, max_context_len: int, sms: int)
         return GLUON_DECODE_CONFIG_ONE_ROW
     if batch * max_context_len >= GLUON_LARGE_KEYS:
         return GLUON_DECODE_CONFIG
-    return GLUON_DECODE_CONFIG_WAVE if wave_fills(GLUON_DECODE_CONFIG_WAVE, batch, next_n, max_context_len, sms) \
-        else GLUON_DECODE_CONFIG_SMALL
+    if wave_fills(GLUON_DECODE_CONFIG_WAVE, batch, next_n, max_context_len, sms):
+        return GLUON_DECODE_CONFIG_WAVE
+    return GLUON_DECODE_CONFIG_SMALL
 
 
 def wave_fills(config: tuple, batch: int, next_n: int, max_context_len: int, sms: int) -> bool:

@@ -76,10 +76,11 @@ BLOCK_K = gl.constexpr(64)  # positions per key tile: one wgmma M tile
 DIM = gl.constexpr(128)  # head_dim this kernel takes: D/32 = 4 scale blocks, one per lane of a quad
 # (ring stages, programs per SM aimed at, key tiles per split min/max, draft rows per program at most (1 or
 # 2), producer warps, producer registers per thread, register cap per thread at launch, TMA page copies 0/1:
-# ``_fill_tiles_tma`` where the cache allows, else the cp.async producer, and optionally one wave 0/1: splits of
-# any size, ``_wave_split``, instead of the power-of-two split between the min and max). Warp specialisation rounds the
-# warps up to whole warpgroups (4 consumer + 1 producer warp = 256 threads), so the cap decides the programs per SM:
-# 128 gives two, 80 three (consumer 136 registers with 24 producer registers), 64 four (consumer 104).
+# ``_fill_tiles_tma`` where the cache allows, else the cp.async producer, and optionally one wave 0/1: splits
+# of any size, ``_wave_split``, instead of the power-of-two split between the min and max). Warp
+# specialisation rounds the warps up to whole warpgroups (4 consumer + 1 producer warp = 256 threads), so the
+# cap decides the programs per SM: 128 gives two, 80 three (consumer 136 registers with 24 producer
+# registers), 64 four (consumer 104).
 # Draft rows: three programs per SM, TMA (NOTES_logits.md, session 5 round 1: 204.7 vs 220.5 µs with cp.async
 # at B = 32, L = 128K, next_n = 2).
 GLUON_MXFP4_DECODE_CONFIG = (4, 8, 2, 32, 2, 1, 24, 80, 1)
