@@ -28,7 +28,7 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _multiprocessors_of(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 

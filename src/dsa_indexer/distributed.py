@@ -27,8 +27,7 @@ import torch
 
 from . import backend as _backend
 from ._validation import check_index_tensor, check_positive_int, check_same_device, check_tensor, value_checks_enabled
-from .ops._order import composite_key
-from .ops._order import top_ids_ascending
+from .ops._order import composite_key, top_ids_ascending
 
 __all__ = [
     "gather_prefill_k",

@@ -183,11 +183,11 @@ class IndexerConfig:
     def head_scale(self) -> float:
         return self.n_heads ** -0.5
 
-    def replace(self, **overrides) -> "IndexerConfig":
+    def replace(self, **overrides) -> IndexerConfig:
         """A validated copy with some fields changed."""
         return dataclasses.replace(self, **overrides)
 
-    def small(self, **overrides) -> "IndexerConfig":
+    def small(self, **overrides) -> IndexerConfig:
         """A copy with tiny projections for demos and tests.
 
         ``hidden_size=256``, ``q_lora_rank=128`` (``wk_input_size=128`` when it was set) and a cos/sin
@@ -204,7 +204,7 @@ class IndexerConfig:
         return dataclasses.replace(self, **fields)
 
     @classmethod
-    def deepseek_v32(cls, **overrides) -> "IndexerConfig":
+    def deepseek_v32(cls, **overrides) -> IndexerConfig:
         """DeepSeek-V3.2 (``inference/config_671B_v3.2.json`` and ``inference/model.py``).
 
         64 heads x 128, top-2048, RoPE NeoX on the first 64 dims (DeepSeek's 2025-11-18 correction:
@@ -226,7 +226,7 @@ class IndexerConfig:
         return cls(**fields)
 
     @classmethod
-    def deepseek_v41(cls, **overrides) -> "IndexerConfig":
+    def deepseek_v41(cls, **overrides) -> IndexerConfig:
         """DeepSeek-V4.1-Flash (HF ``transformers`` ``DeepseekV41TextConfig`` defaults, released config).
 
         32 heads x 128, top-512, RoPE interleaved on the trailing 64 dims, RMSNorm on the key, MXFP4,

@@ -14,12 +14,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from ragged_ranges import causal_ranges, varied_ranges
 
 from dsa_indexer.cache import IndexerKCache
 from dsa_indexer.formats import dequantize_mxfp4, quantize_fp8, quantize_mxfp4
-from dsa_indexer.ops.logits import mqa_logits, paged_mqa_logits
-from dsa_indexer.ops.logits import reference
-from ragged_ranges import causal_ranges, varied_ranges
+from dsa_indexer.ops.logits import mqa_logits, paged_mqa_logits, reference
 
 NEG_INF = float("-inf")
 POISON = -777.0

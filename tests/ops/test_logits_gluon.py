@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_logits_kernel import FORCE_UPCAST_ENV, NEG_INF, POISON, TIER, DecodeInputs, decode_inputs, run_decode
 
 from dsa_indexer import backend
 from dsa_indexer.ops.logits import _gluon_available
 from dsa_indexer.testing import calc_diff
-from test_logits_kernel import FORCE_UPCAST_ENV, NEG_INF, POISON, TIER, DecodeInputs, decode_inputs, run_decode
 
 if _gluon_available():
     from dsa_indexer.ops.logits import gluon_decode, gluon_decode_mxfp4

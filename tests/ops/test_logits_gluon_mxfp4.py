@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_logits_kernel import NEG_INF, POISON, TIER, DecodeInputs, decode_inputs, run_decode
 
 from dsa_indexer import backend
 from dsa_indexer.cache import IndexerKCache
 from dsa_indexer.testing import calc_diff
-from test_logits_kernel import NEG_INF, POISON, TIER, DecodeInputs, decode_inputs, run_decode
 
 _HOPPER = (not backend.interpreter_enabled() and torch.cuda.is_available()
            and torch.cuda.get_device_capability()[0] >= 9)

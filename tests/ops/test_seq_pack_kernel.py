@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsa_indexer.ops.seq_pack import pack_seq, triton as seq_triton, unpack_seq
+from dsa_indexer.ops.seq_pack import pack_seq, unpack_seq
+from dsa_indexer.ops.seq_pack import triton as seq_triton
 
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 PAYLOADS = [

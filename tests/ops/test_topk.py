@@ -396,9 +396,10 @@ def test_topk_rejects_bad_out_without_writing(out):
 
 
 DECODE_LOGITS = torch.zeros(4, 8)
+DECODE_SEQ_LENS = int32([3, 8])
 
 
-def decode_call(logits=DECODE_LOGITS, seq_lens=int32([3, 8]), next_n=2, k=2, **kwargs):
+def decode_call(logits=DECODE_LOGITS, seq_lens=DECODE_SEQ_LENS, next_n=2, k=2, **kwargs):
     return lambda out: topk_decode(logits, seq_lens, next_n, k, out=out, **kwargs)
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+
 def median_us(fn, *, graph: bool = False, warmup_ms: int = 25, rep_ms: int = 200) -> float:
     """Median time of ``fn()`` in microseconds (CUDA: device events)."""
     import triton.testing

@@ -41,12 +41,13 @@ import sys
 
 import torch
 
-from . import harness
 from dsa_indexer.cache import IndexerKCache
 from dsa_indexer.formats import quantize_fp8, quantize_mxfp4
 from dsa_indexer.ops.logits import reference
 from dsa_indexer.ops.logits import triton as kernels
 from dsa_indexer.testing import calc_diff
+
+from . import harness
 
 HEADS, DIM, PAGE = 64, 128, 64
 DECODE_SHAPES = [(1, 131072, 1), (1, 131072, 2)] + [

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from . import harness
 from dsa_indexer.cache import IndexerKCache
 from dsa_indexer.ops.k_cache.reference import gather_k_reference, insert_k_reference
 from dsa_indexer.ops.k_cache.triton import gather_k_triton, insert_k_triton
 from dsa_indexer.ops.q_quant.reference import rope_quant_q_reference
 from dsa_indexer.ops.q_quant.triton import rope_quant_q_triton
+
+from . import harness
 
 # Launch variants per format; the first of each list is the wrapper's default (for MXFP4 the encode on bf16 pairs,
 # ``ROPE_MXFP4_BF16X2`` / ``INSERT_MXFP4_BF16X2``), then for MXFP4 the fp32 path (what fp16 / fp32 inputs run) and,

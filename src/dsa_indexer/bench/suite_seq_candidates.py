@@ -44,13 +44,14 @@ import time
 
 import torch
 
-from . import harness
 from dsa_indexer.ops.candidates import triton as candidates_triton
 from dsa_indexer.ops.candidates.reference import apply_candidate_mask_reference, select_candidate_blocks_reference
 from dsa_indexer.ops.seq_pack.reference import pack_seq_reference, unpack_seq_reference
 from dsa_indexer.ops.seq_pack.triton import pack_seq_triton, unpack_seq_triton
 from dsa_indexer.ops.topk.reference import indices_to_slots as indices_to_slots_reference
 from dsa_indexer.ops.topk.triton import indices_to_slots_triton
+
+from . import harness
 
 MIB = 1 << 20
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from . import harness
 import dsa_indexer as dsa
+
+from . import harness
 
 PAGE, HEADS, DIM = 64, 64, 128
 SHAPES = [(32, 131072, 2, 2048, "fp8"), (32, 131072, 2, 2048, "mxfp4"), (32, 131072, 1, 2048, "fp8")]

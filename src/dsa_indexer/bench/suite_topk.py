@@ -25,10 +25,11 @@ from pathlib import Path
 
 import torch
 
-from . import harness
 from dsa_indexer.ops.topk import reference
 from dsa_indexer.ops.topk.triton import topk_triton
 from dsa_indexer.testing import count_topk_errors, one_bin_rows, relu_sum_rows
+
+from . import harness
 
 ROTATION_BYTES = 256 << 20
 REP_MS = 20

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .._order import UNSELECTABLE, composite_key, selectable, top_ids_ascending
+from .._order import composite_key, selectable, top_ids_ascending
 
 
 def row_bounds(

@@ -28,8 +28,18 @@ import triton.language as tl
 from ...backend import interpreter_enabled
 from ...cache import IndexerKCache
 from ...formats import FP8_MAX
-from ..q_quant.triton import (bf16x2_block_amax, e4m3_bytes, finite_amax, fp8_scale_exponent, load_bf16_words,
-                              load_pairs, mxfp4_pack_pairs, pow2, quantize_store_bf16_words, store_mxfp4_rows)
+from ..q_quant.triton import (
+    bf16x2_block_amax,
+    e4m3_bytes,
+    finite_amax,
+    fp8_scale_exponent,
+    load_bf16_words,
+    load_pairs,
+    mxfp4_pack_pairs,
+    pow2,
+    quantize_store_bf16_words,
+    store_mxfp4_rows,
+)
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 

@@ -48,7 +48,7 @@ DECODE_KERNEL_ENV = "DSA_INDEXER_DECODE_KERNEL"
 DECODE_KERNELS = ("auto", "gluon", "triton")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _gluon_available() -> bool:
     """Whether this Triton ships Gluon (3.4 and later). Only its absence sends decode to Triton: an import
     error inside our Gluon modules surfaces instead of silently changing the kernel."""

@@ -46,7 +46,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -64,8 +63,8 @@ from .gluon_decode import (
     _store_row,
     _store_tail,
     _work_item,
-    wave_fills,
     page_descriptors,
+    wave_fills,
 )
 from .triton import _E2M1_EXPAND_ASM, _E4M3_TABLE_ASM, _mxfp4_rows
 

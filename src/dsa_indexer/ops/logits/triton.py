@@ -437,7 +437,7 @@ def _paged_mqa_logits_kernel(
             first += BLOCK_K
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
