@@ -1,10 +1,15 @@
-"""Triton kernel of the DCP merge's pack step: a rank's local top-k as ``(score, global id)`` pairs."""
+"""Triton kernels of the DCP merge: the pack of a rank's local top-k (as ``(score, global id)`` pairs, or as one
+int64 order key per candidate) and the fused select of the global top-k from the gathered keys."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from .ops.topk.triton import KEY_MAX, NONE, _bit_length, _clear_low_bits, _order_keys
+
+MAX_GLOBAL_ID = tl.constexpr(2**31 - 1)
 
 
 @triton.jit
@@ -60,3 +65,161 @@ def pack_local_candidates_triton(
         HAS_STARTS=starts is not None, BLOCK=block,
     )
     return scores, ids
+
+
+@triton.jit
+def _pack_candidate_keys_kernel(
+    logits_ptr, logits_row_stride, logits_col_stride, width,
+    topk_ptr, topk_row_stride, topk_col_stride, k,
+    starts_ptr,
+    keys_ptr,
+    rank, world_size, interleave,
+    HAS_STARTS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    in_k = offsets < k
+    local = tl.load(topk_ptr + row * topk_row_stride + offsets * topk_col_stride, mask=in_k, other=-1).to(tl.int64)
+    column = local
+    if HAS_STARTS:
+        column = local + tl.load(starts_ptr + row).to(tl.int64)
+    span = interleave * world_size
+    global_id = (local // interleave) * span + rank * interleave + local % interleave
+    valid = in_k & (local >= 0) & (column >= 0) & (column < width) & (global_id <= MAX_GLOBAL_ID)
+    score = tl.load(
+        logits_ptr + row * logits_row_stride + column * logits_col_stride, mask=valid, other=float("-inf")
+    )
+    order_key = _order_keys(score, valid)  # int32, NONE where unselectable
+    # Low word: the bitwise-inverted id (zero-extended), so that a larger word is a lower id on ties.
+    low = (~global_id.to(tl.int32)).to(tl.uint32, bitcast=True).to(tl.int64)
+    low = tl.where(order_key == NONE, 0, low)
+    tl.store(keys_ptr + row * k + offsets, (order_key.to(tl.int64) << 32) | low, mask=in_k)
+
+
+def pack_candidate_keys_triton(
+    logits: torch.Tensor,
+    local_topk: torch.Tensor,
+    rank: int,
+    world_size: int,
+    interleave: int,
+    starts: torch.Tensor | None,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Triton twin of the reference key pack: writes int64 ``out [R, k]`` (contiguous) and returns it."""
+    num_rows, k = local_topk.shape
+    if num_rows == 0 or k == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(k))
+    grid = (num_rows, triton.cdiv(k, block))
+    _pack_candidate_keys_kernel[grid](
+        logits, logits.stride(0), logits.stride(1), logits.shape[1],
+        local_topk, local_topk.stride(0), local_topk.stride(1), k,
+        starts if starts is not None else local_topk,
+        out,
+        rank, world_size, interleave,
+        HAS_STARTS=starts is not None, BLOCK=block,
+    )
+    return out
+
+
+@triton.jit
+def _count_at_least(keys, threshold):
+    """``#(keys >= threshold)`` over a 2-D tile of int32 keys."""
+    return tl.sum(tl.sum((keys >= threshold).to(tl.int32), axis=1), axis=0)
+
+
+@triton.jit
+def _kth_largest_2d(keys, k, count, lo, hi):
+    """``(t, #(keys >= t))`` for a 2-D tile of int32 keys (NONE: unselectable) holding ``count`` selectable
+    keys in ``[lo, hi]``: with ``count > k``, ``t`` is the k-th largest key or a key exactly k keys reach (both
+    select the same entries); with ``count <= k``, a ``t <= lo`` (every selectable key). One bit per round,
+    from the common high bits of ``lo`` and ``hi`` (as the top-k's searches)."""
+    bit = _bit_length(lo ^ hi)
+    t = _clear_low_bits(lo, bit)
+    while (bit > 0) & (count > k):
+        bit -= 1
+        candidate = t ^ (1 << bit)
+        reached = _count_at_least(keys, candidate)
+        take = reached >= k
+        t = tl.where(take, candidate, t)
+        count = tl.where(take, reached, count)
+    return t, count
+
+
+@triton.jit
+def _select_global_topk_keys_kernel(
+    keys_ptr, rank_stride, row_stride,
+    out_ptr, out_row_stride, out_col_stride,
+    scratch_ptr,
+    width, k, world_size,
+    WP: tl.constexpr, KP: tl.constexpr, OUT_BLOCK: tl.constexpr, SEARCH_ROUNDS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    ranks = tl.arange(0, WP)[:, None]  # [WP, 1]
+    cols = tl.arange(0, KP)[None, :]  # [1, KP]
+    inside = (ranks < world_size) & (cols < width)  # [WP, KP]
+    words = tl.load(keys_ptr + ranks * rank_stride + row * row_stride + cols, mask=inside, other=0)
+    keys = tl.where(inside, (words >> 32).to(tl.int32), NONE)  # score order keys, NONE: unselectable
+    ids = ~words.to(tl.int32)  # the low word is the inverted id
+    selectable = keys != NONE
+
+    # Threshold: the k-th largest score key T, then the lowest ids among the ties at T.
+    count = tl.sum(tl.sum(selectable.to(tl.int32), axis=1), axis=0)
+    lo = tl.min(tl.min(tl.where(selectable, keys, KEY_MAX), axis=1), axis=0)
+    hi = tl.max(tl.max(keys, axis=1), axis=0)
+    t, reached = _kth_largest_2d(keys, k, count, lo, hi)
+    tie_floor = tl.full([], NONE, tl.int32)  # ties taken where KEY_MAX - id >= tie_floor: all, by default
+    if reached > k:
+        greater = tl.sum(tl.sum((keys > t).to(tl.int32), axis=1), axis=0)
+        tie_keys = tl.where(keys == t, KEY_MAX - ids, NONE)  # larger = lower id
+        tie_lo = tl.min(tl.min(tl.where(keys == t, tie_keys, KEY_MAX), axis=1), axis=0)
+        tie_hi = tl.max(tl.max(tie_keys, axis=1), axis=0)
+        tie_floor, _ = _kth_largest_2d(tie_keys, k - greater, reached - greater, tie_lo, tie_hi)
+    taken = selectable & ((keys > t) | ((keys == t) & (KEY_MAX - ids >= tie_floor)))  # [WP, KP]
+
+    # Ascending ids: each rank's taken ids are ascending (its local top-k is), so an id's place is its rank
+    # among its own rank's taken ids plus, for every other rank, how many of that rank's taken ids are lower
+    # (a binary search in that rank's compacted list).
+    flags = taken.to(tl.int32)
+    place = tl.cumsum(flags, axis=1) - flags  # [WP, KP]
+    per_rank = tl.sum(flags, axis=1)  # [WP]
+    total = tl.sum(per_rank, axis=0)
+    lists = scratch_ptr + row * world_size * width
+    tl.store(lists + ranks * width + place, ids, mask=taken)
+    tl.debug_barrier()
+    position = place
+    for other in tl.static_range(WP):
+        length = tl.sum(tl.where(tl.arange(0, WP) == other, per_rank, 0), axis=0)
+        searching = taken & (ranks != other)
+        low = tl.zeros([WP, KP], dtype=tl.int32)
+        high = tl.where(searching, length, 0)
+        for _ in tl.static_range(SEARCH_ROUNDS):
+            active = low < high
+            middle = (low + high) // 2
+            value = tl.load(lists + other * width + middle, mask=active, other=0)
+            below = value < ids
+            low = tl.where(active & below, middle + 1, low)
+            high = tl.where(active & ~below, middle, high)
+        position += low
+    out_row = out_ptr + row * out_row_stride
+    tl.store(out_row + position * out_col_stride, ids, mask=taken)
+    pad = tl.arange(0, OUT_BLOCK)
+    tl.store(out_row + pad * out_col_stride, tl.full([OUT_BLOCK], -1, tl.int32), mask=(pad >= total) & (pad < k))
+
+
+def select_global_topk_keys_triton(keys: torch.Tensor, k: int, out: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """Triton twin of the reference keyed select: ``keys [W, R, k_in]`` int64 (row-contiguous), ``out [R, k]``
+    int32, ``scratch`` int32 with at least ``R * W * k_in`` elements."""
+    world_size, num_rows, width = keys.shape
+    if num_rows == 0:
+        return out
+    wp, kp = triton.next_power_of_2(world_size), triton.next_power_of_2(width)
+    warps = 4 if wp * kp <= 1024 else 8 if wp * kp <= 4096 else 16
+    _select_global_topk_keys_kernel[(num_rows,)](
+        keys, keys.stride(0), keys.stride(1),
+        out, out.stride(0), out.stride(1),
+        scratch,
+        width, k, world_size,
+        WP=wp, KP=kp, OUT_BLOCK=triton.next_power_of_2(k), SEARCH_ROUNDS=max(1, width.bit_length()), num_warps=warps,
+    )
+    return out

@@ -1,0 +1,134 @@
+"""The fused DCP merge's kernels (key pack, keyed select) against independent oracles, world simulated in one
+process: every rank's local top-k is packed, the packs are stacked as the all-gather lays them out, and the
+select must give the single-rank top-k of the whole rows bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsa_indexer import topk_decode
+from dsa_indexer.distributed import (
+    global_to_local,
+    local_lengths,
+    pack_candidate_keys,
+    pack_local_candidates,
+    select_global_topk_keys,
+)
+from dsa_indexer.ops._order import composite_key
+from dsa_indexer.testing import few_distinct_rows
+
+
+def shard(logits: torch.Tensor, rank: int, world: int, interleave: int) -> torch.Tensor:
+    """``rank``'s local logits: its owned global positions, in local order."""
+    owner, local = global_to_local(torch.arange(logits.shape[1], device=logits.device), world, interleave)
+    mine = (owner == rank).nonzero().squeeze(1)
+    return logits[:, mine[local[mine].argsort()]].contiguous()
+
+
+def simulated_merge(logits, lengths, k, world, interleave, backend):
+    """Local top-k per rank, key pack, the all-gather's layout ``[W, R, k]``, keyed select."""
+    packed = []
+    for rank in range(world):
+        local = shard(logits, rank, world, interleave)
+        local_topk = topk_decode(local, local_lengths(lengths, rank, world, interleave), 1, k)
+        packed.append(pack_candidate_keys(local, local_topk, rank, world, interleave, backend=backend))
+    out = torch.full((logits.shape[0], k), -777, dtype=torch.int32, device=logits.device)
+    return select_global_topk_keys(torch.stack(packed), k, out=out, backend=backend)
+
+
+def awkward_rows(rows: int, width: int, seed: int) -> torch.Tensor:
+    """Rows with ties (few distinct values), NaN, -inf, signed zeros and +inf."""
+    logits = few_distinct_rows((rows, width), seed)
+    logits[0] = torch.randn(width, generator=torch.Generator().manual_seed(seed))
+    logits[1, ::5] = float("nan")
+    logits[1, 1::7] = float("-inf")
+    logits[2, ::2] = -0.0
+    logits[2, 1::2] = 0.0
+    logits[3, 4] = float("inf")
+    return logits
+
+
+@pytest.mark.parametrize("interleave", [1, 3])
+def test_pack_candidate_keys_is_the_composite_key_of_the_pairs(kernel_device, interleave):
+    logits = awkward_rows(5, 30, 1)
+    local_topk = torch.randint(-1, 33, (5, 6), generator=torch.Generator().manual_seed(2), dtype=torch.int32)
+    starts = torch.tensor([0, 2, 5, 1, 0], dtype=torch.int32)
+    scores, ids = pack_local_candidates(logits, local_topk, 2, 3, interleave, starts, backend="reference")
+    expected = composite_key(torch.where(ids >= 0, scores, float("-inf")), ids.clamp_min(0))
+    for backend in ("reference", "triton"):
+        device = kernel_device if backend == "triton" else "cpu"
+        out = torch.full((5, 6), 123, dtype=torch.int64, device=device)
+        got = pack_candidate_keys(logits.to(device), local_topk.to(device), 2, 3, interleave, starts.to(device),
+                                  out=out, backend=backend)
+        assert got is out
+        assert torch.equal(got.cpu(), expected), backend
+
+
+@pytest.mark.parametrize("world, interleave, k", [(1, 1, 7), (2, 1, 16), (3, 2, 5), (4, 3, 1), (8, 1, 3)])
+def test_simulated_merge_equals_single_rank_topk(kernel_device, world, interleave, k):
+    width = 41
+    logits = awkward_rows(6, width, world + k)
+    lengths = torch.tensor([41, 40, 33, 17, 1, 0], dtype=torch.int32)
+    expected = topk_decode(logits, lengths, 1, k, backend="reference")
+    assert torch.equal(simulated_merge(logits, lengths, k, world, interleave, "reference"), expected)
+    got = simulated_merge(logits.to(kernel_device), lengths.to(kernel_device), k, world, interleave, "triton")
+    assert torch.equal(got.cpu(), expected)
+
+
+def test_keyed_select_takes_the_lowest_ids_among_ties(kernel_device):
+    # One row, 2 ranks x 4 candidates of one score: the 5 lowest of the 8 ids, rank lists interleaved.
+    ids = torch.tensor([[[0, 3, 4, 9]], [[1, 2, 7, 8]]])
+    keys = composite_key(torch.ones(2, 1, 4), ids)
+    expected = torch.tensor([[0, 1, 2, 3, 4]], dtype=torch.int32)
+    for backend, device in (("reference", "cpu"), ("triton", kernel_device)):
+        assert torch.equal(select_global_topk_keys(keys.to(device), 5, backend=backend).cpu(), expected), backend
+
+
+def _bad_select_calls(keys, out, scratch):
+    return [
+        (lambda: select_global_topk_keys(keys.int(), 4, out=out), TypeError, "keys"),
+        (lambda: select_global_topk_keys(keys[0], 4, out=out), ValueError, "keys"),
+        (lambda: select_global_topk_keys(keys, 0, out=out), ValueError, "k"),
+        (lambda: select_global_topk_keys(keys, 7, out=out), ValueError, "exceeds"),
+        (lambda: select_global_topk_keys(keys.transpose(1, 2), 4, out=out), ValueError, "row-contiguous"),
+        (lambda: select_global_topk_keys(keys, 4, out=out[:, :3]), ValueError, "out"),
+        (lambda: select_global_topk_keys(keys, 4, out=out, scratch=scratch[:5]), ValueError, "scratch"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(7))
+def test_keyed_select_rejects_bad_arguments_without_writing(index):
+    keys = composite_key(torch.randn(2, 3, 3), torch.arange(18).view(2, 3, 3))
+    out = torch.full((3, 4), -5, dtype=torch.int32)
+    scratch = torch.zeros(18, dtype=torch.int32)
+    call, error, name = _bad_select_calls(keys, out, scratch)[index]
+    with pytest.raises(error, match=name):
+        call()
+    assert (out == -5).all() and (scratch == 0).all()
+
+
+def test_pack_candidate_keys_rejects_a_strided_out():
+    logits = torch.randn(2, 8)
+    local_topk = torch.zeros(2, 3, dtype=torch.int32)
+    out = torch.zeros(3, 2, dtype=torch.int64).t()
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        pack_candidate_keys(logits, local_topk, 0, 2, 1, out=out)
+    with pytest.raises(TypeError, match="out"):
+        pack_candidate_keys(logits, local_topk, 0, 2, 1, out=torch.zeros(2, 3, dtype=torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("interleave", [1, 64])
+@pytest.mark.parametrize("k", [512, 2048])
+def test_simulated_merge_at_decode_size_equals_single_gpu_topk(world, interleave, k):
+    rows, width = 32, 131072
+    gen = torch.Generator().manual_seed(world * k + interleave)
+    logits = torch.randn(rows, width, generator=gen).cuda()
+    logits[1::4] = few_distinct_rows((rows // 4, width), 3, "cuda")  # tie-heavy rows
+    lengths = torch.randint(k // 2, width + 1, (rows,), generator=gen).to(torch.int32).cuda()
+    lengths[0] = width
+    expected = topk_decode(logits, lengths, 1, k)
+    assert torch.equal(expected[:4].cpu(), topk_decode(logits[:4].cpu(), lengths[:4].cpu(), 1, k, backend="reference"))
+    assert torch.equal(simulated_merge(logits, lengths, k, world, interleave, "triton"), expected)
