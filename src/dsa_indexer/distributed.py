@@ -434,8 +434,8 @@ class DcpMergeWorkspace:
     Holds ``send`` (int64 ``[max_rows * k]``: this rank's packed keys), ``gathered`` (int64
     ``[W * max_rows * k]``: every rank's, rank-major) and ``scratch`` (int32 ``[max_rows * W * k]``: the
     select's per-rank lists): 8 + 12 W bytes per candidate slot. Creating it is a collective: every rank
-    creates its workspace together with the same ``max_rows``, ``k`` and ``interleave`` (checked across
-    ranks, while value checks are enabled), so a merge with it carries only a row count to agree on.
+    creates its workspace together, with the same ``k`` and ``interleave`` (checked across ranks while value
+    checks are enabled; ``max_rows`` may differ, each merge's row count must not).
     """
 
     def __init__(self, max_rows: int, k: int, *, group=None, interleave: int = 1, device=None) -> None:
@@ -448,8 +448,7 @@ class DcpMergeWorkspace:
 
         error = _local_check(check)
         if world_size > 1:
-            _agree_on(group, "DcpMergeWorkspace arguments [max_rows, k, interleave]",
-                      [-1, -1, -1] if error else [max_rows, k, interleave], error)
+            _agree_on(group, "DcpMergeWorkspace arguments [k, interleave]", [-1, -1] if error else [k, interleave], error)
         elif error is not None:
             raise error
         self.group, self.rank, self.world_size = group, rank, world_size
