@@ -85,6 +85,15 @@ def test_keyed_select_takes_the_lowest_ids_among_ties(kernel_device):
         assert torch.equal(select_global_topk_keys(keys.to(device), 5, backend=backend).cpu(), expected), backend
 
 
+def test_keyed_select_one_bit_search_of_wide_tiles(kernel_device, monkeypatch):
+    # Tiles above TWO_BIT_SEARCH_MAX_SLOTS (W * k_in > 16384 at decode sizes) search one bit per round.
+    from dsa_indexer import _distributed_triton
+
+    monkeypatch.setattr(_distributed_triton, "TWO_BIT_SEARCH_MAX_SLOTS", 0)
+    test_keyed_select_takes_the_lowest_ids_among_ties(kernel_device)
+    test_simulated_merge_equals_single_rank_topk(kernel_device, 3, 2, 5)
+
+
 def _bad_select_calls(keys, out, scratch):
     return [
         (lambda: select_global_topk_keys(keys.int(), 4, out=out), TypeError, "keys"),

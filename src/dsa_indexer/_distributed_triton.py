@@ -3,13 +3,17 @@ int64 order key per candidate) and the fused select of the global top-k from the
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from .ops.topk.triton import KEY_MAX, NONE, _bit_length, _clear_low_bits, _order_keys
+from .ops.topk.triton import KEY_MAX, NONE, _bit_length, _clear_low_bits, _kth_largest_within, _order_keys
 
 MAX_GLOBAL_ID = tl.constexpr(2**31 - 1)
+# Largest select tile searched two bits per round (three 16-bit counts share one int64 reduction).
+TWO_BIT_SEARCH_MAX_SLOTS = 16384
 
 
 @triton.jit
@@ -123,26 +127,29 @@ def pack_candidate_keys_triton(
 
 
 @triton.jit
-def _count_at_least(keys, threshold):
-    """``#(keys >= threshold)`` over a 2-D tile of int32 keys."""
-    return tl.sum(tl.sum((keys >= threshold).to(tl.int32), axis=1), axis=0)
-
-
-@triton.jit
-def _kth_largest_2d(keys, k, count, lo, hi):
-    """``(t, #(keys >= t))`` for a 2-D tile of int32 keys (NONE: unselectable) holding ``count`` selectable
-    keys in ``[lo, hi]``: with ``count > k``, ``t`` is the k-th largest key or a key exactly k keys reach (both
-    select the same entries); with ``count <= k``, a ``t <= lo`` (every selectable key). One bit per round,
-    from the common high bits of ``lo`` and ``hi`` (as the top-k's searches)."""
+def _kth_largest_1bit(keys, k, count, lo, hi):
+    """``_kth_largest_within``'s result (``enough = k``) one bit per round: for tiles of more than 16384 keys,
+    where the two-bit rounds' 16-bit count fields could overflow."""
     bit = _bit_length(lo ^ hi)
     t = _clear_low_bits(lo, bit)
     while (bit > 0) & (count > k):
         bit -= 1
         candidate = t ^ (1 << bit)
-        reached = _count_at_least(keys, candidate)
+        reached = tl.sum((keys >= candidate).to(tl.int32), axis=0)
         take = reached >= k
         t = tl.where(take, candidate, t)
         count = tl.where(take, reached, count)
+    return t, count
+
+
+@triton.jit
+def _kth_largest(keys, k, count, lo, hi, TWO_BITS: tl.constexpr, CARRY: tl.constexpr):
+    """``(t, #(keys >= t))`` for 1-D int32 ``keys`` (NONE: unselectable) with ``count > k`` selectable keys in
+    ``[lo, hi]``: ``t`` is the k-th largest key or one that exactly k keys reach (the same entries ``>= t``)."""
+    if TWO_BITS:
+        t, count = _kth_largest_within(keys, k, k, count, lo, hi, CARRY)
+    else:
+        t, count = _kth_largest_1bit(keys, k, count, lo, hi)
     return t, count
 
 
@@ -153,46 +160,52 @@ def _select_global_topk_keys_kernel(
     scratch_ptr,
     width, k, world_size,
     WP: tl.constexpr, KP: tl.constexpr, OUT_BLOCK: tl.constexpr, SEARCH_ROUNDS: tl.constexpr,
+    TWO_BITS: tl.constexpr, CARRY: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    ranks = tl.arange(0, WP)[:, None]  # [WP, 1]
-    cols = tl.arange(0, KP)[None, :]  # [1, KP]
-    inside = (ranks < world_size) & (cols < width)  # [WP, KP]
+    offsets = tl.arange(0, WP * KP)  # slot j of rank w at w * KP + j
+    ranks = offsets // KP
+    cols = offsets % KP
+    inside = (ranks < world_size) & (cols < width)
     words = tl.load(keys_ptr + ranks * rank_stride + row * row_stride + cols, mask=inside, other=0)
     keys = tl.where(inside, (words >> 32).to(tl.int32), NONE)  # score order keys, NONE: unselectable
     ids = ~words.to(tl.int32)  # the low word is the inverted id
     selectable = keys != NONE
 
     # Threshold: the k-th largest score key T, then the lowest ids among the ties at T.
-    count = tl.sum(tl.sum(selectable.to(tl.int32), axis=1), axis=0)
-    lo = tl.min(tl.min(tl.where(selectable, keys, KEY_MAX), axis=1), axis=0)
-    hi = tl.max(tl.max(keys, axis=1), axis=0)
-    t, reached = _kth_largest_2d(keys, k, count, lo, hi)
+    count = tl.sum(selectable.to(tl.int32), axis=0)
     tie_floor = tl.full([], NONE, tl.int32)  # ties taken where KEY_MAX - id >= tie_floor: all, by default
-    if reached > k:
-        greater = tl.sum(tl.sum((keys > t).to(tl.int32), axis=1), axis=0)
-        tie_keys = tl.where(keys == t, KEY_MAX - ids, NONE)  # larger = lower id
-        tie_lo = tl.min(tl.min(tl.where(keys == t, tie_keys, KEY_MAX), axis=1), axis=0)
-        tie_hi = tl.max(tl.max(tie_keys, axis=1), axis=0)
-        tie_floor, _ = _kth_largest_2d(tie_keys, k - greater, reached - greater, tie_lo, tie_hi)
-    taken = selectable & ((keys > t) | ((keys == t) & (KEY_MAX - ids >= tie_floor)))  # [WP, KP]
+    t = tl.full([], NONE, tl.int32)  # at most k selectable: every one
+    if count > k:
+        lo = tl.min(tl.where(selectable, keys, KEY_MAX), axis=0)
+        hi = tl.max(keys, axis=0)
+        t, reached = _kth_largest(keys, k, count, lo, hi, TWO_BITS, CARRY)
+        if reached > k:
+            greater = tl.sum((keys > t).to(tl.int32), axis=0)
+            tie_keys = tl.where(keys == t, KEY_MAX - ids, NONE)  # larger = lower id
+            tie_lo = tl.min(tl.where(keys == t, tie_keys, KEY_MAX), axis=0)
+            tie_hi = tl.max(tie_keys, axis=0)
+            tie_floor, _ = _kth_largest(tie_keys, k - greater, reached - greater, tie_lo, tie_hi, TWO_BITS, CARRY)
+    taken = selectable & ((keys > t) | ((keys == t) & (KEY_MAX - ids >= tie_floor)))
 
     # Ascending ids: each rank's taken ids are ascending (its local top-k is), so an id's place is its rank
     # among its own rank's taken ids plus, for every other rank, how many of that rank's taken ids are lower
     # (a binary search in that rank's compacted list).
     flags = taken.to(tl.int32)
-    place = tl.cumsum(flags, axis=1) - flags  # [WP, KP]
-    per_rank = tl.sum(flags, axis=1)  # [WP]
-    total = tl.sum(per_rank, axis=0)
+    before = tl.cumsum(flags, axis=0) - flags  # taken slots before this one, over the ranks in order
+    total = tl.sum(flags, axis=0)
     lists = scratch_ptr + row * world_size * width
+    rank_base = tl.zeros([WP * KP], dtype=tl.int32)
+    for other in tl.static_range(WP):
+        rank_base += tl.where(ranks > other, tl.sum(tl.where(ranks == other, flags, 0), axis=0), 0)
+    place = before - rank_base
     tl.store(lists + ranks * width + place, ids, mask=taken)
     tl.debug_barrier()
     position = place
     for other in tl.static_range(WP):
-        length = tl.sum(tl.where(tl.arange(0, WP) == other, per_rank, 0), axis=0)
-        searching = taken & (ranks != other)
-        low = tl.zeros([WP, KP], dtype=tl.int32)
-        high = tl.where(searching, length, 0)
+        length = tl.sum(tl.where(ranks == other, flags, 0), axis=0)
+        low = tl.zeros([WP * KP], dtype=tl.int32)
+        high = tl.where(taken & (ranks != other), length, 0)
         for _ in tl.static_range(SEARCH_ROUNDS):
             active = low < high
             middle = (low + high) // 2
@@ -214,12 +227,14 @@ def select_global_topk_keys_triton(keys: torch.Tensor, k: int, out: torch.Tensor
     if num_rows == 0:
         return out
     wp, kp = triton.next_power_of_2(world_size), triton.next_power_of_2(width)
-    warps = 4 if wp * kp <= 1024 else 8 if wp * kp <= 4096 else 16
+    block = wp * kp
+    warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
     _select_global_topk_keys_kernel[(num_rows,)](
         keys, keys.stride(0), keys.stride(1),
         out, out.stride(0), out.stride(1),
         scratch,
         width, k, world_size,
-        WP=wp, KP=kp, OUT_BLOCK=triton.next_power_of_2(k), SEARCH_ROUNDS=max(1, width.bit_length()), num_warps=warps,
+        WP=wp, KP=kp, OUT_BLOCK=triton.next_power_of_2(k), SEARCH_ROUNDS=max(1, width.bit_length()),
+        TWO_BITS=block <= TWO_BIT_SEARCH_MAX_SLOTS, CARRY=int(os.environ.get("TRITON_INTERPRET") != "1"), num_warps=warps,
     )
     return out
