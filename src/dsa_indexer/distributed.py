@@ -2,12 +2,14 @@
 
 The KV of a request is sharded over ``W`` ranks with interleave ``I``: global position ``g`` lives on
 rank ``(g // I) % W`` at local index ``(g // (I * W)) * I + g % I``. Each rank scores and selects
-its own shard, then the exact merge turns the local top-k into the global one:
+its own shard, then the exact merge (``merge_topk_global``) turns the local top-k into the global one:
 
-1. ``pack_local_candidates``: each rank's local top-k as ``(score, global id)``;
-2. an ``all_gather`` along dim 1 (equal-size tensors) gives every rank the ``W * k`` candidates;
-3. ``select_global_topk``: the top k of those under the §6 order (score descending, global id
-   ascending), output ascending.
+1. ``pack_candidate_keys``: each rank's local top-k as one int64 word per candidate whose integer order
+   is the §5 order (score descending, global id ascending);
+2. one ``all_gather_into_tensor`` gives every rank the ``[W, R, k]`` words;
+3. ``select_global_topk_keys``: the ids of each row's k largest words, ascending.
+
+``pack_local_candidates`` and ``select_global_topk`` are the same steps on ``(score, global id)`` pairs.
 
 A key in the global top-k has fewer than k keys above it globally, hence fewer than k on its own
 rank, so it is in its rank's local top-k: the merge equals a top-k over the whole row. The local
@@ -16,9 +18,9 @@ with the local id on one rank, the tie choices then agree too. Ids travel as int
 
 The collective parts — ``merge_topk_global``, ``select_candidate_blocks_dcp`` and the prefill context
 parallel ``gather_prefill_k`` — run on any ``torch.distributed`` process group (gloo on CPU, NCCL on
-GPUs) using only ``all_gather`` of equal-size tensors and ``all_reduce``. Each first exchanges a small
-shape descriptor, so a mismatch between ranks raises the same ``ValueError`` on every rank instead of
-hanging. ``torch.distributed`` is imported only when a collective runs.
+GPUs) using only all-gathers of equal-size tensors and ``all_reduce``. While value checks are enabled, each
+first exchanges a small shape descriptor, so a mismatch between ranks raises the same ``ValueError`` on
+every rank instead of hanging. ``torch.distributed`` is imported only when a collective runs.
 """
 
 from __future__ import annotations
