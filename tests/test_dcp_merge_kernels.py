@@ -141,3 +141,40 @@ def test_simulated_merge_at_decode_size_equals_single_gpu_topk(world, interleave
     expected = topk_decode(logits, lengths, 1, k)
     assert torch.equal(expected[:4].cpu(), topk_decode(logits[:4].cpu(), lengths[:4].cpu(), 1, k, backend="reference"))
     assert torch.equal(simulated_merge(logits, lengths, k, world, interleave, "triton"), expected)
+
+
+@pytest.mark.gpu
+def test_simulated_merge_replays_in_a_cuda_graph():
+    # Local top-k, key pack and keyed select of every simulated rank, captured once, replayed on new logits.
+    world, rows, width, k = 2, 8, 8192, 512
+    gen = torch.Generator().manual_seed(8)
+    lengths = torch.randint(k // 2, width + 1, (rows,), generator=gen).to(torch.int32).cuda()
+    shards = [torch.empty(rows, width // world, device="cuda") for _ in range(world)]
+    shard_lengths = [local_lengths(lengths, rank, world, 1) for rank in range(world)]
+    local = [torch.empty(rows, k, dtype=torch.int32, device="cuda") for _ in range(world)]
+    gathered = torch.empty(world, rows, k, dtype=torch.int64, device="cuda")
+    scratch = torch.empty(world * rows * k, dtype=torch.int32, device="cuda")
+    merged = torch.empty(rows, k, dtype=torch.int32, device="cuda")
+
+    def load(logits):
+        for rank in range(world):
+            shards[rank].copy_(shard(logits, rank, world, 1))
+
+    def merge():
+        for rank in range(world):
+            topk_decode(shards[rank], shard_lengths[rank], 1, k, out=local[rank])
+            pack_candidate_keys(shards[rank], local[rank], rank, world, 1, out=gathered[rank])
+        select_global_topk_keys(gathered, k, out=merged, scratch=scratch)
+
+    load(torch.randn(rows, width, generator=gen).cuda())
+    merge()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        merge()
+    for _ in range(2):
+        logits = torch.randn(rows, width, generator=gen).cuda()
+        load(logits)
+        merged.fill_(-777)
+        graph.replay()
+        assert torch.equal(merged, topk_decode(logits, lengths, 1, k))
