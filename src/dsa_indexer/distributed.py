@@ -577,8 +577,8 @@ def select_candidate_blocks_dcp(
     """
     import torch.distributed as dist
 
-    from .ops._order import composite_key, top_ids_ascending
     from .ops.candidates.reference import block_scores
+    from .ops.topk import topk
 
     _, world_size = _group_layout(group)
 
@@ -608,10 +608,8 @@ def select_candidate_blocks_dcp(
     bound_index = torch.arange(num_rows, device=logits.device) // row_repeat
     newest = torch.div(global_ends.to(torch.int64)[bound_index] - 1, global_block_size, rounding_mode="floor")
     scores = torch.where(block_ids == newest[:, None], float("inf"), scores)
-    chosen = top_ids_ascending(composite_key(scores, block_ids), block_ids, num_blocks_k)
-    if out is None:
-        out = torch.empty((num_rows, num_blocks_k), dtype=torch.int32, device=logits.device)
-    return out.copy_(chosen)
+    # The §5 top-k of the block scores is the selection (block id = column): one launch on the GPU.
+    return topk(scores, num_blocks_k, out=out)
 
 
 def gather_prefill_k(
