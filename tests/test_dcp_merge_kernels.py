@@ -94,6 +94,28 @@ def test_keyed_select_one_bit_search_of_wide_tiles(kernel_device, monkeypatch):
     test_simulated_merge_equals_single_rank_topk(kernel_device, 3, 2, 5)
 
 
+@pytest.mark.parametrize("row_repeat, with_starts", [(1, False), (2, True)])
+def test_dcp_block_scores_kernel_equals_reference(kernel_device, row_repeat, with_starts):
+    # Local blocks of 3 (a global block of 6 over 2 ranks), NaN / -inf / +inf / signed zeros, rows shorter than
+    # the blocks, and the pinned newest block inside, at the edge of and past the score columns (or absent).
+    from dsa_indexer.distributed import _dcp_block_scores_reference, _dcp_block_scores_triton
+
+    logits = awkward_rows(6, 50, 3)
+    bounds = 6 // row_repeat
+    ends = torch.tensor([50, 37, 0, 5, 49, 1][:bounds], dtype=torch.int32)
+    starts = torch.tensor([0, 4, 0, 2, 1, 0][:bounds], dtype=torch.int32) if with_starts else None
+    global_ends = torch.tensor([100, 74, 0, 120, 121, 1][:bounds], dtype=torch.int32)
+    args = (3, 20, row_repeat)
+    want = _dcp_block_scores_reference(logits, starts, ends, *args, global_ends, 6, torch.empty(6, 20))
+    out = torch.full((6, 20), 5.0, device=kernel_device)
+    got = _dcp_block_scores_triton(logits.to(kernel_device), None if starts is None else starts.to(kernel_device),
+                                   ends.to(kernel_device), *args, global_ends.to(kernel_device), 6, out)
+    assert torch.equal(got.cpu(), want)
+    for row, end in enumerate(global_ends.repeat_interleave(row_repeat).tolist()):
+        if 0 < end <= 120:  # newest block (end - 1) // 6 is one of the 20 columns
+            assert want[row, (end - 1) // 6] == float("inf")
+
+
 def _bad_select_calls(keys, out, scratch):
     return [
         (lambda: select_global_topk_keys(keys.int(), 4, out=out), TypeError, "keys"),

@@ -1,5 +1,6 @@
 """Triton kernels of the DCP merge: the pack of a rank's local top-k (as ``(score, global id)`` pairs, or as one
-int64 order key per candidate) and the fused select of the global top-k from the gathered keys."""
+int64 order key per candidate) and the fused select of the global top-k from the gathered keys; and the local
+block scores of the DCP candidate selection (the MAX-reduce's input)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .ops.candidates.triton import _row_bounds
 from .ops.topk.triton import KEY_MAX, NONE, _bit_length, _clear_low_bits, _kth_largest_within, _order_keys
 
 MAX_GLOBAL_ID = tl.constexpr(2**31 - 1)
@@ -236,5 +238,56 @@ def select_global_topk_keys_triton(keys: torch.Tensor, k: int, out: torch.Tensor
         width, k, world_size,
         WP=wp, KP=kp, OUT_BLOCK=triton.next_power_of_2(k), SEARCH_ROUNDS=max(1, width.bit_length()),
         TWO_BITS=block <= TWO_BIT_SEARCH_MAX_SLOTS, CARRY=int(os.environ.get("TRITON_INTERPRET") != "1"), num_warps=warps,
+    )
+    return out
+
+
+@triton.jit(do_not_specialize=["row_repeat", "num_blocks", "local_block", "global_block"])
+def _dcp_block_scores_kernel(
+    logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, global_ends_ptr, scores_ptr,
+    row_repeat, num_blocks, local_block, global_block,
+    HAS_STARTS: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_J: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    start, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS)
+    blocks = tl.program_id(1).to(tl.int64) * BLOCK_NB + tl.arange(0, BLOCK_NB)  # [BLOCK_NB]
+    best = tl.full([BLOCK_NB], float("-inf"), tl.float32)
+    row_ptr = logits_ptr + row * stride_row
+    first = local_block * 0
+    while first < local_block:
+        inner = first + tl.arange(0, BLOCK_J)  # [BLOCK_J]
+        pos = blocks[:, None] * local_block + inner[None, :]  # [BLOCK_NB, BLOCK_J] row-relative
+        inside = (inner[None, :] < local_block) & (pos < length)
+        values = tl.load(row_ptr + (start + pos) * stride_col, mask=inside, other=float("-inf"))
+        best = tl.maximum(best, tl.max(tl.where(values != values, float("-inf"), values), axis=1))
+        first += BLOCK_J
+    # Pinned before the MAX-reduce: every rank pins the same block, and +inf survives the maximum.
+    global_end = tl.load(global_ends_ptr + row // row_repeat).to(tl.int64)
+    newest = tl.where(global_end > 0, (global_end - 1) // global_block, -1)
+    best = tl.where(blocks == newest, float("inf"), best)
+    tl.store(scores_ptr + row * num_blocks + blocks, best, mask=blocks < num_blocks)
+
+
+def dcp_block_scores_triton(
+    logits: torch.Tensor,
+    starts: torch.Tensor | None,
+    ends: torch.Tensor,
+    local_block: int,
+    num_blocks: int,
+    row_repeat: int,
+    global_ends: torch.Tensor,
+    global_block: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Triton twin of the reference DCP block scores: float32 ``out [R, num_blocks]`` (contiguous)."""
+    num_rows = logits.shape[0]
+    if num_rows == 0 or num_blocks == 0:
+        return out
+    block_j = min(64, triton.next_power_of_2(local_block))
+    block_nb = max(1, min(triton.next_power_of_2(num_blocks), 4096 // block_j))
+    _dcp_block_scores_kernel[(num_rows, triton.cdiv(num_blocks, block_nb))](
+        logits, logits.stride(0), logits.stride(1), starts if starts is not None else ends, ends, global_ends, out,
+        row_repeat, num_blocks, local_block, global_block,
+        HAS_STARTS=starts is not None, BLOCK_NB=block_nb, BLOCK_J=block_j, num_warps=4,
     )
     return out

@@ -553,6 +553,24 @@ def merge_topk_global(
     select_global_topk_keys(gathered.view(world_size, rows, k), k, out=topk_indices, scratch=scratch, backend=backend)
 
 
+def _dcp_block_scores_reference(logits, starts, ends, local_block, num_blocks, row_repeat, global_ends, global_block,
+                                out) -> torch.Tensor:
+    from .ops.candidates.reference import block_scores
+
+    num_rows = logits.shape[0]
+    scores = block_scores(logits, starts, ends, local_block, num_blocks, row_repeat)
+    block_ids = torch.arange(num_blocks, device=logits.device).expand(num_rows, num_blocks)
+    bound_index = torch.arange(num_rows, device=logits.device) // row_repeat
+    newest = torch.div(global_ends.to(torch.int64)[bound_index] - 1, global_block, rounding_mode="floor")
+    return out.copy_(torch.where(block_ids == newest[:, None], float("inf"), scores))
+
+
+def _dcp_block_scores_triton(*args):
+    from ._distributed_triton import dcp_block_scores_triton
+
+    return dcp_block_scores_triton(*args)
+
+
 def select_candidate_blocks_dcp(
     logits: torch.Tensor,
     starts: torch.Tensor | None,
@@ -565,6 +583,7 @@ def select_candidate_blocks_dcp(
     group=None,
     row_repeat: int = 1,
     out: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """V4.1 candidate blocks of a DCP-sharded row (a collective; interleave 1 only).
 
@@ -574,10 +593,14 @@ def select_candidate_blocks_dcp(
     the global row length ``global_ends [R'] int32`` (``(global_end - 1) // global_block_size``; rows
     with no context pin nothing). Every rank calls with the same rows and ``max_global_blocks``, also
     with an empty shard. Returns int32 ``[R, num_blocks_k]`` global block ids, ascending, ``-1``-padded.
+
+    Three launches: this rank's block scores (float32 ``[R, max_global_blocks]``, the newest block
+    already ``+inf``: every rank pins it, and the maximum keeps it), one ``all_reduce`` MAX, and the §5
+    top-k of the reduced scores (block id = column). The argument exchange runs while value checks are
+    enabled, as for ``merge_topk_global``.
     """
     import torch.distributed as dist
 
-    from .ops.candidates.reference import block_scores
     from .ops.topk import topk
 
     _, world_size = _group_layout(group)
@@ -587,7 +610,12 @@ def select_candidate_blocks_dcp(
         check_positive_int("num_blocks_k", num_blocks_k)
         check_positive_int("global_block_size", global_block_size)
         check_positive_int("max_global_blocks", max_global_blocks, minimum=0)
+        check_positive_int("row_repeat", row_repeat)
         check_index_tensor("global_ends", global_ends, ndim=1)
+        check_index_tensor("ends", ends, ndim=1)
+        if starts is not None:
+            check_index_tensor("starts", starts, shape=ends.shape)
+        check_same_device(logits=logits, ends=ends, starts=starts, global_ends=global_ends)
         if global_block_size % world_size:
             raise ValueError(
                 f"global_block_size ({global_block_size}) must be a multiple of the DCP world size ({world_size})"
@@ -600,16 +628,14 @@ def select_candidate_blocks_dcp(
                   descriptor, error)
     elif error is not None:
         raise error
-    num_rows = logits.shape[0]
-    scores = block_scores(logits, starts, ends, global_block_size // world_size, max_global_blocks, row_repeat)
+    scores = torch.empty((logits.shape[0], max_global_blocks), dtype=torch.float32, device=logits.device)
+    triton_impl = _dcp_block_scores_triton if _backend.triton_available() else None
+    impl = _backend.dispatch(_dcp_block_scores_reference, triton_impl, backend, logits.device)
+    impl(logits, starts, ends, global_block_size // world_size, max_global_blocks, row_repeat, global_ends,
+         global_block_size, scores)
     if world_size > 1:
         dist.all_reduce(scores, op=dist.ReduceOp.MAX, group=group)
-    block_ids = torch.arange(max_global_blocks, device=logits.device).expand(num_rows, max_global_blocks)
-    bound_index = torch.arange(num_rows, device=logits.device) // row_repeat
-    newest = torch.div(global_ends.to(torch.int64)[bound_index] - 1, global_block_size, rounding_mode="floor")
-    scores = torch.where(block_ids == newest[:, None], float("inf"), scores)
-    # The §5 top-k of the block scores is the selection (block id = column): one launch on the GPU.
-    return topk(scores, num_blocks_k, out=out)
+    return topk(scores, num_blocks_k, out=out, backend=backend)
 
 
 def gather_prefill_k(
