@@ -321,6 +321,7 @@ def run(ceilings: dict[str, float]) -> list[dict]:
     from dsa_indexer.testing import run_distributed
 
     rows_out = _single_gpu_timeline(ceilings)
+    torch.cuda.empty_cache()  # the ranks' processes need the memory of GPU 0
     if torch.cuda.device_count() < WORLD:
         print(f"distributed: ranks simulated on 1 GPU only; the NCCL merge and the DCP step need >= {WORLD} GPUs "
               f"(this machine has {torch.cuda.device_count()})", file=sys.stderr)
