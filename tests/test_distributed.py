@@ -252,22 +252,36 @@ def test_uninitialised_group_is_a_clear_error():
         merge_topk_global(torch.randn(2, 4), torch.zeros(2, 2, dtype=torch.int32), 2)
 
 
-def nccl_merge_case(rank: int, world: int, rows: int, width: int, k: int) -> torch.Tensor:
+def nccl_merge_case(rank: int, world: int, rows: int, width: int, k: int, interleave: int) -> list[torch.Tensor]:
+    """The merge on NCCL eagerly, then captured in a CUDA graph with a workspace and replayed."""
     logits = few_distinct_rows((rows, width), 21)
     lengths = torch.randint(int(0.8 * width), width + 1, (rows,), generator=torch.Generator().manual_seed(2))
-    local = sharded_columns(logits, rank, world, 1).contiguous().cuda()
-    local_len = local_lengths(lengths.to(torch.int32), rank, world, 1).cuda()
-    indices = topk_decode(local, local_len, 1, k)
-    merge_topk_global(local, indices, k)
-    return indices.cpu()
+    local = sharded_columns(logits, rank, world, interleave).contiguous().cuda()
+    local_len = local_lengths(lengths.to(torch.int32), rank, world, interleave).cuda()
+    local_topk = topk_decode(local, local_len, 1, k)
+    eager = local_topk.clone()
+    merge_topk_global(local, eager, k, interleave=interleave)
+    workspace = DcpMergeWorkspace(rows, k, interleave=interleave, device="cuda")
+    captured = local_topk.clone()
+    merge_topk_global(local, captured, k, interleave=interleave, workspace=workspace)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured.copy_(local_topk)
+        merge_topk_global(local, captured, k, interleave=interleave, workspace=workspace)
+    captured.fill_(-777)
+    graph.replay()
+    torch.cuda.synchronize()
+    return [eager.cpu(), captured.cpu()]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs for NCCL (device kind nvidia-h200-x2)")
-def test_nccl_merge_at_realistic_size_equals_single_rank():
-    rows, width, k = 32, 131072, 2048
+@pytest.mark.parametrize("k, interleave", [(2048, 1), (512, 64)])
+def test_nccl_merge_at_realistic_size_equals_single_rank(k, interleave):
+    rows, width = 32, 131072
     logits = few_distinct_rows((rows, width), 21)
     lengths = torch.randint(int(0.8 * width), width + 1, (rows,), generator=torch.Generator().manual_seed(2))
     expected = topk_decode(logits, lengths.to(torch.int32), 1, k, backend="reference")
-    for merged in run_distributed(nccl_merge_case, 2, rows, width, k, backend="nccl"):
-        assert torch.equal(merged, expected)
+    for merged in run_distributed(nccl_merge_case, 2, rows, width, k, interleave, backend="nccl"):
+        assert torch.equal(merged[0], expected) and torch.equal(merged[1], expected)
