@@ -65,7 +65,7 @@ def test_pack_candidate_keys_is_the_composite_key_of_the_pairs(kernel_device, in
         assert torch.equal(got.cpu(), expected), backend
 
 
-@pytest.mark.parametrize("world, interleave, k", [(2, 1, 16), (3, 2, 5), (8, 1, 3)])
+@pytest.mark.parametrize("world, interleave, k", [(2, 1, 16), (3, 2, 5)])  # W 4 and 8: the GPU test below
 def test_simulated_merge_equals_single_rank_topk(kernel_device, world, interleave, k):
     width = 41
     logits = awkward_rows(5, width, world + k)
