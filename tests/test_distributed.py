@@ -11,6 +11,7 @@ import torch
 
 from dsa_indexer import IndexerKCache, SparseAttnIndexer, build_metadata, rope_quant_q, topk, topk_decode
 from dsa_indexer.distributed import (
+    DcpMergeWorkspace,
     gather_prefill_k,
     global_to_local,
     local_lengths,
@@ -56,12 +57,29 @@ def merge_cases(rank: int, world: int) -> list[torch.Tensor]:
     return results
 
 
-def merge_cases_without_value_checks(rank: int, world: int) -> list[torch.Tensor]:
-    """``merge_cases`` as an engine runs it under graph capture: no collective argument exchange."""
-    import os
+def decode_size_rows(width: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three rows: Gaussian at full length, tie-heavy (10 values) at 3/4, and one shorter than its k."""
+    logits = torch.randn(3, width, generator=torch.Generator().manual_seed(seed))
+    logits[1] = few_distinct_rows((1, width), seed)[0]
+    lengths = torch.tensor([width, 3 * width // 4, 300], dtype=torch.int32)
+    return logits, lengths
 
-    os.environ["DSA_INDEXER_SKIP_VALUE_CHECKS"] = "1"
-    return merge_cases(rank, world)
+
+def decode_size_cases(rank: int, world: int) -> list[torch.Tensor]:
+    """k 512 and 2048 (more than k keys on every rank), interleave 1 and 64, through a workspace made once
+    for each (k, interleave) with spare rows, and once without one."""
+    results = []
+    for k in (512, 2048):
+        logits, lengths = decode_size_rows(world * (k + 300) + 37, k)
+        for interleave in (1, 64):
+            workspace = DcpMergeWorkspace(5, k, interleave=interleave)
+            local = sharded_columns(logits, rank, world, interleave).contiguous()
+            local_len = local_lengths(lengths, rank, world, interleave)
+            for space in (workspace, None):
+                indices = topk_decode(local, local_len, 1, k)
+                merge_topk_global(local, indices, k, interleave=interleave, workspace=space)
+                results.append(indices)
+    return results
 
 
 def candidate_cases(rank: int, world: int) -> list[torch.Tensor]:
@@ -77,32 +95,36 @@ def candidate_cases(rank: int, world: int) -> list[torch.Tensor]:
     ]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_merged_topk_equals_single_rank(world):
+def dcp_cases(rank: int, world: int) -> dict[str, list[torch.Tensor]]:
+    """Every merge and candidate case of one world size in one spawn (starting processes is the slow part);
+    last, ``merge_cases`` again as an engine runs them under graph capture: no collective argument exchange."""
+    import os
+
+    results = {"merge": merge_cases(rank, world), "decode_size": decode_size_cases(rank, world),
+               "candidates": candidate_cases(rank, world)}
+    os.environ["DSA_INDEXER_SKIP_VALUE_CHECKS"] = "1"
+    results["merge_without_value_checks"] = merge_cases(rank, world)
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_merge_and_candidate_blocks_equal_single_rank(world):
     logits = few_distinct_rows((ROWS, WIDTH), 3)
     lengths = torch.tensor([97, 1, 0, 40, 5, 96], dtype=torch.int32)
     expected = topk_decode(logits, lengths, 1, K)
-    for rank_results in run_distributed(merge_cases, world):
-        for merged in rank_results:
-            assert torch.equal(merged, expected)
-
-
-def test_merge_without_value_checks_equals_single_rank():
-    logits = few_distinct_rows((ROWS, WIDTH), 3)
-    lengths = torch.tensor([97, 1, 0, 40, 5, 96], dtype=torch.int32)
-    expected = topk_decode(logits, lengths, 1, K)
-    for rank_results in run_distributed(merge_cases_without_value_checks, 2):
-        for merged in rank_results:
-            assert torch.equal(merged, expected)
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_dcp_candidate_blocks_equal_single_rank(world):
-    logits = few_distinct_rows((ROWS, WIDTH), 4)
-    lengths = torch.tensor([97, 1, 0, 40, 5, 96], dtype=torch.int32)
-    expected = select_candidate_blocks(logits, None, lengths, 5, 8)
-    for (got,) in run_distributed(candidate_cases, world):
-        assert torch.equal(got, expected)
+    expected_large = []
+    for k in (512, 2048):
+        large, large_lengths = decode_size_rows(world * (k + 300) + 37, k)
+        expected_large += [topk_decode(large, large_lengths, 1, k)] * 4
+    candidate_logits = few_distinct_rows((ROWS, WIDTH), 4)
+    expected_blocks = select_candidate_blocks(candidate_logits, None, lengths, 5, 8)
+    for results in run_distributed(dcp_cases, world):
+        assert all(torch.equal(merged, expected) for merged in results["merge"])
+        assert all(torch.equal(merged, expected) for merged in results["merge_without_value_checks"])
+        assert len(results["decode_size"]) == len(expected_large)
+        for merged, want in zip(results["decode_size"], expected_large):
+            assert torch.equal(merged, want)
+        assert torch.equal(results["candidates"][0], expected_blocks)
 
 
 # Layer end to end: the same steps on one rank and on W ranks with sharded caches.
@@ -230,22 +252,36 @@ def test_uninitialised_group_is_a_clear_error():
         merge_topk_global(torch.randn(2, 4), torch.zeros(2, 2, dtype=torch.int32), 2)
 
 
-def nccl_merge_case(rank: int, world: int, rows: int, width: int, k: int) -> torch.Tensor:
+def nccl_merge_case(rank: int, world: int, rows: int, width: int, k: int, interleave: int) -> list[torch.Tensor]:
+    """The merge on NCCL eagerly, then captured in a CUDA graph with a workspace and replayed."""
     logits = few_distinct_rows((rows, width), 21)
     lengths = torch.randint(int(0.8 * width), width + 1, (rows,), generator=torch.Generator().manual_seed(2))
-    local = sharded_columns(logits, rank, world, 1).contiguous().cuda()
-    local_len = local_lengths(lengths.to(torch.int32), rank, world, 1).cuda()
-    indices = topk_decode(local, local_len, 1, k)
-    merge_topk_global(local, indices, k)
-    return indices.cpu()
+    local = sharded_columns(logits, rank, world, interleave).contiguous().cuda()
+    local_len = local_lengths(lengths.to(torch.int32), rank, world, interleave).cuda()
+    local_topk = topk_decode(local, local_len, 1, k)
+    eager = local_topk.clone()
+    merge_topk_global(local, eager, k, interleave=interleave)
+    workspace = DcpMergeWorkspace(rows, k, interleave=interleave, device="cuda")
+    captured = local_topk.clone()
+    merge_topk_global(local, captured, k, interleave=interleave, workspace=workspace)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured.copy_(local_topk)
+        merge_topk_global(local, captured, k, interleave=interleave, workspace=workspace)
+    captured.fill_(-777)
+    graph.replay()
+    torch.cuda.synchronize()
+    return [eager.cpu(), captured.cpu()]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs for NCCL (device kind nvidia-h200-x2)")
-def test_nccl_merge_at_realistic_size_equals_single_rank():
-    rows, width, k = 32, 131072, 2048
+@pytest.mark.parametrize("k, interleave", [(2048, 1), (512, 64)])
+def test_nccl_merge_at_realistic_size_equals_single_rank(k, interleave):
+    rows, width = 32, 131072
     logits = few_distinct_rows((rows, width), 21)
     lengths = torch.randint(int(0.8 * width), width + 1, (rows,), generator=torch.Generator().manual_seed(2))
     expected = topk_decode(logits, lengths.to(torch.int32), 1, k, backend="reference")
-    for merged in run_distributed(nccl_merge_case, 2, rows, width, k, backend="nccl"):
-        assert torch.equal(merged, expected)
+    for merged in run_distributed(nccl_merge_case, 2, rows, width, k, interleave, backend="nccl"):
+        assert torch.equal(merged[0], expected) and torch.equal(merged[1], expected)

@@ -11,8 +11,10 @@ from dsa_indexer.distributed import (
     global_to_local,
     local_lengths,
     local_to_global,
+    pack_candidate_keys,
     pack_local_candidates,
     select_global_topk,
+    select_global_topk_keys,
 )
 
 WORLD_SIZES = [1, 2, 3, 4]
@@ -143,7 +145,7 @@ def test_merged_local_topk_equals_single_rank_topk(world_size, interleave, data)
     rows = [make_row(length, data, seed=length + world_size) for length in row_lengths]
     owned = [deal_positions(length, world_size, interleave) for length in row_lengths]
     for k in [1, 3, 7, 20]:
-        gathered_scores, gathered_ids = [], []
+        gathered_scores, gathered_ids, gathered_keys = [], [], []
         for rank in range(world_size):
             shard_lengths = [len(positions[rank]) for positions in owned]
             width = max(offset + shard for offset, shard in zip(row_offsets, shard_lengths)) + 2
@@ -160,9 +162,11 @@ def test_merged_local_topk_equals_single_rank_topk(world_size, interleave, data)
             scores, global_ids = pack_local_candidates(local_logits, local_topk, rank, world_size, interleave, starts)
             gathered_scores.append(scores)
             gathered_ids.append(global_ids)
+            gathered_keys.append(pack_candidate_keys(local_logits, local_topk, rank, world_size, interleave, starts))
         merged = select_global_topk(torch.cat(gathered_scores, dim=1), torch.cat(gathered_ids, dim=1), k)
         expected = torch.tensor([exact_topk(values, k) for values in rows], dtype=torch.int32)
         assert torch.equal(merged, expected), f"k={k}"
+        assert torch.equal(select_global_topk_keys(torch.stack(gathered_keys), k), expected), f"keyed, k={k}"
 
 
 def _mapping_error_cases():

@@ -2,12 +2,14 @@
 
 The KV of a request is sharded over ``W`` ranks with interleave ``I``: global position ``g`` lives on
 rank ``(g // I) % W`` at local index ``(g // (I * W)) * I + g % I``. Each rank scores and selects
-its own shard, then the exact merge turns the local top-k into the global one:
+its own shard, then the exact merge (``merge_topk_global``) turns the local top-k into the global one:
 
-1. ``pack_local_candidates``: each rank's local top-k as ``(score, global id)``;
-2. an ``all_gather`` along dim 1 (equal-size tensors) gives every rank the ``W * k`` candidates;
-3. ``select_global_topk``: the top k of those under the §6 order (score descending, global id
-   ascending), output ascending.
+1. ``pack_candidate_keys``: each rank's local top-k as one int64 word per candidate whose integer order
+   is the §5 order (score descending, global id ascending);
+2. one ``all_gather_into_tensor`` gives every rank the ``[W, R, k]`` words;
+3. ``select_global_topk_keys``: the ids of each row's k largest words, ascending.
+
+``pack_local_candidates`` and ``select_global_topk`` are the same steps on ``(score, global id)`` pairs.
 
 A key in the global top-k has fewer than k keys above it globally, hence fewer than k on its own
 rank, so it is in its rank's local top-k: the merge equals a top-k over the whole row. The local
@@ -16,9 +18,9 @@ with the local id on one rank, the tie choices then agree too. Ids travel as int
 
 The collective parts — ``merge_topk_global``, ``select_candidate_blocks_dcp`` and the prefill context
 parallel ``gather_prefill_k`` — run on any ``torch.distributed`` process group (gloo on CPU, NCCL on
-GPUs) using only ``all_gather`` of equal-size tensors and ``all_reduce``. Each first exchanges a small
-shape descriptor, so a mismatch between ranks raises the same ``ValueError`` on every rank instead of
-hanging. ``torch.distributed`` is imported only when a collective runs.
+GPUs) using only all-gathers of equal-size tensors and ``all_reduce``. While value checks are enabled, each
+first exchanges a small shape descriptor, so a mismatch between ranks raises the same ``ValueError`` on
+every rank instead of hanging. ``torch.distributed`` is imported only when a collective runs.
 """
 
 from __future__ import annotations
@@ -30,14 +32,17 @@ from ._validation import check_index_tensor, check_positive_int, check_same_devi
 from .ops._order import composite_key, top_ids_ascending
 
 __all__ = [
+    "DcpMergeWorkspace",
     "gather_prefill_k",
     "global_to_local",
     "local_lengths",
     "local_to_global",
     "merge_topk_global",
+    "pack_candidate_keys",
     "pack_local_candidates",
     "select_candidate_blocks_dcp",
     "select_global_topk",
+    "select_global_topk_keys",
 ]
 
 # Merged ids are reported as int32: anything outside this range is not a valid global position.
@@ -244,6 +249,126 @@ def select_global_topk(
     return impl(scores, global_ids, k, out)
 
 
+def _pack_candidate_keys_reference(
+    logits: torch.Tensor,
+    local_topk: torch.Tensor,
+    rank: int,
+    world_size: int,
+    interleave: int,
+    starts: torch.Tensor | None,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    scores, global_ids = _pack_local_candidates_reference(logits, local_topk, rank, world_size, interleave, starts)
+    valid_id = (global_ids >= 0) & (global_ids <= _MAX_GLOBAL_ID)
+    return out.copy_(composite_key(torch.where(valid_id, scores, float("-inf")), global_ids.clamp(0, _MAX_GLOBAL_ID)))
+
+
+def _pack_candidate_keys_triton(*args):
+    from ._distributed_triton import pack_candidate_keys_triton
+
+    return pack_candidate_keys_triton(*args)
+
+
+def pack_candidate_keys(
+    logits: torch.Tensor,
+    local_topk: torch.Tensor,
+    rank: int,
+    world_size: int,
+    interleave: int,
+    starts: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """This rank's local top-k as one int64 order key per candidate (the fused merge's payload).
+
+    Args:
+        logits, local_topk, rank, world_size, interleave, starts: as for ``pack_local_candidates``.
+        out: optional contiguous int64 ``[R, k]`` destination.
+        backend: ``"auto" | "reference" | "triton"``.
+
+    Returns:
+        int64 ``[R, k]``: ``composite_key(score, global id)`` of ``ops/_order.py``, i.e. the score's order
+        key in the high 32 bits and ``2**32 - 1 - id`` in the low ones, so that integer order is the §5
+        order (score descending, then id ascending); ``UNSELECTABLE`` (``-2**63``) where the pair of
+        ``pack_local_candidates`` is unselectable (NaN or ``-inf`` score, padding) or the id is ``>= 2**31``.
+    """
+    check_tensor("logits", logits, dtype=torch.float32, ndim=2)
+    check_tensor("local_topk", local_topk, dtype=torch.int32, shape=(logits.shape[0], None))
+    _check_layout(world_size, interleave, rank)
+    if starts is not None:
+        check_tensor("starts", starts, dtype=torch.int32, shape=(logits.shape[0],))
+    if out is None:
+        out = torch.empty(local_topk.shape, dtype=torch.int64, device=logits.device)
+    check_tensor("out", out, dtype=torch.int64, shape=local_topk.shape)
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous (it is the all-gather's send buffer)")
+    check_same_device(logits=logits, local_topk=local_topk, starts=starts, out=out)
+    triton_impl = _pack_candidate_keys_triton if _backend.triton_available() else None
+    impl = _backend.dispatch(_pack_candidate_keys_reference, triton_impl, backend, logits.device)
+    return impl(logits, local_topk, rank, world_size, interleave, starts, out)
+
+
+def _select_global_topk_keys_reference(keys: torch.Tensor, k: int, out: torch.Tensor, scratch) -> torch.Tensor:
+    world_size, num_rows, width = keys.shape
+    row_keys = keys.permute(1, 0, 2).reshape(num_rows, world_size * width)
+    ids = 0xFFFFFFFF - (row_keys & 0xFFFFFFFF)
+    return out.copy_(top_ids_ascending(row_keys, ids, k))
+
+
+def _select_global_topk_keys_triton(*args):
+    from ._distributed_triton import select_global_topk_keys_triton
+
+    return select_global_topk_keys_triton(*args)
+
+
+def select_global_topk_keys(
+    keys: torch.Tensor,
+    k: int,
+    *,
+    out: torch.Tensor | None = None,
+    scratch: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The global top-k from every rank's packed candidate keys (the fused merge's select).
+
+    Args:
+        keys: int64 ``[W, R, k_in]`` (each ``[R, k_in]`` slab row-contiguous), rank ``w``'s
+            ``pack_candidate_keys`` in slab ``w``: the all-gather's output. Within a slab row the
+            selectable candidates must come in ascending id order, as a local top-k's ascending
+            positions give them (the Triton kernel relies on it to emit ids in order without a sort).
+        k: positions to select per row (>= 1, ``<= W * k_in``).
+        out: optional int32 ``[R, k]`` destination (any strides).
+        scratch: optional int32 workspace of at least ``R * W * k_in`` elements (the Triton kernel's
+            per-rank lists; allocated when None).
+        backend: ``"auto" | "reference" | "triton"``.
+
+    Returns:
+        int32 ``[R, k]``: the ids (``2**32 - 1 - low word``) of the ``min(k, #selectable)`` largest
+        selectable keys of each row, ascending, then ``-1``: exactly ``select_global_topk`` of the
+        unpacked pairs.
+    """
+    check_tensor("keys", keys, dtype=torch.int64, ndim=3)
+    check_positive_int("k", k)
+    world_size, num_rows, width = keys.shape
+    if k > world_size * width:
+        raise ValueError(f"k = {k} exceeds the {world_size} x {width} candidates of keys")
+    if keys.stride(2) != 1 or keys.stride(1) != width:
+        raise ValueError("keys must have row-contiguous [R, k_in] slabs")
+    if out is None:
+        out = torch.empty((num_rows, k), dtype=torch.int32, device=keys.device)
+    check_tensor("out", out, dtype=torch.int32, shape=(num_rows, k))
+    if scratch is None:
+        scratch = torch.empty(num_rows * world_size * width, dtype=torch.int32, device=keys.device)
+    check_tensor("scratch", scratch, dtype=torch.int32, ndim=1)
+    if scratch.shape[0] < num_rows * world_size * width:
+        raise ValueError(f"scratch needs >= {num_rows * world_size * width} elements, got {scratch.shape[0]}")
+    check_same_device(keys=keys, out=out, scratch=scratch)
+    triton_impl = _select_global_topk_keys_triton if _backend.triton_available() else None
+    impl = _backend.dispatch(_select_global_topk_keys_reference, triton_impl, backend, keys.device)
+    return impl(keys, k, out, scratch)
+
+
 def _group_layout(group) -> tuple[int, int]:
     """``(rank, world_size)`` of ``group`` (None: the default group); a clear error without one."""
     import torch.distributed as dist
@@ -298,20 +423,63 @@ def _all_gather_cat(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def _all_gather_candidates(scores: torch.Tensor, global_ids: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every rank's ``[R, k]`` candidates as ``[R, W * k]`` (rank-major), in one all-gather.
+class DcpMergeWorkspace:
+    """Preallocated buffers of ``merge_topk_global`` for up to ``max_rows`` rows (create once, reuse every step).
 
-    Scores travel as their int32 bits beside int32 ids: ids above ``2**31 - 1`` (never selectable)
-    travel as ``-1`` (padding), which the selection treats the same way.
+    Args:
+        max_rows: most rows a merge will carry (>= 0).
+        k: the top-k width (>= 1), the same for every merge that uses the workspace.
+        group: the DCP process group (None: the default group).
+        interleave: the sharding's interleave (>= 1).
+        device: where the buffers live (the logits' device; a CUDA device for NCCL).
+
+    Holds ``send`` (int64 ``[max_rows * k]``: this rank's packed keys), ``gathered`` (int64
+    ``[W * max_rows * k]``: every rank's, rank-major) and ``scratch`` (int32 ``[max_rows * W * k]``: the
+    select's per-rank lists): 8 + 12 W bytes per candidate slot. Creating it is a collective: every rank
+    creates its workspace together, with the same ``k`` and ``interleave`` (checked across ranks while value
+    checks are enabled; ``max_rows`` may differ, each merge's row count must not).
     """
-    import torch.distributed as dist
 
-    ids = torch.where(global_ids <= _MAX_GLOBAL_ID, global_ids, -1).to(torch.int32)
-    packed = torch.stack((scores.view(torch.int32), ids))
-    parts = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, packed, group=group)
-    rank_major = torch.stack(parts, dim=2).flatten(2)
-    return rank_major[0].view(torch.float32), rank_major[1].to(torch.int64)
+    def __init__(self, max_rows: int, k: int, *, group=None, interleave: int = 1, device=None) -> None:
+        rank, world_size = _group_layout(group)
+
+        def check() -> None:
+            check_positive_int("max_rows", max_rows, minimum=0)
+            check_positive_int("k", k)
+            check_positive_int("interleave", interleave)
+
+        error = _local_check(check)
+        if world_size > 1:
+            _agree_on(group, "DcpMergeWorkspace arguments [k, interleave]", [-1, -1] if error else [k, interleave], error)
+        elif error is not None:
+            raise error
+        self.group, self.rank, self.world_size = group, rank, world_size
+        self.max_rows, self.k, self.interleave = max_rows, k, interleave
+        self.send, self.gathered, self.scratch = _merge_buffers(max_rows, k, world_size, device)
+
+
+def _merge_buffers(rows: int, k: int, world_size: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The merge's send, gathered and scratch buffers (see ``DcpMergeWorkspace``)."""
+    slots = rows * k
+    return (
+        torch.empty(slots, dtype=torch.int64, device=device),
+        torch.empty(world_size * slots, dtype=torch.int64, device=device),
+        torch.empty(world_size * slots, dtype=torch.int32, device=device),
+    )
+
+
+def _check_workspace(workspace, rows: int, k: int, interleave: int, world_size: int, device: torch.device) -> None:
+    if not isinstance(workspace, DcpMergeWorkspace):
+        raise TypeError(f"workspace must be a DcpMergeWorkspace, got {type(workspace).__name__}")
+    if (workspace.k, workspace.interleave, workspace.world_size) != (k, interleave, world_size):
+        raise ValueError(
+            f"workspace was made for k={workspace.k}, interleave={workspace.interleave}, world {workspace.world_size}; "
+            f"the merge has k={k}, interleave={interleave}, world {world_size}"
+        )
+    if rows > workspace.max_rows:
+        raise ValueError(f"the merge has {rows} rows, the workspace holds {workspace.max_rows}")
+    if workspace.send.device != device:
+        raise ValueError(f"workspace is on {workspace.send.device}, logits on {device}")
 
 
 def merge_topk_global(
@@ -322,6 +490,7 @@ def merge_topk_global(
     group=None,
     interleave: int = 1,
     starts: torch.Tensor | None = None,
+    workspace: DcpMergeWorkspace | None = None,
     backend: str = "auto",
 ) -> None:
     """Turn every rank's local top-k into the exact global top-k, in place (a collective).
@@ -329,15 +498,26 @@ def merge_topk_global(
     Args:
         logits: ``[R, C_local]`` float32 this rank's logits, as given to its local top-k.
         topk_indices: ``[R, k]`` int32 this rank's local top-k (positions relative to ``starts``,
-            ascending, ``-1``-padded); overwritten with global request-local positions.
+            ascending, ``-1``-padded: a top-k's output); overwritten with global request-local positions.
         k: positions per row; ``k <= W * topk_indices.shape[1]``.
         group: the DCP process group (None: the default group). Every rank calls with the same ``R``
             and ``k``; a world of one is a no-op.
         interleave: consecutive positions per rank in the sharding.
         starts: ``[R]`` int32 first column of each row (prefill chunks), None for 0.
+        workspace: a ``DcpMergeWorkspace`` of this group, ``k`` and ``interleave`` with ``>= R`` rows;
+            None allocates one for the call.
+
+    Three launches: ``pack_candidate_keys`` into ``workspace.send``, one ``all_gather_into_tensor`` into
+    ``workspace.gathered``, ``select_global_topk_keys`` into ``topk_indices``; nothing is allocated with a
+    workspace, and nothing is read on the host while value checks are disabled (CUDA-graph capture,
+    ``DSA_INDEXER_SKIP_VALUE_CHECKS=1``), so the merge can be captured. While they are enabled, the ranks
+    first exchange ``[R, k, interleave]`` (a small all-gather read on the host), so that a mismatch raises
+    the same ``ValueError`` on every rank instead of hanging.
 
     The result is bitwise equal to the top-k of the whole (unsharded) row.
     """
+    import torch.distributed as dist
+
     rank, world_size = _group_layout(group)
 
     def check() -> None:
@@ -351,6 +531,9 @@ def merge_topk_global(
             raise ValueError(f"k = {k} exceeds the {world_size} x {topk_indices.shape[1]} candidates the ranks contribute")
         if k != topk_indices.shape[1]:
             raise ValueError(f"topk_indices must have k = {k} columns to receive the merged ids, got {topk_indices.shape[1]}")
+        check_same_device(logits=logits, topk_indices=topk_indices, starts=starts)
+        if workspace is not None:
+            _check_workspace(workspace, logits.shape[0], k, interleave, world_size, logits.device)
 
     error = _local_check(check)
     if world_size == 1:
@@ -359,9 +542,33 @@ def merge_topk_global(
         return
     descriptor = [-1, -1, -1] if error else [logits.shape[0], topk_indices.shape[1], interleave]
     _agree_on(group, "merge_topk_global arguments [rows, k, interleave]", descriptor, error)
-    scores, global_ids = pack_local_candidates(logits, topk_indices, rank, world_size, interleave, starts, backend=backend)
-    all_scores, all_ids = _all_gather_candidates(scores, global_ids, group)
-    select_global_topk(all_scores, all_ids, k, out=topk_indices, backend=backend)
+    rows = logits.shape[0]
+    if workspace is None:
+        send, gathered, scratch = _merge_buffers(rows, k, world_size, logits.device)
+    else:
+        send, gathered, scratch = workspace.send, workspace.gathered, workspace.scratch
+    send, gathered = send[: rows * k], gathered[: world_size * rows * k]
+    pack_candidate_keys(logits, topk_indices, rank, world_size, interleave, starts, out=send.view(rows, k), backend=backend)
+    dist.all_gather_into_tensor(gathered, send, group=group)
+    select_global_topk_keys(gathered.view(world_size, rows, k), k, out=topk_indices, scratch=scratch, backend=backend)
+
+
+def _dcp_block_scores_reference(logits, starts, ends, local_block, num_blocks, row_repeat, global_ends, global_block,
+                                out) -> torch.Tensor:
+    from .ops.candidates.reference import block_scores
+
+    num_rows = logits.shape[0]
+    scores = block_scores(logits, starts, ends, local_block, num_blocks, row_repeat)
+    block_ids = torch.arange(num_blocks, device=logits.device).expand(num_rows, num_blocks)
+    bound_index = torch.arange(num_rows, device=logits.device) // row_repeat
+    newest = torch.div(global_ends.to(torch.int64)[bound_index] - 1, global_block, rounding_mode="floor")
+    return out.copy_(torch.where(block_ids == newest[:, None], float("inf"), scores))
+
+
+def _dcp_block_scores_triton(*args):
+    from ._distributed_triton import dcp_block_scores_triton
+
+    return dcp_block_scores_triton(*args)
 
 
 def select_candidate_blocks_dcp(
@@ -376,6 +583,7 @@ def select_candidate_blocks_dcp(
     group=None,
     row_repeat: int = 1,
     out: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """V4.1 candidate blocks of a DCP-sharded row (a collective; interleave 1 only).
 
@@ -385,11 +593,15 @@ def select_candidate_blocks_dcp(
     the global row length ``global_ends [R'] int32`` (``(global_end - 1) // global_block_size``; rows
     with no context pin nothing). Every rank calls with the same rows and ``max_global_blocks``, also
     with an empty shard. Returns int32 ``[R, num_blocks_k]`` global block ids, ascending, ``-1``-padded.
+
+    Three launches: this rank's block scores (float32 ``[R, max_global_blocks]``, the newest block
+    already ``+inf``: every rank pins it, and the maximum keeps it), one ``all_reduce`` MAX, and the §5
+    top-k of the reduced scores (block id = column). The argument exchange runs while value checks are
+    enabled, as for ``merge_topk_global``.
     """
     import torch.distributed as dist
 
-    from .ops._order import composite_key, top_ids_ascending
-    from .ops.candidates.reference import block_scores
+    from .ops.topk import topk
 
     _, world_size = _group_layout(group)
 
@@ -398,7 +610,12 @@ def select_candidate_blocks_dcp(
         check_positive_int("num_blocks_k", num_blocks_k)
         check_positive_int("global_block_size", global_block_size)
         check_positive_int("max_global_blocks", max_global_blocks, minimum=0)
+        check_positive_int("row_repeat", row_repeat)
         check_index_tensor("global_ends", global_ends, ndim=1)
+        check_index_tensor("ends", ends, ndim=1)
+        if starts is not None:
+            check_index_tensor("starts", starts, shape=ends.shape)
+        check_same_device(logits=logits, ends=ends, starts=starts, global_ends=global_ends)
         if global_block_size % world_size:
             raise ValueError(
                 f"global_block_size ({global_block_size}) must be a multiple of the DCP world size ({world_size})"
@@ -411,18 +628,14 @@ def select_candidate_blocks_dcp(
                   descriptor, error)
     elif error is not None:
         raise error
-    num_rows = logits.shape[0]
-    scores = block_scores(logits, starts, ends, global_block_size // world_size, max_global_blocks, row_repeat)
+    scores = torch.empty((logits.shape[0], max_global_blocks), dtype=torch.float32, device=logits.device)
+    triton_impl = _dcp_block_scores_triton if _backend.triton_available() else None
+    impl = _backend.dispatch(_dcp_block_scores_reference, triton_impl, backend, logits.device)
+    impl(logits, starts, ends, global_block_size // world_size, max_global_blocks, row_repeat, global_ends,
+         global_block_size, scores)
     if world_size > 1:
         dist.all_reduce(scores, op=dist.ReduceOp.MAX, group=group)
-    block_ids = torch.arange(max_global_blocks, device=logits.device).expand(num_rows, max_global_blocks)
-    bound_index = torch.arange(num_rows, device=logits.device) // row_repeat
-    newest = torch.div(global_ends.to(torch.int64)[bound_index] - 1, global_block_size, rounding_mode="floor")
-    scores = torch.where(block_ids == newest[:, None], float("inf"), scores)
-    chosen = top_ids_ascending(composite_key(scores, block_ids), block_ids, num_blocks_k)
-    if out is None:
-        out = torch.empty((num_rows, num_blocks_k), dtype=torch.int32, device=logits.device)
-    return out.copy_(chosen)
+    return topk(scores, num_blocks_k, out=out, backend=backend)
 
 
 def gather_prefill_k(

@@ -17,7 +17,7 @@ from torch import nn
 
 from ._validation import check_choice, check_positive_int, check_tensor
 from .cache import IndexerKCache
-from .distributed import gather_prefill_k, merge_topk_global, select_candidate_blocks_dcp
+from .distributed import DcpMergeWorkspace, gather_prefill_k, merge_topk_global, select_candidate_blocks_dcp
 from .metadata import IndexerMetadata
 from .ops.candidates import apply_candidate_mask, select_candidate_blocks
 from .ops.k_cache import insert_k
@@ -141,6 +141,7 @@ class SparseAttnIndexer(nn.Module):
         self.timer = timer
         self.backend = backend
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._dcp_merge_workspace: DcpMergeWorkspace | None = None
 
     def gather_workspace(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``(values, scales)`` buffers prefill chunks gather keys into (allocated once)."""
@@ -327,10 +328,23 @@ class SparseAttnIndexer(nn.Module):
             topk(logits, self.topk_tokens, starts=chunk.ks, ends=chunk.ke, out=out, backend=self.backend)
         if sharded:
             with self._stage("dcp_merge"):
-                merge_topk_global(
-                    logits, out, self.topk_tokens, group=self.dcp_group, interleave=self.dcp_interleave,
-                    starts=chunk.ks, backend=self.backend,
-                )
+                self._dcp_merge(logits, out, chunk.ks)
+
+    def _dcp_merge(self, logits, indices, starts) -> None:
+        """The exact DCP merge of ``indices`` in place, through a workspace made at the first merge (a collective,
+        so in warmup, before any capture) with room for the topk buffer's rows, grown if a merge has more."""
+        rows = indices.shape[0]
+        workspace = self._dcp_merge_workspace
+        if workspace is None or workspace.max_rows < rows or workspace.send.device != logits.device:
+            workspace = DcpMergeWorkspace(
+                max(rows, self.topk_indices_buffer.shape[0]), self.topk_tokens, group=self.dcp_group,
+                interleave=self.dcp_interleave, device=logits.device,
+            )
+            self._dcp_merge_workspace = workspace
+        merge_topk_global(
+            logits, indices, self.topk_tokens, group=self.dcp_group, interleave=self.dcp_interleave, starts=starts,
+            workspace=workspace, backend=self.backend,
+        )
 
     def _local_candidate_block_size(self) -> int:
         """Positions of a candidate block held by this rank (the whole block without DCP)."""
@@ -368,10 +382,7 @@ class SparseAttnIndexer(nn.Module):
             indices = topk_decode(logits, decode.context_lens, next_n, self.topk_tokens, backend=self.backend)
         if self.dcp_group is not None:
             with self._stage("dcp_merge"):
-                merge_topk_global(
-                    logits, indices, self.topk_tokens, group=self.dcp_group, interleave=self.dcp_interleave,
-                    backend=self.backend,
-                )
+                self._dcp_merge(logits, indices, None)
         with self._stage("decode_unpad"):
             if decode.requires_padding:
                 indices = unpack_seq(

@@ -1,19 +1,36 @@
-"""Decode context parallelism: the exact global top-k merge beside the local top-k (issue 7; >= 2 GPUs).
+"""Decode context parallelism (issues 7 and 28): the exact global top-k merge and the DCP decode step.
 
-Each of ``W`` ranks (NCCL, one GPU each) holds ``1/W`` of every row's columns (interleave 1), runs the
-local top-k on its shard and then ``merge_topk_global`` (pack, all-gather, select). Before timing, the
-merged ids are checked against the single-GPU top-k of the whole rows (bitwise). Everything is timed as
-an engine runs decode: CUDA-graph replays (the merge's collectives captured too; capture skips the
-host-reading argument exchange). The merge graph also restores the local ids it overwrites (a 0.25-0.5
-MB copy). Merge and all-gather graphs are replayed a fixed number of times on every rank (collectives
-must match), timed with events, median, maximum over ranks; the local top-k uses ``do_bench`` graph
-replays. The floor of the merge is the captured all-gather alone of the bytes it exchanges (score and
-id per candidate).
+The merge is three launches (``merge_topk_global`` with a ``DcpMergeWorkspace``): the key pack (one int64
+order key per candidate), one ``all_gather_into_tensor`` of those keys, the keyed select. Each rank of ``W``
+holds ``1/W`` of every row's columns (interleave 1) and runs the local top-k on its shard first.
+
+With >= 2 GPUs (NCCL, one GPU per rank), for ``W = 2``:
+
+- ``merge_topk_global`` (shape ``world, rows, L, k``): the captured merge, and each stage in its own graph
+  (``pack_us``, ``gather_us``, ``select_us``), beside the local top-k (``local_topk_us``) and the single-GPU
+  top-k of the whole rows; ``bytes_moved`` (what one rank receives) against the NVLink bandwidth measured in
+  the same run (``nvlink_gbs``: a captured all-gather of 32 MiB a rank); the floor is those bytes at that
+  bandwidth. The merged ids are checked bitwise against the single-GPU top-k before timing.
+- ``decode_step`` (shape ``B, L, next_n, k, fmt, world``): one graph of the local paged logits over ``L / W``
+  keys, the local top-k and the merge, beside ``baselines.single_gpu_step`` (the same step over all ``L`` keys
+  on one GPU, same run). The caches hold random keys (the merge's exactness is checked above).
+
+Graphs with collectives are replayed the same number of times on every rank, each replay after a 256 MB
+memset (cold L2) and a small all-reduce that lines the GPUs up (both untimed), timed by events; median,
+maximum over ranks.
+
+On one GPU (the single-GPU timeline; what ``scripts/gpu-bench distributed`` runs there) the ranks are
+simulated: every rank's shard, local top-k and pack are computed on the one GPU, and rank 0's step runs with
+the all-gather replaced by device copies into the gathered buffer (``merge_topk_global_1gpu``: ``pack_us``,
+``copy_us``, ``select_us`` and the three in one graph, for ``W`` = 2, 4 and 8; ``decode_step_1gpu``: rank 0's
+step so built, beside the single-GPU step). The merged ids are checked bitwise against the single-GPU top-k.
+The NCCL part needs >= 2 GPUs.
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 
 import torch
 
@@ -22,12 +39,174 @@ from . import harness
 WIDTH = 131072
 ROWS = (32, 64)
 K = 2048
+WORLD = 2
+SIMULATED_WORLDS = (2, 4, 8)
+STEP = (32, 131072, 2, 2048, "fp8")
 REPLAYS = 100
+NVLINK_PROBE_BYTES = 32 << 20
 
 
-def _replay_median_us(graph: torch.cuda.CUDAGraph) -> float:
+def _rows(rows: int, width: int, device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(rows)
+    logits = torch.randn(rows, width, generator=gen).to(device)
+    lengths = torch.randint(int(0.8 * width), width + 1, (rows,), generator=gen).to(torch.int32).to(device)
+    return logits, lengths
+
+
+def _shard(logits: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    from dsa_indexer.distributed import global_to_local
+
+    owner, local = global_to_local(torch.arange(logits.shape[1], device=logits.device), world, 1)
+    mine = (owner == rank).nonzero().squeeze(1)
+    return logits[:, mine[local[mine].argsort()]].contiguous()
+
+
+def _merge_bytes(world: int, rows: int, k: int) -> int:
+    """What one rank receives in the all-gather: the other ranks' int64 keys."""
+    return (world - 1) * rows * k * 8
+
+
+def _local_stage_bytes(world: int, rows: int, k: int) -> int:
+    """HBM bytes of pack (ids and scores read, keys written) and select (keys read, lists, ids written)."""
+    return rows * k * (4 + 4 + 8) + world * rows * k * (8 + 4 + 4) + rows * k * 4
+
+
+# One GPU: ranks simulated.
+
+def _simulated_merge(world: int, rows: int, width: int, k: int, ceilings: dict[str, float]) -> dict:
+    from dsa_indexer import topk_decode
+    from dsa_indexer.distributed import local_lengths, pack_candidate_keys, select_global_topk_keys
+
+    logits, lengths = _rows(rows, width)
+    gathered = torch.empty(world, rows, k, dtype=torch.int64, device="cuda")
+    scratch = torch.empty(world * rows * k, dtype=torch.int32, device="cuda")
+    shards = []
+    for rank in range(world):
+        shard = _shard(logits, rank, world)
+        shard_lengths = local_lengths(lengths, rank, world, 1)
+        local = topk_decode(shard, shard_lengths, 1, k)
+        pack_candidate_keys(shard, local, rank, world, 1, out=gathered[rank])
+        shards.append((shard, shard_lengths, local))
+    others = gathered[1:].clone()
+    merged = torch.empty(rows, k, dtype=torch.int32, device="cuda")
+    single_topk = topk_decode(logits, lengths, 1, k)
+    shard, shard_lengths, local = shards[0]
+    send = torch.empty(rows, k, dtype=torch.int64, device="cuda")
+
+    def pack():
+        pack_candidate_keys(shard, local, 0, world, 1, out=send)
+
+    def copy():  # the all-gather's writes into this rank's buffer
+        gathered[0].copy_(send)
+        gathered[1:].copy_(others)
+
+    def select():
+        select_global_topk_keys(gathered, k, out=merged, scratch=scratch)
+
+    def merge():
+        pack()
+        copy()
+        select()
+
+    merge()
+    if not torch.equal(merged, single_topk):
+        raise AssertionError(f"simulated merge (world {world}, rows {rows}) differs from the single-GPU top-k")
+    local_out = torch.empty_like(merged)
+    stages = {name: harness.cold_graph_us(fn) for name, fn in
+              (("pack", pack), ("copy", copy), ("select", select), ("merge", merge))}
+    merge_graph_ids = merged.clone()
+    if not torch.equal(merge_graph_ids, single_topk):
+        raise AssertionError(f"captured simulated merge (world {world}, rows {rows}) differs from the single-GPU top-k")
+    local_us = harness.cold_graph_us(lambda: topk_decode(shard, shard_lengths, 1, k, out=local_out))
+    single_us = harness.cold_graph_us(lambda: topk_decode(logits, lengths, 1, k, out=local_out))
+    floor = _local_stage_bytes(world, rows, k) / (ceilings["copy_tbs"] * 1e6)
+    return harness.record(
+        "merge_topk_global_1gpu", {"world": world, "rows": rows, "L": width, "k": k},
+        stages["pack"] + stages["select"], floor, baselines={"single_gpu_topk": single_us},
+        collective="device copies (ranks simulated on 1 GPU)", pack_us=round(stages["pack"], 2),
+        copy_us=round(stages["copy"], 2), select_us=round(stages["select"], 2),
+        merge_graph_us=round(stages["merge"], 2), local_topk_us=round(local_us, 2),
+        pack_select_pct_of_local_topk=round(100 * (stages["pack"] + stages["select"]) / local_us, 1),
+    )
+
+
+def _step_inputs(batch: int, length: int, next_n: int, fmt: str, world: int, rank: int):
+    """Rank ``rank``'s decode inputs: a cache of its ``L / W`` keys per request and its local lengths."""
+    from dsa_indexer.distributed import local_lengths
+
+    from .suite_step import _inputs
+
+    q, q_scale, cache, weights, lens, table = _inputs(batch, length // world, next_n, fmt,
+                                                      torch.Generator().manual_seed(rank))
+    global_lens = torch.tensor([length - next_n + 1 + t for t in range(next_n)], dtype=torch.int32).repeat(batch, 1)
+    lens = local_lengths(global_lens, rank, world, 1).cuda()
+    return q, q_scale, cache, weights, lens, table
+
+
+def _simulated_step(ceilings: dict[str, float]) -> dict:
+    import dsa_indexer as dsa
+    from dsa_indexer.distributed import pack_candidate_keys, select_global_topk_keys
+
+    from .suite_step import _inputs
+
+    batch, length, next_n, k, fmt = STEP
+    rows = batch * next_n
+    q, q_scale, cache, weights, lens, table = _inputs(batch, length, next_n, fmt, torch.Generator().manual_seed(0))
+    logits = torch.empty(rows, length, device="cuda")
+    picks = torch.empty(rows, k, dtype=torch.int32, device="cuda")
+
+    def single_step():
+        dsa.paged_mqa_logits(q, q_scale, cache, weights, lens, table, length, out=logits)
+        dsa.topk_decode(logits, lens, next_n, k, out=picks)
+
+    single_us = harness.cold_graph_us(single_step)
+    del q, q_scale, cache, weights, logits
+    torch.cuda.empty_cache()
+
+    q, q_scale, cache, weights, lens, table = _step_inputs(batch, length, next_n, fmt, WORLD, 0)
+    width = length // WORLD
+    logits = torch.empty(rows, width, device="cuda")
+    send = torch.empty(rows, k, dtype=torch.int64, device="cuda")
+    gathered = torch.empty(WORLD, rows, k, dtype=torch.int64, device="cuda")
+    scratch = torch.empty(WORLD * rows * k, dtype=torch.int32, device="cuda")
+    dsa.paged_mqa_logits(q, q_scale, cache, weights, lens, table, width, out=logits)
+    dsa.topk_decode(logits, lens, next_n, k, out=picks)
+    # The other rank's keys: this rank's picks of other rows, as rank 1's ids (distinct ids, other scores).
+    others = pack_candidate_keys(logits.roll(1, 0), picks.roll(1, 0), 1, WORLD, 1).unsqueeze(0)
+
+    def dcp_step():
+        dsa.paged_mqa_logits(q, q_scale, cache, weights, lens, table, width, out=logits)
+        dsa.topk_decode(logits, lens, next_n, k, out=picks)
+        pack_candidate_keys(logits, picks, 0, WORLD, 1, out=send)
+        gathered[0].copy_(send)
+        gathered[1:].copy_(others)
+        select_global_topk_keys(gathered, k, out=picks, scratch=scratch)
+
+    dcp_us = harness.cold_graph_us(dcp_step)
+    moved = batch * width * 132 + rows * width * 4 * 2
+    return harness.record(
+        "decode_step_1gpu", {"B": batch, "L": length, "next_n": next_n, "k": k, "fmt": fmt, "world": WORLD},
+        dcp_us, moved / (ceilings["read_tbs"] * 1e6), baselines={"single_gpu_step": single_us},
+        collective="device copies (rank 0 of 2 simulated on 1 GPU)",
+    )
+
+
+def _single_gpu_timeline(ceilings: dict[str, float]) -> list[dict]:
+    rows_out = [_simulated_merge(world, rows, WIDTH, K, ceilings) for rows in ROWS for world in SIMULATED_WORLDS]
+    rows_out.append(_simulated_step(ceilings))
+    return rows_out
+
+
+# Two GPUs and more: NCCL.
+
+def _lockstep_us(graph: torch.cuda.CUDAGraph, flush: torch.Tensor, line_up: torch.Tensor) -> float:
+    """Median µs of ``REPLAYS`` replays of a graph holding collectives, every rank replaying in turn."""
+    import torch.distributed as dist
+
     times = []
     for _ in range(REPLAYS + 10):
+        flush.zero_()
+        dist.all_reduce(line_up)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
@@ -43,62 +222,135 @@ def _captured(call) -> torch.cuda.CUDAGraph:
     with torch.cuda.stream(stream):
         call()
     torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         call()
     return graph
 
 
-def _rank_timings(rank: int, world: int, rows: int, width: int, k: int) -> dict:
+def _rank_timings(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from dsa_indexer import topk_decode
-    from dsa_indexer.distributed import global_to_local, local_lengths, merge_topk_global
+    import dsa_indexer as dsa
+    from dsa_indexer.distributed import (
+        DcpMergeWorkspace,
+        local_lengths,
+        merge_topk_global,
+        pack_candidate_keys,
+        select_global_topk_keys,
+    )
 
-    gen = torch.Generator().manual_seed(rows)
-    logits = torch.randn(rows, width, generator=gen).cuda()
-    lengths = torch.randint(int(0.8 * width), width + 1, (rows,), generator=gen).to(torch.int32).cuda()
-    owner, local = global_to_local(torch.arange(width, device="cuda"), world, 1)
-    mine = (owner == rank).nonzero().squeeze(1)
-    shard = logits[:, mine[local[mine].argsort()]].contiguous()
-    shard_lengths = local_lengths(lengths, rank, world, 1)
-    local_topk = topk_decode(shard, shard_lengths, 1, k)
-    merged = local_topk.clone()
-    merge_topk_global(shard, merged, k)
-    exact = bool(torch.equal(merged, topk_decode(logits, lengths, 1, k)))
+    from .suite_step import _inputs
 
-    local_us = harness.median_us(lambda: topk_decode(shard, shard_lengths, 1, k, out=merged), graph=True)
-    single_gpu_us = harness.median_us(lambda: topk_decode(logits, lengths, 1, k), graph=True)
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    line_up = torch.zeros(1, device="cuda")
 
-    def merge_step():
-        merged.copy_(local_topk)
-        merge_topk_global(shard, merged, k)
+    def timed(call) -> float:
+        return _lockstep_us(_captured(call), flush, line_up)
 
-    merge_graph = _captured(merge_step)
-    payload = torch.empty(rows, k, 3, dtype=torch.int32, device="cuda")
-    gathered = torch.empty(world, rows, k, 3, dtype=torch.int32, device="cuda")
-    gather_graph = _captured(lambda: dist.all_gather_into_tensor(gathered, payload))
-    merge_us = _replay_median_us(merge_graph)
-    exact &= bool(torch.equal(merged, topk_decode(logits, lengths, 1, k)))
-    return {"exact": exact, "local": local_us, "single": single_gpu_us, "merge": merge_us,
-            "gather": _replay_median_us(gather_graph)}
+    probe = torch.empty(NVLINK_PROBE_BYTES // 8, dtype=torch.int64, device="cuda")
+    probe_out = torch.empty(world * probe.numel(), dtype=torch.int64, device="cuda")
+    probe_us = timed(lambda: dist.all_gather_into_tensor(probe_out, probe))
+    result = {"nvlink_gbs": (world - 1) * NVLINK_PROBE_BYTES / probe_us / 1e3, "merge": {}}
+    del probe, probe_out
+
+    for rows in ROWS:
+        logits, lengths = _rows(rows, WIDTH)
+        shard = _shard(logits, rank, world)
+        shard_lengths = local_lengths(lengths, rank, world, 1)
+        local_topk = dsa.topk_decode(shard, shard_lengths, 1, K)
+        workspace = DcpMergeWorkspace(rows, K, device="cuda")
+        merged = local_topk.clone()
+        merge_topk_global(shard, merged, K, workspace=workspace)
+        expected = dsa.topk_decode(logits, lengths, 1, K)
+        exact = bool(torch.equal(merged, expected))
+        send, gathered = workspace.send.view(rows, K), workspace.gathered
+        scratch = workspace.scratch
+
+        def merge_step():
+            merged.copy_(local_topk)
+            merge_topk_global(shard, merged, K, workspace=workspace)
+
+        timings = {
+            "merge": timed(merge_step),
+            "restore": timed(lambda: merged.copy_(local_topk)),
+            "pack": timed(lambda: pack_candidate_keys(shard, local_topk, rank, world, 1, out=send)),
+            "gather": timed(lambda: dist.all_gather_into_tensor(gathered, workspace.send)),
+            "select": timed(lambda: select_global_topk_keys(gathered.view(world, rows, K), K, out=merged,
+                                                            scratch=scratch)),
+        }
+        merge_step()
+        exact &= bool(torch.equal(merged, expected))
+        out = torch.empty_like(merged)
+        timings["local"] = harness.cold_graph_us(lambda: dsa.topk_decode(shard, shard_lengths, 1, K, out=out))
+        timings["single"] = harness.cold_graph_us(lambda: dsa.topk_decode(logits, lengths, 1, K, out=out))
+        timings["exact"] = exact
+        result["merge"][rows] = timings
+        del logits, shard, workspace
+        torch.cuda.empty_cache()
+
+    batch, length, next_n, k, fmt = STEP
+    rows = batch * next_n
+    q, q_scale, cache, weights, lens, table = _inputs(batch, length, next_n, fmt, torch.Generator().manual_seed(0))
+    logits = torch.empty(rows, length, device="cuda")
+    picks = torch.empty(rows, k, dtype=torch.int32, device="cuda")
+
+    def single_step():
+        dsa.paged_mqa_logits(q, q_scale, cache, weights, lens, table, length, out=logits)
+        dsa.topk_decode(logits, lens, next_n, k, out=picks)
+
+    result["single_step"] = harness.cold_graph_us(single_step)
+    del q, q_scale, cache, weights, logits
+    torch.cuda.empty_cache()
+    q, q_scale, cache, weights, lens, table = _step_inputs(batch, length, next_n, fmt, world, rank)
+    width = length // world
+    logits = torch.empty(rows, width, device="cuda")
+    workspace = DcpMergeWorkspace(rows, k, device="cuda")
+
+    def dcp_step():
+        dsa.paged_mqa_logits(q, q_scale, cache, weights, lens, table, width, out=logits)
+        dsa.topk_decode(logits, lens, next_n, k, out=picks)
+        merge_topk_global(logits, picks, k, workspace=workspace)
+
+    result["dcp_step"] = timed(dcp_step)
+    return result
 
 
 def run(ceilings: dict[str, float]) -> list[dict]:
     from dsa_indexer.testing import run_distributed
 
-    world = 2
-    if torch.cuda.device_count() < world:
-        raise ValueError(f"the distributed suite needs {world} GPUs, this machine has {torch.cuda.device_count()}")
-    rows_out = []
+    rows_out = _single_gpu_timeline(ceilings)
+    torch.cuda.empty_cache()  # the ranks' processes need the memory of GPU 0
+    if torch.cuda.device_count() < WORLD:
+        print(f"distributed: ranks simulated on 1 GPU only; the NCCL merge and the DCP step need >= {WORLD} GPUs "
+              f"(this machine has {torch.cuda.device_count()})", file=sys.stderr)
+        return rows_out
+    per_rank = run_distributed(_rank_timings, WORLD, backend="nccl", timeout_s=900)
+    nvlink_gbs = min(r["nvlink_gbs"] for r in per_rank)
     for rows in ROWS:
-        per_rank = run_distributed(_rank_timings, world, rows, WIDTH, K, backend="nccl", timeout_s=600)
-        if not all(r["exact"] for r in per_rank):
+        timings = [r["merge"][rows] for r in per_rank]
+        if not all(t["exact"] for t in timings):
             raise AssertionError(f"merged top-k differs from the single-GPU top-k at rows={rows}")
-        slowest = {key: max(r[key] for r in per_rank) for key in ("local", "single", "merge", "gather")}
+        slowest = {key: max(t[key] for t in timings) for key in ("merge", "restore", "pack", "gather", "select",
+                                                                  "local", "single")}
+        merge_us = max(slowest["merge"] - slowest["restore"], 0.0)
+        moved = _merge_bytes(WORLD, rows, K)
         rows_out.append(harness.record(
-            "merge_topk_global", {"world": world, "rows": rows, "L": WIDTH, "k": K}, slowest["merge"],
-            slowest["gather"], baselines={"single_gpu_topk": slowest["single"]},
-            local_topk_us=round(slowest["local"], 2), local_plus_merge_us=round(slowest["local"] + slowest["merge"], 2),
+            "merge_topk_global", {"world": WORLD, "rows": rows, "L": WIDTH, "k": K}, merge_us,
+            moved / (nvlink_gbs * 1e3), baselines={"single_gpu_topk": slowest["single"]},
+            local_topk_us=round(slowest["local"], 2), local_plus_merge_us=round(slowest["local"] + merge_us, 2),
+            merge_pct_of_local_topk=round(100 * merge_us / slowest["local"], 1),
+            pack_us=round(slowest["pack"], 2), gather_us=round(slowest["gather"], 2),
+            select_us=round(slowest["select"], 2), bytes_moved=moved, nvlink_gbs=round(nvlink_gbs, 1),
+            merge_graph_us=round(slowest["merge"], 2), restore_us=round(slowest["restore"], 2),
         ))
+    batch, length, next_n, k, fmt = STEP
+    dcp_us = max(r["dcp_step"] for r in per_rank)
+    moved = batch * (length // WORLD) * 132 + batch * next_n * (length // WORLD) * 4 * 2
+    rows_out.append(harness.record(
+        "decode_step", {"B": batch, "L": length, "next_n": next_n, "k": k, "fmt": fmt, "world": WORLD}, dcp_us,
+        moved / (ceilings["read_tbs"] * 1e6), baselines={"single_gpu_step": max(r["single_step"] for r in per_rank)},
+        collective="nccl",
+    ))
     return rows_out
