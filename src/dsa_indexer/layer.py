@@ -148,10 +148,13 @@ class SparseAttnIndexer(nn.Module):
             n, d, device = self.workspace_tokens, self.cache.head_dim, self.cache.device
             if self.cache.fmt == "fp8":
                 values = torch.empty(n, d, dtype=torch.float8_e4m3fn, device=device)
-                scales = torch.empty(n, dtype=torch.float32, device=device)
+                if self.cache.scale_fmt == "mxfp8":  # gather copies the raw scale words
+                    scales = torch.empty(n, 4, dtype=torch.uint8, device=device)
+                else:
+                    scales = torch.empty(n, dtype=torch.float32, device=device)
             else:
                 values = torch.empty(n, d // 2, dtype=torch.uint8, device=device)
-                scales = torch.empty(n, d // 32, dtype=torch.uint8, device=device)
+                scales = torch.empty(n, self.cache.scale_bytes, dtype=torch.uint8, device=device)
             self._workspace = (values, scales)
         return self._workspace
 
@@ -203,7 +206,7 @@ class SparseAttnIndexer(nn.Module):
 
         Args:
             q_quant: ``[T, H, D]`` e4m3 (FP8) or ``[T, H, D/2]`` uint8 (MXFP4), rows in batch order.
-            q_scale: None (FP8: folded into ``weights``) or ``uint8 [T, H, D/32]`` (MXFP4).
+            q_scale: None (FP8: folded into ``weights``) or ``uint8 [T, H, S]`` (MXFP4, ``S = cache.scale_bytes``).
             k: ``[T, D]`` keys of this step's tokens (ignored with ``skip_k_cache_insert``).
             weights: ``float32 [T, H]`` head weights (``weights_out`` of ``rope_quant_q``).
             metadata: the step's plan from ``build_metadata``/``MetadataBuilder``.

@@ -24,7 +24,7 @@ def _no_backend_override(monkeypatch):
 
 def token_layout(fmt: str, head_dim: int = HEAD_DIM) -> tuple[int, int]:
     """(value bytes, scale bytes) of one token, from DESIGN.md §3."""
-    return (head_dim, 4) if fmt == "fp8" else (head_dim // 2, head_dim // 32)
+    return (head_dim, 4) if fmt == "fp8" else (head_dim // 2, -(-head_dim // 128) * 4)
 
 
 class PoisonedCache:
