@@ -76,6 +76,9 @@ class SparseAttnIndexer(nn.Module):
         pcp_group: prefill-context-parallel process group: the prefill keys of every rank are gathered
             before the insert, so each rank's (replicated) cache receives the whole prompt.
         timer: a ``StageTimer`` to record per-stage time (None: no timing, no cost).
+        logits_dtype: ``torch.float32`` or ``torch.bfloat16``: the dtype of the logits the top-k reads
+            (bf16 halves those bytes; the picks are the exact top-k of the bf16-rounded logits). bf16 is not
+            combined with candidate blocks or decode context parallelism (their ops take fp32 logits).
         backend: ``"auto" | "reference" | "triton"`` for every op.
     """
 
@@ -98,6 +101,7 @@ class SparseAttnIndexer(nn.Module):
         dcp_interleave: int = 1,
         pcp_group=None,
         timer: StageTimer | None = None,
+        logits_dtype: torch.dtype = torch.float32,
         backend: str = "auto",
     ):
         super().__init__()
@@ -112,6 +116,10 @@ class SparseAttnIndexer(nn.Module):
         check_positive_int("workspace_tokens", workspace_tokens)
         check_positive_int("compress_ratio", compress_ratio)
         check_choice("backend", backend, ("auto", "reference", "triton"))
+        check_choice("logits_dtype", logits_dtype, (torch.float32, torch.bfloat16))
+        if logits_dtype != torch.float32 and (candidate_blocks is not None or dcp_group is not None):
+            raise ValueError("logits_dtype must be torch.float32 with candidate_blocks or dcp_group (their ops take "
+                             f"fp32 logits), got {logits_dtype}")
         if candidate_blocks is not None:
             check_tensor("candidate_blocks", candidate_blocks, dtype=torch.int32, ndim=2, device=cache.device)
             check_positive_int("candidate_block_size", candidate_block_size)
@@ -121,6 +129,7 @@ class SparseAttnIndexer(nn.Module):
                     f"got {candidate_blocks.shape[0]}"
                 )
         self.cache = cache
+        self.logits_dtype = logits_dtype
         self.topk_tokens = topk_tokens
         self.topk_indices_buffer = topk_indices_buffer
         self.workspace_tokens = workspace_tokens
@@ -162,11 +171,11 @@ class SparseAttnIndexer(nn.Module):
         """Allocate the gather workspace and return the peak bytes one forward needs beyond its inputs.
 
         Peak = gather workspace + the larger of one prefill chunk's logits (``max_logits_bytes``) and the
-        decode logits ``[max_decode_rows, max_context_len]`` fp32, + candidate scratch when padding.
+        decode logits ``[max_decode_rows, max_context_len]`` (``logits_dtype``), + candidate scratch when padding.
         """
         values, scales = self.gather_workspace()
         workspace = values.numel() * values.element_size() + scales.numel() * scales.element_size()
-        decode_logits = max_decode_rows * max_context_len * 4
+        decode_logits = max_decode_rows * max_context_len * self.logits_dtype.itemsize
         candidate_scratch = 0
         if self.candidate_blocks is not None:
             candidate_scratch = max_decode_rows * self.candidate_blocks.shape[1] * 4
@@ -305,6 +314,7 @@ class SparseAttnIndexer(nn.Module):
                 chunk.ks,
                 chunk.ke,
                 clean=False,
+                logits_dtype=self.logits_dtype,
                 backend=self.backend,
             )
         if self.candidate_blocks is not None:
@@ -362,7 +372,7 @@ class SparseAttnIndexer(nn.Module):
         with self._stage("decode_logits"):
             logits = paged_mqa_logits(
                 q, scale, self.cache, w, decode.context_lens, decode.block_table, self._decode_width(decode),
-                clean=False, backend=self.backend,
+                clean=False, logits_dtype=self.logits_dtype, backend=self.backend,
             )
         if self.candidate_blocks is not None:
             with self._stage("candidates"):
