@@ -61,11 +61,10 @@ def _gluon_available() -> bool:
 
 
 def _gluon_takes_shape(cache: IndexerKCache, heads: int) -> bool:
-    """The Gluon kernels' limits: a multiple of 16 heads up to 128 (whole wgmma N tiles, no padded
-    query rows); FP8 fp32 scale words and a power-of-two ``head_dim`` in [32, 512], MXFP4
-    ``head_dim == 128``. Other caches and shapes (mxfp8 scale words, 8 heads, MXFP4 at D = 64) run the
-    Triton kernel."""
-    if heads > 128 or heads % 16:
+    """The Gluon kernels' limits: at most 128 heads (one wgmma N tile); FP8 fp32 scale words and a
+    power-of-two ``head_dim`` in [32, 512], MXFP4 ``head_dim == 128``. Other caches and shapes (mxfp8
+    scale words, MXFP4 at D = 64) run the Triton kernel."""
+    if heads > 128:
         return False
     head_dim = cache.head_dim
     if cache.fmt == "fp8":
