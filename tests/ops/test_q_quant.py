@@ -94,6 +94,7 @@ def oracle_mxfp4_head(head: list[float]) -> tuple[list[int], list[int]]:
         exponent = smallest_pow2_exponent_at_least(fp32(max(amax, 6.0 * 2.0**-126) / 6.0))
         scale_bytes.append(exponent + 127)
         codes.extend(e2m1_code(v / 2.0**exponent) for v in block)
+    scale_bytes += [127] * (-len(scale_bytes) % 4)  # padded to whole 4-byte words with the scale 1.0
     return [codes[i] | (codes[i + 1] << 4) for i in range(0, len(codes), 2)], scale_bytes
 
 
