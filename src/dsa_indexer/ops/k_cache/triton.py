@@ -109,7 +109,7 @@ def _insert_k_kernel(
         byte = tl.arange(0, 4)
         if MXFP8:
             # Four equal ue8m0 bytes: the power-of-two scale's exponent field.
-            scale_bytes = ((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF)[:, None] + byte[None, :] * 0
+            scale_bytes = tl.broadcast_to(((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF)[:, None], (BLOCK_T, 4))
         else:
             scale_bytes = (scale.to(tl.int32, bitcast=True)[:, None] >> (byte * 8)[None, :]) & 0xFF  # [BLOCK_T, 4]
         scale_rows = page + BLOCK_SIZE * HEAD_DIM + token * 4  # [BLOCK_T]
