@@ -1,8 +1,10 @@
 """Indexer logits (DESIGN.md §5): ragged prefill ``mqa_logits`` and paged decode ``paged_mqa_logits``.
 
 The key format is inferred from the dtypes: ``float8_e4m3fn`` values mean FP8 (fp32 scale per key,
-Q scale folded into the weights, ``q_scale`` None), ``uint8`` values mean packed MXFP4 (ue8m0 scale
-bytes per 32 elements for Q and K). Every tensor of a call must agree on it.
+or its mxfp8 word of four ue8m0 bytes; Q scale folded into the weights, ``q_scale`` None), ``uint8``
+values mean packed MXFP4 (ue8m0 scale bytes per 32 elements for Q and K, padded to 4-byte words).
+Every tensor of a call must agree on it. Weights are fp32 or bf16 (widened exactly); the logits are
+fp32 or, with ``logits_dtype=torch.bfloat16``, the fp32 values rounded once to bf16.
 
 Some checks need the values of device tensors (``ks``/``ke`` against the key count, context lengths
 against the output width and block table, the block-table entries that will be read); each op does
