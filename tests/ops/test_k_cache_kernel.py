@@ -114,9 +114,9 @@ def test_insert_matches_reference(kernel_device, fmt, block_size, layout):
     insert_both(poisoned, k, slots)
 
 
-@pytest.mark.parametrize("fmt, scale_fmt, head_dim", [("fp8", "mxfp8", 128), ("fp8", "mxfp8", 32), ("mxfp4", None, 64),
-                                                     ("mxfp4", None, 32), ("fp8", None, 64)])
-@pytest.mark.parametrize("k_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fmt, scale_fmt, head_dim, k_dtype", [
+    ("fp8", "mxfp8", 128, torch.bfloat16), ("fp8", "mxfp8", 32, torch.float32), ("fp8", None, 64, torch.float32),
+    ("mxfp4", None, 64, torch.bfloat16), ("mxfp4", None, 64, torch.float32), ("mxfp4", None, 32, torch.bfloat16)])
 def test_insert_and_gather_scale_words_and_small_head_dims(kernel_device, fmt, scale_fmt, head_dim, k_dtype):
     """mxfp8 scale words, MXFP4 scale bytes padded to a word (D = 64, 32) and small FP8 rows, byte for byte."""
     poisoned = PoisonedCache(3, 16, fmt, device=kernel_device, head_dim=head_dim, scale_fmt=scale_fmt)
