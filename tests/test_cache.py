@@ -19,7 +19,8 @@ def _no_backend_override(monkeypatch):
 
 @pytest.mark.parametrize(
     "fmt, head_dim, value_bytes, scale_bytes",
-    [("fp8", 128, 128, 4), ("mxfp4", 128, 64, 4), ("fp8", 64, 64, 4), ("mxfp4", 64, 32, 2), ("mxfp4", 256, 128, 8)],
+    [("fp8", 128, 128, 4), ("mxfp4", 128, 64, 4), ("fp8", 64, 64, 4), ("mxfp4", 64, 32, 4), ("mxfp4", 32, 16, 4),
+     ("mxfp4", 256, 128, 8)],
 )
 def test_bytes_per_token_follow_the_layout(fmt, head_dim, value_bytes, scale_bytes):
     assert value_bytes_per_token(fmt, head_dim) == value_bytes
@@ -205,3 +206,15 @@ def test_slot_helpers_and_capacity_accounting():
     storage = torch.zeros(3 * 300 + 8, dtype=torch.uint8)
     padded = storage.as_strided((3, 2, 132), (300, 132, 1), 8)
     assert IndexerKCache(3, block_size=2, buffer=padded).nbytes == 2 * 300 + 2 * 132
+
+
+def test_scale_formats_default_and_unknown_ones_are_refused():
+    assert IndexerKCache(1, block_size=4).scale_fmt == "fp32"
+    assert IndexerKCache(1, block_size=4, fmt="mxfp4").scale_fmt == "ue8m0"
+    cache = IndexerKCache(1, block_size=4, scale_fmt="mxfp8")
+    assert (cache.scale_fmt, cache.bytes_per_token) == ("mxfp8", 132)
+    assert "scale_fmt='mxfp8'" in repr(cache)
+    with pytest.raises(ValueError, match=r"scale_fmt must be one of \('fp32', 'mxfp8'\) for fmt='fp8', got 'ue8m0'"):
+        IndexerKCache(1, block_size=4, scale_fmt="ue8m0")
+    with pytest.raises(ValueError, match=r"scale_fmt must be one of \('ue8m0',\) for fmt='mxfp4', got 'mxfp8'"):
+        IndexerKCache(1, block_size=4, fmt="mxfp4", scale_fmt="mxfp8")

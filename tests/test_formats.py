@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dsa_indexer import dequantize_fp8, dequantize_mxfp4, quantize_fp8, quantize_mxfp4
-from dsa_indexer.formats import ceil_log2, pow2
+from dsa_indexer.formats import ceil_log2, mxfp8_scale_words, pow2, ue8m0_to_fp32
 
 
 def fp32(value: float) -> float:
@@ -152,7 +152,7 @@ def test_mxfp4_matches_elementwise_oracle(rows):
 def test_mxfp4_ties_go_to_even():
     ties = torch.tensor([[0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4])
     packed, scales = quantize_mxfp4(ties)
-    assert scales.tolist() == [[127]]
+    assert scales.tolist() == [[127, 127, 127, 127]]  # one block scale (2**0), then word padding
     assert dequantize_mxfp4(packed, scales)[0, :8].tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0]
 
 
@@ -212,3 +212,29 @@ def test_ceil_log2_and_pow2_are_exact():
 def test_bad_arguments_raise_naming_the_argument(call, match):
     with pytest.raises((ValueError, TypeError), match=match):
         call()
+
+
+@pytest.mark.parametrize("dim", [32, 64, 96, 128, 256])
+def test_mxfp4_scale_bytes_pad_to_words_as_deepgemm_packs_them(dim):
+    """D/32 block scales, then 127 (the scale 1.0) up to a whole number of 4-byte words: DeepGEMM's
+    ``per_token_cast_to_fp4(..., use_packed_ue8m0=True)`` layout (one int32 per 128 dims, 36-byte rows at D = 64)."""
+    x = torch.randn(3, dim) * torch.tensor([[1e-3], [1.0], [1e3]])
+    packed, scales = quantize_mxfp4(x)
+    blocks = dim // 32
+    words = -(-blocks // 4)
+    assert scales.shape == (3, 4 * words)
+    expected_exponents = [[math.ceil(math.log2(max(abs(v) for v in row[b * 32:(b + 1) * 32]) / 6)) + 127
+                           for b in range(blocks)] for row in x.tolist()]
+    assert scales[:, :blocks].tolist() == expected_exponents
+    assert (scales[:, blocks:] == 127).all()
+    other_padding = scales.clone()
+    other_padding[:, blocks:] = 0
+    assert torch.equal(dequantize_mxfp4(packed, other_padding), dequantize_mxfp4(packed, scales))  # padding unread
+
+
+def test_mxfp8_scale_words_are_four_exponent_bytes_and_decode_exactly():
+    scales = torch.tensor([2.0**-126, 2.0**-3, 1.0, 2.0**40, 2.0**127])
+    words = mxfp8_scale_words(scales)
+    assert words.dtype == torch.uint8 and words.shape == (5, 4)
+    assert words.tolist() == [[b] * 4 for b in (1, 124, 127, 167, 254)]
+    assert torch.equal(ue8m0_to_fp32(words[:, 0]), scales)

@@ -70,11 +70,13 @@ def run_steps(
     workspace_tokens=4096,
     decode_layout="native",
     seed=0,
+    logits_dtype=torch.float32,
+    scale_fmt=None,
 ) -> Run:
     gen = torch.Generator().manual_seed(seed)
     num_requests = 1 + max(r for step in steps for r, _ in step)
     pages = 12
-    cache = IndexerKCache(num_requests * pages, block_size=BLOCK, head_dim=DIM, fmt=fmt)
+    cache = IndexerKCache(num_requests * pages, block_size=BLOCK, head_dim=DIM, fmt=fmt, scale_fmt=scale_fmt)
     cache.buffer.fill_(0xA5)
     block_table = torch.randperm(num_requests * pages, generator=gen).to(torch.int32).view(num_requests, pages)
     max_tokens = 128
@@ -86,7 +88,7 @@ def run_steps(
     layer = SparseAttnIndexer(
         cache, TOPK, buffer, workspace_tokens=workspace_tokens, compress_ratio=ratio,
         candidate_blocks=candidate_buffer, candidate_block_size=4, candidate_write=candidate_mode == "write",
-        timer=StageTimer(),
+        timer=StageTimer(), logits_dtype=logits_dtype,
     )
     cos_sin = torch.randn(512, 64, generator=gen)
     lengths = [0] * num_requests
@@ -130,7 +132,7 @@ def run_steps(
             starts = torch.zeros_like(visible)
             logits = mqa_logits(
                 q_quant[rows], None if q_scale is None else q_scale[rows], values, scales, weights[rows],
-                starts, visible, backend="reference",
+                starts, visible, logits_dtype=logits_dtype, backend="reference",
             )
             if candidate_mode == "write":
                 expected_candidates[rows] = select_candidate_blocks(logits, starts, visible, num_candidate_blocks, 4)
@@ -159,6 +161,20 @@ def assert_matches_oracle(run: Run, steps) -> None:
 def test_mixed_steps_equal_dense_oracle(fmt, ratio):
     run = run_steps(MIXED_STEPS, fmt=fmt, ratio=ratio)
     assert_matches_oracle(run, MIXED_STEPS)
+
+
+def test_bf16_logits_and_mxfp8_cache_equal_dense_oracle():
+    """The oracle scores the fp32-scale keys (mxfp8 words decode to the same scales) and picks from bf16 logits."""
+    run = run_steps(MIXED_STEPS, logits_dtype=torch.bfloat16, scale_fmt="mxfp8")
+    assert_matches_oracle(run, MIXED_STEPS)
+
+
+def test_bf16_logits_refused_with_candidate_blocks():
+    cache = IndexerKCache(2, block_size=BLOCK, head_dim=DIM)
+    with pytest.raises(ValueError, match="logits_dtype must be torch.float32 with candidate_blocks"):
+        SparseAttnIndexer(cache, TOPK, torch.empty(4, TOPK, dtype=torch.int32), workspace_tokens=64,
+                          candidate_blocks=torch.empty(4, 3, dtype=torch.int32), candidate_block_size=4,
+                          logits_dtype=torch.bfloat16)
 
 
 def test_single_token_decodes_equal_dense_oracle():

@@ -2,8 +2,13 @@
 
 One page holds ``block_size`` tokens; its bytes are not interleaved::
 
-    FP8:   [block_size x D  e4m3 values][block_size x 4 B fp32 scale]        (D + 4 bytes per token)
-    MXFP4: [block_size x D/2 packed e2m1][block_size x D/32 ue8m0 scale bytes] (D/2 + D/32 per token)
+    FP8:   [block_size x D  e4m3 values][block_size x 4 B scale word]         (D + 4 bytes per token)
+    MXFP4: [block_size x D/2 packed e2m1][block_size x S ue8m0 scale bytes]    (D/2 + S per token)
+
+The FP8 scale word is the fp32 scale (``scale_fmt="fp32"``) or, with ``scale_fmt="mxfp8"``, the
+power-of-two scale ``2**e`` as four equal ue8m0 bytes ``e + 127``. MXFP4 has ``D/32`` scale bytes
+padded with ``127`` to ``S = 4 * ceil(D / 128)`` (whole 4-byte words, DeepGEMM's layout: 36-byte
+rows at D = 64, 68 at D = 128).
 
 The buffer is ``uint8 [num_blocks, block_size, bytes_per_token]``; its page stride ``stride(0)`` may
 exceed ``block_size * bytes_per_token`` when pages sit inside a larger allocation. Slot ``s`` is
@@ -15,9 +20,11 @@ from __future__ import annotations
 import torch
 
 from ._validation import check_choice, check_positive_int, check_tensor
-from .formats import MXFP4_BLOCK
+from .formats import MXFP4_BLOCK, mxfp4_scale_bytes
 
 FORMATS = ("fp8", "mxfp4")
+# Scale formats each key format stores; the first is the default.
+SCALE_FORMATS = {"fp8": ("fp32", "mxfp8"), "mxfp4": ("ue8m0",)}
 
 
 def value_bytes_per_token(fmt: str, head_dim: int) -> int:
@@ -25,11 +32,11 @@ def value_bytes_per_token(fmt: str, head_dim: int) -> int:
 
 
 def scale_bytes_per_token(fmt: str, head_dim: int) -> int:
-    return 4 if fmt == "fp8" else head_dim // MXFP4_BLOCK
+    return 4 if fmt == "fp8" else mxfp4_scale_bytes(head_dim)
 
 
 def bytes_per_token(fmt: str, head_dim: int) -> int:
-    """132 for FP8 with D = 128, 68 for MXFP4."""
+    """132 for FP8 with D = 128, 68 for MXFP4 (36 at D = 64)."""
     return value_bytes_per_token(fmt, head_dim) + scale_bytes_per_token(fmt, head_dim)
 
 
@@ -40,7 +47,9 @@ class IndexerKCache:
         num_blocks: pages in the cache.
         block_size: tokens per page (64 by default).
         head_dim: K dimension D (128 for every DeepSeek configuration).
-        fmt: ``"fp8"`` (e4m3 values, fp32 scale per token) or ``"mxfp4"`` (e2m1, ue8m0 per 32).
+        fmt: ``"fp8"`` (e4m3 values, one scale word per token) or ``"mxfp4"`` (e2m1, ue8m0 per 32).
+        scale_fmt: how scales are stored: FP8 ``"fp32"`` (default) or ``"mxfp8"`` (four equal ue8m0
+            bytes; insertion then needs power-of-two scales), MXFP4 ``"ue8m0"``. ``None``: the default.
         device: where the buffer lives.
         buffer: an existing ``uint8 [num_blocks, block_size, bytes_per_token]`` view to use instead
             of allocating (its page stride may be larger than the packed page).
@@ -53,6 +62,7 @@ class IndexerKCache:
         block_size: int = 64,
         head_dim: int = 128,
         fmt: str = "fp8",
+        scale_fmt: str | None = None,
         device: torch.device | str | None = None,
         buffer: torch.Tensor | None = None,
     ):
@@ -60,12 +70,17 @@ class IndexerKCache:
         check_positive_int("block_size", block_size)
         check_positive_int("head_dim", head_dim)
         check_choice("fmt", fmt, FORMATS)
+        if scale_fmt is None:
+            scale_fmt = SCALE_FORMATS[fmt][0]
+        if scale_fmt not in SCALE_FORMATS[fmt]:
+            raise ValueError(f"scale_fmt must be one of {SCALE_FORMATS[fmt]} for fmt={fmt!r}, got {scale_fmt!r}")
         if fmt == "mxfp4" and head_dim % MXFP4_BLOCK:
             raise ValueError(f"head_dim must be a multiple of {MXFP4_BLOCK} for fmt='mxfp4', got {head_dim}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.head_dim = head_dim
         self.fmt = fmt
+        self.scale_fmt = scale_fmt
         self.bytes_per_token = bytes_per_token(fmt, head_dim)
         shape = (num_blocks, block_size, self.bytes_per_token)
         if buffer is None:
@@ -178,8 +193,8 @@ class IndexerKCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather requests' keys contiguously: request ``b`` fills rows ``[cu[b], cu[b+1])``.
 
-        Returns FP8 ``(values float8_e4m3fn [N, D], scales float32 [N])`` or MXFP4
-        ``(values uint8 [N, D/2], scales uint8 [N, D/32])``.
+        Returns FP8 ``(values float8_e4m3fn [N, D], scales float32 [N])`` (``scale_fmt="mxfp8"``: the
+        raw scale words, ``uint8 [N, 4]``) or MXFP4 ``(values uint8 [N, D/2], scales uint8 [N, S])``.
         """
         if torch.compiler.is_compiling() and out is None:
             from .library import gather_k_compiled
@@ -192,5 +207,5 @@ class IndexerKCache:
     def __repr__(self) -> str:
         return (
             f"IndexerKCache(num_blocks={self.num_blocks}, block_size={self.block_size}, head_dim={self.head_dim}, "
-            f"fmt={self.fmt!r}, device={self.device})"
+            f"fmt={self.fmt!r}, scale_fmt={self.scale_fmt!r}, device={self.device})"
         )

@@ -14,7 +14,12 @@ MXFP4 e2m1, one ue8m0 scale per 32 elements
     ``scale = 2 ** ceil(log2(max(amax, 6 * 2**-126) / 6))`` stored as the byte ``exponent + 127``;
     magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}, round-to-nearest, ties to even, saturating at 6; no
     negative zero; NaN encodes as +0 and ``±inf`` saturates to ``±6``. Two values per byte, the
-    even element in the low nibble.
+    even element in the low nibble. A vector's ``D/32`` scale bytes are padded to a whole number of
+    4-byte words with ``127`` (the scale 1.0), as DeepGEMM packs them: ``D = 64`` has one word
+    ``[s0, s1, 127, 127]``, ``D = 128`` one word of four scales.
+
+MXFP8 scale words (``scale_fmt="mxfp8"`` FP8 K caches)
+    a power-of-two FP8 scale ``2**e`` stored as four equal ue8m0 bytes ``e + 127`` instead of an fp32.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ Q_AMAX_FLOOR = 1e-10
 
 MXFP4_BLOCK = 32
 MXFP4_MAX = 6.0
+# ue8m0 byte of the scale 1.0: the padding of MXFP4 scale words.
+UE8M0_ONE = 127
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Rounding thresholds between consecutive e2m1 magnitudes. ``>`` where the tie goes down to the
 # even code, ``>=`` where it goes up to the even code.
@@ -109,6 +116,23 @@ def dequantize_fp8(values: torch.Tensor, scales: torch.Tensor, *, block_size: in
     return (blocks * scales.unsqueeze(-1)).flatten(-2)
 
 
+def mxfp4_scale_bytes(dim: int) -> int:
+    """Scale bytes of a ``dim``-element MXFP4 vector: ``dim / 32`` rounded up to whole 4-byte words."""
+    return -(-dim // (4 * MXFP4_BLOCK)) * 4
+
+
+def ue8m0_to_fp32(scale_bytes: torch.Tensor) -> torch.Tensor:
+    """ue8m0 bytes (uint8, any shape) -> fp32 ``2 ** (byte - 127)``, built from the bits (exact for bytes
+    1..254; byte 0 reads as 0.0 and 255 as inf)."""
+    return (scale_bytes.to(torch.int32) << 23).view(torch.float32)
+
+
+def mxfp8_scale_words(scales: torch.Tensor) -> torch.Tensor:
+    """Power-of-two fp32 scales ``[...]`` -> their mxfp8 words: uint8 ``[..., 4]``, four equal ue8m0 bytes."""
+    exponent_byte = ((scales.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+    return exponent_byte.unsqueeze(-1).expand(*scales.shape, 4).contiguous()
+
+
 def mxfp4_exponents(x: torch.Tensor) -> torch.Tensor:
     """Unbiased ue8m0 exponents of the 32-element blocks of ``x [..., D]`` -> int32 ``[..., D // 32]``."""
     blocks = x.float().unflatten(-1, (-1, MXFP4_BLOCK))
@@ -129,8 +153,9 @@ def e2m1_codes(scaled: torch.Tensor) -> torch.Tensor:
 def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise ``x [..., D]`` to MXFP4 (D a multiple of 32).
 
-    Returns ``(packed uint8 [..., D // 2], scales uint8 [..., D // 32])``: two e2m1 codes per byte,
-    element ``2i`` in the low nibble; scale bytes are ``exponent + 127``.
+    Returns ``(packed uint8 [..., D // 2], scales uint8 [..., S])``: two e2m1 codes per byte,
+    element ``2i`` in the low nibble; scale byte ``b < D // 32`` is block ``b``'s ``exponent + 127``,
+    and ``S = mxfp4_scale_bytes(D)`` pads them to whole 4-byte words with ``UE8M0_ONE``.
     """
     check_tensor("x", x, min_ndim=1)
     check_floating("x", x)
@@ -139,15 +164,22 @@ def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = x.float().unflatten(-1, (-1, MXFP4_BLOCK))
     codes = e2m1_codes(blocks / pow2(exponent).unsqueeze(-1)).flatten(-2)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return packed, (exponent + 127).to(torch.uint8)
+    blocks = exponent.shape[-1]
+    scales = torch.full((*exponent.shape[:-1], mxfp4_scale_bytes(x.shape[-1])), UE8M0_ONE, dtype=torch.uint8,
+                        device=x.device)
+    scales[..., :blocks] = (exponent + 127).to(torch.uint8)
+    return packed, scales
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``packed uint8 [..., D // 2]`` and ``scales uint8 [..., D // 32]`` -> float32 ``[..., D]``."""
+    """``packed uint8 [..., D // 2]`` and ``scales uint8 [..., mxfp4_scale_bytes(D)]`` -> float32 ``[..., D]``
+    (the padding bytes past ``D // 32`` are not read)."""
     check_tensor("packed", packed, dtype=torch.uint8, min_ndim=1)
     check_last_dim_multiple("packed", packed, MXFP4_BLOCK // 2, "16 (half the MXFP4 block)")
-    expected = (*packed.shape[:-1], packed.shape[-1] * 2 // MXFP4_BLOCK)
+    dim = packed.shape[-1] * 2
+    expected = (*packed.shape[:-1], mxfp4_scale_bytes(dim))
     check_tensor("scales", scales, dtype=torch.uint8, shape=expected, device=packed.device)
+    scales = scales[..., : dim // MXFP4_BLOCK]
     codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
     table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
     magnitude = table[(codes & 0x7).long()]

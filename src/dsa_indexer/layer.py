@@ -76,6 +76,9 @@ class SparseAttnIndexer(nn.Module):
         pcp_group: prefill-context-parallel process group: the prefill keys of every rank are gathered
             before the insert, so each rank's (replicated) cache receives the whole prompt.
         timer: a ``StageTimer`` to record per-stage time (None: no timing, no cost).
+        logits_dtype: ``torch.float32`` or ``torch.bfloat16``: the dtype of the logits the top-k reads
+            (bf16 halves those bytes; the picks are the exact top-k of the bf16-rounded logits). bf16 is not
+            combined with candidate blocks or decode context parallelism (their ops take fp32 logits).
         backend: ``"auto" | "reference" | "triton"`` for every op.
     """
 
@@ -98,6 +101,7 @@ class SparseAttnIndexer(nn.Module):
         dcp_interleave: int = 1,
         pcp_group=None,
         timer: StageTimer | None = None,
+        logits_dtype: torch.dtype = torch.float32,
         backend: str = "auto",
     ):
         super().__init__()
@@ -112,6 +116,10 @@ class SparseAttnIndexer(nn.Module):
         check_positive_int("workspace_tokens", workspace_tokens)
         check_positive_int("compress_ratio", compress_ratio)
         check_choice("backend", backend, ("auto", "reference", "triton"))
+        check_choice("logits_dtype", logits_dtype, (torch.float32, torch.bfloat16))
+        if logits_dtype != torch.float32 and (candidate_blocks is not None or dcp_group is not None):
+            raise ValueError("logits_dtype must be torch.float32 with candidate_blocks or dcp_group (their ops take "
+                             f"fp32 logits), got {logits_dtype}")
         if candidate_blocks is not None:
             check_tensor("candidate_blocks", candidate_blocks, dtype=torch.int32, ndim=2, device=cache.device)
             check_positive_int("candidate_block_size", candidate_block_size)
@@ -121,6 +129,7 @@ class SparseAttnIndexer(nn.Module):
                     f"got {candidate_blocks.shape[0]}"
                 )
         self.cache = cache
+        self.logits_dtype = logits_dtype
         self.topk_tokens = topk_tokens
         self.topk_indices_buffer = topk_indices_buffer
         self.workspace_tokens = workspace_tokens
@@ -149,10 +158,13 @@ class SparseAttnIndexer(nn.Module):
             n, d, device = self.workspace_tokens, self.cache.head_dim, self.cache.device
             if self.cache.fmt == "fp8":
                 values = torch.empty(n, d, dtype=torch.float8_e4m3fn, device=device)
-                scales = torch.empty(n, dtype=torch.float32, device=device)
+                if self.cache.scale_fmt == "mxfp8":  # gather copies the raw scale words
+                    scales = torch.empty(n, 4, dtype=torch.uint8, device=device)
+                else:
+                    scales = torch.empty(n, dtype=torch.float32, device=device)
             else:
                 values = torch.empty(n, d // 2, dtype=torch.uint8, device=device)
-                scales = torch.empty(n, d // 32, dtype=torch.uint8, device=device)
+                scales = torch.empty(n, self.cache.scale_bytes, dtype=torch.uint8, device=device)
             self._workspace = (values, scales)
         return self._workspace
 
@@ -160,11 +172,11 @@ class SparseAttnIndexer(nn.Module):
         """Allocate the gather workspace and return the peak bytes one forward needs beyond its inputs.
 
         Peak = gather workspace + the larger of one prefill chunk's logits (``max_logits_bytes``) and the
-        decode logits ``[max_decode_rows, max_context_len]`` fp32, + candidate scratch when padding.
+        decode logits ``[max_decode_rows, max_context_len]`` (``logits_dtype``), + candidate scratch when padding.
         """
         values, scales = self.gather_workspace()
         workspace = values.numel() * values.element_size() + scales.numel() * scales.element_size()
-        decode_logits = max_decode_rows * max_context_len * 4
+        decode_logits = max_decode_rows * max_context_len * self.logits_dtype.itemsize
         candidate_scratch = 0
         if self.candidate_blocks is not None:
             candidate_scratch = max_decode_rows * self.candidate_blocks.shape[1] * 4
@@ -204,7 +216,7 @@ class SparseAttnIndexer(nn.Module):
 
         Args:
             q_quant: ``[T, H, D]`` e4m3 (FP8) or ``[T, H, D/2]`` uint8 (MXFP4), rows in batch order.
-            q_scale: None (FP8: folded into ``weights``) or ``uint8 [T, H, D/32]`` (MXFP4).
+            q_scale: None (FP8: folded into ``weights``) or ``uint8 [T, H, S]`` (MXFP4, ``S = cache.scale_bytes``).
             k: ``[T, D]`` keys of this step's tokens (ignored with ``skip_k_cache_insert``).
             weights: ``float32 [T, H]`` head weights (``weights_out`` of ``rope_quant_q``).
             metadata: the step's plan from ``build_metadata``/``MetadataBuilder``.
@@ -303,6 +315,7 @@ class SparseAttnIndexer(nn.Module):
                 chunk.ks,
                 chunk.ke,
                 clean=False,
+                logits_dtype=self.logits_dtype,
                 backend=self.backend,
             )
         if self.candidate_blocks is not None:
@@ -373,7 +386,7 @@ class SparseAttnIndexer(nn.Module):
         with self._stage("decode_logits"):
             logits = paged_mqa_logits(
                 q, scale, self.cache, w, decode.context_lens, decode.block_table, self._decode_width(decode),
-                clean=False, backend=self.backend,
+                clean=False, logits_dtype=self.logits_dtype, backend=self.backend,
             )
         if self.candidate_blocks is not None:
             with self._stage("candidates"):

@@ -21,7 +21,7 @@ import torch
 from torch.library import custom_op
 
 from . import formats
-from .cache import IndexerKCache, scale_bytes_per_token, value_bytes_per_token
+from .cache import SCALE_FORMATS, IndexerKCache, scale_bytes_per_token, value_bytes_per_token
 from .ops import candidates as _candidates
 from .ops import k_cache as _k_cache
 from .ops import logits as _logits
@@ -32,8 +32,21 @@ from .ops import topk as _topk
 NAMESPACE = "dsa_indexer"
 
 
+def _fmt_key(cache: IndexerKCache) -> str:
+    """The cache's formats as one op argument: ``fmt``, or ``fmt:scale_fmt`` for a non-default scale format."""
+    return cache.fmt if cache.scale_fmt == SCALE_FORMATS[cache.fmt][0] else f"{cache.fmt}:{cache.scale_fmt}"
+
+
 def _cache(buffer: torch.Tensor, block_size: int, head_dim: int, fmt: str) -> IndexerKCache:
-    return IndexerKCache(buffer.shape[0], block_size=block_size, head_dim=head_dim, fmt=fmt, buffer=buffer)
+    key_fmt, _, scale_fmt = fmt.partition(":")
+    return IndexerKCache(buffer.shape[0], block_size=block_size, head_dim=head_dim, fmt=key_fmt,
+                         scale_fmt=scale_fmt or None, buffer=buffer)
+
+
+def _fp32_logits_only(name: str, kwargs: dict) -> None:
+    if kwargs.get("logits_dtype", torch.float32) != torch.float32:
+        raise ValueError(f"logits_dtype other than torch.float32 is not supported for {name} when compiled, "
+                         f"got {kwargs['logits_dtype']}")
 
 
 def _empty_q_scale(like: torch.Tensor) -> torch.Tensor:
@@ -75,7 +88,7 @@ def _(x):
     lead = x.shape[:-1]
     return (
         x.new_empty((*lead, x.shape[-1] // 2), dtype=torch.uint8),
-        x.new_empty((*lead, x.shape[-1] // formats.MXFP4_BLOCK), dtype=torch.uint8),
+        x.new_empty((*lead, formats.mxfp4_scale_bytes(x.shape[-1])), dtype=torch.uint8),
     )
 
 
@@ -117,7 +130,7 @@ def _(q, positions, cos_sin, weights, softmax_scale, head_scale, rope_style, rop
         return q.new_empty(q.shape, dtype=formats.FP8_DTYPE), _empty_q_scale(q), weights_out
     return (
         q.new_empty((tokens, heads, dim // 2), dtype=torch.uint8),
-        q.new_empty((tokens, heads, dim // formats.MXFP4_BLOCK), dtype=torch.uint8),
+        q.new_empty((tokens, heads, formats.mxfp4_scale_bytes(dim)), dtype=torch.uint8),
         weights_out,
     )
 
@@ -163,6 +176,11 @@ def gather_k_op(
 
 @gather_k_op.register_fake
 def _(cache_buffer, block_size, head_dim, fmt, block_table, cu_seq_lens, num_tokens, backend):
+    if fmt == "fp8:mxfp8":
+        return (
+            cache_buffer.new_empty((num_tokens, head_dim), dtype=formats.FP8_DTYPE),
+            cache_buffer.new_empty((num_tokens, 4), dtype=torch.uint8),
+        )
     if fmt == "fp8":
         return (
             cache_buffer.new_empty((num_tokens, head_dim), dtype=formats.FP8_DTYPE),
@@ -385,17 +403,20 @@ def _compiled_call(name: str, args: tuple, kwargs: dict):
         )
         return q_quant, (None if kwargs.get("fmt", "fp8") == "fp8" else q_scale), weights_out
     if name == "mqa_logits":
+        _fp32_logits_only(name, kwargs)
         out = kwargs.get("out")
         if out is not None:
             mqa_logits_out_op(*args, kwargs.get("clean", True), out, backend)
             return out
         return mqa_logits_op(*args, kwargs.get("clean", True), backend)
     if name == "paged_mqa_logits":
+        _fp32_logits_only(name, kwargs)
         q, q_scale, cache, *rest = args
         if kwargs.get("out") is not None:
             raise ValueError("out= is not supported for paged_mqa_logits when compiled; use the returned tensor")
         return paged_mqa_logits_op(
-            q, q_scale, cache.buffer, cache.block_size, cache.head_dim, cache.fmt, *rest, kwargs.get("clean", True), backend
+            q, q_scale, cache.buffer, cache.block_size, cache.head_dim, _fmt_key(cache), *rest, kwargs.get("clean", True),
+            backend
         )
     if name == "topk":
         logits, k = args
@@ -445,7 +466,7 @@ def dispatching(function: Callable) -> Callable:
 def insert_k_compiled(k: torch.Tensor, cache: IndexerKCache, slot_mapping: torch.Tensor, **kwargs) -> None:
     """``IndexerKCache.insert`` as a custom op (used by the cache while compiling)."""
     insert_k_op(
-        k, cache.buffer, cache.block_size, cache.head_dim, cache.fmt, slot_mapping,
+        k, cache.buffer, cache.block_size, cache.head_dim, _fmt_key(cache), slot_mapping,
         kwargs.get("scale_fmt", "ue8m0"), kwargs.get("amax_floor", formats.K_AMAX_FLOOR), kwargs.get("backend", "auto"),
     )
 
@@ -453,4 +474,5 @@ def insert_k_compiled(k: torch.Tensor, cache: IndexerKCache, slot_mapping: torch
 def gather_k_compiled(cache: IndexerKCache, block_table, cu_seq_lens, *, num_tokens=None, backend="auto"):
     """``IndexerKCache.gather`` as a custom op (used by the cache while compiling)."""
     _needs("num_tokens", num_tokens)
-    return gather_k_op(cache.buffer, cache.block_size, cache.head_dim, cache.fmt, block_table, cu_seq_lens, num_tokens, backend)
+    return gather_k_op(cache.buffer, cache.block_size, cache.head_dim, _fmt_key(cache), block_table, cu_seq_lens, num_tokens,
+                       backend)

@@ -24,7 +24,7 @@ def _no_backend_override(monkeypatch):
 
 def token_layout(fmt: str, head_dim: int = HEAD_DIM) -> tuple[int, int]:
     """(value bytes, scale bytes) of one token, from DESIGN.md §3."""
-    return (head_dim, 4) if fmt == "fp8" else (head_dim // 2, head_dim // 32)
+    return (head_dim, 4) if fmt == "fp8" else (head_dim // 2, -(-head_dim // 128) * 4)
 
 
 class PoisonedCache:
@@ -466,3 +466,42 @@ def test_gather_rejects_num_tokens_together_with_out():
     with pytest.raises(ValueError, match="num_tokens must be None when out is given"):
         gather_k(args["cache"], args["block_table"], args["cu_seq_lens"], num_tokens=22, out=out)
     assert all(byte == POISON for rows in as_row_bytes(*out) for row in rows for byte in row)
+
+
+def test_mxfp8_cache_stores_four_exponent_bytes_and_gathers_them_raw():
+    """The same rows in an fp32-scale and an mxfp8 cache: equal value bytes; each mxfp8 scale word is four
+    copies of the power-of-two fp32 scale's exponent field; gather returns those words as they are."""
+    k = random_k(11, seed=21) * torch.logspace(-4, 4, 11)[:, None]
+    slots = torch.tensor([3, 0, 9, -1, 12, 15, 1, 2, 8, 7, 4])
+    fp32_cache = IndexerKCache(2, block_size=8)
+    mxfp8_cache = IndexerKCache(2, block_size=8, scale_fmt="mxfp8")
+    insert_k(k, fp32_cache, slots)
+    insert_k(k, mxfp8_cache, slots)
+    assert torch.equal(fp32_cache.values_view(), mxfp8_cache.values_view())
+    fp32_scales = fp32_cache.scales_view().contiguous().view(torch.int32)  # [2, 8, 1]
+    exponent_bytes = ((fp32_scales >> 23) & 0xFF).to(torch.uint8).expand(2, 8, 4)
+    assert torch.equal(mxfp8_cache.scales_view(), exponent_bytes)
+    block_table = torch.tensor([[1, 0]], dtype=torch.int32)
+    values, words = gather_k(mxfp8_cache, block_table, torch.tensor([0, 13], dtype=torch.int32))
+    fp32_values, fp32_words = gather_k(fp32_cache, block_table, torch.tensor([0, 13], dtype=torch.int32))
+    assert words.dtype == torch.uint8 and words.shape == (13, 4)
+    assert torch.equal(values.view(torch.uint8), fp32_values.view(torch.uint8))
+    assert torch.equal(words, ((fp32_words.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)[:, None].expand(13, 4))
+
+
+def test_mxfp8_cache_refuses_fp32_scales_before_writing():
+    cache = IndexerKCache(2, block_size=8, scale_fmt="mxfp8")
+    with pytest.raises(ValueError, match="scale_fmt must be 'ue8m0' for a cache storing mxfp8"):
+        insert_k(random_k(2, seed=22), cache, torch.tensor([0, 1]), scale_fmt="fp32")
+    assert not cache.buffer.any()
+
+
+def test_mxfp4_head_dim_64_rows_are_36_bytes_with_a_padded_scale_word():
+    cache = IndexerKCache(1, block_size=4, head_dim=64, fmt="mxfp4")
+    k = random_k(4, seed=23)[:, :64]
+    insert_k(k, cache, torch.arange(4))
+    packed, scales = quantize_mxfp4(k)
+    assert cache.bytes_per_token == 36
+    assert torch.equal(cache.values_view()[0], packed)
+    assert torch.equal(cache.scales_view()[0], scales)
+    assert (cache.scales_view()[0, :, 2:] == 127).all()

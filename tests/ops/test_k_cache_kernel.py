@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dsa_indexer.backend import ENV_VAR
-from dsa_indexer.cache import IndexerKCache
+from dsa_indexer.cache import IndexerKCache, bytes_per_token
 from dsa_indexer.ops.k_cache import gather_k, insert_k
 
 pytest.importorskip("triton", reason="Triton kernel tests need triton (make test installs it)")
@@ -33,13 +33,13 @@ def _no_backend_override(monkeypatch):
 class PoisonedCache:
     """A cache whose pages sit ``page_padding`` bytes apart inside 0xA5-filled storage, ``offset`` bytes in."""
 
-    def __init__(self, num_blocks, block_size, fmt, *, device, page_padding=24, offset=8, head_dim=128):
-        bytes_per_token = head_dim + 4 if fmt == "fp8" else head_dim // 2 + head_dim // 32
-        page_stride = block_size * bytes_per_token + page_padding
+    def __init__(self, num_blocks, block_size, fmt, *, device, page_padding=24, offset=8, head_dim=128, scale_fmt=None):
+        row_bytes = bytes_per_token(fmt, head_dim)
+        page_stride = block_size * row_bytes + page_padding
         self.storage = torch.full((offset + num_blocks * page_stride + 16,), POISON, dtype=torch.uint8, device=device)
-        buffer = self.storage.as_strided((num_blocks, block_size, bytes_per_token), (page_stride, bytes_per_token, 1),
-                                         offset)
-        self.cache = IndexerKCache(num_blocks, block_size=block_size, head_dim=head_dim, fmt=fmt, buffer=buffer)
+        buffer = self.storage.as_strided((num_blocks, block_size, row_bytes), (page_stride, row_bytes, 1), offset)
+        self.cache = IndexerKCache(num_blocks, block_size=block_size, head_dim=head_dim, fmt=fmt, scale_fmt=scale_fmt,
+                                   buffer=buffer)
 
     def canonical_storage(self) -> torch.Tensor:
         """The storage bytes on the CPU, every e4m3 NaN value byte made 0x7F (NaN signs are unspecified)."""
@@ -58,7 +58,8 @@ class PoisonedCache:
         buffer = self.cache.buffer
         view = other.storage.as_strided(buffer.shape, buffer.stride(), buffer.storage_offset())
         other.cache = IndexerKCache(self.cache.num_blocks, block_size=self.cache.block_size,
-                                    head_dim=self.cache.head_dim, fmt=self.cache.fmt, buffer=view)
+                                    head_dim=self.cache.head_dim, fmt=self.cache.fmt, scale_fmt=self.cache.scale_fmt,
+                                    buffer=view)
         return other
 
 
@@ -111,6 +112,23 @@ def test_insert_matches_reference(kernel_device, fmt, block_size, layout):
     slots = random_slots(poisoned, 45, seed=block_size).to(kernel_device)
     k = strided_rows(random_k(45, seed=block_size).to(kernel_device), layout)
     insert_both(poisoned, k, slots)
+
+
+@pytest.mark.parametrize("fmt, scale_fmt, head_dim, k_dtype", [
+    ("fp8", "mxfp8", 128, torch.bfloat16), ("fp8", "mxfp8", 32, torch.float32), ("fp8", None, 64, torch.float32),
+    ("mxfp4", None, 64, torch.bfloat16), ("mxfp4", None, 64, torch.float32), ("mxfp4", None, 32, torch.bfloat16)])
+def test_insert_and_gather_scale_words_and_small_head_dims(kernel_device, fmt, scale_fmt, head_dim, k_dtype):
+    """mxfp8 scale words, MXFP4 scale bytes padded to a word (D = 64, 32) and small FP8 rows, byte for byte."""
+    poisoned = PoisonedCache(3, 16, fmt, device=kernel_device, head_dim=head_dim, scale_fmt=scale_fmt)
+    slots = random_slots(poisoned, 29, seed=14).to(kernel_device)
+    insert_both(poisoned, random_k(29, seed=15, dtype=k_dtype, head_dim=head_dim).to(kernel_device), slots)
+    block_table = torch.tensor([[2, 0, 1], [1, 2, 0]], dtype=torch.int32, device=kernel_device)
+    cu_seq_lens = torch.tensor([0, 37, 50], dtype=torch.int32, device=kernel_device)
+    got = gather_k(poisoned.cache, block_table, cu_seq_lens, num_tokens=53, backend="triton")
+    expected = gather_k(poisoned.cache, block_table, cu_seq_lens, num_tokens=53, backend="reference")
+    assert got[1].dtype == expected[1].dtype
+    for a, b in zip(got, expected):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 @pytest.mark.parametrize("amax_floor", [1e-4, 1.0, 1e-30])

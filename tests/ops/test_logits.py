@@ -295,6 +295,7 @@ def make_decode(
     extra_width=3,
     page_padding=40,
     seed=0,
+    scale_fmt=None,
 ) -> DecodeCase:
     """Requests of the given lengths (1-D: request lengths; 2-D: per-row lengths) in a cache whose
     pages sit, randomly permuted, inside a larger poisoned allocation (page stride > packed page).
@@ -310,7 +311,8 @@ def make_decode(
     page_stride = block_size * token_bytes + page_padding
     storage = torch.full((num_blocks * page_stride + 24,), POISON_BYTE, dtype=torch.uint8)
     buffer = torch.as_strided(storage, (num_blocks, block_size, token_bytes), (page_stride, token_bytes, 1), 24)
-    cache = IndexerKCache(num_blocks, block_size=block_size, head_dim=head_dim, fmt=fmt, buffer=buffer)
+    cache = IndexerKCache(num_blocks, block_size=block_size, head_dim=head_dim, fmt=fmt, scale_fmt=scale_fmt,
+                          buffer=buffer)
 
     max_blocks = max(pages_needed, default=0) + 2
     block_table = torch.empty((batch, max_blocks), dtype=torch.int32)
@@ -330,6 +332,8 @@ def make_decode(
     if fmt == "fp8":
         values, scales = quantize_fp8(all_keys, block_size=head_dim)
         value_bytes, scale_bytes = values.view(torch.uint8), scales.view(torch.uint8)
+        if scale_fmt == "mxfp8":  # four copies of the power-of-two scale's exponent field
+            scale_bytes = ((scales.view(torch.int32) >> 23) & 0xFF).to(torch.uint8).expand(-1, 4)
     else:
         value_bytes, scale_bytes = quantize_mxfp4(all_keys)
     cache.values_view()[pages, offsets] = value_bytes
@@ -363,10 +367,14 @@ def key_from_page_bytes(cache: IndexerKCache, page: int, offset: int) -> tuple[t
     """float64 key ``[D]`` and its post-head-sum scale, decoded from the raw bytes of one page."""
     page_bytes = cache.buffer[page].reshape(-1)
     value_width = cache.head_dim if cache.fmt == "fp8" else cache.head_dim // 2
-    scale_width = 4 if cache.fmt == "fp8" else cache.head_dim // 32
+    scale_width = 4 if cache.fmt == "fp8" else -(-cache.head_dim // 128) * 4  # MXFP4: D/32 padded to words
     values = page_bytes[offset * value_width : (offset + 1) * value_width]
     scale_start = cache.block_size * value_width + offset * scale_width
     scale_bytes = page_bytes[scale_start : scale_start + scale_width]
+    if cache.scale_fmt == "mxfp8":
+        exponent_bytes = scale_bytes.tolist()
+        assert len(set(exponent_bytes)) == 1, exponent_bytes
+        return values.view(torch.float8_e4m3fn).double(), 2.0 ** (exponent_bytes[0] - 127)
     if cache.fmt == "fp8":
         return values.view(torch.float8_e4m3fn).double(), struct.unpack("<f", bytes(scale_bytes.tolist()))[0]
     return dequantize_mxfp4(values, scale_bytes).double(), 1.0
@@ -432,6 +440,40 @@ def test_decode_head_counts_and_dims(fmt, heads, head_dim):
     case = make_decode(fmt, [5, 17, 40], 2, heads=heads, head_dim=head_dim, seed=heads)
     result = paged_mqa_logits(*case.args())
     assert calc_diff(result, decode_oracle(case)) < 1e-9
+
+
+@pytest.mark.parametrize("fmt, scale_fmt, heads, head_dim", [("fp8", "mxfp8", 4, 128), ("fp8", None, 16, 32),
+                                                              ("mxfp4", None, 8, 64), ("mxfp4", None, 32, 32)])
+def test_decode_mxfp8_caches_and_small_heads_and_dims(fmt, scale_fmt, heads, head_dim):
+    """mxfp8 scale words decode as 2**(byte - 127); MXFP4 at D = 64 and 32 reads its padded scale words."""
+    case = make_decode(fmt, [5, 17, 40], 2, heads=heads, head_dim=head_dim, seed=heads, scale_fmt=scale_fmt)
+    assert calc_diff(paged_mqa_logits(*case.args()), decode_oracle(case)) < 1e-9
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bf16_logits_round_the_fp32_logits_once_and_bf16_weights_widen(fmt):
+    """bf16 output: the fp32 result rounded to nearest even, bit for bit; bf16 weights: the fp32 result of
+    the same weights widened (so the two options compose)."""
+    case = make_decode(fmt, [5, 17, 40], 2, seed=7)
+    bf16_weights = case.weights.bfloat16()
+    widened = (*case.args()[:3], bf16_weights.float(), *case.args()[4:])
+    with_bf16 = (*case.args()[:3], bf16_weights, *case.args()[4:])
+    fp32 = paged_mqa_logits(*widened)
+    assert torch.equal(paged_mqa_logits(*with_bf16), fp32)
+    rounded = paged_mqa_logits(*with_bf16, logits_dtype=torch.bfloat16)
+    assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, fp32.bfloat16())
+    prefill = make_prefill(fmt, 5, 19, 4, 128, [(0, 19), (3, 7), (0, 0), (18, 19), (2, 12)])
+    q, q_scale, k, k_scale, weights, ks, ke = prefill.args()
+    fp32 = mqa_logits(q, q_scale, k, k_scale, weights.bfloat16().float(), ks, ke)
+    rounded = mqa_logits(q, q_scale, k, k_scale, weights.bfloat16(), ks, ke, logits_dtype=torch.bfloat16)
+    assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, fp32.bfloat16())
+
+
+def test_prefill_takes_mxfp8_scale_words_as_their_power_of_two():
+    case = make_prefill("fp8", 4, 11, 4, 128, [(0, 11), (2, 5), (0, 0), (10, 11)])
+    q, q_scale, k, k_scale, weights, ks, ke = case.args()
+    words = ((k_scale.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)[:, None].expand(-1, 4).contiguous()
+    assert torch.equal(mqa_logits(q, q_scale, k, words, weights, ks, ke), mqa_logits(*case.args()))
 
 
 @pytest.mark.parametrize("fmt, bound", [("fp8", 1e-3), ("mxfp4", 2e-2)])
@@ -551,7 +593,9 @@ def prefill_mutations(case: PrefillCase):
         ("k rank", {"k": case.k[None]}, ValueError, "k"),
         ("k_scale dtype", {"k_scale": case.k_scale.double()}, TypeError, "k_scale"),
         ("k_scale shape", {"k_scale": case.k_scale[:-1]}, ValueError, "k_scale"),
-        ("weights dtype", {"weights": case.weights.bfloat16()}, TypeError, "weights"),
+        ("k_scale mxfp8 word width", {"k_scale": torch.zeros(case.k.shape[0], 3, dtype=torch.uint8)}, ValueError,
+         "k_scale"),
+        ("weights dtype", {"weights": case.weights.half()}, TypeError, "weights"),
         ("weights shape", {"weights": case.weights[:, :-1]}, ValueError, "weights"),
         ("weights device", {"weights": case.weights.to("meta")}, ValueError, "weights"),
         ("ks dtype", {"ks": case.ks.float()}, TypeError, "ks"),
@@ -708,3 +752,14 @@ def test_decode_rejects_mxfp4_q_against_fp8_cache():
     out = poisoned((6, fp8.max_context_len))
     args = (fp4.q, fp4.q_scale, *fp8.args()[2:])
     assert_rejected(lambda: paged_mqa_logits(*args, out=out), out, ValueError, "cache")
+
+
+def test_logits_dtype_and_out_dtype_are_checked_before_writing():
+    case = small_prefill_case()
+    out = poisoned((case.q.shape[0], case.k.shape[0]))
+    assert_rejected(lambda: mqa_logits(*case.args(), logits_dtype=torch.float16), out, TypeError, "logits_dtype")
+    assert_rejected(lambda: mqa_logits(*case.args(), out=out, logits_dtype=torch.bfloat16), out, TypeError, "out")
+    decode = make_decode("fp8", [5, 9], 1)
+    out = poisoned((2, decode.max_context_len))
+    assert_rejected(lambda: paged_mqa_logits(*decode.args(), out=out, logits_dtype=torch.bfloat16), out, TypeError,
+                    "out")

@@ -407,6 +407,8 @@ def test_decode_kernel_dispatch_on_hopper_gpu(kernel_device, monkeypatch):
     assert decode_kernel(fp8.q, fp8.cache, 1024) == "gluon"
     assert decode_kernel(mxfp4.q, mxfp4.cache, 1024) == "gluon"
     assert decode_kernel(mxfp4_d64.q, mxfp4_d64.cache, 1 << 30) == "triton"
+    mxfp8 = decode_inputs("fp8", [300], 1, kernel_device, heads=64, block_size=64, seed=49, scale_fmt="mxfp8")
+    assert decode_kernel(mxfp8.q, mxfp8.cache, 1 << 30) == "triton"
     forced = run_decode(fp8, "triton", True, 8)
     assert torch.equal(forced[:, :fp8.max_context_len].view(torch.int32),
                        run_gluon(fp8, True, 8)[:, :fp8.max_context_len].view(torch.int32))

@@ -171,7 +171,7 @@ def row_lengths(lengths: list, next_n: int) -> list[list[int]]:
 
 
 def decode_inputs(fmt, lengths: list, next_n: int, device, *, heads=4, dim=128, block_size=16, extra_width=3,
-                  page_padding=40, spare_pages=3, first_page=0, seed=0) -> DecodeInputs:
+                  page_padding=40, spare_pages=3, first_page=0, seed=0, scale_fmt=None) -> DecodeInputs:
     """Requests of the given lengths (1-D: request lengths; 2-D: per-row lengths) whose pages sit,
     randomly permuted, in a cache inside a 0xFF-poisoned allocation with a padded page stride; table
     entries past each request's pages are garbage (-1 and huge ids). Pages below ``first_page`` are
@@ -184,7 +184,7 @@ def decode_inputs(fmt, lengths: list, next_n: int, device, *, heads=4, dim=128, 
     page_stride = block_size * token_bytes + page_padding
     storage = torch.full((num_blocks * page_stride + 24,), POISON_BYTE, dtype=torch.uint8, device=device)
     buffer = torch.as_strided(storage, (num_blocks, block_size, token_bytes), (page_stride, token_bytes, 1), 24)
-    cache = IndexerKCache(num_blocks, block_size=block_size, head_dim=dim, fmt=fmt, buffer=buffer)
+    cache = IndexerKCache(num_blocks, block_size=block_size, head_dim=dim, fmt=fmt, scale_fmt=scale_fmt, buffer=buffer)
 
     batch = len(lengths)
     max_blocks = max(pages_needed, default=0) + 2
@@ -274,6 +274,46 @@ def test_decode_kernel_degenerate_batches(kernel_device, fmt):
     no_requests = decode_inputs(fmt, [], 1, kernel_device, extra_width=5)
     assert paged_mqa_logits(*no_requests.args(), backend="triton").shape == (0, 5)
     check_decode(decode_inputs(fmt, [1, 2], 3, kernel_device, extra_width=0, seed=10), clean=True)
+
+
+@pytest.mark.parametrize("fmt, scale_fmt, heads, dim", [("fp8", "mxfp8", 4, 128), ("fp8", None, 8, 32),
+                                                       ("mxfp4", None, 8, 64), ("mxfp4", None, 16, 32)])
+def test_kernels_mxfp8_caches_small_heads_and_dims(kernel_device, fmt, scale_fmt, heads, dim):
+    check_decode(decode_inputs(fmt, [13, 0, 40], 2, kernel_device, heads=heads, dim=dim, seed=11, scale_fmt=scale_fmt),
+                 clean=True)
+    if scale_fmt is None:
+        check_prefill(prefill_inputs(fmt, varied_ranges(9, 30, seed=12), 30, heads, dim, kernel_device, seed=13),
+                      clean=True)
+
+
+def bf16_variants(inputs, run):
+    """``run(inputs)`` with bf16 weights and fp32 logits, and with bf16 weights and bf16 logits."""
+    inputs.weights = inputs.weights.bfloat16()
+    return run(inputs, torch.float32), run(inputs, torch.bfloat16)
+
+
+def check_bf16_logits(inputs, call) -> torch.Tensor:
+    """bf16 logits of the kernel are its fp32 logits rounded to nearest even, bit for bit (bf16 weights), and
+    within the tier of the reference's."""
+    fp32, bf16 = bf16_variants(inputs, lambda i, dtype: call(i, "triton", dtype))
+    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, fp32.bfloat16())
+    assert calc_diff(bf16.float(), call(inputs, "reference", torch.bfloat16).float()) < TIER
+    return bf16
+
+
+def prefill_call(inputs, backend, dtype):
+    return mqa_logits(*inputs.args(), backend=backend, logits_dtype=dtype)
+
+
+def decode_call(inputs, backend, dtype):
+    return paged_mqa_logits(*inputs.args(), backend=backend, logits_dtype=dtype)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_kernels_bf16_logits_and_weights(kernel_device, fmt):
+    check_bf16_logits(prefill_inputs(fmt, varied_ranges(11, 33, seed=14), 33, 3, 64, kernel_device, seed=15),
+                      prefill_call)
+    check_bf16_logits(decode_inputs(fmt, [[3, 30], [0, 19]], 2, kernel_device, seed=16), decode_call)
 
 
 def assert_reruns_identical(run, first: torch.Tensor, times: int = 20) -> None:
@@ -392,3 +432,39 @@ def test_kernels_replay_in_a_cuda_graph_with_changed_lengths_gpu(kernel_device, 
     prefill.ke.copy_(torch.tensor([b for _, b in new_ranges], dtype=torch.int32))
     graph.replay()
     assert calc_diff(result, run_prefill(prefill, "reference", True, 0)) < TIER
+
+
+GPU_SHAPES = [("fp8", None, heads, dim) for heads in (8, 16, 32, 64) for dim in (32, 64, 128)]
+GPU_SHAPES += [("fp8", "mxfp8", heads, 128) for heads in (32, 64)]
+GPU_SHAPES += [("mxfp4", None, heads, dim) for heads in (8, 16, 32, 64) for dim in (64, 128)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, scale_fmt, heads, dim", GPU_SHAPES)
+def test_kernels_head_counts_dims_and_scale_words_gpu(kernel_device, fmt, scale_fmt, heads, dim):
+    """DeepGEMM's head counts and dims, mxfp8 caches: both ops within the tier of the reference, repeatable."""
+    lengths = [[n, max(0, n - 9)] for n in (0, 1, 64, 65, 4999, 9000)]
+    inputs = decode_inputs(fmt, lengths, 2, kernel_device, heads=heads, dim=dim, block_size=64, seed=heads + dim,
+                           scale_fmt=scale_fmt)
+    first = check_decode(inputs, clean=True)
+    assert_reruns_identical(lambda: run_decode(inputs, "triton", True, 4), first)
+    if scale_fmt is None:
+        ranges = causal_ranges(100, 3000) + varied_ranges(60, 3000, seed=17)
+        prefill = prefill_inputs(fmt, ranges, 3000, heads, dim, kernel_device, seed=18)
+        first = check_prefill(prefill, clean=True, pad=16)
+        assert_reruns_identical(lambda: run_prefill(prefill, "triton", True, 16), first)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("decode_kernel", ["triton", "gluon"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_kernels_bf16_logits_and_weights_gpu(kernel_device, fmt, decode_kernel, monkeypatch):
+    """bf16 logits are the fp32 logits rounded once, bit for bit, on both decode kernels; repeatable."""
+    monkeypatch.setenv("DSA_INDEXER_DECODE_KERNEL", decode_kernel)
+    request_lengths = [0, 1, 63, 64, 65, 4999, 12345] * 8
+    inputs = decode_inputs(fmt, request_lengths, 2, kernel_device, heads=64, block_size=64, seed=19)
+    first = check_bf16_logits(inputs, decode_call)
+    for _ in range(20):
+        assert torch.equal(decode_call(inputs, "triton", torch.bfloat16).view(torch.int16), first.view(torch.int16))
+    prefill = prefill_inputs(fmt, causal_ranges(150, 4100), 4100, 64, 128, kernel_device, seed=20)
+    check_bf16_logits(prefill, prefill_call)

@@ -94,6 +94,7 @@ def oracle_mxfp4_head(head: list[float]) -> tuple[list[int], list[int]]:
         exponent = smallest_pow2_exponent_at_least(fp32(max(amax, 6.0 * 2.0**-126) / 6.0))
         scale_bytes.append(exponent + 127)
         codes.extend(e2m1_code(v / 2.0**exponent) for v in block)
+    scale_bytes += [127] * (-len(scale_bytes) % 4)  # padded to whole 4-byte words with the scale 1.0
     return [codes[i] | (codes[i + 1] << 4) for i in range(0, len(codes), 2)], scale_bytes
 
 
@@ -221,7 +222,7 @@ def test_output_shapes_and_dtypes(fmt):
         assert q_quant.shape == (tokens, heads, head_dim) and q_scale is None
     else:
         assert q_quant.shape == (tokens, heads, head_dim // 2)
-        assert q_scale.shape == (tokens, heads, head_dim // 32)
+        assert q_scale.shape == (tokens, heads, -(-head_dim // 128) * 4)  # D/32 padded to 4-byte words
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])

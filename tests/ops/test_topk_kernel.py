@@ -696,3 +696,32 @@ def test_gpu_many_rows_timeline_probe(num_rows):
         assert bool((stamps[:, :2] > 0).all()) and bool((stamps[:, 1] >= stamps[:, 0]).all())
     rows = timeline["rows"]
     assert bool((rows[:, 5] >= rows[:, 4]).all()) and bool((rows[:, 4] >= rows[:, 1]).all())
+
+
+@pytest.mark.parametrize("config", [ROW], ids=["row"])
+def test_bf16_logits_select_as_their_fp32_widening(kernel_device, config):
+    """bf16 logits (rounding makes ties; NaN, -inf, +inf and -0.0 kept) give the bits of the fp32 widening."""
+    gen = torch.Generator().manual_seed(31)
+    logits = (torch.randn(5, 70, generator=gen) * 4).round() / 4
+    logits[0, 3], logits[1, 5:9], logits[2, 0], logits[3, 1] = float("nan"), float("-inf"), float("inf"), -0.0
+    bf16 = logits.bfloat16().to(kernel_device)
+    starts, ends = random_window(5, 70, 32, kernel_device)
+    for k in (1, 33):
+        expected = reference_topk(bf16.float(), k, starts, ends)
+        assert torch.equal(reference_topk(bf16, k, starts, ends), expected)
+        assert torch.equal(triton_topk(bf16, k, starts, ends, config), expected)
+    seq_lens = torch.tensor([70, 40, 3, 69, 0], dtype=torch.int32, device=kernel_device)
+    assert torch.equal(topk_decode(bf16, seq_lens, 1, 9, backend="triton"), topk_decode(bf16.float(), seq_lens, 1, 9))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [GPU_DEFAULT, *GPU_WIDE[:3]], ids=["default", *GPU_WIDE_IDS[:3]])
+def test_bf16_logits_select_as_their_fp32_widening_gpu(kernel_device, config):
+    gen = torch.Generator().manual_seed(33)
+    bf16 = torch.randn(64, 131072, generator=gen).bfloat16().to(kernel_device)  # many ties in bf16
+    seq_lens = torch.randint(0, 131073, (64,), generator=gen, dtype=torch.int32).to(kernel_device)
+    ends = seq_lens.clone()
+    starts = torch.zeros_like(ends)
+    expected = reference_topk(bf16.float(), 2048, starts, ends)
+    assert torch.equal(triton_topk(bf16, 2048, starts, ends, config), expected)
+    assert torch.equal(topk_decode(bf16, seq_lens, 1, 2048), topk_decode(bf16.float(), seq_lens, 1, 2048))

@@ -2,11 +2,12 @@
 
 One CUDA graph holds both launches as an engine replays them (value checks skipped during capture),
 timed after a 256 MB memset that evicts the L2, median of 100 replays; each op's own graph is timed
-the same way beside it. Lengths are ``L - next_n + 1 + t`` for draft row ``t`` (every request at the
+the same way beside it. Every shape runs with fp32 logits and with bf16 logits (half the bytes the top-k
+reads; the picks are those of the bf16 values). Lengths are ``L - next_n + 1 + t`` for draft row ``t`` (every request at the
 full context), keys are random bytes of the format (finite), queries and weights Gaussian, so the
 logits are the indexer's ReLU-weighted sums. Floor: the cache bytes, the logits written once and
-read once, at the measured read bandwidth. Before timing, the picks are checked bitwise against the
-reference top-k of the kernel's own logits.
+read once (4 or 2 bytes each), at the measured read bandwidth. Before timing, the picks are checked bitwise
+against the reference top-k of the kernel's own logits.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ import torch
 
 import dsa_indexer as dsa
 
+from ..formats import mxfp4_scale_bytes
 from . import harness
 
 PAGE, HEADS, DIM = 64, 64, 128
 SHAPES = [(32, 131072, 2, 2048, "fp8"), (32, 131072, 2, 2048, "mxfp4"), (32, 131072, 1, 2048, "fp8")]
 BYTES_PER_KEY = {"fp8": 132, "mxfp4": 68}
+LOGITS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _inputs(batch: int, length: int, next_n: int, fmt: str, gen: torch.Generator):
@@ -46,7 +49,7 @@ def _inputs(batch: int, length: int, next_n: int, fmt: str, gen: torch.Generator
     else:
         q_stored, q_scale = dsa.quantize_mxfp4(q.view(-1, DIM))
         q_stored = q_stored.view(batch, next_n, HEADS, DIM // 2)
-        q_scale = q_scale.view(batch, next_n, HEADS, DIM // 32)
+        q_scale = q_scale.view(batch, next_n, HEADS, mxfp4_scale_bytes(DIM))
     return q_stored, q_scale, cache, weights.contiguous(), lens, table
 
 
@@ -55,33 +58,40 @@ def run(ceilings: dict[str, float]) -> list[dict]:
     rows = []
     for batch, length, next_n, k, fmt in SHAPES:
         q, q_scale, cache, weights, lens, table = _inputs(batch, length, next_n, fmt, gen)
-        logits = torch.empty(batch * next_n, length, device="cuda")
-        picks = torch.empty(batch * next_n, k, dtype=torch.int32, device="cuda")
-
-        def logits_step():
-            dsa.paged_mqa_logits(q, q_scale, cache, weights, lens, table, length, out=logits)
-
-        def topk_step():
-            dsa.topk_decode(logits, lens, next_n, k, out=picks)
-
-        def step():
-            logits_step()
-            topk_step()
-
-        step()
-        expected = dsa.topk_decode(logits, lens, next_n, k, backend="reference")
-        if not torch.equal(picks, expected):
-            raise AssertionError(f"decode step {fmt} B={batch} L={length} next_n={next_n}: top-k differs from the reference")
-        step_us = harness.cold_graph_us(step)
-        logits_us = harness.cold_graph_us(logits_step)
-        topk_us = harness.cold_graph_us(topk_step)
-        valid = int(lens.sum())
-        moved = batch * length * BYTES_PER_KEY[fmt] + batch * next_n * length * 4 + valid * 4
-        rows.append(harness.record(
-            "decode_step", {"B": batch, "L": length, "next_n": next_n, "k": k, "fmt": fmt}, step_us,
-            moved / (ceilings["read_tbs"] * 1e6), tbs=moved / step_us / 1e6,
-            logits_us=round(logits_us, 2), topk_us=round(topk_us, 2),
-        ))
-        del cache, logits, q, q_scale, weights
+        for name, dtype in LOGITS_DTYPES.items():
+            rows.append(_step_row(q, q_scale, cache, weights, lens, table, batch, length, next_n, k, fmt, name, dtype,
+                                  ceilings))
+        del cache, q, q_scale, weights
         torch.cuda.empty_cache()
     return rows
+
+
+def _step_row(q, q_scale, cache, weights, lens, table, batch, length, next_n, k, fmt, name, dtype, ceilings) -> dict:
+    logits = torch.empty(batch * next_n, length, dtype=dtype, device="cuda")
+    picks = torch.empty(batch * next_n, k, dtype=torch.int32, device="cuda")
+
+    def logits_step():
+        dsa.paged_mqa_logits(q, q_scale, cache, weights, lens, table, length, out=logits, logits_dtype=dtype)
+
+    def topk_step():
+        dsa.topk_decode(logits, lens, next_n, k, out=picks)
+
+    def step():
+        logits_step()
+        topk_step()
+
+    step()
+    expected = dsa.topk_decode(logits, lens, next_n, k, backend="reference")
+    if not torch.equal(picks, expected):
+        raise AssertionError(f"decode step {fmt} {name} B={batch} L={length} next_n={next_n}: top-k differs from the "
+                             "reference")
+    step_us = harness.cold_graph_us(step)
+    logits_us = harness.cold_graph_us(logits_step)
+    topk_us = harness.cold_graph_us(topk_step)
+    valid = int(lens.sum())
+    moved = batch * length * BYTES_PER_KEY[fmt] + batch * next_n * length * logits.element_size() + valid * 4
+    return harness.record(
+        "decode_step", {"B": batch, "L": length, "next_n": next_n, "k": k, "fmt": fmt, "logits": name}, step_us,
+        moved / (ceilings["read_tbs"] * 1e6), tbs=moved / step_us / 1e6,
+        logits_us=round(logits_us, 2), topk_us=round(topk_us, 2),
+    )

@@ -59,12 +59,13 @@ def insert_k(
         slot_mapping: ``[T]`` int64 (int32 accepted), each ``< cache.num_slots``; a negative slot is
             padding and nothing is written for that row. Two rows with the same slot are the caller's
             error: the reference keeps the last row, kernels promise no order.
-        scale_fmt: FP8 scale rounding, ``"ue8m0"`` (power of two) or ``"fp32"``; MXFP4 caches take
-            only ``"ue8m0"``.
+        scale_fmt: FP8 scale rounding, ``"ue8m0"`` (power of two) or ``"fp32"``; MXFP4 caches and FP8
+            caches storing mxfp8 scale words (``cache.scale_fmt == "mxfp8"``) take only ``"ue8m0"``.
         amax_floor: FP8 amax floor (> 0); MXFP4 uses its format's fixed floor.
 
     FP8 rows are quantised with one scale over all ``D`` elements and the scale is stored as the 4
-    bytes of the fp32; MXFP4 rows store ``D/2`` packed bytes and ``D/32`` ue8m0 bytes. The slot range
+    bytes of the fp32 (or, ``cache.scale_fmt == "mxfp8"``, as four equal ue8m0 bytes); MXFP4 rows store
+    ``D/2`` packed bytes and ``cache.scale_bytes`` ue8m0 bytes (``D/32`` and ``127`` padding). The slot range
     check reads ``slot_mapping``'s max on the host (one device synchronisation on CUDA) and runs before
     anything is written.
     """
@@ -75,6 +76,8 @@ def insert_k(
     check_choice("scale_fmt", scale_fmt, SCALE_FORMATS)
     if cache.fmt == "mxfp4" and scale_fmt != "ue8m0":
         raise ValueError(f"scale_fmt must be 'ue8m0' for an MXFP4 cache, got {scale_fmt!r}")
+    if cache.scale_fmt == "mxfp8" and scale_fmt != "ue8m0":
+        raise ValueError(f"scale_fmt must be 'ue8m0' for a cache storing mxfp8 (power-of-two) scales, got {scale_fmt!r}")
     if isinstance(amax_floor, bool) or not isinstance(amax_floor, numbers.Real):
         raise TypeError(f"amax_floor must be a real number, got {type(amax_floor).__name__}")
     if not (amax_floor > 0 and math.isfinite(amax_floor)):
@@ -92,6 +95,8 @@ def insert_k(
 def _gather_out_spec(cache: IndexerKCache) -> tuple[torch.dtype, int, torch.dtype, tuple[int, ...]]:
     """``(values dtype, values width, scales dtype, scales trailing shape)`` of a gather for ``cache``."""
     if cache.fmt == "fp8":
+        if cache.scale_fmt == "mxfp8":
+            return FP8_DTYPE, cache.head_dim, torch.uint8, (4,)
         return FP8_DTYPE, cache.head_dim, torch.float32, ()
     return torch.uint8, cache.value_bytes, torch.uint8, (cache.scale_bytes,)
 
@@ -153,8 +158,9 @@ def gather_k(
             written and returned. Rows ``[cu_seq_lens[-1], N)`` keep their bytes.
 
     Returns:
-        FP8 ``(values float8_e4m3fn [N, D], scales float32 [N])`` or MXFP4
-        ``(values uint8 [N, D/2], scales uint8 [N, D/32])``: position ``p`` of request ``b`` (token
+        FP8 ``(values float8_e4m3fn [N, D], scales float32 [N])`` (a ``scale_fmt="mxfp8"`` cache: the raw
+        scale words ``uint8 [N, 4]``, as vLLM's gather copies them; ``mqa_logits`` takes them) or MXFP4
+        ``(values uint8 [N, D/2], scales uint8 [N, cache.scale_bytes])``: position ``p`` of request ``b`` (token
         ``p % block_size`` of page ``block_table[b, p // block_size]``) lands in row ``cu_seq_lens[b] + p``.
 
     The checks of ``cu_seq_lens`` and of the used block-table entries read them on the host (device

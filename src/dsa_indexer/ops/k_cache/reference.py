@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...cache import IndexerKCache
-from ...formats import quantize_fp8, quantize_mxfp4
+from ...formats import mxfp8_scale_words, quantize_fp8, quantize_mxfp4
 
 
 def rows_to_write(slot_mapping: torch.Tensor) -> torch.Tensor:
@@ -33,8 +33,9 @@ def insert_k_reference(
     """Quantise rows of ``k [T, D]`` and write them at slots ``slot_mapping [T]`` of ``cache``.
 
     FP8: ``quantize_fp8(row, block_size=D, scale_fmt, amax_floor)``; the value bytes go to the
-    slot's values, the fp32 scale's 4 bytes (native little-endian order) to its scale bytes.
-    MXFP4: ``quantize_mxfp4(row)``; packed bytes and ``D/32`` scale bytes. Negative slots are skipped.
+    slot's values, the fp32 scale's 4 bytes (native little-endian order) to its scale bytes, or with a
+    ``scale_fmt="mxfp8"`` cache four copies of the power-of-two scale's ue8m0 byte.
+    MXFP4: ``quantize_mxfp4(row)``; packed bytes and the padded scale bytes. Negative slots are skipped.
     """
     rows = rows_to_write(slot_mapping)
     slots = slot_mapping.index_select(0, rows).long()
@@ -42,7 +43,8 @@ def insert_k_reference(
     source = k.index_select(0, rows)
     if cache.fmt == "fp8":
         values, scales = quantize_fp8(source, block_size=cache.head_dim, scale_fmt=scale_fmt, amax_floor=amax_floor)
-        value_bytes, scale_bytes = values.view(torch.uint8), scales.view(torch.uint8)
+        scale_bytes = mxfp8_scale_words(scales[:, 0]) if cache.scale_fmt == "mxfp8" else scales.view(torch.uint8)
+        value_bytes = values.view(torch.uint8)
     else:
         value_bytes, scale_bytes = quantize_mxfp4(source)
     cache.values_view()[page, token] = value_bytes
@@ -60,7 +62,7 @@ def gather_k_reference(
 
     Position ``p`` of request ``b`` is token ``p % block_size`` of page ``block_table[b, p // block_size]``.
     ``values_out [R, value_bytes]`` (float8_e4m3fn or uint8) and ``scales_out`` (float32 ``[R]`` or
-    uint8 ``[R, D/32]``) have ``R >= cu[-1]`` rows; rows ``[cu[-1], R)`` keep their bytes. No host read.
+    uint8 ``[R, scale_bytes]``) have ``R >= cu[-1]`` rows; rows ``[cu[-1], R)`` keep their bytes. No host read.
     """
     num_rows = values_out.shape[0]
     batch, max_blocks = block_table.shape
@@ -78,7 +80,7 @@ def gather_k_reference(
     token = position % cache.block_size
     gathered_values = cache.values_view()[page, token]  # [R, value_bytes]
     gathered_scales = cache.scales_view()[page, token]  # [R, scale_bytes]
-    if cache.fmt == "fp8":
+    if scales_out.dtype == torch.float32:
         # Move the fp32 scales as int32 bit patterns so every byte is copied exactly.
         scale_destination = scales_out.view(torch.int32).unsqueeze(-1)
         gathered_scales = gathered_scales.view(torch.int32)

@@ -39,6 +39,7 @@ from ..q_quant.triton import (
     pow2,
     quantize_store_bf16_words,
     store_mxfp4_rows,
+    store_scale_padding,
 )
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -59,7 +60,7 @@ def _insert_k_kernel(
     num_tokens, stride_kt, stride_kd, stride_slots,
     page_stride, amax_floor,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MXFP4: tl.constexpr,
-    UE8M0: tl.constexpr, BLOCK_T: tl.constexpr, BF16X2: tl.constexpr, INTERPRETER: tl.constexpr,
+    MXFP8: tl.constexpr, UE8M0: tl.constexpr, BLOCK_T: tl.constexpr, BF16X2: tl.constexpr, INTERPRETER: tl.constexpr,
 ):
     """One program: rows ``[program_id(0) * BLOCK_T, +BLOCK_T)`` of ``k``; rows with a negative slot write nothing.
 
@@ -71,11 +72,12 @@ def _insert_k_kernel(
     page = cache_ptr + (slot // BLOCK_SIZE) * page_stride  # [BLOCK_T] first byte of the row's page
     token = slot % BLOCK_SIZE
     if MXFP4:
+        SCALE_BYTES: tl.constexpr = (HEAD_DIM + 127) // 128 * 4  # D/32 bytes padded to whole words
         nb: tl.constexpr = BLOCK_D // 32
         k_rows = k_ptr + rows * stride_kt  # [BLOCK_T]
         if BF16X2:
             value_rows = page + token * (HEAD_DIM // 2)
-            scale_rows = page + BLOCK_SIZE * (HEAD_DIM // 2) + token * (HEAD_DIM // 32)
+            scale_rows = page + BLOCK_SIZE * (HEAD_DIM // 2) + token * SCALE_BYTES
             words = load_bf16_words(k_rows.to(tl.pointer_type(tl.uint32), bitcast=True), 0, write, HEAD_DIM // 2, nb)
             amax = bf16x2_block_amax(words, INTERPRETER)  # [BLOCK_T, NB]
             if tl.max(amax) < 0x7F80:  # every value of the program finite
@@ -86,8 +88,9 @@ def _insert_k_kernel(
             even, odd = load_pairs(k_rows, 0, stride_kd, write, HEAD_DIM // 2, nb)  # [BLOCK_T, NB, 4, 4]
             packed, scales = mxfp4_pack_pairs(even, odd, INTERPRETER)  # [BLOCK_T, NB, 4, 4], [BLOCK_T, NB]
             store_mxfp4_rows(page + token * (HEAD_DIM // 2),
-                             page + BLOCK_SIZE * (HEAD_DIM // 2) + token * (HEAD_DIM // 32), write, packed, scales,
+                             page + BLOCK_SIZE * (HEAD_DIM // 2) + token * SCALE_BYTES, write, packed, scales,
                              HEAD_DIM)
+        store_scale_padding(page + BLOCK_SIZE * (HEAD_DIM // 2) + token * SCALE_BYTES, write, HEAD_DIM)
     else:
         dim = tl.arange(0, BLOCK_D)
         dim_ok = dim < HEAD_DIM
@@ -104,7 +107,11 @@ def _insert_k_kernel(
         tl.store(page[:, None] + token[:, None] * HEAD_DIM + dim[None, :], e4m3_bytes(scaled, INTERPRETER),
                  mask=write[:, None] & dim_ok[None, :])
         byte = tl.arange(0, 4)
-        scale_bytes = (scale.to(tl.int32, bitcast=True)[:, None] >> (byte * 8)[None, :]) & 0xFF  # [BLOCK_T, 4]
+        if MXFP8:
+            # Four equal ue8m0 bytes: the power-of-two scale's exponent field.
+            scale_bytes = tl.broadcast_to(((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF)[:, None], (BLOCK_T, 4))
+        else:
+            scale_bytes = (scale.to(tl.int32, bitcast=True)[:, None] >> (byte * 8)[None, :]) & 0xFF  # [BLOCK_T, 4]
         scale_rows = page + BLOCK_SIZE * HEAD_DIM + token * 4  # [BLOCK_T]
         tl.store(scale_rows[:, None] + byte[None, :], scale_bytes.to(tl.uint8), mask=write[:, None])
 
@@ -191,7 +198,7 @@ def insert_k_triton(
         num_tokens, k.stride(0), k.stride(1), slot_mapping.stride(0),
         cache.page_stride, amax_floor,
         BLOCK_SIZE=cache.block_size, HEAD_DIM=cache.head_dim, BLOCK_D=triton.next_power_of_2(cache.head_dim),
-        MXFP4=mxfp4, UE8M0=scale_fmt == "ue8m0", BLOCK_T=block_tokens,
+        MXFP4=mxfp4, MXFP8=cache.scale_fmt == "mxfp8", UE8M0=scale_fmt == "ue8m0", BLOCK_T=block_tokens,
         BF16X2=mxfp4 and bf16x2 and words_ok,
         INTERPRETER=interpreter_enabled(),
         num_warps=num_warps, enable_fp_fusion=False,
@@ -216,7 +223,7 @@ def gather_k_triton(
     num_requests = block_table.shape[0]
     if num_rows == 0 or num_requests == 0 or cache.num_blocks == 0:
         return
-    if cache.fmt == "fp8":
+    if scales_out.dtype == torch.float32:  # FP8 fp32 scale words, copied as their 4 bytes
         stride_scales_row, stride_scales_byte = scales_out.stride(0) * scales_out.element_size(), 1
     else:
         stride_scales_row, stride_scales_byte = scales_out.stride(0), scales_out.stride(1)

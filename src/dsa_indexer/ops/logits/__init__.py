@@ -1,8 +1,10 @@
 """Indexer logits (DESIGN.md §5): ragged prefill ``mqa_logits`` and paged decode ``paged_mqa_logits``.
 
 The key format is inferred from the dtypes: ``float8_e4m3fn`` values mean FP8 (fp32 scale per key,
-Q scale folded into the weights, ``q_scale`` None), ``uint8`` values mean packed MXFP4 (ue8m0 scale
-bytes per 32 elements for Q and K). Every tensor of a call must agree on it.
+or its mxfp8 word of four ue8m0 bytes; Q scale folded into the weights, ``q_scale`` None), ``uint8``
+values mean packed MXFP4 (ue8m0 scale bytes per 32 elements for Q and K, padded to 4-byte words).
+Every tensor of a call must agree on it. Weights are fp32 or bf16 (widened exactly); the logits are
+fp32 or, with ``logits_dtype=torch.bfloat16``, the fp32 values rounded once to bf16.
 
 Some checks need the values of device tensors (``ks``/``ke`` against the key count, context lengths
 against the output width and block table, the block-table entries that will be read); each op does
@@ -30,7 +32,7 @@ from ..._validation import (
     value_checks_enabled,
 )
 from ...cache import IndexerKCache
-from ...formats import FP8_DTYPE, MXFP4_BLOCK
+from ...formats import FP8_DTYPE, MXFP4_BLOCK, mxfp4_scale_bytes, ue8m0_to_fp32
 from . import reference
 
 __all__ = ["mqa_logits", "paged_mqa_logits", "decode_kernel", "DECODE_KERNEL_ENV"]
@@ -60,13 +62,15 @@ def _gluon_available() -> bool:
         return False
 
 
-def _gluon_takes_shape(fmt: str, heads: int, head_dim: int) -> bool:
-    """The Gluon kernels' shape limits: at most 128 heads (one wgmma N tile); FP8 a power-of-two
-    ``head_dim`` in [32, 512], MXFP4 ``head_dim == 128``."""
+def _gluon_takes_shape(cache: IndexerKCache, heads: int) -> bool:
+    """The Gluon kernels' limits: at most 128 heads (one wgmma N tile); FP8 fp32 scale words and a
+    power-of-two ``head_dim`` in [32, 512], MXFP4 ``head_dim == 128``. Other caches and shapes (mxfp8
+    scale words, MXFP4 at D = 64) run the Triton kernel."""
     if heads > 128:
         return False
-    if fmt == "fp8":
-        return 32 <= head_dim <= 512 and head_dim & (head_dim - 1) == 0
+    head_dim = cache.head_dim
+    if cache.fmt == "fp8":
+        return cache.scale_fmt == "fp32" and 32 <= head_dim <= 512 and head_dim & (head_dim - 1) == 0
     return head_dim == 128
 
 
@@ -87,7 +91,7 @@ def decode_kernel(q: torch.Tensor, cache: IndexerKCache, max_context_len: int) -
     from .triton import _capability, _device_index, use_upcast
 
     if (_capability(_device_index(q.device))[0] != 9 or use_upcast(q.device)
-            or not _gluon_takes_shape(cache.fmt, q.shape[2], cache.head_dim) or not _gluon_available()):
+            or not _gluon_takes_shape(cache, q.shape[2]) or not _gluon_available()):
         return "triton"
     if choice == "gluon":
         return "gluon"
@@ -139,12 +143,21 @@ def _check_bool(name: str, value) -> None:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
-def _prepare_out(out, rows: int, columns: int, device: torch.device) -> torch.Tensor:
-    """``out`` checked as fp32 ``[rows, columns]`` with unit column stride and a row stride of at
+LOGITS_DTYPES = (torch.float32, torch.bfloat16)
+WEIGHTS_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _check_logits_dtype(logits_dtype) -> None:
+    if logits_dtype not in LOGITS_DTYPES:
+        raise TypeError(f"logits_dtype must be one of {LOGITS_DTYPES}, got {logits_dtype!r}")
+
+
+def _prepare_out(out, rows: int, columns: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``out`` checked as ``dtype`` ``[rows, columns]`` with unit column stride and a row stride of at
     least ``columns`` (padding allowed), or a fresh tensor."""
     if out is None:
-        return torch.empty((rows, columns), dtype=torch.float32, device=device)
-    check_tensor("out", out, dtype=torch.float32, shape=(rows, columns), device=device)
+        return torch.empty((rows, columns), dtype=dtype, device=device)
+    check_tensor("out", out, dtype=dtype, shape=(rows, columns), device=device)
     if columns > 1 and out.stride(1) != 1:
         raise ValueError(f"out must have column stride 1, got strides {out.stride()}")
     if rows > 1 and out.stride(0) < columns:
@@ -163,6 +176,7 @@ def mqa_logits(
     *,
     clean: bool = True,
     out: torch.Tensor | None = None,
+    logits_dtype: torch.dtype = torch.float32,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Ragged prefill logits: query row ``i`` against the gathered keys ``[ks[i], ke[i])``.
@@ -172,19 +186,23 @@ def mqa_logits(
 
     Args:
         q: ``[M, H, D]`` float8_e4m3fn, or ``[M, H, D/2]`` uint8 packed e2m1.
-        q_scale: None (FP8: the Q scale is already in ``weights``), or uint8 ``[M, H, D/32]`` ue8m0.
+        q_scale: None (FP8: the Q scale is already in ``weights``), or uint8 ``[M, H, S]`` ue8m0 with
+            ``S = mxfp4_scale_bytes(D)`` (``D/32`` scale bytes padded to whole 4-byte words).
         k: ``[N, D]`` float8_e4m3fn, or ``[N, D/2]`` uint8 packed e2m1 (the ragged gathered keys).
-        k_scale: float32 ``[N]`` (FP8), or uint8 ``[N, D/32]`` ue8m0 (MXFP4).
-        weights: float32 ``[M, H]`` per-head weights.
+        k_scale: FP8: float32 ``[N]``, or the mxfp8 scale words uint8 ``[N, 4]`` (four equal ue8m0 bytes,
+            as ``gather_k`` returns them from a ``scale_fmt="mxfp8"`` cache); MXFP4: uint8 ``[N, S]`` ue8m0.
+        weights: float32 or bfloat16 ``[M, H]`` per-head weights (bf16 widens exactly to fp32).
         ks, ke: int32 ``[M]``, ``0 <= ks[i] <= ke[i] <= N``: the key range of row ``i`` (indices into ``k``).
         clean: when True every entry outside ``[ks[i], ke[i])`` is ``-inf``; when False those entries
             are unspecified (a backend may leave them unwritten) and must not be read.
-        out: optional float32 ``[M, N]`` destination; its row stride may exceed ``N`` (only the
+        out: optional ``logits_dtype`` ``[M, N]`` destination; its row stride may exceed ``N`` (only the
             ``[M, N]`` region is written).
+        logits_dtype: ``torch.float32`` or ``torch.bfloat16``: the fp32 logit rounded once (to nearest
+            even) to bf16.
         backend: ``"auto"``, ``"reference"`` or ``"triton"``.
 
     Returns:
-        float32 ``[M, N]`` logits (``out`` when given).
+        ``logits_dtype`` ``[M, N]`` logits (``out`` when given).
     """
     fmt = _key_format(q)
     check_tensor("q", q, ndim=3)
@@ -201,22 +219,27 @@ def mqa_logits(
     num_keys = k.shape[0]
     if fmt == "fp8":
         _check_q_scale(q_scale, fmt, ())
-        check_tensor("k_scale", k_scale, dtype=torch.float32, shape=(num_keys,))
+        check_tensor("k_scale", k_scale, dtype=(torch.float32, torch.uint8))
+        check_tensor("k_scale", k_scale, shape=(num_keys,) if k_scale.dtype == torch.float32 else (num_keys, 4))
     else:
-        scales_per_row = q_width * 2 // MXFP4_BLOCK
+        scales_per_row = mxfp4_scale_bytes(q_width * 2)
         _check_q_scale(q_scale, fmt, (num_rows, heads, scales_per_row))
         check_tensor("k_scale", k_scale, dtype=torch.uint8, shape=(num_keys, scales_per_row))
-    check_tensor("weights", weights, dtype=torch.float32, shape=(num_rows, heads))
+    check_tensor("weights", weights, dtype=WEIGHTS_DTYPES, shape=(num_rows, heads))
     check_index_tensor("ks", ks, shape=(num_rows,))
     check_index_tensor("ke", ke, shape=(num_rows,))
     _check_bool("clean", clean)
+    _check_logits_dtype(logits_dtype)
     check_same_device(q=q, q_scale=q_scale, k=k, k_scale=k_scale, weights=weights, ks=ks, ke=ke)
     implementation = _backend.dispatch(
         reference.mqa_logits, _mqa_logits_triton if _backend.triton_available() else None, backend, q.device
     )
     if value_checks_enabled():
         check_row_windows(ks, ke, num_keys, names=("ks", "ke"), limit_name="the number of keys")
-    out = _prepare_out(out, num_rows, num_keys, q.device)
+    out = _prepare_out(out, num_rows, num_keys, q.device, logits_dtype)
+    if fmt == "fp8" and k_scale.dtype == torch.uint8:
+        # mxfp8 words: the first of the four equal ue8m0 bytes is the scale (exact; [N] elements).
+        k_scale = ue8m0_to_fp32(k_scale[:, 0])
     return implementation(q, q_scale, k, k_scale, weights, ks, ke, clean, out)
 
 
@@ -270,6 +293,7 @@ def paged_mqa_logits(
     *,
     clean: bool = True,
     out: torch.Tensor | None = None,
+    logits_dtype: torch.dtype = torch.float32,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Paged decode logits: row ``b * next_n + t`` against request ``b``'s cached keys.
@@ -281,9 +305,9 @@ def paged_mqa_logits(
     Args:
         q: ``[B, next_n, H, D]`` float8_e4m3fn, or ``[B, next_n, H, D/2]`` uint8 packed e2m1;
             ``D`` is ``cache.head_dim`` and the format must be ``cache.fmt``.
-        q_scale: None (FP8), or uint8 ``[B, next_n, H, D/32]`` ue8m0 (MXFP4).
-        cache: the paged ``IndexerKCache``.
-        weights: float32 ``[B * next_n, H]``.
+        q_scale: None (FP8), or uint8 ``[B, next_n, H, S]`` ue8m0 (MXFP4; ``S = cache.scale_bytes``).
+        cache: the paged ``IndexerKCache`` (FP8 scale words fp32 or mxfp8).
+        weights: float32 or bfloat16 ``[B * next_n, H]`` (bf16 widens exactly to fp32).
         context_lens: int32 ``[B, next_n]`` (the length of each row), or ``[B]`` (the request length
             ``L``; row ``t`` then sees ``max(L - next_n + t + 1, 0)`` positions).
         block_table: int32 ``[B, max_blocks]`` page ids. Entries for pages a request reads must be in
@@ -291,12 +315,13 @@ def paged_mqa_logits(
         max_context_len: output width, ``>=`` every row's length.
         clean: when True every entry at ``p >= len[b, t]`` is ``-inf``; when False those entries are
             unspecified (a backend may leave them unwritten) and must not be read.
-        out: optional float32 ``[B * next_n, max_context_len]`` destination; its row stride may
+        out: optional ``logits_dtype`` ``[B * next_n, max_context_len]`` destination; its row stride may
             exceed the width (only that region is written).
+        logits_dtype: ``torch.float32`` or ``torch.bfloat16`` (the fp32 logit rounded once to bf16).
         backend: ``"auto"``, ``"reference"`` or ``"triton"``.
 
     Returns:
-        float32 ``[B * next_n, max_context_len]`` logits (``out`` when given).
+        ``logits_dtype`` ``[B * next_n, max_context_len]`` logits (``out`` when given).
     """
     if not isinstance(cache, IndexerKCache):
         raise TypeError(f"cache must be an IndexerKCache, got {type(cache).__name__}")
@@ -313,13 +338,14 @@ def paged_mqa_logits(
             f"{cache.head_dim}, got {q_width}"
         )
     _check_q_scale(q_scale, fmt, (batch, next_n, heads, cache.scale_bytes))
-    check_tensor("weights", weights, dtype=torch.float32, shape=(batch * next_n, heads))
+    check_tensor("weights", weights, dtype=WEIGHTS_DTYPES, shape=(batch * next_n, heads))
     check_index_tensor("context_lens", context_lens, ndim=(1, 2))
     check_tensor("context_lens", context_lens, shape=(batch,) if context_lens.dim() == 1 else (batch, next_n))
     check_index_tensor("block_table", block_table, ndim=2)
     check_tensor("block_table", block_table, shape=(batch, None))
     check_positive_int("max_context_len", max_context_len, minimum=0)
     _check_bool("clean", clean)
+    _check_logits_dtype(logits_dtype)
     check_same_device(
         q=q,
         q_scale=q_scale,
@@ -336,5 +362,5 @@ def paged_mqa_logits(
     )
     if value_checks_enabled():
         _check_decode_lengths(context_lens, block_table, next_n, max_context_len, cache)
-    out = _prepare_out(out, batch * next_n, max_context_len, q.device)
+    out = _prepare_out(out, batch * next_n, max_context_len, q.device, logits_dtype)
     return implementation(q, q_scale, cache, weights, context_lens, block_table, max_context_len, clean, out)

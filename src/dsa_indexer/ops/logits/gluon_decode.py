@@ -350,11 +350,11 @@ def _row_outputs(w_ptr, stride_wr, stride_wh, out_ptr, stride_or, request, t0, n
     present0 = t0 < next_n
     present1 = t0 + 1 < next_n
     half_w0 = gl.load(w_ptr + first_row * stride_wr + head * stride_wh, mask=(head < HEADS) & present0,
-                      other=0.0) * 0.5  # [BLOCK_H]
+                      other=0.0).to(gl.float32) * 0.5  # [BLOCK_H] (bf16 weights widen exactly)
     out_row0 = out_ptr + first_row * stride_or
     if ROWS == 2:
         half_w1 = gl.load(w_ptr + (first_row + 1) * stride_wr + head * stride_wh, mask=(head < HEADS) & present1,
-                          other=0.0) * 0.5
+                          other=0.0).to(gl.float32) * 0.5
         out_row1 = out_row0 + stride_or
     else:
         half_w1 = half_w0

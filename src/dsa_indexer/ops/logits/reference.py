@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ...cache import IndexerKCache
-from ...formats import FP8_DTYPE, dequantize_mxfp4
+from ...formats import FP8_DTYPE, dequantize_mxfp4, ue8m0_to_fp32
 
 # fp32 intermediates of one chunk (scores, decoded queries and keys) stay below this many bytes.
 INTERMEDIATE_BUDGET_BYTES = 256 << 20
@@ -27,7 +27,7 @@ _FP32_BYTES = 4
 
 
 def _decode_queries(q: torch.Tensor, q_scale: torch.Tensor | None) -> torch.Tensor:
-    """``q [..., D]`` e4m3 or ``[..., D/2]`` packed e2m1 (+ ``q_scale [..., D/32]``) -> fp32 ``[..., D]``."""
+    """``q [..., D]`` e4m3 or ``[..., D/2]`` packed e2m1 (+ ``q_scale [..., S]``) -> fp32 ``[..., D]``."""
     if q.dtype == FP8_DTYPE:
         return q.float()
     return dequantize_mxfp4(q, q_scale)
@@ -46,6 +46,7 @@ def _weighted_relu_head_sum(
     """``queries [G, R, H, D]``, ``keys [G, n, D]``, ``weights [G, R, H]``, ``key_scales [G, n] | None``
     -> fp32 ``[G, R, n]``: ``sum_h weights * relu(queries . keys)`` (times ``key_scales``)."""
     groups, rows, heads, dim = queries.shape
+    weights = weights.float()  # bf16 weights widen exactly
     scores = torch.matmul(queries.reshape(groups, rows * heads, dim), keys.transpose(1, 2))  # [G, R*H, n]
     scores = scores.view(groups, rows, heads, -1).relu_().mul_(weights.unsqueeze(-1))  # [G, R, H, n]
     logits = scores.sum(dim=2)  # [G, R, n]
@@ -75,12 +76,13 @@ def mqa_logits(
     budget_bytes: int = INTERMEDIATE_BUDGET_BYTES,
     keys_per_chunk: int = KEYS_PER_CHUNK,
 ) -> torch.Tensor:
-    """Ragged prefill logits into ``out [M, N]`` fp32 (row stride may be padded).
+    """Ragged prefill logits into ``out [M, N]`` fp32 or bf16 (row stride may be padded).
 
     ``q [M, H, D]`` e4m3 (``q_scale`` None) or ``[M, H, D/2]`` packed e2m1 with ``q_scale
-    [M, H, D/32]`` ue8m0; ``k [N, D]`` e4m3 with ``k_scale [N]`` fp32, or ``[N, D/2]`` with
-    ``k_scale [N, D/32]``; ``weights [M, H]`` fp32. Row ``i`` scores keys ``j`` in
-    ``[ks[i], ke[i])`` (indices into ``k``); every other entry becomes ``-inf``.
+    [M, H, S]`` ue8m0; ``k [N, D]`` e4m3 with ``k_scale [N]`` fp32, or ``[N, D/2]`` with
+    ``k_scale [N, S]``; ``weights [M, H]`` fp32 or bf16. Row ``i`` scores keys ``j`` in
+    ``[ks[i], ke[i])`` (indices into ``k``); every other entry becomes ``-inf``. The fp32 sums are
+    rounded once into a bf16 ``out``.
     """
     num_rows, heads = weights.shape
     num_keys = k.shape[0]
@@ -137,10 +139,10 @@ def paged_mqa_logits(
     budget_bytes: int = INTERMEDIATE_BUDGET_BYTES,
     keys_per_chunk: int = KEYS_PER_CHUNK,
 ) -> torch.Tensor:
-    """Paged decode logits into ``out [B * next_n, max_context_len]`` fp32 (row stride may be padded).
+    """Paged decode logits into ``out [B * next_n, max_context_len]`` fp32 or bf16 (row stride may be padded).
 
     ``q [B, next_n, H, D]`` e4m3 or ``[B, next_n, H, D/2]`` packed e2m1 with ``q_scale
-    [B, next_n, H, D/32]``; ``weights [B * next_n, H]``; ``context_lens [B] | [B, next_n]``;
+    [B, next_n, H, S]``; ``weights [B * next_n, H]`` fp32 or bf16; ``context_lens [B] | [B, next_n]``;
     ``block_table [B, max_blocks]`` page ids. Row ``b * next_n + t`` scores request-local positions
     ``p < len[b, t]``, read from token ``p % block_size`` of page ``block_table[b, p // block_size]``;
     other entries become ``-inf``.
@@ -177,8 +179,12 @@ def paged_mqa_logits(
             value_bytes = values_pages[pages, token_offsets]  # [b, n, value_bytes]
             scale_bytes = scales_pages[pages, token_offsets]  # [b, n, scale_bytes]
             if cache.fmt == "fp8":
-                # Four little-endian bytes per token hold the fp32 scale.
-                value_bytes, scale_bytes = value_bytes.view(FP8_DTYPE), scale_bytes.view(torch.float32)[..., 0]
+                # Four bytes per token: the little-endian fp32 scale, or four equal ue8m0 bytes (mxfp8).
+                if cache.scale_fmt == "mxfp8":
+                    scale_bytes = ue8m0_to_fp32(scale_bytes[..., 0])
+                else:
+                    scale_bytes = scale_bytes.view(torch.float32)[..., 0]
+                value_bytes = value_bytes.view(FP8_DTYPE)
             keys, key_scales = _decode_keys(value_bytes, scale_bytes)  # [b, n, D], [b, n] | None
             request_scales = None if q_scale is None else q_scale[requests]
             queries = _decode_queries(q[requests], request_scales)  # [b, next_n, H, D]

@@ -102,6 +102,21 @@ def _e4m3_bits_to_fp16(x):
 
 
 @triton.jit
+def _output(x, ROUND_BF16: tl.constexpr):
+    """fp32 logits as stored: with ``ROUND_BF16`` rounded to bf16 to nearest even from the bits (the
+    interpreter's own fp32 -> bf16 store truncates; GPUs round to nearest even, so they store ``x``);
+    NaN stays NaN."""
+    if ROUND_BF16:
+        bits = x.to(tl.int32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16)
+        rounded = tl.where(x != x, ((bits >> 16) | 0x40).to(tl.int16), rounded)
+        value = rounded.to(tl.bfloat16, bitcast=True)
+    else:
+        value = x
+    return value
+
+
+@triton.jit
 def _dot_operand(x):
     """A tile as the tensor cores take it: e4m3 and fp16 as they are, raw e4m3 bytes rebuilt as fp16."""
     if x.dtype == tl.uint8:
@@ -249,6 +264,7 @@ def _mqa_logits_kernel(
     num_rows, num_keys, num_key_tiles,
     HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, CLEAN: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
 ):
     """One (``BLOCK_Q`` rows, ``BLOCK_K`` keys) tile of the ragged prefill logits."""
     pid = tl.program_id(0)
@@ -272,7 +288,7 @@ def _mqa_logits_kernel(
         acc = tl.zeros((BLOCK_Q, BLOCK_K), dtype=tl.float32)
         for head in tl.range(0, HEADS, num_stages=NUM_STAGES):
             q = tl.load(q_rows + head * stride_qh, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_Q, BLOCK_D]
-            half_w = tl.load(w_rows + head * stride_wh, mask=row_ok, other=0.0) * 0.5  # [BLOCK_Q]
+            half_w = tl.load(w_rows + head * stride_wh, mask=row_ok, other=0.0).to(tl.float32) * 0.5  # [BLOCK_Q]
             scores = tl.dot(_dot_operand(q), tl.trans(keys))  # [BLOCK_Q, BLOCK_K]
             acc += (scores + tl.abs(scores)) * half_w[:, None]
         key_mul = tl.load(key_mul_ptr + cols, mask=col_ok, other=0.0)  # [BLOCK_K]
@@ -281,9 +297,9 @@ def _mqa_logits_kernel(
         out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]  # [BLOCK_Q, BLOCK_K]
         inside = row_ok[:, None] & col_ok[None, :]
         if CLEAN:
-            tl.store(out_ptrs, tl.where(valid, logits, float("-inf")), mask=inside)
+            tl.store(out_ptrs, _output(tl.where(valid, logits, float("-inf")), ROUND_BF16), mask=inside)
         else:
-            tl.store(out_ptrs, logits, mask=valid & inside)
+            tl.store(out_ptrs, _output(logits, ROUND_BF16), mask=valid & inside)
     else:
         if CLEAN:
             out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]  # [BLOCK_Q, BLOCK_K]
@@ -298,7 +314,8 @@ def _mxfp4_scales_at(cache_ptr, page, page_stride, positions, live, DIM: tl.cons
     not ``live``)."""
     block = tl.arange(0, BLOCK_D // 32)
     slot = (positions.to(tl.uint32) % BLOCK_SIZE).to(tl.int32)
-    scale_row = page.to(tl.int64) * page_stride + BLOCK_SIZE * (DIM // 2) + slot * (DIM // 32)  # [BLOCK_K]
+    scale_bytes: tl.constexpr = (DIM + 127) // 128 * 4  # D/32 bytes padded to whole words
+    scale_row = page.to(tl.int64) * page_stride + BLOCK_SIZE * (DIM // 2) + slot * scale_bytes  # [BLOCK_K]
     if DIM == BLOCK_D:
         mask = live[:, None]
     else:
@@ -328,7 +345,8 @@ def _paged_mqa_logits_kernel(
     HEADS: tl.constexpr, BLOCK_H: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr,
     NUM_STAGES: tl.constexpr,
-    CLEAN: tl.constexpr, MXFP4: tl.constexpr, UPCAST: tl.constexpr, EXPAND_PTX: tl.constexpr,
+    CLEAN: tl.constexpr, MXFP4: tl.constexpr, MXFP8: tl.constexpr, UPCAST: tl.constexpr, EXPAND_PTX: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
 ):
     """Draft rows ``[t0, t0 + ROWS)`` of one request over one split of ``TILES * BLOCK_K`` positions.
 
@@ -351,7 +369,7 @@ def _paged_mqa_logits_kernel(
     query_ok = (stacked_t < next_n) & (head < HEADS)
     query_rows = q_ptr + request.to(tl.int64) * stride_qb + stacked_t * stride_qt + head * stride_qh  # [ROWS * BLOCK_H]
     half_w = tl.load(w_ptr + (request.to(tl.int64) * next_n + stacked_t) * stride_wr + head * stride_wh,
-                     mask=query_ok, other=0.0) * 0.5  # [ROWS * BLOCK_H]
+                     mask=query_ok, other=0.0).to(tl.float32) * 0.5  # [ROWS * BLOCK_H]
     t = t0 + tl.arange(0, ROWS)  # [ROWS]
     present = t < next_n
     stored = tl.load(lens_ptr + request.to(tl.int64) * stride_lb + t * stride_lt, mask=present, other=0)
@@ -417,16 +435,22 @@ def _paged_mqa_logits_kernel(
                 keys = tl.load(values_ptr + page_start[:, None] + slot[:, None] * DIM + dim[None, :],
                                mask=live[:, None] & (dim < DIM)[None, :], other=0.0)  # [BLOCK_K, BLOCK_D]
                 scores = tl.dot(_dot_operand(keys), tl.trans(queries))  # [BLOCK_K, ROWS * BLOCK_H]
-                scale_ptrs = (cache_ptr + page_start + BLOCK_SIZE * DIM + slot * 4).to(tl.pointer_type(tl.float32))
-                key_mul = tl.load(scale_ptrs, mask=live, other=0.0)  # [BLOCK_K]
+                scale_words = cache_ptr + page_start + BLOCK_SIZE * DIM + slot * 4  # [BLOCK_K]
+                if MXFP8:
+                    # Four equal ue8m0 bytes: the low byte (little-endian) is the exponent field.
+                    word = tl.load(scale_words.to(tl.pointer_type(tl.int32)), mask=live, other=0)
+                    key_mul = ((word & 0xFF) << 23).to(tl.float32, bitcast=True)
+                else:
+                    key_mul = tl.load(scale_words.to(tl.pointer_type(tl.float32)), mask=live, other=0.0)  # [BLOCK_K]
             weighted = tl.reshape((scores + tl.abs(scores)) * half_w[None, :], (BLOCK_K, ROWS, BLOCK_H))
             logits = tl.sum(weighted, axis=2) * key_mul[:, None]  # [BLOCK_K, ROWS]
             ptrs = out_rows[None, :] + positions[:, None]  # [BLOCK_K, ROWS]
             inside = positions[:, None] < lengths[None, :]
             if CLEAN:
-                tl.store(ptrs, tl.where(inside, logits, float("-inf")), mask=live[:, None] & present[None, :])
+                tl.store(ptrs, _output(tl.where(inside, logits, float("-inf")), ROUND_BF16),
+                         mask=live[:, None] & present[None, :])
             else:
-                tl.store(ptrs, logits, mask=live[:, None] & inside)
+                tl.store(ptrs, _output(logits, ROUND_BF16), mask=live[:, None] & inside)
     if CLEAN:
         masked = tl.full((BLOCK_K, ROWS), float("-inf"), tl.float32)
         first = tl.maximum(split_start, read_end)
@@ -499,6 +523,11 @@ def _mxfp4_rows(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) 
     return values.view(*lead, dim), row_mul.view(lead)
 
 
+def _round_bf16(out: torch.Tensor) -> bool:
+    """Whether the kernel rounds bf16 logits itself (the interpreter only; see ``_output``)."""
+    return out.dtype == torch.bfloat16 and _interpreting()
+
+
 def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
 
@@ -550,6 +579,7 @@ def mqa_logits_triton(
         num_rows, num_keys, num_key_tiles,
         HEADS=heads, DIM=dim, BLOCK_D=_next_pow2(dim, 32),
         BLOCK_Q=block_q, BLOCK_K=block_k, NUM_STAGES=num_stages, CLEAN=clean,
+        ROUND_BF16=_round_bf16(out),
         num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg,
     )
     return out
@@ -631,7 +661,8 @@ def paged_mqa_logits_triton(
         next_n, int(one_d), max_context_len, num_splits, num_groups,
         HEADS=heads, BLOCK_H=block_h, DIM=dim, BLOCK_D=_next_pow2(dim, 32),
         BLOCK_SIZE=cache.block_size, ROWS=rows, BLOCK_K=block_k, TILES=tiles, NUM_STAGES=num_stages,
-        CLEAN=clean, MXFP4=mxfp4, UPCAST=upcast, EXPAND_PTX=mxfp4 and expand_ptx,
+        CLEAN=clean, MXFP4=mxfp4, MXFP8=cache.scale_fmt == "mxfp8", UPCAST=upcast, EXPAND_PTX=mxfp4 and expand_ptx,
+        ROUND_BF16=_round_bf16(out),
         num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg,
     )
     return out

@@ -83,7 +83,7 @@ import triton
 import triton.language as tl
 
 from ...backend import interpreter_enabled
-from ...formats import FP8_MAX, MXFP4_BLOCK, MXFP4_MAX, Q_AMAX_FLOOR
+from ...formats import FP8_MAX, MXFP4_BLOCK, MXFP4_MAX, Q_AMAX_FLOOR, UE8M0_ONE, mxfp4_scale_bytes
 from .reference import rope_quant_q_reference
 
 MXFP4_AMAX_FLOOR = MXFP4_MAX * 2.0**-126
@@ -92,6 +92,7 @@ _FP8_MAX = tl.constexpr(FP8_MAX)
 _MXFP4_MAX = tl.constexpr(MXFP4_MAX)
 _MXFP4_AMAX_FLOOR = tl.constexpr(MXFP4_AMAX_FLOOR)
 _MXFP4_BLOCK = tl.constexpr(MXFP4_BLOCK)
+_UE8M0_ONE = tl.constexpr(UE8M0_ONE)
 _Q_AMAX_FLOOR = tl.constexpr(Q_AMAX_FLOOR)
 _SIGN_BIT = tl.constexpr(-(2**31))
 _SIGN_MASK = tl.constexpr(0x80000000)
@@ -280,6 +281,16 @@ def load_pairs(row_ptrs, first_dim, stride, rows_ok, PAIRS: tl.constexpr, NB: tl
 
 
 @triton.jit
+def store_scale_padding(scale_rows, rows_ok, DIM: tl.constexpr):
+    """Write ``UE8M0_ONE`` to the padding bytes ``[DIM / 32, S)`` after ``scale_rows [ROWS]``, ``S`` the scale
+    bytes of the vector (``formats.mxfp4_scale_bytes``: ``DIM / 32`` rounded up to whole 4-byte words)."""
+    if (DIM // 32) % 4:
+        pad = tl.arange(0, 4)
+        tl.store(scale_rows[:, None] + DIM // 32 + pad[None, :], tl.full([1, 4], _UE8M0_ONE, tl.uint8),
+                 mask=rows_ok[:, None] & (DIM // 32 + pad < (DIM + 127) // 128 * 4)[None, :])
+
+
+@triton.jit
 def store_mxfp4_rows(value_rows, scale_rows, rows_ok, packed, scales, WIDTH: tl.constexpr):
     """Store ``mxfp4_pack_pairs``'s ``packed [ROWS, NB, 4, 4]`` and ``scales [ROWS, NB]`` of dims ``[0, WIDTH)``
     of each row: bytes ``[0, WIDTH / 2)`` after ``value_rows [ROWS]`` (byte pointers), scales
@@ -310,7 +321,7 @@ def _store_mxfp4_pairs(values_ptr, scales_ptr, head_rows, heads_ok, even, odd, S
     """
     packed, scales = mxfp4_pack_pairs(even, odd, INTERPRETER)
     store_mxfp4_rows(values_ptr + head_rows * (HEAD_DIM // 2) + START // 2,
-                     scales_ptr + head_rows * (HEAD_DIM // _MXFP4_BLOCK) + START // _MXFP4_BLOCK, heads_ok, packed,
+                     scales_ptr + head_rows * ((HEAD_DIM + 127) // 128 * 4) + START // _MXFP4_BLOCK, heads_ok, packed,
                      scales, WIDTH)
 
 
@@ -497,7 +508,7 @@ def _quantize_store_words(values_ptr, scales_ptr, head_rows, heads_ok, words, am
                           WIDTH: tl.constexpr, HEAD_DIM: tl.constexpr, FINITE: tl.constexpr, INTERPRETER: tl.constexpr):
     """``quantize_store_bf16_words`` of dims ``[START, START + WIDTH)`` of each head (``words``: those dims)."""
     quantize_store_bf16_words(values_ptr + head_rows * (HEAD_DIM // 2) + START // 2,
-                              scales_ptr + head_rows * (HEAD_DIM // _MXFP4_BLOCK) + START // _MXFP4_BLOCK, heads_ok,
+                              scales_ptr + head_rows * ((HEAD_DIM + 127) // 128 * 4) + START // _MXFP4_BLOCK, heads_ok,
                               words, amax, WIDTH, FINITE, INTERPRETER)
 
 
@@ -725,7 +736,10 @@ def rope_quant_q_triton(
     weights_out = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=q.device)
     if mxfp4:
         values = torch.empty((num_tokens, num_heads, head_dim // 2), dtype=torch.uint8, device=q.device)
-        scales = torch.empty((num_tokens, num_heads, head_dim // MXFP4_BLOCK), dtype=torch.uint8, device=q.device)
+        # Padding bytes of D/32 % 4 != 0 scale words (D = 64) hold UE8M0_ONE; the kernel writes the D/32 scales.
+        scale_shape = (num_tokens, num_heads, mxfp4_scale_bytes(head_dim))
+        scales = (torch.empty(scale_shape, dtype=torch.uint8, device=q.device) if head_dim % (4 * MXFP4_BLOCK) == 0
+                  else torch.full(scale_shape, UE8M0_ONE, dtype=torch.uint8, device=q.device))
     else:
         values = torch.empty((num_tokens, num_heads, head_dim), dtype=torch.float8_e4m3fn, device=q.device)
         scales = None

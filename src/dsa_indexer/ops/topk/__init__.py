@@ -23,6 +23,9 @@ from . import reference
 
 __all__ = ["indices_to_slots", "topk", "topk_decode", "topk_decode_slots"]
 
+# bf16 logits widen exactly to fp32, so the selection rule applies to the widened values unchanged.
+LOGITS_DTYPES = (torch.float32, torch.bfloat16)
+
 
 def _topk_triton(*args, **kwargs):
     from .triton import topk_triton
@@ -60,7 +63,7 @@ def _check_out(out: torch.Tensor | None, num_rows: int, k: int, device: torch.de
 
 def _check_decode_rows(logits, seq_lens, next_n: int, k: int, out) -> None:
     """The argument checks of ``topk_decode`` (shared by ``topk_decode_slots``)."""
-    check_tensor("logits", logits, dtype=torch.float32, ndim=2)
+    check_tensor("logits", logits, dtype=LOGITS_DTYPES, ndim=2)
     check_positive_int("next_n", next_n)
     check_positive_int("k", k)
     check_tensor("seq_lens", seq_lens, dtype=torch.int32, ndim=(1, 2))
@@ -97,7 +100,7 @@ def topk(
     """Exact top-k of each row of ``logits``; returns int32 ``[R, k]`` (``out`` when given).
 
     Args:
-        logits: float32 ``[R, C]``, any strides (offset, column-strided and stride-0 expanded views).
+        logits: float32 or bfloat16 ``[R, C]``, any strides (offset, column-strided and stride-0 expanded views).
         k: picks per row, ``>= 1`` (may exceed ``C``).
         starts, ends: int32 ``[R]``, ``0 <= starts <= ends <= C``; row ``r`` considers columns
             ``[starts[r], ends[r])``. ``None`` means ``0`` and ``C``. Columns outside are never used.
@@ -108,7 +111,7 @@ def topk(
     relative to ``starts[r]`` (domain ``[0, ends[r] - starts[r])``), ascending, then ``-1`` up to ``k``.
     The result is bitwise deterministic.
     """
-    check_tensor("logits", logits, dtype=torch.float32, ndim=2)
+    check_tensor("logits", logits, dtype=LOGITS_DTYPES, ndim=2)
     check_positive_int("k", k)
     num_rows, width = logits.shape
     if starts is not None:
@@ -137,7 +140,7 @@ def topk_decode(
     """Top-k of decode rows; returns int32 ``[B * next_n, k]`` of request-local positions.
 
     Args:
-        logits: float32 ``[B * next_n, C]``, any strides; row ``b * next_n + t`` is token ``t`` of
+        logits: float32 or bfloat16 ``[B * next_n, C]``, any strides; row ``b * next_n + t`` is token ``t`` of
             request ``b``.
         seq_lens: int32 ``[B]`` request lengths ``L_b`` (row ``t`` sees ``max(L_b - next_n + t + 1, 0)``
             columns) or int32 ``[B, next_n]`` per-row lengths; every length in ``[0, C]``.

@@ -367,8 +367,9 @@ def _row_window(row, valid, starts_ptr, ends_ptr, width, next_n, HAS_STARTS: tl.
 
 @triton.jit
 def _order_keys(values, inside):
-    """int32 order keys of fp32 ``values``; NaN, -inf and entries not ``inside`` give NONE."""
-    bits = values.to(tl.int32, bitcast=True)
+    """int32 order keys of fp32 (or bf16, widened exactly) ``values``; NaN, -inf and entries not ``inside``
+    give NONE."""
+    bits = values.to(tl.float32).to(tl.int32, bitcast=True)
     bits = tl.where(bits == NONE, 0, bits)
     selectable = inside & ((bits & KEY_MAX) <= INF_BITS) & (bits != NEG_INF_BITS)
     keys = bits ^ ((bits >> 31) & KEY_MAX)
