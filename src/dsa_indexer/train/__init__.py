@@ -226,7 +226,7 @@ def indexer_kl_loss(q, k, weights, attn_q, attn_k, attn_lse, *, softmax_scale: f
             CPU tensors use the reference), ``"reference"`` or ``"triton"``; ``DSA_INDEXER_BACKEND`` overrides.
 
     Returns:
-        The loss, a float32 scalar tensor on the inputs' device, differentiable with respect to ``q``,
+        The loss, a float32 scalar tensor (float64 for float64 ``q``) on the inputs' device, differentiable with respect to ``q``,
         ``k`` and ``weights`` (gradients in their dtypes). The gradients are computed with the loss; the
         backward only multiplies them by the upstream gradient.
 

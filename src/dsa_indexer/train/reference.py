@@ -30,6 +30,7 @@ __all__ = [
     "Merged",
     "RowStats",
     "indexer_kl_reference",
+    "loss_dtype",
     "merge_stats",
     "row_grads",
     "row_stats",
@@ -132,7 +133,8 @@ class RowStats:
 @dataclass
 class Merged:
     """Row quantities after the merge: ``lse`` of the indexer logits, target denominator ``denom``,
-    gradient scale ``scale`` (``c/N`` or ``c`` on valid rows, 0 elsewhere), per-row ``kl`` and the loss."""
+    gradient scale ``scale`` (``c/N`` or ``c`` on valid rows, 0 elsewhere), per-row ``kl`` and the loss
+    (all float64)."""
 
     lse: torch.Tensor
     denom: torch.Tensor
@@ -244,8 +246,8 @@ def merge_stats(parts: Sequence[RowStats], *, num_heads: int, target_norm: str, 
     num_valid = int(valid.sum())
     divisor = num_valid if reduction == "mean" and num_valid > 0 else 1
     total = kl.sum() * coeff / divisor
-    scale = torch.where(valid, coeff / divisor, 0.0).to(torch.float64)
-    return Merged(lse, denom, scale, kl, total.to(torch.float32))
+    scale = valid.to(torch.float64) * (coeff / divisor)
+    return Merged(lse, denom, scale, kl, total)
 
 
 def row_grads(x: Inputs, merged: Merged, *, rows: tuple[int, int] | None = None,
@@ -274,17 +276,23 @@ def row_grads(x: Inputs, merged: Merged, *, rows: tuple[int, int] | None = None,
     return dq, dk, dw
 
 
+def loss_dtype(dtype: torch.dtype, loss: torch.Tensor) -> torch.Tensor:
+    """The loss rounded to float32, or kept in float64 for float64 inputs (gradcheck)."""
+    return loss.to(torch.float64 if dtype == torch.float64 else torch.float32)
+
+
 def indexer_kl_reference(q, k, weights, attn_q, attn_k, attn_lse, *, softmax_scale: float, cu_seqlens=None,
                          topk_indices=None, compress_ratio: int = 1, target_norm: str = "heads",
                          reduction: str = "mean", coeff: float = 1.0, chunk_rows: int | None = None):
     """The loss and its gradients; arguments and math as ``dsa_indexer.train.indexer_kl_loss`` (not
     validated here). ``chunk_rows`` fixes the query-chunk size (default: from a 32 MiB budget).
 
-    Returns ``(loss float32 [], dq like q, dk like k, dweights like weights)``.
+    Returns ``(loss [], dq like q, dk like k, dweights like weights)``; the loss is float32 (float64 when q
+    is float64).
     """
     x = Inputs.of(q, k, weights, attn_q, attn_k, attn_lse, softmax_scale, cu_seqlens, topk_indices, compress_ratio)
     stats = row_stats(x, chunk_rows=chunk_rows)
     merged = merge_stats([stats], num_heads=attn_q.shape[1], target_norm=target_norm, reduction=reduction,
                          coeff=coeff)
     dq, dk, dw = row_grads(x, merged, chunk_rows=chunk_rows)
-    return merged.loss, dq.to(q.dtype), dk.to(k.dtype), dw.to(weights.dtype)
+    return loss_dtype(q.dtype, merged.loss), dq.to(q.dtype), dk.to(k.dtype), dw.to(weights.dtype)
