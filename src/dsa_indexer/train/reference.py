@@ -71,7 +71,8 @@ class Layout:
 
 @dataclass
 class Inputs:
-    """float64 copies of the inputs (``attn_k`` as ``[T_k, H_kv, D_a]``)."""
+    """float64 copies of the inputs (``attn_k`` as ``[T_k, H_kv, D_a]``); ``k`` and ``attn_k`` may hold only
+    the packed key rows ``[key_base, key_base + len)`` (a context-parallel shard)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -82,15 +83,17 @@ class Inputs:
     softmax_scale: float
     topk_indices: torch.Tensor | None
     layout: Layout
+    key_base: int = 0
 
     @staticmethod
-    def of(q, k, weights, attn_q, attn_k, attn_lse, softmax_scale, cu_seqlens, topk_indices, ratio) -> Inputs:
+    def of(q, k, weights, attn_q, attn_k, attn_lse, softmax_scale, cu_seqlens, topk_indices, ratio,
+           key_base: int = 0) -> Inputs:
         f64 = torch.float64
         attn_k = attn_k if attn_k.dim() == 3 else attn_k.unsqueeze(1)
         return Inputs(
             q.to(f64), k.to(f64), weights.to(f64), attn_q.to(f64), attn_k.to(f64), attn_lse.to(f64),
             float(softmax_scale), None if topk_indices is None else topk_indices.to(torch.int64),
-            Layout.of(q.shape[0], cu_seqlens, ratio),
+            Layout.of(q.shape[0], cu_seqlens, ratio), key_base,
         )
 
     def head_slice(self, heads: tuple[int, int]) -> Inputs:
@@ -98,9 +101,21 @@ class Inputs:
         heads sharing one key head)."""
         h0, h1 = heads
         group = self.attn_q.shape[1] // self.attn_k.shape[1]
-        kv = self.attn_k[:, h0 // group: (h1 - 1) // group + 1]
-        return Inputs(self.q, self.k, self.weights, self.attn_q[:, h0:h1], kv, self.attn_lse[:, h0:h1],
-                      self.softmax_scale, self.topk_indices, self.layout)
+        kv = self.attn_k[:, h0 // group: (h1 - 1) // group + 1].contiguous()
+        return Inputs(self.q, self.k, self.weights, self.attn_q[:, h0:h1].contiguous(), kv,
+                      self.attn_lse[:, h0:h1].contiguous(),
+                      self.softmax_scale, self.topk_indices, self.layout, self.key_base)
+
+    def key_slice(self, keys: tuple[int, int]) -> Inputs:
+        """The same problem holding only the packed key rows ``[k0, k1)``."""
+        k0, k1 = keys
+        rows = slice(k0 - self.key_base, k1 - self.key_base)
+        return Inputs(self.q, self.k[rows], self.weights, self.attn_q, self.attn_k[rows], self.attn_lse,
+                      self.softmax_scale, self.topk_indices, self.layout, k0)
+
+    @property
+    def key_range(self) -> tuple[int, int]:
+        return self.key_base, self.key_base + self.k.shape[0]
 
 
 @dataclass
@@ -166,7 +181,7 @@ def _blocks(layout: Layout, rows: tuple[int, int], keys: tuple[int, int], heads:
 def _block_terms(x: Inputs, b: int, r0: int, r1: int, j0: int, j1: int):
     """Indexer logits ``I``, scores ``a = q·k``, the visibility mask and the target ``p̃`` of one block."""
     layout = x.layout
-    key_rows = slice(layout.keys[b] + j0, layout.keys[b] + j1)
+    key_rows = slice(layout.keys[b] + j0 - x.key_base, layout.keys[b] + j1 - x.key_base)
     q, w, k = x.q[r0:r1], x.weights[r0:r1], x.k[key_rows]
     a = torch.einsum("tjd,sd->tjs", q, k)
     logits = torch.einsum("tj,tjs->ts", w, a.clamp_min(0))
@@ -189,12 +204,11 @@ def _block_terms(x: Inputs, b: int, r0: int, r1: int, j0: int, j1: int):
     return logits, a, mask, target
 
 
-def row_stats(x: Inputs, *, rows: tuple[int, int] | None = None, keys: tuple[int, int] | None = None,
-              chunk_rows: int | None = None) -> RowStats:
-    """Statistics of query rows ``rows`` over packed keys ``keys`` (defaults: all) and all heads of ``x``."""
+def row_stats(x: Inputs, *, rows: tuple[int, int] | None = None, chunk_rows: int | None = None) -> RowStats:
+    """Statistics of query rows ``rows`` (default: all) over the keys ``x`` holds and all its heads."""
     num_rows = x.q.shape[0]
     rows = rows or (0, num_rows)
-    keys = keys or (0, x.layout.num_keys)
+    keys = x.key_range
     stats = RowStats.empty(num_rows, x.q.device)
     heads = max(x.q.shape[1], x.attn_q.shape[1])
     for b, r0, r1, j0, j1 in _blocks(x.layout, rows, keys, heads, chunk_rows):
@@ -219,12 +233,12 @@ def _ordered_sum(parts: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def merge_stats(parts: Sequence[RowStats], *, num_heads: int, target_norm: str, reduction: str, coeff: float,
-                entropy: torch.Tensor | None = None) -> Merged:
-    """Combine statistics of disjoint key ranges (or, for ``mass``/``cross``, head ranges) in list order.
+                with_entropy: bool = True) -> Merged:
+    """Combine statistics of disjoint key ranges in list order.
 
-    ``num_heads`` is the total head count H (the ``"heads"`` denominator); ``entropy`` replaces the summed
-    ``E`` when the parts cannot provide it (head shards: ``Σ p̃ log p̃`` is not additive over heads).
-    A row is valid when it sees a key and, for ``"l1"``, its target mass is positive.
+    ``num_heads`` is the total head count H (the ``"heads"`` denominator). A row is valid when it sees a
+    key and, for ``"l1"``, its target mass is positive. ``with_entropy=False`` leaves ``Σ p log p`` out of
+    ``KL_t`` (``KL_t = −Σ p·I + LSE_I``; the gradients do not change).
     """
     count = _ordered_sum([p.count for p in parts])
     top = parts[0].max
@@ -234,7 +248,7 @@ def merge_stats(parts: Sequence[RowStats], *, num_heads: int, target_norm: str, 
     sumexp = _ordered_sum([torch.where(p.count > 0, p.sumexp * torch.exp(p.max - safe_top), 0.0) for p in parts])
     mass = _ordered_sum([p.mass for p in parts])
     cross = _ordered_sum([p.cross for p in parts])
-    ent = _ordered_sum([p.entropy for p in parts]) if entropy is None else entropy
+    entropy = _ordered_sum([p.entropy for p in parts])
     valid = count > 0
     if target_norm == "l1":
         valid &= mass > 0
@@ -242,7 +256,8 @@ def merge_stats(parts: Sequence[RowStats], *, num_heads: int, target_norm: str, 
     else:
         denom = torch.full_like(mass, float(num_heads))
     lse = torch.where(valid, safe_top + torch.log(torch.where(valid, sumexp, 1.0)), 0.0)
-    kl = torch.where(valid, (ent - mass * torch.log(denom) - cross) / denom + lse, 0.0)
+    plogp = (entropy - mass * torch.log(denom)) / denom if with_entropy else 0.0
+    kl = torch.where(valid, plogp - cross / denom + lse, 0.0)
     num_valid = int(valid.sum())
     divisor = num_valid if reduction == "mean" and num_valid > 0 else 1
     total = kl.sum() * coeff / divisor
@@ -250,14 +265,12 @@ def merge_stats(parts: Sequence[RowStats], *, num_heads: int, target_norm: str, 
     return Merged(lse, denom, scale, kl, total)
 
 
-def row_grads(x: Inputs, merged: Merged, *, rows: tuple[int, int] | None = None,
-              keys: tuple[int, int] | None = None, with_pi: bool = True, chunk_rows: int | None = None):
-    """float64 ``(dq [T, H_I, D_I], dk [T_k, D_I], dw [T, H_I])`` of ``G = scale·(π − p̃/D)`` over the
-    rows and packed keys given; ``with_pi=False`` drops the ``π`` term (head shards other than the
+def row_grads(x: Inputs, merged: Merged, *, with_pi: bool = True, chunk_rows: int | None = None):
+    """float64 ``(dq [T, H_I, D_I], dk [keys held, D_I], dw [T, H_I])`` of ``G = scale·(π − p̃/D)`` over
+    the keys and heads ``x`` holds; ``with_pi=False`` drops the ``π`` term (head shards other than the
     first, whose partial targets sum to the whole)."""
-    num_rows = x.q.shape[0]
-    rows = rows or (0, num_rows)
-    keys = keys or (0, x.layout.num_keys)
+    rows = (0, x.q.shape[0])
+    keys = x.key_range
     dq = torch.zeros_like(x.q)
     dk = torch.zeros_like(x.k)
     dw = torch.zeros_like(x.weights)
@@ -268,7 +281,7 @@ def row_grads(x: Inputs, merged: Merged, *, rows: tuple[int, int] | None = None,
         pi = torch.exp(torch.where(mask, logits - lse, float("-inf"))) if with_pi else 0.0
         grad = torch.where(mask, scale * (pi - target / denom), 0.0)
         positive = (a > 0).to(torch.float64)
-        key_rows = slice(x.layout.keys[b] + j0, x.layout.keys[b] + j1)
+        key_rows = slice(x.layout.keys[b] + j0 - x.key_base, x.layout.keys[b] + j1 - x.key_base)
         dw[r0:r1] = torch.einsum("ts,tjs->tj", grad, a.clamp_min(0))
         weighted = grad[:, None, :] * positive * x.weights[r0:r1, :, None]
         dq[r0:r1] = torch.einsum("tjs,sd->tjd", weighted, x.k[key_rows])
