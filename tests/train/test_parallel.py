@@ -72,7 +72,27 @@ def workers(rank: int, world: int):
                                  case.attn_lse, **case.kwargs)
     loss.backward()
     results["autograd"] = (loss.detach(), *(leaf.grad for leaf in leaves))
+    results["errors"] = mismatch_errors(rank, world)
     return results
+
+
+def mismatch_errors(rank: int, world: int) -> list[str]:
+    """Inconsistent shards raise the same error on every rank (no hang)."""
+    case = make_case(lengths=(8,), heads=4)
+    q, k, w, aq, ak, lse = case.args()
+    messages = []
+    short = k.shape[0] // world - (rank == 0)     # the shards miss a key
+    lo = rank * (k.shape[0] // world)
+    try:
+        context_parallel_indexer_kl(q, k[lo:lo + short], w, aq, ak[lo:lo + short], lse, **case.kwargs)
+    except ValueError as error:
+        messages.append(str(error))
+    heads = 2 if rank == 0 else 1                 # rank 0 holds more heads than the others
+    try:
+        tensor_parallel_indexer_kl(q, k, w, aq[:, :heads], ak, lse[:, :heads], **case.kwargs)
+    except ValueError as error:
+        messages.append(str(error))
+    return messages
 
 
 def bitwise(got, expected):
@@ -117,6 +137,9 @@ def test_parallel_paths_equal_one_process_bitwise(world):
     for rank, result in enumerate(ranks):
         lo = sum(splits[:rank])
         assert bitwise(result["autograd"], (expected[0], expected[1], expected[2][lo:lo + splits[rank]], expected[3]))
+        short, heads = result["errors"]
+        assert "must add up to T_k = Σ_b len_b // compress_ratio = 8" in short
+        assert f"the ranks disagree on heads per rank: {[2] + [1] * (world - 1)}" in heads
 
 
 def target_entropy(case) -> float:

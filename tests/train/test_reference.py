@@ -223,3 +223,16 @@ def test_auto_on_cpu_is_the_reference(monkeypatch):
     assert torch.equal(indexer_kl_loss(*case.args(), **case.kwargs), expected)
     monkeypatch.setenv("DSA_INDEXER_BACKEND", "reference")
     assert torch.equal(indexer_kl_loss(*case.args(), **case.kwargs, backend="triton"), expected)
+
+
+@pytest.mark.gpu
+def test_reference_on_cuda_equals_cpu():
+    case = make_case(lengths=(40, 1, 25), topk=8, ratio=2, heads=4, kv_heads=2, dtype=torch.float32)
+    expected = indexer_kl_reference(*case.args(), **case.kwargs)
+    kwargs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in case.kwargs.items()}
+    leaves = [t.cuda().requires_grad_(True) for t in (case.q, case.k, case.weights)]
+    loss = indexer_kl_loss(*leaves, *(t.cuda() for t in case.args()[3:]), **kwargs, backend="reference")
+    loss.backward()
+    assert loss.device.type == "cuda" and loss.item() == pytest.approx(expected[0].item(), rel=1e-6)
+    for leaf, want in zip(leaves, expected[1:]):
+        assert relative_error(leaf.grad.cpu(), want) < 1e-6
