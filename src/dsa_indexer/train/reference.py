@@ -195,9 +195,10 @@ def _block_terms(x: Inputs, b: int, r0: int, r1: int, j0: int, j1: int):
         # Out-of-range ids (and -1) land in the spare last column, which is dropped; duplicates count once.
         selected.scatter_(1, torch.where(inside, ids, j1 - j0), True)
         mask &= selected[:, :-1]
-    group = x.attn_q.shape[1] // x.attn_k.shape[1]
-    kv = x.attn_k[key_rows].repeat_interleave(group, dim=1)
-    z = torch.einsum("thd,shd->ths", x.attn_q[r0:r1], kv)
+    kv_heads = x.attn_k.shape[1]
+    # Heads grouped by key head ([t, H_kv, H/H_kv, D_a]): no per-head copy of the keys.
+    grouped = x.attn_q[r0:r1].unflatten(1, (kv_heads, -1))
+    z = torch.einsum("tkgd,skd->tkgs", grouped, x.attn_k[key_rows]).flatten(1, 2)
     lse = torch.where(mask.any(1, keepdim=True), x.attn_lse[r0:r1], 0.0)
     probs = torch.exp(x.softmax_scale * z - lse[:, :, None]).sum(1)
     target = torch.where(mask, probs, 0.0)
