@@ -236,3 +236,16 @@ def test_reference_on_cuda_equals_cpu():
     assert loss.device.type == "cuda" and loss.item() == pytest.approx(expected[0].item(), rel=1e-6)
     for leaf, want in zip(leaves, expected[1:]):
         assert relative_error(leaf.grad.cpu(), want) < 1e-6
+
+
+def test_l1_row_without_target_mass_and_huge_logits_has_finite_zero_gradients():
+    case = make_case(lengths=(8,), target_norm="l1", lse_over_visible=False)
+    case.attn_lse[5] = 1e4                           # row 5: no target mass, so not valid
+    case.weights[5] = case.weights[5].abs() * 1e5     # and an indexer logit far beyond exp's range:
+    case.q[5] = case.k[0]                            # I[5, 0] = Σ_j w·|k_0|² ~ 1e5
+    loss, dq, dk, dw = indexer_kl_reference(*case.args(), **case.kwargs)
+    expected_loss, expected = grads_of_oracle(case)
+    assert loss.item() == pytest.approx(expected_loss.item(), rel=1e-6)
+    assert torch.all(dq[5] == 0) and torch.all(dw[5] == 0)
+    for got, want in zip((dq, dk, dw), expected):
+        assert torch.isfinite(got).all() and relative_error(got, want) < 1e-12

@@ -8,8 +8,8 @@ floating-point operation:
    number of visible keys, the running max and sum of ``exp(I - max)`` of the indexer logits, and the
    target's unnormalised mass ``S = Σ p̃``, cross term ``X = Σ p̃·I`` and entropy ``E = Σ p̃·log p̃``
    (``p̃ = Σ_h P_h`` over the heads of the range);
-2. ``merge_stats`` — combines the statistics of several key ranges (or head ranges) in list order into
-   ``LSE_I``, the target denominator ``D_t`` and the per-row gradient scale ``c/N``;
+2. ``merge_stats`` — combines the statistics of several key ranges in list order into ``LSE_I``, the
+   target denominator ``D_t``, the per-row gradient scale ``c/N`` and the loss;
 3. ``row_grads`` — the gradients ``dq, dw`` of the rows and ``dk`` of the keys of one range, given the
    merged statistics.
 
@@ -256,7 +256,8 @@ def merge_stats(parts: Sequence[RowStats], *, num_heads: int, target_norm: str, 
         denom = torch.where(valid, mass, 1.0)
     else:
         denom = torch.full_like(mass, float(num_heads))
-    lse = torch.where(valid, safe_top + torch.log(torch.where(valid, sumexp, 1.0)), 0.0)
+    # The true LSE wherever the row sees a key (π <= 1 even on an "l1" row without target mass).
+    lse = torch.where(count > 0, safe_top + torch.log(torch.where(count > 0, sumexp, 1.0)), 0.0)
     plogp = (entropy - mass * torch.log(denom)) / denom if with_entropy else 0.0
     kl = torch.where(valid, plogp - cross / denom + lse, 0.0)
     num_valid = int(valid.sum())
