@@ -249,3 +249,35 @@ def test_l1_row_without_target_mass_and_huge_logits_has_finite_zero_gradients():
     assert torch.all(dq[5] == 0) and torch.all(dw[5] == 0)
     for got, want in zip((dq, dk, dw), expected):
         assert torch.isfinite(got).all() and relative_error(got, want) < 1e-12
+
+
+def test_triton_backend_dispatches_to_the_kernel_module(monkeypatch):
+    """With ``dsa_indexer.train.triton`` importable, ``backend="triton"`` (interpreter: CPU tensors) calls its
+    ``indexer_kl_triton`` with the validated arguments; float64 inputs never go there."""
+    import importlib.machinery
+    import types
+
+    from dsa_indexer import backend
+
+    if not backend.triton_available():
+        pytest.skip("needs Triton installed")
+    calls = []
+
+    def fake_kernel(*args, **kwargs):
+        calls.append(kwargs)
+        return indexer_kl_reference(*args, **kwargs)
+
+    module = types.ModuleType("dsa_indexer.train.triton")
+    module.__spec__ = importlib.machinery.ModuleSpec("dsa_indexer.train.triton", None)
+    module.indexer_kl_triton = fake_kernel
+    monkeypatch.setitem(__import__("sys").modules, "dsa_indexer.train.triton", module)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    case = make_case(lengths=(5, 6), topk=3, dtype=torch.float32)
+    loss = indexer_kl_loss(*case.args(), **case.kwargs, backend="triton")
+    assert len(calls) == 1 and calls[0]["topk_indices"] is case.kwargs["topk_indices"]
+    assert torch.equal(loss, indexer_kl_reference(*case.args(), **case.kwargs)[0])
+    double = make_case(lengths=(5, 6), topk=3)
+    indexer_kl_loss(*double.args(), **double.kwargs)
+    with pytest.raises(ValueError, match="backend='triton'"):
+        indexer_kl_loss(*double.args(), **double.kwargs, backend="triton")
+    assert len(calls) == 1
