@@ -17,7 +17,7 @@ empty allowed; they must add up to ``T_k``). Steps:
 3. each rank forms ``G`` on its keys: its ``dk`` is complete (the reduce-scatter of a ``dk`` over all
    keys), while ``dq`` and ``dweights`` are partial and summed over ranks in rank order: an
    ``all_to_all`` gives each rank one slice of every rank's partials, the rank adds them in rank order,
-   and an ``all_gather`` returns the slices (``2·T·H_I·(D_I + 1)`` float64 values sent per rank).
+   and an ``all_gather`` returns the slices (about ``2·T·H_I·(D_I + 1)`` float64 values sent per rank).
 
 **Tensor parallel** (``tensor_parallel_indexer_kl``): every rank holds the indexer inputs (all of them)
 and the main-attention heads ``[r·H/W, (r+1)·H/W)`` of ``attn_q``, ``attn_lse`` (and of ``attn_k`` for
