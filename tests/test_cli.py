@@ -37,6 +37,28 @@ def test_bad_flags_give_one_line_and_nonzero_exit(flags):
     assert "Traceback" not in result.stderr
 
 
+def test_train_demo_learns_and_writes_the_plot_and_json(tmp_path):
+    plot, numbers_path = tmp_path / "train.png", tmp_path / "train.json"
+    args = ["train-demo", "--steps", "12", "--sequences", "2", "--seq-len", "48", "--topk", "8", "--lr", "0.05",
+            "--plot", str(plot), "--json", str(numbers_path)]
+    assert main(args) == 0
+    numbers = json.loads(numbers_path.read_text())
+    losses, recalls = numbers["losses"], numbers["recalls"]
+    assert len(losses) == len(recalls) == 12
+    assert losses[-1] < 0.7 * losses[0]
+    assert recalls[-1] > recalls[0] + 0.1
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("flags", [["train-demo", "--lr", "0"], ["train-demo", "--steps", "-1"],
+                                   ["train-demo", "--device", "tpu"]])
+def test_train_demo_bad_flags_are_one_line_errors(flags, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(flags)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("dsa-indexer: error:") and err.count("\n") == 1
+
+
 def test_info_lists_versions_and_backends(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out

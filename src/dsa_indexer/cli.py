@@ -1,4 +1,4 @@
-"""The ``dsa-indexer`` command: ``demo`` (the main job) and ``info``."""
+"""The ``dsa-indexer`` command: ``demo`` (the main job), ``train-demo``, ``bench`` and ``info``."""
 
 from __future__ import annotations
 
@@ -29,6 +29,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _OneLineErrorParser(prog="dsa-indexer", description="DeepSeek Sparse Attention lightning indexer")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineErrorParser)
@@ -45,6 +55,17 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--dcp", type=_positive, default=1, metavar="N",
                       help="also run with decode context parallelism over N processes and compare")
     demo.add_argument("--json", metavar="PATH", help="write the numbers as JSON")
+    train = commands.add_parser("train-demo", help="warm up a random indexer against a small causal attention "
+                                "with the KL loss; plots loss and top-k recall")
+    train.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    train.add_argument("--steps", type=_positive, default=120)
+    train.add_argument("--sequences", type=_positive, default=4, help="sequences per packed batch")
+    train.add_argument("--seq-len", type=_positive, default=128, help="tokens per sequence")
+    train.add_argument("--topk", type=_positive, default=16, help="k of the recall")
+    train.add_argument("--lr", type=_positive_float, default=2e-2, help="Adam learning rate")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--plot", default="dsa-indexer-train-demo.png", metavar="PNG", help="where to draw the curves")
+    train.add_argument("--json", metavar="PATH", help="write the curves as JSON")
     bench = commands.add_parser("bench", help="time every op on this device against its floor and torch")
     bench.add_argument("--suite", action="append", dest="suites", metavar="NAME",
                        help="quant_cache, seq_candidates, logits, topk, step (GPU), distributed (ranks simulated on 1 GPU, "
@@ -115,6 +136,48 @@ def _run_demo(args, console: Console) -> int:
         with open(args.json, "w") as handle:
             json.dump(result.to_json(), handle, indent=2)
     return 0 if result.agreement_within_ties == 1.0 and dcp_ok else 1
+
+
+def _run_train_demo(args, console: Console) -> int:
+    import importlib.util
+
+    import torch
+
+    from .train.demo import TrainDemoOptions, plot_train_demo, run_train_demo
+
+    if importlib.util.find_spec("matplotlib") is None:
+        console.print("dsa-indexer: error: train-demo draws its curves with matplotlib, which is not installed "
+                      "(pip install matplotlib)", style="red")
+        return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        console.print("dsa-indexer: error: --device cuda but no CUDA device is available", style="red")
+        return 2
+    options = TrainDemoOptions(device=args.device, steps=args.steps, sequences=args.sequences, seq_len=args.seq_len,
+                               topk=args.topk, lr=args.lr, seed=args.seed)
+    every = max(1, args.steps // 10)
+    console.print(f"[bold]train-demo[/]: {args.sequences} × {args.seq_len} tokens per step, indexer "
+                  f"{options.index_heads} heads × {options.index_dim}, attention {options.heads} heads, {args.device}")
+    console.print(f"{'step':>6} {'loss':>10} {'top-' + str(args.topk) + ' recall':>16}")
+
+    def report(step: int, loss: float, recall: float) -> None:
+        if step % every == 0 or step == args.steps - 1:
+            console.print(f"{step + 1:>6} {loss:>10.4f} {recall:>16.3f}")
+
+    threads = torch.get_num_threads()
+    if args.device == "cpu":
+        # The demo's tensors are small: more intra-op threads spend more time synchronising than computing.
+        torch.set_num_threads(1)
+    try:
+        result = run_train_demo(options, report)
+    finally:
+        torch.set_num_threads(threads)
+    plot_train_demo(result, args.plot)
+    console.print(f"recall {result.recalls[0]:.3f} → [bold]{result.recalls[-1]:.3f}[/], loss {result.losses[0]:.3f} → "
+                  f"[bold]{result.losses[-1]:.3f}[/] in {result.seconds:.1f} s; curves written to {args.plot}")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(result.to_json(), handle, indent=2)
+    return 0
 
 
 def _run_bench(args, console: Console) -> int:
@@ -199,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run_demo(args, console)
         if args.command == "bench":
             return _run_bench(args, console)
+        if args.command == "train-demo":
+            return _run_train_demo(args, console)
         return _run_info(console)
     except (ValueError, TypeError) as error:
         print(f"dsa-indexer: error: {error}", file=sys.stderr)

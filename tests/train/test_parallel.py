@@ -1,0 +1,171 @@
+"""Context- and tensor-parallel indexer KL loss on gloo process groups: bitwise equal to one process.
+
+Each world size spawns once; the workers run every case and return their outputs, which the parent
+compares bit for bit with the single-process definitions over the same partition and, within float64
+rounding, with the unpartitioned reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kl_oracle import make_case, relative_error, visibility
+
+from dsa_indexer.testing import run_distributed
+from dsa_indexer.train.parallel import (
+    balanced_row_blocks,
+    context_parallel_indexer_kl,
+    context_parallel_loss,
+    context_parallel_reference,
+    tensor_parallel_indexer_kl,
+    tensor_parallel_reference,
+)
+from dsa_indexer.train.reference import Layout, indexer_kl_reference
+
+pytestmark = pytest.mark.distributed
+
+CP_CASES = [
+    dict(lengths=(9, 1, 12), ratio=2, topk=4, target_norm="l1", lse_over_visible=False, dtype=torch.float32),
+    dict(lengths=(14,), heads=4, kv_heads=2, reduction="sum", coeff=0.5),
+]
+TP_CASES = [
+    dict(lengths=(7, 10), topk=5, heads=4, kv_heads=4, dtype=torch.bfloat16),
+    dict(lengths=(11,), ratio=2, heads=8, target_norm="l1", lse_over_visible=False),
+]
+
+
+def key_splits(num_keys: int, world: int) -> list[int]:
+    """Uneven contiguous shards in rank order; with 3+ ranks the second one is empty."""
+    first = num_keys // 3
+    if world == 2:
+        return [first, num_keys - first]
+    rest = num_keys - first
+    middle = [rest // (world - 2)] * (world - 3)
+    return [first, 0, *middle, rest - sum(middle)]
+
+
+def workers(rank: int, world: int):
+    torch.set_num_threads(1)
+    results = {"cp": [], "tp": [], "tp_cross": []}
+    for spec in CP_CASES:
+        case = make_case(**spec)
+        splits = key_splits(case.k.shape[0], world)
+        lo = sum(splits[:rank])
+        hi = lo + splits[rank]
+        q, k, w, aq, ak, lse = case.args()
+        results["cp"].append(context_parallel_indexer_kl(q, k[lo:hi], w, aq, ak[lo:hi], lse, **case.kwargs))
+    for spec in TP_CASES:
+        case = make_case(**spec)
+        q, k, w, aq, ak, lse = case.args()
+        per = aq.shape[1] // world
+        heads = slice(rank * per, (rank + 1) * per)
+        kv = ak if ak.dim() == 2 else ak[:, rank * ak.shape[1] // world:(rank + 1) * ak.shape[1] // world]
+        args = (q, k, w, aq[:, heads].contiguous(), kv.contiguous(), lse[:, heads].contiguous())
+        results["tp"].append(tensor_parallel_indexer_kl(*args, **case.kwargs))
+        results["tp_cross"].append(tensor_parallel_indexer_kl(*args, **case.kwargs, exact_loss=False))
+    # The autograd wrapper: gradients land on q, this rank's k shard and weights.
+    case = make_case(**CP_CASES[0])
+    splits = key_splits(case.k.shape[0], world)
+    lo = sum(splits[:rank])
+    leaves = [t.clone().requires_grad_(True) for t in (case.q, case.k[lo:lo + splits[rank]], case.weights)]
+    loss = context_parallel_loss(leaves[0], leaves[1], leaves[2], case.attn_q, case.attn_k[lo:lo + splits[rank]],
+                                 case.attn_lse, **case.kwargs)
+    loss.backward()
+    results["autograd"] = (loss.detach(), *(leaf.grad for leaf in leaves))
+    results["errors"] = mismatch_errors(rank, world)
+    return results
+
+
+def mismatch_errors(rank: int, world: int) -> list[str]:
+    """Inconsistent shards raise the same error on every rank (no hang)."""
+    case = make_case(lengths=(8,), heads=4)
+    q, k, w, aq, ak, lse = case.args()
+    messages = []
+    short = k.shape[0] // world - (rank == 0)     # the shards miss a key
+    lo = rank * (k.shape[0] // world)
+    try:
+        context_parallel_indexer_kl(q, k[lo:lo + short], w, aq, ak[lo:lo + short], lse, **case.kwargs)
+    except ValueError as error:
+        messages.append(str(error))
+    heads = 2 if rank == 0 else 1                 # rank 0 holds more heads than the others
+    try:
+        tensor_parallel_indexer_kl(q, k, w, aq[:, :heads], ak, lse[:, :heads], **case.kwargs)
+    except ValueError as error:
+        messages.append(str(error))
+    return messages
+
+
+def bitwise(got, expected):
+    return all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, expected))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_parallel_paths_equal_one_process_bitwise(world):
+    ranks = run_distributed(workers, world)
+    for index, spec in enumerate(CP_CASES):
+        case = make_case(**spec)
+        splits = key_splits(case.k.shape[0], world)
+        assert len(splits) == world and sum(splits) == case.k.shape[0]
+        expected = context_parallel_reference(*case.args(), key_splits=splits, **case.kwargs)
+        offsets = [sum(splits[:r]) for r in range(world + 1)]
+        for rank, result in enumerate(ranks):
+            loss, dq, dk, dw = result["cp"][index]
+            assert bitwise((loss, dq, dw), (expected[0], expected[1], expected[3]))
+            assert torch.equal(dk, expected[2][offsets[rank]:offsets[rank + 1]])
+        whole = indexer_kl_reference(*case.args(), **case.kwargs)
+        assert expected[0].item() == pytest.approx(whole[0].item(), rel=1e-6)
+        for got, want in zip(expected[1:], whole[1:]):
+            assert relative_error(got, want) < (1e-6 if got.dtype == torch.float32 else 1e-12)
+    for index, spec in enumerate(TP_CASES):
+        case = make_case(**spec)
+        expected = tensor_parallel_reference(*case.args(), world_size=world, **case.kwargs)
+        cross = tensor_parallel_reference(*case.args(), world_size=world, exact_loss=False, **case.kwargs)
+        for result in ranks:
+            assert bitwise(result["tp"][index], expected)
+            assert bitwise(result["tp_cross"][index], cross)
+        whole = indexer_kl_reference(*case.args(), **case.kwargs)
+        assert expected[0].item() == pytest.approx(whole[0].item(), rel=1e-6)
+        for got, want in zip(expected[1:], whole[1:]):
+            tolerance = 1e-2 if got.dtype == torch.bfloat16 else 1e-12
+            assert relative_error(got, want) < tolerance
+        # Without the entropy pass the loss is the cross-entropy; the gradients are those of the KL.
+        assert bitwise(cross[1:], expected[1:])
+        assert cross[0].item() == pytest.approx(expected[0].item() - target_entropy(case), rel=1e-5, abs=1e-6)
+    case = make_case(**CP_CASES[0])
+    splits = key_splits(case.k.shape[0], world)
+    expected = context_parallel_reference(*case.args(), key_splits=splits, **case.kwargs)
+    for rank, result in enumerate(ranks):
+        lo = sum(splits[:rank])
+        assert bitwise(result["autograd"], (expected[0], expected[1], expected[2][lo:lo + splits[rank]], expected[3]))
+        short, heads = result["errors"]
+        assert "must add up to T_k = Σ_b len_b // compress_ratio = 8" in short
+        assert f"the ranks disagree on heads per rank: {[2] + [1] * (world - 1)}" in heads
+
+
+def target_entropy(case) -> float:
+    """``c · mean_t Σ_s p log p`` over valid rows, computed densely."""
+    kw = case.kwargs
+    mask = visibility(case.q.shape[0], case.k.shape[0], kw["cu_seqlens"], kw["compress_ratio"], kw["topk_indices"])
+    heads = case.attn_q.shape[1]
+    kv = case.attn_k.double()
+    kv = kv[:, None].expand(-1, heads, -1) if kv.dim() == 2 else kv.repeat_interleave(heads // kv.shape[1], 1)
+    scores = torch.einsum("thd,shd->ths", case.attn_q.double(), kv) * kw["softmax_scale"]
+    lse = torch.where(mask.any(1, keepdim=True), case.attn_lse.double(), 0.0)
+    target = torch.exp(scores - lse[:, :, None]).sum(1).masked_fill(~mask, 0.0)
+    denom = target.sum(1, keepdim=True) if kw["target_norm"] == "l1" else torch.full_like(target[:, :1], heads)
+    valid = mask.any(1) & (denom[:, 0] > 0)
+    p = target / torch.where(denom > 0, denom, 1.0)
+    entropy = torch.special.xlogy(p, p).sum(1)[valid]
+    total = entropy.sum().item() * kw["coeff"]
+    return total / len(entropy) if kw["reduction"] == "mean" else total
+
+
+def test_balanced_row_blocks_tile_the_rows_with_even_causal_work():
+    layout = Layout.of(300, torch.tensor([0, 100, 101, 300]), 1)
+    blocks = balanced_row_blocks(layout, 4)
+    assert blocks[0][0] == 0 and blocks[-1][1] == 300
+    assert all(a[1] == b[0] for a, b in zip(blocks[:-1], blocks[1:]))
+    counts = layout.visible_counts()
+    work = [sum(counts[r0:r1]) for r0, r1 in blocks]
+    assert max(work) - min(work) <= max(counts)
+    assert balanced_row_blocks(Layout.of(3, None, 5), 2) == [(0, 0), (0, 3)]
