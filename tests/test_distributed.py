@@ -115,7 +115,11 @@ STEPS = [
 HEADS, DIM, BLOCK, TOPK = 4, 128, 8, 24
 
 
-def run_layer_steps(rank: int, world: int, interleave: int, candidates: bool, fmt: str) -> list[torch.Tensor]:
+def run_layer_steps(
+    rank: int, world: int, interleave: int, candidates: bool, fmt: str, consumer: str | None = None
+) -> list[torch.Tensor]:
+    """``candidates``: a source layer (writes blocks); ``consumer``: ``consumer_logits`` of a consumer layer
+    given the same ascending random blocks on every rank."""
     group = None
     if world > 1:
         import torch.distributed as dist
@@ -127,10 +131,10 @@ def run_layer_steps(rank: int, world: int, interleave: int, candidates: bool, fm
     block_table = torch.randperm(num_requests * pages, generator=torch.Generator().manual_seed(rank)).to(torch.int32)
     block_table = block_table.view(num_requests, pages)
     buffer = torch.full((160, TOPK), -7, dtype=torch.int32)
-    candidate_buffer = torch.full((160, 3), -1, dtype=torch.int32) if candidates else None
+    candidate_buffer = torch.full((160, 3), -1, dtype=torch.int32) if candidates or consumer else None
     layer = SparseAttnIndexer(
         cache, TOPK, buffer, workspace_tokens=1024, candidate_blocks=candidate_buffer, candidate_block_size=8,
-        candidate_write=candidates, dcp_group=group, dcp_interleave=interleave,
+        candidate_write=candidates, consumer_logits=consumer or "auto", dcp_group=group, dcp_interleave=interleave,
     )
     cos_sin = torch.randn(256, 64, generator=gen)
     lengths = [0] * num_requests
@@ -148,6 +152,10 @@ def run_layer_steps(rank: int, world: int, interleave: int, candidates: bool, fm
         k = torch.randn(tokens, DIM, generator=gen).bfloat16()
         w = torch.randn(tokens, HEADS, generator=gen)
         q_quant, q_scale, weights = rope_quant_q(q, positions, cos_sin, w, DIM**-0.5, HEADS**-0.5, fmt=fmt)
+        if consumer:
+            drawn = torch.randint(-1, 9, (tokens, 3), generator=gen)
+            drawn = torch.where(drawn < 0, 99, drawn).sort(dim=1).values
+            candidate_buffer[:tokens] = torch.where(drawn == 99, -1, drawn)
         layer(q_quant, q_scale, k, weights, meta)
         outputs.append(buffer[:tokens].clone())
         if candidates:
@@ -167,6 +175,18 @@ def test_layer_under_dcp_equals_single_rank(world):
     cases = [(1, False, "fp8"), (2, False, "mxfp4"), (4, False, "fp8"), (1, True, "fp8")]
     expected = [run_layer_steps(0, 1, 1, candidates, fmt) for _, candidates, fmt in cases]
     for rank_cases in run_distributed(layer_cases, world):
+        for got_steps, want_steps in zip(rank_cases, expected):
+            for got, want in zip(got_steps, want_steps):
+                assert torch.equal(got, want)
+
+
+def sparse_consumer_cases(rank: int, world: int) -> list[list[torch.Tensor]]:
+    return [run_layer_steps(rank, world, 1, False, "fp8", consumer="sparse")]
+
+
+def test_sparse_consumer_under_dcp_equals_single_rank_dense_consumer():
+    expected = [run_layer_steps(0, 1, 1, False, "fp8", consumer="dense")]
+    for rank_cases in run_distributed(sparse_consumer_cases, 2):
         for got_steps, want_steps in zip(rank_cases, expected):
             for got, want in zip(got_steps, want_steps):
                 assert torch.equal(got, want)

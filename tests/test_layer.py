@@ -69,6 +69,7 @@ def run_steps(
     max_logits_bytes=1 << 20,
     workspace_tokens=4096,
     decode_layout="native",
+    consumer_logits="auto",
     seed=0,
 ) -> Run:
     gen = torch.Generator().manual_seed(seed)
@@ -86,7 +87,7 @@ def run_steps(
     layer = SparseAttnIndexer(
         cache, TOPK, buffer, workspace_tokens=workspace_tokens, compress_ratio=ratio,
         candidate_blocks=candidate_buffer, candidate_block_size=4, candidate_write=candidate_mode == "write",
-        timer=StageTimer(),
+        consumer_logits=consumer_logits, timer=StageTimer(),
     )
     cos_sin = torch.randn(512, 64, generator=gen)
     lengths = [0] * num_requests
@@ -108,7 +109,11 @@ def run_steps(
         w = torch.randn(num_tokens, HEADS, generator=gen)
         q_quant, q_scale, weights = rope_quant_q(q, positions, cos_sin, w, DIM**-0.5, HEADS**-0.5, fmt=fmt)
         if candidate_mode == "mask":
-            candidate_buffer[:num_tokens] = torch.randint(-1, 12, (num_tokens, num_candidate_blocks), generator=gen)
+            drawn = torch.randint(-1, 12, (num_tokens, num_candidate_blocks), generator=gen)
+            if consumer_logits != "dense":  # the sparse path takes rows ascending, then -1 (repeats are padding)
+                drawn = torch.where(drawn < 0, 99, drawn).sort(dim=1).values
+                drawn = torch.where(drawn == 99, -1, drawn).to(torch.int32)
+            candidate_buffer[:num_tokens] = drawn
         given_candidates = None if candidate_buffer is None else candidate_buffer[:num_tokens].clone()
         buffer.fill_(POISON)
         layer(q_quant, q_scale, k, weights, metadata)
@@ -179,9 +184,20 @@ def test_candidate_source_publishes_oracle_blocks_and_indices(ratio):
         assert torch.equal(got, expected)
 
 
-def test_candidate_consumer_masks_with_given_blocks():
-    run = run_steps(MIXED_STEPS, candidate_mode="mask")
+@pytest.mark.parametrize("consumer_logits", ["sparse", "dense"])
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_candidate_consumer_masks_with_given_blocks(consumer_logits, fmt):
+    run = run_steps(MIXED_STEPS, fmt=fmt, candidate_mode="mask", consumer_logits=consumer_logits)
     assert_matches_oracle(run, MIXED_STEPS)
+
+
+def test_sparse_consumer_is_invisible_under_chunking_and_flattened_decode():
+    roomy = run_steps(MIXED_STEPS, candidate_mode="mask", consumer_logits="sparse", ratio=2)
+    tight = run_steps(MIXED_STEPS, candidate_mode="mask", consumer_logits="sparse", ratio=2,
+                      max_logits_bytes=4 * 3 * 64, workspace_tokens=64, decode_layout="flattened")
+    for a, b in zip(roomy.buffers, tight.buffers):
+        assert torch.equal(a, b)
+    assert_matches_oracle(tight, MIXED_STEPS)
 
 
 def test_chunking_is_invisible():

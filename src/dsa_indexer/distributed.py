@@ -34,6 +34,7 @@ __all__ = [
     "global_to_local",
     "local_lengths",
     "local_to_global",
+    "merge_scored_topk_global",
     "merge_topk_global",
     "pack_local_candidates",
     "select_candidate_blocks_dcp",
@@ -362,6 +363,52 @@ def merge_topk_global(
     scores, global_ids = pack_local_candidates(logits, topk_indices, rank, world_size, interleave, starts, backend=backend)
     all_scores, all_ids = _all_gather_candidates(scores, global_ids, group)
     select_global_topk(all_scores, all_ids, k, out=topk_indices, backend=backend)
+
+
+def merge_scored_topk_global(
+    scores: torch.Tensor,
+    local_positions: torch.Tensor,
+    k: int,
+    *,
+    group=None,
+    interleave: int = 1,
+    out: torch.Tensor,
+) -> None:
+    """``merge_topk_global`` for candidates that come with their scores (a collective).
+
+    For callers whose local logits are not indexed by position (the sparse consumer path: a rank's sparse
+    logits column maps to a local position through its candidate blocks).
+
+    Args:
+        scores: ``[R, k]`` float32 score of each local pick (``-inf`` for padding).
+        local_positions: ``[R, k]`` int32 this rank's local top-k (request-local positions, ``-1`` padding).
+        k: positions per row.
+        group, interleave: as for ``merge_topk_global``.
+        out: int32 ``[R, k]``: receives the global top-k positions (ascending, ``-1``-padded).
+    """
+    rank, world_size = _group_layout(group)
+
+    def check() -> None:
+        check_tensor("scores", scores, dtype=torch.float32, ndim=2)
+        check_tensor("local_positions", local_positions, dtype=torch.int32, shape=tuple(scores.shape))
+        check_tensor("out", out, dtype=torch.int32, shape=(scores.shape[0], k))
+        check_positive_int("k", k)
+        check_positive_int("interleave", interleave)
+        if scores.shape[1] != k:
+            raise ValueError(f"scores must have k = {k} columns (the local top-k), got {scores.shape[1]}")
+
+    error = _local_check(check)
+    if world_size == 1:
+        if error is not None:
+            raise error
+        out.copy_(local_positions)
+        return
+    descriptor = [-1, -1, -1] if error else [scores.shape[0], k, interleave]
+    _agree_on(group, "merge_scored_topk_global arguments [rows, k, interleave]", descriptor, error)
+    local = local_positions.to(torch.int64)
+    global_ids = _local_to_global(local, rank, world_size, interleave)
+    all_scores, all_ids = _all_gather_candidates(torch.where(local >= 0, scores, float("-inf")), global_ids, group)
+    select_global_topk(all_scores, all_ids, k, out=out)
 
 
 def select_candidate_blocks_dcp(
