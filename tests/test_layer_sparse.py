@@ -45,7 +45,7 @@ def ascending_candidates(tokens: int, num_blocks: int, max_id: int, gen) -> torc
 
 
 def run_consumer(steps, *, fmt, consumer, device, heads, dim, page, topk, num_blocks, block, num_spec_tokens,
-                 workspace_tokens, backend="auto", seed=0):
+                 workspace_tokens, max_logits_bytes, backend="auto", seed=0):
     """Buffers after each step of a consumer layer; every random draw depends on ``seed`` only."""
     gen = torch.Generator().manual_seed(seed)
     num_requests = 1 + max(r for step in steps for r, _ in step)
@@ -65,7 +65,7 @@ def run_consumer(steps, *, fmt, consumer, device, heads, dim, page, topk, num_bl
         tokens = sum(plan)
         meta = build_metadata([lengths[r] + q for r, q in step], plan, table[requests].to(device), block_size=page,
                               num_spec_tokens=num_spec_tokens, workspace_tokens=workspace_tokens,
-                              max_logits_bytes=4 * 16 * 64, device=device)
+                              max_logits_bytes=max_logits_bytes, device=device)
         q, q_scale = exact_queries(tokens, heads, dim, fmt, gen)
         k = exact_keys(tokens, dim, fmt, gen)
         w = torch.randint(-3, 4, (tokens, heads), generator=gen).float()
@@ -81,7 +81,8 @@ def run_consumer(steps, *, fmt, consumer, device, heads, dim, page, topk, num_bl
 
 # A chunked prefill beside a decode, then a padded decode batch (next_n 2 beside 1) with a new prefill.
 TINY_STEPS = [[(0, 1), (1, 20), (2, 37)], [(0, 2), (1, 1), (2, 2), (3, 9)]]
-TINY = dict(heads=4, dim=32, page=16, topk=9, num_blocks=4, block=4, num_spec_tokens=1, workspace_tokens=64)
+TINY = dict(heads=4, dim=32, page=16, topk=9, num_blocks=4, block=4, num_spec_tokens=1, workspace_tokens=64,
+            max_logits_bytes=4 * 16 * 64)
 
 
 @pytest.mark.parametrize("fmt", ["fp8"])  # MXFP4 kernels: tests/ops/test_sparse_logits.py, and the gpu test below
@@ -98,7 +99,8 @@ GPU_STEPS = [
     [(0, 2), (1, 2), (2, 700)],
     [(0, 1), (1, 2), (2, 2)],
 ]
-GPU = dict(heads=32, dim=128, page=64, topk=512, num_blocks=256, block=8, num_spec_tokens=1, workspace_tokens=8192)
+GPU = dict(heads=32, dim=128, page=64, topk=512, num_blocks=256, block=8, num_spec_tokens=1, workspace_tokens=8192,
+           max_logits_bytes=4 * 1024 * 4096)
 
 
 @pytest.mark.gpu
