@@ -178,3 +178,76 @@ def test_decode_kernel_matches_reference(kernel_device, fmt):
     got = sparse_paged_mqa_logits(*args, moved, *rest, bs, backend="triton").cpu()
     assert torch.equal(torch.isinf(got), torch.isinf(expected))
     assert calc_diff(got, expected) < TIER
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("next_n", [1, 2])
+def test_decode_kernel_at_v41_shapes(fmt, next_n):
+    """32 heads, D = 128, 2048 blocks of 8 over a 64K context: the kernel against the reference (tier, masks
+    exact) and the dense Triton logits at the same positions (tier), ten reruns bitwise, bf16 = fp32 rounded."""
+    gen = torch.Generator().manual_seed(5)
+    batch, heads, dim, page, length, num_blocks, block = 3, 32, 128, 64, 65536, 2048, 8
+    pages = length // page
+    cache = IndexerKCache(batch * pages, block_size=page, head_dim=dim, fmt=fmt, device="cuda")
+    keys = torch.randn(batch * pages * page, dim, generator=gen).cuda()
+    cache.insert(keys, torch.arange(keys.shape[0], device="cuda"))
+    table = torch.randperm(batch * pages, generator=gen).view(batch, pages).int().cuda()
+    lens = torch.tensor([length, 40000, 1000], dtype=torch.int32).cuda()
+    q = torch.randn(batch, next_n, heads, dim, generator=gen)
+    w = torch.randn(batch * next_n, heads, generator=gen)
+    if fmt == "fp8":
+        q_values, q_scales = quantize_fp8(q, block_size=dim, amax_floor=1e-10)
+        q_scale, w = None, w * q_scales[..., 0].reshape(w.shape)
+    else:
+        q_values, q_scale = quantize_mxfp4(q)
+        q_scale = q_scale.cuda()
+    q_values, w = q_values.cuda(), w.cuda()
+    blocks = candidate_rows(batch * next_n, num_blocks, length // block, gen, "repeat").cuda()
+    args = (q_values, q_scale, cache, w, lens, table, blocks, block)
+    got = sparse_paged_mqa_logits(*args, backend="triton")
+    expected = sparse_paged_mqa_logits(*args, backend="reference")
+    assert torch.equal(torch.isinf(got), torch.isinf(expected))
+    assert calc_diff(got, expected) < TIER
+    dense = paged_mqa_logits(q_values, q_scale, cache, w, lens, table, length, backend="triton")
+    positions = (blocks.long()[:, :, None] * block + torch.arange(block, device="cuda")).flatten(1)
+    at = torch.where(torch.isinf(got), NEG_INF, dense.gather(1, positions.clamp(0, length - 1)))
+    assert calc_diff(got, at) < TIER
+    for _ in range(10):
+        assert torch.equal(sparse_paged_mqa_logits(*args, backend="triton"), got)
+    assert torch.equal(sparse_paged_mqa_logits(*args, logits_dtype=torch.bfloat16, backend="triton"), got.bfloat16())
+
+
+@pytest.mark.gpu
+def test_sparse_decode_step_captures_in_a_graph():
+    """Logits + top-k as positions, captured once and replayed with new candidate rows, equal eager."""
+    gen = torch.Generator().manual_seed(6)
+    batch, heads, dim, page, length, num_blocks, block, k = 4, 32, 128, 64, 16384, 256, 8, 64
+    pages = length // page
+    cache = IndexerKCache(batch * pages, block_size=page, head_dim=dim, fmt="fp8", device="cuda")
+    keys = torch.randn(batch * pages * page, dim, generator=gen).cuda()
+    cache.insert(keys, torch.arange(keys.shape[0], device="cuda"))
+    table = torch.randperm(batch * pages, generator=gen).view(batch, pages).int().cuda()
+    lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+    q = quantize_fp8(torch.randn(batch, 1, heads, dim, generator=gen), block_size=dim, amax_floor=1e-10)[0].cuda()
+    w = torch.randn(batch, heads, generator=gen).cuda()
+    blocks = candidate_rows(batch, num_blocks, length // block, gen).cuda()
+    logits = torch.empty(batch, num_blocks * block, device="cuda")
+    picks = torch.empty(batch, k, dtype=torch.int32, device="cuda")
+
+    def step():
+        sparse_paged_mqa_logits(q, None, cache, w, lens, table, blocks, block, out=logits)
+        topk_sparse(logits, blocks, block, k, out=picks)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(5):
+        blocks.copy_(candidate_rows(batch, num_blocks, length // block, gen).cuda())
+        graph.replay()
+        torch.cuda.synchronize()
+        eager_logits = sparse_paged_mqa_logits(q, None, cache, w, lens, table, blocks, block)
+        assert torch.equal(logits, eager_logits)
+        assert torch.equal(picks, topk_sparse(eager_logits, blocks, block, k))
