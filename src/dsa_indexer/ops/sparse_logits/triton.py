@@ -45,7 +45,7 @@ SPARSE_CONFIG = {"fp8": (128, 4, 3, 8, 1, 16), "mxfp4": (64, 4, 3, 8, 1, 32)}
 _SPARSE_INTERPRETER_CONFIG = (16, 4, 1, 2, 1, 2)
 
 
-@triton.jit(do_not_specialize=["num_rows", "next_n", "one_d", "num_cols", "num_splits"])
+@triton.jit(do_not_specialize=["next_n", "one_d", "num_cols", "num_splits"])
 def _sparse_logits_kernel(
     q_ptr, stride_qr, stride_qh,
     w_ptr, stride_wr, stride_wh,
@@ -56,15 +56,22 @@ def _sparse_logits_kernel(
     lens_ptr, stride_lb, stride_lt,
     table_ptr, stride_tb,
     out_ptr, stride_or,
-    num_rows, next_n, one_d, num_cols, num_splits,
+    next_n, one_d, num_cols, num_splits,
     HEADS: tl.constexpr, BLOCK_H: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     CAND: tl.constexpr, PAGE: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr, NUM_STAGES: tl.constexpr,
     PAGED: tl.constexpr, MXFP4: tl.constexpr, UPCAST: tl.constexpr, EXPAND_PTX: tl.constexpr,
 ):
-    """Columns ``[split * TILES * BLOCK_K, +TILES * BLOCK_K)`` of one row."""
+    """Columns ``[split * TILES * BLOCK_K, +TILES * BLOCK_K)`` of one row.
+
+    Program ids run over (request, split, draft row), draft rows fastest (prefill: one row per "request"):
+    a request's rows read their candidate blocks close together in time, so where their lists overlap the
+    second read hits the L2.
+    """
     pid = tl.program_id(0)
-    row = pid // num_splits
-    split = pid % num_splits
+    group = next_n if PAGED else 1
+    request_split = pid // group
+    split = request_split % num_splits
+    row = (request_split // num_splits) * group + pid % group
     row64 = row.to(tl.int64)
     head = tl.arange(0, BLOCK_H)
     head_ok = head < HEADS
@@ -198,7 +205,7 @@ def _launch(q_rows, q_scale_rows, weights, blocks, block_size, out, fmt, keys, p
         lens, stride_lb, stride_lt,
         table, stride_tb,
         out, out.stride(0),
-        num_rows, next_n, int(one_d), num_cols, num_splits,
+        next_n, int(one_d), num_cols, num_splits,
         HEADS=heads, BLOCK_H=_next_pow2(heads, 16), DIM=dim, BLOCK_D=_next_pow2(dim, 32),
         CAND=block_size, PAGE=page, BLOCK_K=block_k, TILES=tiles, NUM_STAGES=num_stages,
         PAGED=paged, MXFP4=mxfp4, UPCAST=upcast, EXPAND_PTX=expand_ptx,
