@@ -165,28 +165,20 @@ def run_layer_steps(
     return outputs
 
 
+# (interleave, source layer, format, consumer_logits of a consumer layer); the single-rank oracle of a sparse
+# consumer is the dense consumer.
+LAYER_CASES = [(1, False, "fp8", None), (2, False, "mxfp4", None), (4, False, "fp8", None), (1, True, "fp8", None),
+               (1, False, "fp8", "sparse")]
+
+
 def layer_cases(rank: int, world: int) -> list[list[torch.Tensor]]:
-    cases = [(1, False, "fp8"), (2, False, "mxfp4"), (4, False, "fp8"), (1, True, "fp8")]
-    return [run_layer_steps(rank, world, *case) for case in cases]
+    return [run_layer_steps(rank, world, *case) for case in LAYER_CASES]
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_layer_under_dcp_equals_single_rank(world):
-    cases = [(1, False, "fp8"), (2, False, "mxfp4"), (4, False, "fp8"), (1, True, "fp8")]
-    expected = [run_layer_steps(0, 1, 1, candidates, fmt) for _, candidates, fmt in cases]
+    expected = [run_layer_steps(0, 1, 1, candidates, fmt, consumer and "dense") for _, candidates, fmt, consumer in LAYER_CASES]
     for rank_cases in run_distributed(layer_cases, world):
-        for got_steps, want_steps in zip(rank_cases, expected):
-            for got, want in zip(got_steps, want_steps):
-                assert torch.equal(got, want)
-
-
-def sparse_consumer_cases(rank: int, world: int) -> list[list[torch.Tensor]]:
-    return [run_layer_steps(rank, world, 1, False, "fp8", consumer="sparse")]
-
-
-def test_sparse_consumer_under_dcp_equals_single_rank_dense_consumer():
-    expected = [run_layer_steps(0, 1, 1, False, "fp8", consumer="dense")]
-    for rank_cases in run_distributed(sparse_consumer_cases, 2):
         for got_steps, want_steps in zip(rank_cases, expected):
             for got, want in zip(got_steps, want_steps):
                 assert torch.equal(got, want)

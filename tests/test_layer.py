@@ -191,6 +191,12 @@ def test_candidate_consumer_masks_with_given_blocks(consumer_logits, fmt):
     assert_matches_oracle(run, MIXED_STEPS)
 
 
+def test_auto_consumer_equals_dense_oracle():
+    # 3 blocks of 4 = 12 columns: short chunks and decodes stay dense, longer ones go sparse
+    run = run_steps(MIXED_STEPS, candidate_mode="mask", consumer_logits="auto")
+    assert_matches_oracle(run, MIXED_STEPS)
+
+
 def test_sparse_consumer_is_invisible_under_chunking_and_flattened_decode():
     roomy = run_steps(MIXED_STEPS, candidate_mode="mask", consumer_logits="sparse", ratio=2)
     tight = run_steps(MIXED_STEPS, candidate_mode="mask", consumer_logits="sparse", ratio=2,

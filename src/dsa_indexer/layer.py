@@ -76,9 +76,9 @@ class SparseAttnIndexer(nn.Module):
             ``"sparse"`` computes the logits of the candidate blocks only (``ops.sparse_logits``) and
             selects among them; ``"dense"`` computes every visible key's logit, masks it with
             ``apply_candidate_mask`` and selects; ``"auto"`` (default) is sparse wherever the candidate
-            columns (``num_blocks_k * candidate_block_size``, per rank under DCP) are fewer than the dense
-            logits width of the call (a prefill chunk's gathered keys, the decode logits width), a choice
-            from host integers. Both give the same indices wherever their logits agree. The sparse path
+            columns (``num_blocks_k * candidate_block_size``) are fewer than the dense logits width of the
+            call (a prefill chunk's gathered keys, the decode logits width; global positions under DCP), a
+            choice from host integers. Both give the same indices wherever their logits agree. The sparse path
             needs candidate rows ascending then ``-1``-padded (what a source layer writes).
         dense_prefill_bypass: leave the buffer untouched when the metadata marks the step dense.
         decode_logits_width: a fixed width for the decode logits (e.g. the model's longest compressed
@@ -309,7 +309,7 @@ class SparseAttnIndexer(nn.Module):
         if not chunk.skip_gather and chunk.num_keys:
             with self._stage("gather"):
                 self.cache.gather(chunk.block_table, chunk.cu_seq_lens, out=(values, scales), backend=self.backend)
-        if self._sparse_consumer(chunk.num_keys):
+        if self._sparse_consumer(chunk.max_global_visible if sharded else chunk.num_keys):
             with self._stage("prefill_logits"):
                 candidates = self.candidate_blocks[rows]
                 logits = sparse_mqa_logits(
@@ -361,12 +361,15 @@ class SparseAttnIndexer(nn.Module):
                 )
 
     def _sparse_consumer(self, dense_width: int) -> bool:
-        """Whether this consumer call scores the candidate blocks only (``consumer_logits``; host integers)."""
+        """Whether this consumer call scores the candidate blocks only (``consumer_logits``; host integers).
+
+        ``dense_width``: the dense logits width of the call, in global positions under DCP so that every rank
+        makes the same choice (their merges are collectives)."""
         if self.candidate_blocks is None or self.candidate_write or self.consumer_logits == "dense":
             return False
         if self.consumer_logits == "sparse":
             return True
-        return self.candidate_blocks.shape[1] * self._local_candidate_block_size() < dense_width
+        return self.candidate_blocks.shape[1] * self.candidate_block_size < dense_width
 
     def _sparse_topk(self, logits, candidates, out) -> None:
         """§5 top-k over sparse logits into ``out`` as row-relative positions (global under DCP)."""
@@ -377,9 +380,10 @@ class SparseAttnIndexer(nn.Module):
             out.copy_(positions)
             return
         with self._stage("dcp_merge"):
-            scores = logits.gather(1, columns.clamp_min(0).long()) if logits.shape[1] else torch.full_like(
-                columns, float("-inf"), dtype=torch.float32)
-            scores = torch.where(columns >= 0, scores, float("-inf"))
+            if logits.shape[1]:
+                scores = torch.where(columns >= 0, logits.gather(1, columns.clamp_min(0).long()), float("-inf"))
+            else:
+                scores = torch.full(columns.shape, float("-inf"), device=logits.device)
             merge_scored_topk_global(
                 scores, positions, self.topk_tokens, group=self.dcp_group, interleave=self.dcp_interleave, out=out
             )
@@ -408,7 +412,7 @@ class SparseAttnIndexer(nn.Module):
         else:
             q = q.reshape(batch, next_n, *q.shape[1:])
             scale = None if scale is None else scale.reshape(batch, next_n, *scale.shape[1:])
-        if self._sparse_consumer(self._decode_width(decode)):
+        if self._sparse_consumer(self._global_decode_width(decode)):
             self._decode_sparse(q, scale, w, metadata)
             return
         with self._stage("decode_logits"):
@@ -457,6 +461,16 @@ class SparseAttnIndexer(nn.Module):
                     indices.view(batch, next_n, -1), decode.decode_lens, total=num_decode_tokens, backend=self.backend
                 )
             self.topk_indices_buffer[:num_decode_tokens, : self.topk_tokens].copy_(indices)
+
+    def _global_decode_width(self, decode) -> int:
+        """The decode logits width in global positions (the same on every DCP rank)."""
+        if self.dcp_group is None:
+            return self._decode_width(decode)
+        if self.decode_logits_width is None:
+            return max(decode.max_global_context_len, 1)
+        import torch.distributed as dist
+
+        return self.decode_logits_width * dist.get_world_size(self.dcp_group)
 
     def _decode_width(self, decode) -> int:
         return max(decode.max_context_len, 1) if self.decode_logits_width is None else self.decode_logits_width
