@@ -192,9 +192,11 @@ def test_candidate_consumer_masks_with_given_blocks(consumer_logits, fmt):
 
 
 def test_auto_consumer_equals_dense_oracle():
-    # 3 blocks of 4 = 12 columns: short chunks and decodes stay dense, longer ones go sparse
-    run = run_steps(MIXED_STEPS, candidate_mode="mask", consumer_logits="auto")
-    assert_matches_oracle(run, MIXED_STEPS)
+    # 3 blocks of 4 = 12 columns: the first chunk (10 keys) and the decodes up to 12 positions stay dense,
+    # the 30-token prefill and the later decodes go sparse
+    steps = [[(0, 10)], [(0, 1)], [(0, 1), (1, 30)], [(0, 2), (1, 2)]]
+    run = run_steps(steps, candidate_mode="mask", consumer_logits="auto")
+    assert_matches_oracle(run, steps)
 
 
 def test_sparse_consumer_is_invisible_under_chunking_and_flattened_decode():
