@@ -35,6 +35,9 @@ pack_seq = _library.dispatching(pack_seq)
 unpack_seq = _library.dispatching(unpack_seq)
 select_candidate_blocks = _library.dispatching(select_candidate_blocks)
 apply_candidate_mask = _library.dispatching(apply_candidate_mask)
+sparse_mqa_logits = _library.dispatching(sparse_mqa_logits)
+sparse_paged_mqa_logits = _library.dispatching(sparse_paged_mqa_logits)
+topk_sparse = _library.dispatching(topk_sparse)
 
 __all__ = [
     "Indexer",
