@@ -23,8 +23,7 @@ from .ops.candidates import apply_candidate_mask, select_candidate_blocks
 from .ops.k_cache import insert_k
 from .ops.logits import mqa_logits, paged_mqa_logits
 from .ops.seq_pack import pack_seq, unpack_seq
-from .ops.sparse_logits import sparse_mqa_logits, sparse_paged_mqa_logits
-from .ops.sparse_logits.reference import columns_to_positions
+from .ops.sparse_logits import columns_to_positions, sparse_mqa_logits, sparse_paged_mqa_logits
 from .ops.topk import topk, topk_decode
 
 
@@ -375,10 +374,10 @@ class SparseAttnIndexer(nn.Module):
         """§5 top-k over sparse logits into ``out`` as row-relative positions (global under DCP)."""
         local_block = self._local_candidate_block_size()
         columns = topk(logits, self.topk_tokens, backend=self.backend)
-        positions = columns_to_positions(columns, candidates, local_block) if candidates.shape[1] else columns
         if self.dcp_group is None:
-            out.copy_(positions)
+            columns_to_positions(columns, candidates, local_block, out=out, backend=self.backend)
             return
+        positions = columns_to_positions(columns, candidates, local_block, backend=self.backend)
         with self._stage("dcp_merge"):
             if logits.shape[1]:
                 scores = torch.where(columns >= 0, logits.gather(1, columns.clamp_min(0).long()), float("-inf"))

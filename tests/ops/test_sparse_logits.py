@@ -151,6 +151,17 @@ def test_bad_candidate_rows_raise():
                           logits_dtype=torch.float16, backend="reference")
 
 
+def test_topk_sparse_kernels_match_reference(kernel_device):
+    gen = torch.Generator().manual_seed(7)
+    blocks = candidate_rows(5, 6, 20, gen, "repeat")
+    logits = torch.randint(-3, 4, (5, 6 * 3), generator=gen).float()  # many ties
+    logits[torch.rand(logits.shape, generator=gen) < 0.2] = NEG_INF
+    expected = topk_sparse(logits, blocks, 3, 7, backend="reference")
+    out = torch.full((5, 7), -9, dtype=torch.int32, device=kernel_device)
+    got = topk_sparse(logits.to(kernel_device), blocks.to(kernel_device), 3, 7, out=out, backend="triton")
+    assert torch.equal(got.cpu(), expected)
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
 def test_prefill_kernel_matches_reference(kernel_device, fmt, logits_dtype):

@@ -32,7 +32,7 @@ from ..logits import _check_decode_lengths, _check_q_scale, _key_format
 from ..topk import topk
 from . import reference
 
-__all__ = ["sparse_mqa_logits", "sparse_paged_mqa_logits", "topk_sparse", "LOGITS_DTYPES"]
+__all__ = ["columns_to_positions", "sparse_mqa_logits", "sparse_paged_mqa_logits", "topk_sparse", "LOGITS_DTYPES"]
 
 LOGITS_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -47,6 +47,12 @@ def _sparse_paged_mqa_logits_triton(*args):
     from .triton import sparse_paged_mqa_logits_triton
 
     return sparse_paged_mqa_logits_triton(*args)
+
+
+def _columns_to_positions_triton(*args):
+    from .triton import columns_to_positions_triton
+
+    return columns_to_positions_triton(*args)
 
 
 def _triton_or_none(kernel):
@@ -248,7 +254,39 @@ def topk_sparse(
         check_tensor("out", out, dtype=torch.int32, shape=(logits.shape[0], k), device=logits.device)
     check_same_device(logits=logits, blocks=blocks, out=out)
     columns = topk(logits, k, backend=backend)
-    positions = columns if blocks.shape[1] == 0 else reference.columns_to_positions(columns, blocks, block_size)
+    return columns_to_positions(columns, blocks, block_size, out=out, backend=backend)
+
+
+def columns_to_positions(
+    columns: torch.Tensor,
+    blocks: torch.Tensor,
+    block_size: int,
+    *,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Sparse-logit columns -> row-relative positions: the map ``topk_sparse`` applies to its top-k.
+
+    Args:
+        columns: int32 ``[R, k]`` columns of ``[R, nb * block_size]`` sparse logits, ``-1`` for none; each
+            one ``< nb * block_size`` (not checked: the top-k's output is).
+        blocks: int32 ``[R, nb]`` the candidate rows of those logits.
+        block_size: positions per candidate block.
+        out: optional int32 ``[R, k]`` destination (may be ``columns`` itself).
+        backend: ``"auto"``, ``"reference"`` or ``"triton"``.
+
+    Returns:
+        int32 ``[R, k]``: ``blocks[r, c // block_size] * block_size + c % block_size``, ``-1`` kept.
+    """
+    check_tensor("columns", columns, dtype=torch.int32, ndim=2)
+    _check_blocks(blocks, columns.shape[0], block_size)
     if out is None:
-        return positions
-    return out.copy_(positions)
+        out = torch.empty_like(columns)
+    check_tensor("out", out, dtype=torch.int32, shape=tuple(columns.shape))
+    check_same_device(columns=columns, blocks=blocks, out=out)
+    if blocks.shape[1] == 0 or columns.shape[1] == 0:
+        return reference.columns_to_positions(columns, blocks, block_size, out)
+    implementation = _backend.dispatch(
+        reference.columns_to_positions, _triton_or_none(_columns_to_positions_triton), backend, columns.device
+    )
+    return implementation(columns, blocks, block_size, out)

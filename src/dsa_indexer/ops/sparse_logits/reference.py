@@ -138,10 +138,13 @@ def sparse_paged_mqa_logits(
     return out
 
 
-def columns_to_positions(columns: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+def columns_to_positions(columns: torch.Tensor, blocks: torch.Tensor, block_size: int,
+                         out: torch.Tensor) -> torch.Tensor:
     """int32 ``[R, k]`` sparse-logit columns (``-1`` padding) -> int32 row-relative positions
-    ``blocks[r, c // block_size] * block_size + c % block_size`` (``-1`` stays ``-1``)."""
+    ``blocks[r, c // block_size] * block_size + c % block_size`` (``-1`` stays ``-1``), into ``out``."""
+    if blocks.shape[1] == 0:
+        return out.fill_(-1)
     safe = columns.clamp_min(0).long()
     ids = blocks.long().gather(1, torch.div(safe, block_size, rounding_mode="floor"))
     positions = ids * block_size + safe % block_size
-    return torch.where(columns >= 0, positions, -1).to(torch.int32)
+    return out.copy_(torch.where(columns >= 0, positions, -1))

@@ -236,3 +236,33 @@ def sparse_paged_mqa_logits_triton(q, q_scale, cache: IndexerKCache, weights, co
     q_scale_rows = None if q_scale is None else q_scale.reshape(batch * next_n, *q_scale.shape[2:])
     return _launch(q_rows, q_scale_rows, weights, blocks, block_size, out, cache.fmt,
                    (cache, context_lens, block_table, next_n), paged=True)
+
+
+@triton.jit(do_not_specialize=["num_rows", "k"])
+def _columns_to_positions_kernel(
+    columns_ptr, stride_cr, blocks_ptr, stride_br, out_ptr, stride_or, num_rows, k,
+    CAND: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """``BLOCK`` picks of one row: column ``c`` -> ``blocks[row, c // CAND] * CAND + c % CAND``; -1 stays -1."""
+    row = tl.program_id(0).to(tl.int64)
+    picks = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = picks < k
+    columns = tl.load(columns_ptr + row * stride_cr + picks, mask=inside, other=-1)
+    live = columns >= 0
+    block_id = tl.load(blocks_ptr + row * stride_br + columns // CAND, mask=inside & live, other=0)
+    positions = tl.where(live, block_id * CAND + columns % CAND, -1)
+    tl.store(out_ptr + row * stride_or + picks, positions, mask=inside)
+
+
+def columns_to_positions_triton(columns: torch.Tensor, blocks: torch.Tensor, block_size: int,
+                                out: torch.Tensor) -> torch.Tensor:
+    """Triton twin of ``reference.columns_to_positions`` (one launch), into ``out``."""
+    num_rows, k = columns.shape
+    if num_rows == 0 or k == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(k))
+    _columns_to_positions_kernel[(num_rows, triton.cdiv(k, block))](
+        columns, columns.stride(0), blocks, blocks.stride(0), out, out.stride(0), num_rows, k,
+        CAND=block_size, BLOCK=block, num_warps=4,
+    )
+    return out
