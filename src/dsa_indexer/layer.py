@@ -78,7 +78,8 @@ class SparseAttnIndexer(nn.Module):
             columns (``num_blocks_k * candidate_block_size``) are fewer than the dense logits width of the
             call (a prefill chunk's gathered keys, the decode logits width; global positions under DCP), a
             choice from host integers. Both give the same indices wherever their logits agree. The sparse path
-            needs candidate rows ascending then ``-1``-padded (what a source layer writes).
+            needs candidate rows ascending then ``-1``-padded (what a source layer writes); forced, it may
+            allocate ``rows x num_blocks_k * candidate_block_size`` fp32 logits beyond ``max_logits_bytes``.
         dense_prefill_bypass: leave the buffer untouched when the metadata marks the step dense.
         decode_logits_width: a fixed width for the decode logits (e.g. the model's longest compressed
             context). With it, the decode path's shapes do not depend on the step's lengths, so a CUDA
@@ -179,7 +180,10 @@ class SparseAttnIndexer(nn.Module):
         """
         values, scales = self.gather_workspace()
         workspace = values.numel() * values.element_size() + scales.numel() * scales.element_size()
-        decode_logits = max_decode_rows * max_context_len * 4
+        decode_width = max_context_len
+        if self.candidate_blocks is not None and not self.candidate_write and self.consumer_logits != "dense":
+            decode_width = max(decode_width, self.candidate_blocks.shape[1] * self.candidate_block_size)
+        decode_logits = max_decode_rows * decode_width * 4
         candidate_scratch = 0
         if self.candidate_blocks is not None:
             candidate_scratch = max_decode_rows * self.candidate_blocks.shape[1] * 4

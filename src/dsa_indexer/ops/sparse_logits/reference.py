@@ -106,7 +106,8 @@ def sparse_paged_mqa_logits(
     Row ``b * next_n + t`` (``q [B, next_n, H, ...]``, ``weights [B * next_n, H]``) sees request-local
     positions ``p < len[b, t]`` (``decode_row_lengths``); column ``j * block_size + o`` scores position
     ``blocks[row, j] * block_size + o``, read from token ``p % page`` of page ``block_table[b, p // page]``.
-    Block-table entries are read for live columns only.
+    The pages of dead columns are never dereferenced: their gathers go to entry 0 of the row and page 0,
+    and are masked.
     """
     batch, next_n = q.shape[:2]
     heads = weights.shape[1]
