@@ -99,7 +99,9 @@ def test_bench_gpu_suite_without_cuda_is_a_one_line_error(capsys):
     assert "need a CUDA device" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("suite", ["quant_cache", "seq_candidates", "logits", "topk", "step", "distributed", "cpu"])
+@pytest.mark.parametrize(
+    "suite", ["quant_cache", "seq_candidates", "logits", "topk", "step", "sparse_logits", "distributed", "cpu"]
+)
 def test_every_bench_suite_imports_and_exposes_run(suite):
     import importlib
 

@@ -137,7 +137,11 @@ STEPS = [
 HEADS, DIM, BLOCK, TOPK = 4, 128, 8, 24
 
 
-def run_layer_steps(rank: int, world: int, interleave: int, candidates: bool, fmt: str) -> list[torch.Tensor]:
+def run_layer_steps(
+    rank: int, world: int, interleave: int, candidates: bool, fmt: str, consumer: str | None = None
+) -> list[torch.Tensor]:
+    """``candidates``: a source layer (writes blocks); ``consumer``: ``consumer_logits`` of a consumer layer
+    given the same ascending random blocks on every rank."""
     group = None
     if world > 1:
         import torch.distributed as dist
@@ -149,10 +153,10 @@ def run_layer_steps(rank: int, world: int, interleave: int, candidates: bool, fm
     block_table = torch.randperm(num_requests * pages, generator=torch.Generator().manual_seed(rank)).to(torch.int32)
     block_table = block_table.view(num_requests, pages)
     buffer = torch.full((160, TOPK), -7, dtype=torch.int32)
-    candidate_buffer = torch.full((160, 3), -1, dtype=torch.int32) if candidates else None
+    candidate_buffer = torch.full((160, 3), -1, dtype=torch.int32) if candidates or consumer else None
     layer = SparseAttnIndexer(
         cache, TOPK, buffer, workspace_tokens=1024, candidate_blocks=candidate_buffer, candidate_block_size=8,
-        candidate_write=candidates, dcp_group=group, dcp_interleave=interleave,
+        candidate_write=candidates, consumer_logits=consumer or "auto", dcp_group=group, dcp_interleave=interleave,
     )
     cos_sin = torch.randn(256, 64, generator=gen)
     lengths = [0] * num_requests
@@ -170,6 +174,10 @@ def run_layer_steps(rank: int, world: int, interleave: int, candidates: bool, fm
         k = torch.randn(tokens, DIM, generator=gen).bfloat16()
         w = torch.randn(tokens, HEADS, generator=gen)
         q_quant, q_scale, weights = rope_quant_q(q, positions, cos_sin, w, DIM**-0.5, HEADS**-0.5, fmt=fmt)
+        if consumer:
+            drawn = torch.randint(-1, 9, (tokens, 3), generator=gen)
+            drawn = torch.where(drawn < 0, 99, drawn).sort(dim=1).values
+            candidate_buffer[:tokens] = torch.where(drawn == 99, -1, drawn)
         layer(q_quant, q_scale, k, weights, meta)
         outputs.append(buffer[:tokens].clone())
         if candidates:
@@ -179,15 +187,19 @@ def run_layer_steps(rank: int, world: int, interleave: int, candidates: bool, fm
     return outputs
 
 
+# (interleave, source layer, format, consumer_logits of a consumer layer); the single-rank oracle of a sparse
+# consumer is the dense consumer.
+LAYER_CASES = [(1, False, "fp8", None), (2, False, "mxfp4", None), (4, False, "fp8", None), (1, True, "fp8", None),
+               (1, False, "fp8", "sparse")]
+
+
 def layer_cases(rank: int, world: int) -> list[list[torch.Tensor]]:
-    cases = [(1, False, "fp8"), (2, False, "mxfp4"), (4, False, "fp8"), (1, True, "fp8")]
-    return [run_layer_steps(rank, world, *case) for case in cases]
+    return [run_layer_steps(rank, world, *case) for case in LAYER_CASES]
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_layer_under_dcp_equals_single_rank(world):
-    cases = [(1, False, "fp8"), (2, False, "mxfp4"), (4, False, "fp8"), (1, True, "fp8")]
-    expected = [run_layer_steps(0, 1, 1, candidates, fmt) for _, candidates, fmt in cases]
+    expected = [run_layer_steps(0, 1, 1, candidates, fmt, consumer and "dense") for _, candidates, fmt, consumer in LAYER_CASES]
     for rank_cases in run_distributed(layer_cases, world):
         for got_steps, want_steps in zip(rank_cases, expected):
             for got, want in zip(got_steps, want_steps):

@@ -69,6 +69,7 @@ def run_steps(
     max_logits_bytes=1 << 20,
     workspace_tokens=4096,
     decode_layout="native",
+    consumer_logits="auto",
     seed=0,
     logits_dtype=torch.float32,
     scale_fmt=None,
@@ -88,7 +89,7 @@ def run_steps(
     layer = SparseAttnIndexer(
         cache, TOPK, buffer, workspace_tokens=workspace_tokens, compress_ratio=ratio,
         candidate_blocks=candidate_buffer, candidate_block_size=4, candidate_write=candidate_mode == "write",
-        timer=StageTimer(), logits_dtype=logits_dtype,
+        consumer_logits=consumer_logits, timer=StageTimer(), logits_dtype=logits_dtype,
     )
     cos_sin = torch.randn(512, 64, generator=gen)
     lengths = [0] * num_requests
@@ -110,7 +111,11 @@ def run_steps(
         w = torch.randn(num_tokens, HEADS, generator=gen)
         q_quant, q_scale, weights = rope_quant_q(q, positions, cos_sin, w, DIM**-0.5, HEADS**-0.5, fmt=fmt)
         if candidate_mode == "mask":
-            candidate_buffer[:num_tokens] = torch.randint(-1, 12, (num_tokens, num_candidate_blocks), generator=gen)
+            drawn = torch.randint(-1, 12, (num_tokens, num_candidate_blocks), generator=gen)
+            if consumer_logits != "dense":  # the sparse path takes rows ascending, then -1 (repeats are padding)
+                drawn = torch.where(drawn < 0, 99, drawn).sort(dim=1).values
+                drawn = torch.where(drawn == 99, -1, drawn).to(torch.int32)
+            candidate_buffer[:num_tokens] = drawn
         given_candidates = None if candidate_buffer is None else candidate_buffer[:num_tokens].clone()
         buffer.fill_(POISON)
         layer(q_quant, q_scale, k, weights, metadata)
@@ -195,9 +200,24 @@ def test_candidate_source_publishes_oracle_blocks_and_indices(ratio):
         assert torch.equal(got, expected)
 
 
-def test_candidate_consumer_masks_with_given_blocks():
-    run = run_steps(MIXED_STEPS, candidate_mode="mask")
+@pytest.mark.parametrize(("consumer_logits", "fmt"), [("sparse", "fp8"), ("sparse", "mxfp4"), ("dense", "fp8")])
+def test_candidate_consumer_masks_with_given_blocks(consumer_logits, fmt):
+    run = run_steps(MIXED_STEPS, fmt=fmt, candidate_mode="mask", consumer_logits=consumer_logits)
     assert_matches_oracle(run, MIXED_STEPS)
+
+
+def test_auto_consumer_equals_dense_oracle():
+    # 3 blocks of 4 = 12 columns: the first chunk (10 keys) and the decodes up to 12 positions stay dense,
+    # the 30-token prefill and the later decodes go sparse
+    steps = [[(0, 10)], [(0, 1)], [(0, 1), (1, 30)], [(0, 2), (1, 2)]]
+    run = run_steps(steps, candidate_mode="mask", consumer_logits="auto")
+    assert_matches_oracle(run, steps)
+
+
+def test_sparse_consumer_under_tight_chunking_and_flattened_decode_equals_dense_oracle():
+    tight = run_steps(MIXED_STEPS, candidate_mode="mask", consumer_logits="sparse", ratio=2,
+                      max_logits_bytes=4 * 3 * 64, workspace_tokens=64, decode_layout="flattened")
+    assert_matches_oracle(tight, MIXED_STEPS)
 
 
 def test_chunking_is_invisible():

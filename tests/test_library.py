@@ -37,6 +37,7 @@ def op_cases():
     table = torch.tensor([[2, 0, 1], [1, 2, 0]], dtype=torch.int32)
     lens = torch.tensor([[9, 10], [3, 4]], dtype=torch.int32)
     fmt = (cache.buffer, cache.block_size, cache.head_dim, cache.fmt)
+    blocks = torch.tensor([[0, 2, -1], [1, 1, 1], [0, 1, 4], [-1, -1, -1]], dtype=torch.int32)
     return {
         "quantize_fp8": (library.quantize_fp8_op, (i["x"], 128, "ue8m0", 1e-4)),
         "dequantize_fp8": (library.dequantize_fp8_op, (*dsa.quantize_fp8(i["x"]), 128)),
@@ -64,6 +65,11 @@ def op_cases():
         "pack_seq": (library.pack_seq_op, (i["x"], torch.tensor([1, 2]), 0.0, 2, "auto")),
         "unpack_seq": (library.unpack_seq_op, (i["x"].view(3, 1, D), torch.tensor([1, 0, 1]), 2, "auto")),
         "select_candidate_blocks": (library.select_candidate_blocks_op, (i["logits"], None, i["ke"], 2, 2, 1, "auto")),
+        "sparse_mqa_logits": (library.sparse_mqa_logits_op, (i["q8"], None, i["k8"], i["k_scale"], i["w8"], i["ks"],
+                                                             i["ke"], blocks, 2, torch.bfloat16, "auto")),
+        "sparse_paged_mqa_logits": (library.sparse_paged_mqa_logits_op, (i["q8"].view(2, 2, H, D), None, *fmt, i["w8"],
+                                                                         lens, table, blocks, 2, torch.float32, "auto")),
+        "topk_sparse": (library.topk_sparse_op, (i["logits"][:, :6], blocks, 2, 4, "auto")),
         "apply_candidate_mask": (library.apply_candidate_mask_op, (i["logits"].clone(), None, i["ke"],
                                                                    torch.tensor([[0], [1], [0], [2]], dtype=torch.int32),
                                                                    2, 1, "auto")),
@@ -101,7 +107,10 @@ def indexer_step(q8, w8, k8, k_scale, ks, ke, cache, table, lens):
     decode = dsa.paged_mqa_logits(q8.view(2, 2, H, D), None, cache, w8, lens, table, 12)
     decode_picks = dsa.topk_decode(decode, lens, 2, 3)
     owners = torch.tensor([0, 0, 1, 1], dtype=torch.int32, device=table.device)
-    return picks, decode_picks, dsa.indices_to_slots(decode_picks, table, 4, owners)
+    blocks = torch.tensor([[0, 2, -1], [1, 1, 1], [0, 1, 4], [-1, -1, -1]], dtype=torch.int32, device=table.device)
+    sparse = dsa.sparse_paged_mqa_logits(q8.view(2, 2, H, D), None, cache, w8, lens, table, blocks, 2)
+    sparse_picks = dsa.topk_sparse(sparse, blocks, 2, 3)
+    return picks, decode_picks, dsa.indices_to_slots(decode_picks, table, 4, owners), sparse, sparse_picks
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

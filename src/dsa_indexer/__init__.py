@@ -16,6 +16,7 @@ from .ops.candidates import apply_candidate_mask, select_candidate_blocks
 from .ops.logits import mqa_logits, paged_mqa_logits
 from .ops.q_quant import rope_quant_q
 from .ops.seq_pack import pack_seq, unpack_seq
+from .ops.sparse_logits import sparse_mqa_logits, sparse_paged_mqa_logits, topk_sparse
 from .ops.topk import indices_to_slots, topk, topk_decode, topk_decode_slots
 
 # The public ops go through their torch.library custom ops only while torch.compile traces them.
@@ -34,6 +35,9 @@ pack_seq = _library.dispatching(pack_seq)
 unpack_seq = _library.dispatching(unpack_seq)
 select_candidate_blocks = _library.dispatching(select_candidate_blocks)
 apply_candidate_mask = _library.dispatching(apply_candidate_mask)
+sparse_mqa_logits = _library.dispatching(sparse_mqa_logits)
+sparse_paged_mqa_logits = _library.dispatching(sparse_paged_mqa_logits)
+topk_sparse = _library.dispatching(topk_sparse)
 
 __all__ = [
     "Indexer",
@@ -55,8 +59,11 @@ __all__ = [
     "quantize_mxfp4",
     "rope_quant_q",
     "select_candidate_blocks",
+    "sparse_mqa_logits",
+    "sparse_paged_mqa_logits",
     "topk",
     "topk_decode",
     "topk_decode_slots",
+    "topk_sparse",
     "unpack_seq",
 ]

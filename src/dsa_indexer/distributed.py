@@ -37,6 +37,7 @@ __all__ = [
     "global_to_local",
     "local_lengths",
     "local_to_global",
+    "merge_scored_topk_global",
     "merge_topk_global",
     "pack_candidate_keys",
     "pack_local_candidates",
@@ -569,6 +570,58 @@ def _dcp_block_scores_triton(*args):
     from ._distributed_triton import dcp_block_scores_triton
 
     return dcp_block_scores_triton(*args)
+
+
+def merge_scored_topk_global(
+    scores: torch.Tensor,
+    local_positions: torch.Tensor,
+    k: int,
+    *,
+    group=None,
+    interleave: int = 1,
+    out: torch.Tensor,
+) -> None:
+    """``merge_topk_global`` for candidates that come with their scores (a collective).
+
+    For callers whose local logits are not indexed by position (the sparse consumer path: a rank's sparse
+    logits column maps to a local position through its candidate blocks).
+
+    Args:
+        scores: ``[R, k]`` float32 score of each local pick (``-inf`` for padding).
+        local_positions: ``[R, k]`` int32 this rank's local top-k (request-local positions, ``-1`` padding).
+        k: positions per row.
+        group, interleave: as for ``merge_topk_global``.
+        out: int32 ``[R, k]``: receives the global top-k positions (ascending, ``-1``-padded).
+    """
+    rank, world_size = _group_layout(group)
+
+    def check() -> None:
+        check_tensor("scores", scores, dtype=torch.float32, ndim=2)
+        check_tensor("local_positions", local_positions, dtype=torch.int32, shape=tuple(scores.shape))
+        check_tensor("out", out, dtype=torch.int32, shape=(scores.shape[0], k))
+        check_positive_int("k", k)
+        check_positive_int("interleave", interleave)
+        if scores.shape[1] != k:
+            raise ValueError(f"scores must have k = {k} columns (the local top-k), got {scores.shape[1]}")
+
+    error = _local_check(check)
+    if world_size == 1:
+        if error is not None:
+            raise error
+        out.copy_(local_positions)
+        return
+    descriptor = [-1, -1, -1] if error else [scores.shape[0], k, interleave]
+    _agree_on(group, "merge_scored_topk_global arguments [rows, k, interleave]", descriptor, error)
+    import torch.distributed as dist
+
+    rows = scores.shape[0]
+    local = local_positions.to(torch.int64)
+    global_ids = _local_to_global(local, rank, world_size, interleave)
+    valid = (local >= 0) & (global_ids <= _MAX_GLOBAL_ID)
+    send = composite_key(torch.where(valid, scores, float("-inf")), global_ids.clamp(0, _MAX_GLOBAL_ID)).contiguous()
+    gathered = torch.empty(world_size * rows * k, dtype=torch.int64, device=scores.device)
+    dist.all_gather_into_tensor(gathered, send.view(-1), group=group)
+    select_global_topk_keys(gathered.view(world_size, rows, k), k, out=out)
 
 
 def select_candidate_blocks_dcp(

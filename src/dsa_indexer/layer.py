@@ -17,12 +17,19 @@ from torch import nn
 
 from ._validation import check_choice, check_positive_int, check_tensor
 from .cache import IndexerKCache
-from .distributed import DcpMergeWorkspace, gather_prefill_k, merge_topk_global, select_candidate_blocks_dcp
+from .distributed import (
+    DcpMergeWorkspace,
+    gather_prefill_k,
+    merge_scored_topk_global,
+    merge_topk_global,
+    select_candidate_blocks_dcp,
+)
 from .metadata import IndexerMetadata
 from .ops.candidates import apply_candidate_mask, select_candidate_blocks
 from .ops.k_cache import insert_k
 from .ops.logits import mqa_logits, paged_mqa_logits
 from .ops.seq_pack import pack_seq, unpack_seq
+from .ops.sparse_logits import columns_to_positions, sparse_mqa_logits, sparse_paged_mqa_logits
 from .ops.topk import topk, topk_decode
 
 
@@ -51,6 +58,10 @@ class StageTimer:
         self.calls.clear()
 
 
+# How consumer layers score their candidates (see ``SparseAttnIndexer``).
+CONSUMER_LOGITS = ("auto", "sparse", "dense")
+
+
 class SparseAttnIndexer(nn.Module):
     """The indexer layer: writes each token's top-k key positions into ``topk_indices_buffer``.
 
@@ -66,6 +77,15 @@ class SparseAttnIndexer(nn.Module):
         candidate_blocks: V4.1 two-level selection buffer ``int32 [max_tokens, num_blocks_k]``;
             with ``candidate_write`` this layer selects blocks into it, otherwise it masks its logits with it.
         candidate_block_size: positions per candidate block (8 for V4.1).
+        consumer_logits: how a consumer layer (``candidate_blocks`` given, ``candidate_write`` False) scores:
+            ``"sparse"`` computes the logits of the candidate blocks only (``ops.sparse_logits``) and
+            selects among them; ``"dense"`` computes every visible key's logit, masks it with
+            ``apply_candidate_mask`` and selects; ``"auto"`` (default) is sparse wherever the candidate
+            columns (``num_blocks_k * candidate_block_size``) are fewer than the dense logits width of the
+            call (a prefill chunk's gathered keys, the decode logits width; global positions under DCP), a
+            choice from host integers. Both give the same indices wherever their logits agree. The sparse path
+            needs candidate rows ascending then ``-1``-padded (what a source layer writes); forced, it may
+            allocate ``rows x num_blocks_k * candidate_block_size`` fp32 logits beyond ``max_logits_bytes``.
         dense_prefill_bypass: leave the buffer untouched when the metadata marks the step dense.
         decode_logits_width: a fixed width for the decode logits (e.g. the model's longest compressed
             context). With it, the decode path's shapes do not depend on the step's lengths, so a CUDA
@@ -95,6 +115,7 @@ class SparseAttnIndexer(nn.Module):
         candidate_blocks: torch.Tensor | None = None,
         candidate_block_size: int = 0,
         candidate_write: bool = False,
+        consumer_logits: str = "auto",
         dense_prefill_bypass: bool = False,
         decode_logits_width: int | None = None,
         dcp_group=None,
@@ -120,6 +141,7 @@ class SparseAttnIndexer(nn.Module):
         if logits_dtype != torch.float32 and (candidate_blocks is not None or dcp_group is not None):
             raise ValueError("logits_dtype must be torch.float32 with candidate_blocks or dcp_group (their ops take "
                              f"fp32 logits), got {logits_dtype}")
+        check_choice("consumer_logits", consumer_logits, CONSUMER_LOGITS)
         if candidate_blocks is not None:
             check_tensor("candidate_blocks", candidate_blocks, dtype=torch.int32, ndim=2, device=cache.device)
             check_positive_int("candidate_block_size", candidate_block_size)
@@ -139,6 +161,7 @@ class SparseAttnIndexer(nn.Module):
         self.candidate_blocks = candidate_blocks
         self.candidate_block_size = candidate_block_size
         self.candidate_write = candidate_write
+        self.consumer_logits = consumer_logits
         self.dense_prefill_bypass = dense_prefill_bypass
         if decode_logits_width is not None:
             check_positive_int("decode_logits_width", decode_logits_width)
@@ -176,7 +199,10 @@ class SparseAttnIndexer(nn.Module):
         """
         values, scales = self.gather_workspace()
         workspace = values.numel() * values.element_size() + scales.numel() * scales.element_size()
-        decode_logits = max_decode_rows * max_context_len * self.logits_dtype.itemsize
+        decode_width = max_context_len
+        if self.candidate_blocks is not None and not self.candidate_write and self.consumer_logits != "dense":
+            decode_width = max(decode_width, self.candidate_blocks.shape[1] * self.candidate_block_size)
+        decode_logits = max_decode_rows * decode_width * self.logits_dtype.itemsize
         candidate_scratch = 0
         if self.candidate_blocks is not None:
             candidate_scratch = max_decode_rows * self.candidate_blocks.shape[1] * 4
@@ -305,6 +331,17 @@ class SparseAttnIndexer(nn.Module):
         if not chunk.skip_gather and chunk.num_keys:
             with self._stage("gather"):
                 self.cache.gather(chunk.block_table, chunk.cu_seq_lens, out=(values, scales), backend=self.backend)
+        if self._sparse_consumer(chunk.max_global_visible if sharded else chunk.num_keys):
+            with self._stage("prefill_logits"):
+                candidates = self.candidate_blocks[rows]
+                logits = sparse_mqa_logits(
+                    q_quant[rows], None if q_scale is None else q_scale[rows], values[: chunk.num_keys],
+                    scales[: chunk.num_keys], weights[rows], chunk.ks, chunk.ke, candidates,
+                    self._local_candidate_block_size(), backend=self.backend,
+                )
+            with self._stage("prefill_topk"):
+                self._sparse_topk(logits, candidates, out)
+            return
         with self._stage("prefill_logits"):
             logits = mqa_logits(
                 q_quant[rows],
@@ -359,6 +396,34 @@ class SparseAttnIndexer(nn.Module):
             workspace=workspace, backend=self.backend,
         )
 
+    def _sparse_consumer(self, dense_width: int) -> bool:
+        """Whether this consumer call scores the candidate blocks only (``consumer_logits``; host integers).
+
+        ``dense_width``: the dense logits width of the call, in global positions under DCP so that every rank
+        makes the same choice (their merges are collectives)."""
+        if self.candidate_blocks is None or self.candidate_write or self.consumer_logits == "dense":
+            return False
+        if self.consumer_logits == "sparse":
+            return True
+        return self.candidate_blocks.shape[1] * self.candidate_block_size < dense_width
+
+    def _sparse_topk(self, logits, candidates, out) -> None:
+        """§5 top-k over sparse logits into ``out`` as row-relative positions (global under DCP)."""
+        local_block = self._local_candidate_block_size()
+        columns = topk(logits, self.topk_tokens, backend=self.backend)
+        if self.dcp_group is None:
+            columns_to_positions(columns, candidates, local_block, out=out, backend=self.backend)
+            return
+        positions = columns_to_positions(columns, candidates, local_block, backend=self.backend)
+        with self._stage("dcp_merge"):
+            if logits.shape[1]:
+                scores = torch.where(columns >= 0, logits.gather(1, columns.clamp_min(0).long()), float("-inf"))
+            else:
+                scores = torch.full(columns.shape, float("-inf"), device=logits.device)
+            merge_scored_topk_global(
+                scores, positions, self.topk_tokens, group=self.dcp_group, interleave=self.dcp_interleave, out=out
+            )
+
     def _local_candidate_block_size(self) -> int:
         """Positions of a candidate block held by this rank (the whole block without DCP)."""
         if self.dcp_group is None:
@@ -383,6 +448,9 @@ class SparseAttnIndexer(nn.Module):
         else:
             q = q.reshape(batch, next_n, *q.shape[1:])
             scale = None if scale is None else scale.reshape(batch, next_n, *scale.shape[1:])
+        if self._sparse_consumer(self._global_decode_width(decode)):
+            self._decode_sparse(q, scale, w, metadata)
+            return
         with self._stage("decode_logits"):
             logits = paged_mqa_logits(
                 q, scale, self.cache, w, decode.context_lens, decode.block_table, self._decode_width(decode),
@@ -402,6 +470,40 @@ class SparseAttnIndexer(nn.Module):
                     indices.view(batch, next_n, -1), decode.decode_lens, total=num_decode_tokens, backend=self.backend
                 )
             self.topk_indices_buffer[:num_decode_tokens, : self.topk_tokens].copy_(indices)
+
+    def _decode_sparse(self, q, scale, w, metadata) -> None:
+        """Consumer decode over the candidate blocks only: sparse logits, top-k as positions, unpad."""
+        decode = metadata.decode
+        num_decode_tokens = metadata.num_decode_tokens
+        batch, next_n = decode.batch_size, decode.next_n
+        candidates = self.candidate_blocks[:num_decode_tokens]
+        if decode.requires_padding:
+            candidates = pack_seq(candidates, decode.decode_lens, pad_value=-1, max_len=next_n, backend=self.backend)
+            candidates = candidates.reshape(batch * next_n, -1)
+        with self._stage("decode_logits"):
+            logits = sparse_paged_mqa_logits(
+                q, scale, self.cache, w, decode.context_lens, decode.block_table, candidates,
+                self._local_candidate_block_size(), backend=self.backend,
+            )
+        indices = torch.empty((batch * next_n, self.topk_tokens), dtype=torch.int32, device=logits.device)
+        with self._stage("decode_topk"):
+            self._sparse_topk(logits, candidates, indices)
+        with self._stage("decode_unpad"):
+            if decode.requires_padding:
+                indices = unpack_seq(
+                    indices.view(batch, next_n, -1), decode.decode_lens, total=num_decode_tokens, backend=self.backend
+                )
+            self.topk_indices_buffer[:num_decode_tokens, : self.topk_tokens].copy_(indices)
+
+    def _global_decode_width(self, decode) -> int:
+        """The decode logits width in global positions (the same on every DCP rank)."""
+        if self.dcp_group is None:
+            return self._decode_width(decode)
+        if self.decode_logits_width is None:
+            return max(decode.max_global_context_len, 1)
+        import torch.distributed as dist
+
+        return self.decode_logits_width * dist.get_world_size(self.dcp_group)
 
     def _decode_width(self, decode) -> int:
         return max(decode.max_context_len, 1) if self.decode_logits_width is None else self.decode_logits_width

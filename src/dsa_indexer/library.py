@@ -27,6 +27,7 @@ from .ops import k_cache as _k_cache
 from .ops import logits as _logits
 from .ops import q_quant as _q_quant
 from .ops import seq_pack as _seq_pack
+from .ops import sparse_logits as _sparse_logits
 from .ops import topk as _topk
 
 NAMESPACE = "dsa_indexer"
@@ -260,6 +261,68 @@ def _(q, q_scale, cache_buffer, block_size, head_dim, fmt, weights, context_lens
     return q.new_empty((q.shape[0] * q.shape[1], max_context_len), dtype=torch.float32)
 
 
+@custom_op(f"{NAMESPACE}::sparse_mqa_logits", mutates_args=())
+def sparse_mqa_logits_op(
+    q: torch.Tensor,
+    q_scale: torch.Tensor | None,
+    k: torch.Tensor,
+    k_scale: torch.Tensor,
+    weights: torch.Tensor,
+    ks: torch.Tensor,
+    ke: torch.Tensor,
+    blocks: torch.Tensor,
+    block_size: int,
+    logits_dtype: torch.dtype,
+    backend: str,
+) -> torch.Tensor:
+    return _sparse_logits.sparse_mqa_logits(
+        q, q_scale, k, k_scale, weights, ks, ke, blocks, block_size, logits_dtype=logits_dtype, backend=backend
+    )
+
+
+@sparse_mqa_logits_op.register_fake
+def _(q, q_scale, k, k_scale, weights, ks, ke, blocks, block_size, logits_dtype, backend):
+    return q.new_empty((q.shape[0], blocks.shape[1] * block_size), dtype=logits_dtype)
+
+
+@custom_op(f"{NAMESPACE}::sparse_paged_mqa_logits", mutates_args=())
+def sparse_paged_mqa_logits_op(
+    q: torch.Tensor,
+    q_scale: torch.Tensor | None,
+    cache_buffer: torch.Tensor,
+    block_size: int,
+    head_dim: int,
+    fmt: str,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    blocks: torch.Tensor,
+    candidate_block_size: int,
+    logits_dtype: torch.dtype,
+    backend: str,
+) -> torch.Tensor:
+    return _sparse_logits.sparse_paged_mqa_logits(
+        q, q_scale, _cache(cache_buffer, block_size, head_dim, fmt), weights, context_lens, block_table, blocks,
+        candidate_block_size, logits_dtype=logits_dtype, backend=backend,
+    )
+
+
+@sparse_paged_mqa_logits_op.register_fake
+def _(q, q_scale, cache_buffer, block_size, head_dim, fmt, weights, context_lens, block_table, blocks,
+      candidate_block_size, logits_dtype, backend):
+    return q.new_empty((q.shape[0] * q.shape[1], blocks.shape[1] * candidate_block_size), dtype=logits_dtype)
+
+
+@custom_op(f"{NAMESPACE}::topk_sparse", mutates_args=())
+def topk_sparse_op(logits: torch.Tensor, blocks: torch.Tensor, block_size: int, k: int, backend: str) -> torch.Tensor:
+    return _sparse_logits.topk_sparse(logits, blocks, block_size, k, backend=backend)
+
+
+@topk_sparse_op.register_fake
+def _(logits, blocks, block_size, k, backend):
+    return logits.new_empty((logits.shape[0], k), dtype=torch.int32)
+
+
 @custom_op(f"{NAMESPACE}::topk_out", mutates_args=("out",))
 def topk_out_op(
     logits: torch.Tensor, k: int, starts: torch.Tensor | None, ends: torch.Tensor | None, out: torch.Tensor, backend: str
@@ -417,6 +480,18 @@ def _compiled_call(name: str, args: tuple, kwargs: dict):
         return paged_mqa_logits_op(
             q, q_scale, cache.buffer, cache.block_size, cache.head_dim, _fmt_key(cache), *rest, kwargs.get("clean", True),
             backend
+        )
+    if name in ("sparse_mqa_logits", "sparse_paged_mqa_logits", "topk_sparse"):
+        if kwargs.get("out") is not None:
+            raise ValueError(f"out= is not supported for {name} when compiled; use the returned tensor")
+        if name == "topk_sparse":
+            return topk_sparse_op(*args, backend)
+        dtype = kwargs.get("logits_dtype", torch.float32)
+        if name == "sparse_mqa_logits":
+            return sparse_mqa_logits_op(*args, dtype, backend)
+        q, q_scale, cache, *rest = args
+        return sparse_paged_mqa_logits_op(
+            q, q_scale, cache.buffer, cache.block_size, cache.head_dim, cache.fmt, *rest, dtype, backend
         )
     if name == "topk":
         logits, k = args

@@ -15,7 +15,7 @@ import torch
 
 from . import harness
 
-GPU_SUITES = ("quant_cache", "seq_candidates", "logits", "topk", "step")
+GPU_SUITES = ("quant_cache", "seq_candidates", "logits", "topk", "step", "sparse_logits")
 MULTI_GPU_SUITES = ("distributed",)
 CPU_SUITES = ("cpu",)
 PEER_LIBRARIES = ("deep_gemm", "flashinfer", "vllm", "sgl_kernel")

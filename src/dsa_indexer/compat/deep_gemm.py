@@ -125,3 +125,6 @@ def fp8_fp4_paged_mqa_logits(
     return paged_mqa_logits(
         q_values, q_scales, cache, weights, context_lens, block_table, max_context_len, clean=clean_logits, out=out
     )
+
+
+from ._sparse import *  # noqa: E402, F403  (the DeepGEMM 2.8 sparse entry points, a separate module)
