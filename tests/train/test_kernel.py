@@ -153,7 +153,7 @@ def test_oracle_gradients_equal_autograd_of_its_loss():
     [
         dict(t=23, h_i=3, d_i=16, h=4, d_a=24, dtype=torch.float32),
         dict(t=17, h_i=4, d_i=32, h=4, d_a=16, dtype=torch.bfloat16, target_norm="l1"),
-        dict(t=29, h_i=2, d_i=16, h=4, d_a=20, h_kv=2, cu=[0, 1, 12, 12, 29], ratio=2, target_norm="l1"),
+        dict(t=21, h_i=2, d_i=16, h=4, d_a=20, h_kv=2, cu=[0, 1, 12, 12, 21], ratio=2, target_norm="l1"),
         dict(t=20, h_i=4, d_i=16, h=2, d_a=16, cu=[0, 7, 20], ratio=3, reduction="sum", coeff=0.25),
     ],
     ids=["dense-fp32-causal", "dense-bf16-l1", "dense-varlen-ratio2-gqa-l1", "dense-varlen-ratio3-sum"],
@@ -180,13 +180,13 @@ def test_dense_matches_oracle(kernel_device, case):
 @pytest.mark.parametrize("target_norm", ["heads", "l1"])
 def test_sparse_matches_oracle(kernel_device, target_norm):
     """Selections with -1 padding, duplicates, ids past the visible range and rows with nothing visible."""
-    t, cu = 19, torch.tensor([0, 3, 19], dtype=torch.int64)
+    t, cu = 10, torch.tensor([0, 3, 10], dtype=torch.int64)
     q, k, w, attn_q, attn_k, attn_lse = _inputs(t, 3, 16, 3, 16, device=kernel_device, seed=1)
     gen = torch.Generator().manual_seed(2)
-    topk = torch.randint(-1, 16, (t, 5), generator=gen, dtype=torch.int32)
+    topk = torch.randint(-1, 8, (t, 5), generator=gen, dtype=torch.int32)
     topk[4, :] = torch.tensor([1, 1, 0, 0, 1], dtype=torch.int32)  # duplicates count once
     topk[5, :] = -1  # empty row
-    topk[6, :] = torch.tensor([9, 10, 11, 12, 13], dtype=torch.int32)  # local position 3: nothing visible
+    topk[6, :] = torch.tensor([4, 5, 6, 7, 4], dtype=torch.int32)  # local position 3: nothing visible
     topk = topk.to(kernel_device)
     if target_norm == "heads":
         attn_lse = _causal_lse(attn_q, attn_k, 0.3, cu, 1, topk)
@@ -194,18 +194,6 @@ def test_sparse_matches_oracle(kernel_device, target_norm):
     got = indexer_kl_triton(q, k, w, attn_q, attn_k, attn_lse, **kwargs)
     _assert_close(got, oracle(q, k, w, attn_q, attn_k, attn_lse, **kwargs), dtype=torch.float32)
     assert torch.equal(got[1][5:7].float(), torch.zeros_like(got[1][5:7]).float())
-
-
-@pytest.mark.interpreter
-def test_rerun_is_bitwise_equal(kernel_device):
-    t = 18
-    q, k, w, attn_q, attn_k, attn_lse = _inputs(t, 2, 16, 2, 16, device=kernel_device, dtype=torch.bfloat16, seed=3)
-    topk = torch.randint(-1, t, (t, 4), generator=torch.Generator().manual_seed(4), dtype=torch.int32).to(kernel_device)
-    for sel in (None, topk):
-        first = indexer_kl_triton(q, k, w, attn_q, attn_k, attn_lse, softmax_scale=0.2, topk_indices=sel)
-        second = indexer_kl_triton(q, k, w, attn_q, attn_k, attn_lse, softmax_scale=0.2, topk_indices=sel)
-        for x, y in zip(first, second):
-            assert torch.equal(x, y)
 
 
 @pytest.mark.interpreter

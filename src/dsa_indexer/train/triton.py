@@ -52,6 +52,7 @@ _ROWS = 128  # rows (token, head) of one tile: the M dimension of the tensor-cor
 _BLOCK_S = 64  # keys per tile
 _BLOCK_DA = 64  # D_a chunk of the attention product (D_a = 576 = 9 x 64)
 _BLOCK_E = 2  # CSR entries per step of the sparse dk kernel
+_WARPS = 8
 
 
 @triton.jit
@@ -59,11 +60,12 @@ def _mma(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """``a @ b`` accumulated in fp32: fp32 operands exactly (``IEEE``), bf16 ones on the tensor cores.
     ``UPCAST`` (the CPU interpreter, whose bf16 ``tl.dot`` returns garbage) multiplies the same values in fp32."""
     if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        product = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     elif IEEE:
-        return tl.dot(a, b, input_precision="ieee")
+        product = tl.dot(a, b, input_precision="ieee")
     else:
-        return tl.dot(a, b)
+        product = tl.dot(a, b)
+    return product
 
 
 @triton.jit
@@ -71,11 +73,12 @@ def _mma_split(x, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """``x @ b`` for an fp32 ``x`` against a bf16 ``b``: ``x`` goes in as a bf16 head and a bf16 remainder (16
     significant bits; ``G`` sums to 0 over a row, so one bf16 rounding of it would show in ``dq``/``dk``)."""
     if IEEE:
-        return _mma(x, b, IEEE, UPCAST)
+        product = _mma(x, b, IEEE, UPCAST)
     else:
         head = x.to(b.dtype)
         tail = (x - head.to(tl.float32)).to(b.dtype)
-        return _mma(head, b, IEEE, UPCAST) + _mma(tail, b, IEEE, UPCAST)
+        product = _mma(head, b, IEEE, UPCAST) + _mma(tail, b, IEEE, UPCAST)
+    return product
 
 
 @triton.jit
@@ -422,13 +425,16 @@ def _block_map(cu: torch.Tensor, block: int, programs: int) -> tuple[torch.Tenso
     return block_seq.to(torch.int32), block_start
 
 
-def _config(h_i: int, d_i: int, group: int, sparse: bool) -> dict:
-    """Tile sizes: ``(token, head)`` rows near ``_ROWS`` and at least 16 (the tensor-core minimum)."""
+def _config(h_i: int, d_i: int, group: int, d_a: int, keys: int, sparse: bool) -> dict:
+    """Tile sizes: ``(token, head)`` rows near ``_ROWS`` and every dimension at least 16 (the tensor-core
+    minimum); key tiles and ``D_a`` chunks no wider than ``keys`` (the most a row sweeps) and ``D_a`` need."""
     hip = triton.next_power_of_2(h_i)
     bt = 1 if sparse else max(1, _ROWS // hip)
     hip = max(hip, 16 // bt)
     hc = max(16 // bt, min(triton.next_power_of_2(group), max(1, _ROWS // bt)))
-    return {"BT": bt, "HIP": hip, "BD": max(16, triton.next_power_of_2(d_i)), "HC": hc, "BS": _BLOCK_S, "BDA": _BLOCK_DA}
+    return {"BT": bt, "HIP": hip, "BD": max(16, triton.next_power_of_2(d_i)), "HC": hc,
+            "BS": min(_BLOCK_S, max(16, triton.next_power_of_2(keys))),
+            "BDA": min(_BLOCK_DA, max(16, triton.next_power_of_2(d_a)))}
 
 
 def _clean_selection(topk_indices: torch.Tensor, position: torch.Tensor, ratio: int) -> torch.Tensor:
@@ -479,7 +485,7 @@ def indexer_kl_triton(q, k, weights, attn_q, attn_k, attn_lse, *, softmax_scale:
     cu_k = torch.zeros_like(cu)
     cu_k[1:] = torch.cumsum((cu[1:] - cu[:-1]) // compress_ratio, 0)
     sparse = topk_indices is not None
-    cfg = _config(h_i, d_i, group, sparse)
+    cfg = _config(h_i, d_i, group, d_a, topk_indices.shape[1] if sparse else t_k, sparse)
     rows = torch.arange(t, dtype=torch.int64, device=device)
     position = rows - cu[torch.searchsorted(cu[1:], rows, right=True)]
     if sparse:
@@ -513,7 +519,7 @@ def indexer_kl_triton(q, k, weights, attn_q, attn_k, attn_lse, *, softmax_scale:
               num_seqs, h_i, d_i, h, h_kv, group, d_a, big_k, compress_ratio, float(softmax_scale) * _LOG2E)
     for stats in (True, False):
         _query_kernel[(programs,)](*common, SPARSE=sparse, STATS=stats, L1=l1, IEEE_I=ieee_i, IEEE_A=ieee_a,
-                                     UPCAST=upcast, **cfg)
+                                     UPCAST=upcast, num_warps=_WARPS, **cfg)
     if sparse:
         keys = torch.where(sel >= 0, cu_k[torch.searchsorted(cu[1:], rows, right=True)][:, None] + sel,
                            torch.full_like(sel, t_k, dtype=torch.int64))
@@ -525,7 +531,7 @@ def indexer_kl_triton(q, k, weights, attn_q, attn_k, attn_lse, *, softmax_scale:
                                       k.stride(0), dk.stride(0), h_i, d_i, big_k,
                                       HIP=cfg["HIP"], BD=cfg["BD"], BE=_BLOCK_E, UPCAST=upcast)
     elif t_k:
-        dense = _config(h_i, d_i, group, False)
+        dense = _config(h_i, d_i, group, d_a, t_k, False)
         key_programs = t_k // dense["BS"] + num_seqs
         key_seq, key_start = _block_map(cu_k, dense["BS"], key_programs)
         _dk_dense_kernel[(key_programs,)](
@@ -533,7 +539,7 @@ def indexer_kl_triton(q, k, weights, attn_q, attn_k, attn_lse, *, softmax_scale:
             q.stride(0), q.stride(1), weights.stride(0), k.stride(0), attn_q.stride(0), attn_q.stride(1),
             attn_k.stride(0), attn_k.stride(1), attn_lse.stride(0), dk.stride(0),
             num_seqs, h_i, d_i, h, h_kv, group, d_a, compress_ratio, float(softmax_scale) * _LOG2E,
-            L1=l1, IEEE_I=ieee_i, IEEE_A=ieee_a, UPCAST=upcast, **dense)
+            L1=l1, IEEE_I=ieee_i, IEEE_A=ieee_a, UPCAST=upcast, num_warps=_WARPS, **dense)
     total = kl.to(torch.float64).sum()
     if reduction == "mean":
         total = total / count.clamp(min=1).to(torch.float64)
