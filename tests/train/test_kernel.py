@@ -153,12 +153,14 @@ def test_oracle_gradients_equal_autograd_of_its_loss():
     [
         dict(t=23, h_i=3, d_i=16, h=4, d_a=24, dtype=torch.float32),
         dict(t=17, h_i=4, d_i=32, h=4, d_a=16, dtype=torch.bfloat16, target_norm="l1"),
-        dict(t=21, h_i=2, d_i=16, h=4, d_a=20, h_kv=2, cu=[0, 1, 12, 12, 21], ratio=2, target_norm="l1"),
+        dict(t=21, h_i=2, d_i=16, h=4, d_a=20, h_kv=2, cu=[0, 1, 12, 12, 21], ratio=2, target_norm="l1", split_rows=4),
         dict(t=20, h_i=4, d_i=16, h=2, d_a=16, cu=[0, 7, 20], ratio=3, reduction="sum", coeff=0.25),
     ],
-    ids=["dense-fp32-causal", "dense-bf16-l1", "dense-varlen-ratio2-gqa-l1", "dense-varlen-ratio3-sum"],
+    ids=["dense-fp32-causal", "dense-bf16-l1", "dense-varlen-ratio2-gqa-l1-split-dk", "dense-varlen-ratio3-sum"],
 )
-def test_dense_matches_oracle(kernel_device, case):
+def test_dense_matches_oracle(kernel_device, case, monkeypatch):
+    if "split_rows" in case:  # dk summed from several parts of the query sweep
+        monkeypatch.setattr(triton_kernels, "_DK_MIN_SPLIT_ROWS", case["split_rows"])
     ratio = case.get("ratio", 1)
     cu = None if "cu" not in case else torch.tensor(case["cu"], dtype=torch.int32)
     t = case["t"]

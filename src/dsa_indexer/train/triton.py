@@ -12,11 +12,12 @@ tile by tile instead:
    ``p = sum_h exp2(log2(e) (tau z_h - lse_h)) / D_t``, forms ``G = (coeff/N)(pi - p)`` directly and
    accumulates ``dq`` and ``dw`` in registers, plus the row's KL term. Sparse stage: the program also
    writes ``G`` of its selected keys (``[T, K]`` fp32, the size of the index input) for step 3.
-3. ``dk`` without float atomics. Dense: ``_dk_dense_kernel``, one program per block of ``BS`` keys,
-   sweeps the queries that see them in token order and recomputes ``I`` and the target. Sparse:
+3. ``dk`` without float atomics. Dense: ``_dk_dense_kernel``, one program per block of ``BS`` keys and
+   run of the queries that see them, sweeps its run in token order recomputing ``I`` and the target,
+   and writes an fp32 part; the parts (at most 16, so O(T D_I) memory) are summed in a fixed order. Sparse:
    ``_dk_sparse_kernel`` walks a by-key CSR of the selected (query, slot) pairs (built with a stable
-   device sort, so each key's queries come in ascending token order). Each ``dk`` row is summed by one
-   program in a fixed order: reruns are bitwise equal.
+   device sort, so each key's queries come in ascending token order). Every sum has a fixed order:
+   reruns are bitwise equal.
 
 Rows of a tile are ``(token, head)`` pairs: the indexer product is one ``[BT*H_I, D_I] x [D_I, BS]``
 ``tl.dot`` and the attention product ``[BT*HC, 64] x [64, BS]`` over head chunks ``HC`` and ``D_a``
@@ -53,6 +54,9 @@ _BLOCK_S = 64  # keys per tile
 _BLOCK_DA = 64  # D_a chunk of the attention product (D_a = 576 = 9 x 64)
 _BLOCK_E = 2  # CSR entries per step of the sparse dk kernel
 _WARPS = 8
+_DK_PROGRAMS = 1024  # dense dk: split the query sweep until about this many programs ...
+_DK_MAX_SPLITS = 16  # ... in at most this many parts ...
+_DK_MIN_SPLIT_ROWS = 256  # ... of at least this many query rows on average
 
 
 @triton.jit
@@ -180,7 +184,7 @@ def _query_kernel(
 ):
     """One block of ``BT`` query tokens: with ``STATS`` the row statistics (``lse_i`` [T], ``denom`` [T]
     for L1), else the row KL terms ``kl`` [T], ``dq``, ``dw`` and (``SPARSE``) ``G`` of each slot."""
-    pid = tl.program_id(0)
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)  # the last blocks of a sequence (most keys) start first
     b, seq_start, seq_len, p0 = _sequence_block(pid, block_seq_ptr, block_start_ptr, cu_ptr, num_seqs, BT)
     n_tok = tl.maximum(tl.minimum(seq_len - p0, BT), 0)
     t0 = seq_start + p0
@@ -272,18 +276,20 @@ def _query_kernel(
         tl.store(dw_ptr + rtok * sdw_t + rj, _as_output(dw_acc, dw_ptr, UPCAST), mask=row_ok)
 
 
-@triton.jit(do_not_specialize=_RUNTIME_INTS)
+@triton.jit(do_not_specialize=_RUNTIME_INTS + ["splits"])
 def _dk_dense_kernel(
     q_ptr, w_ptr, k_ptr, aq_ptr, ak_ptr, alse_ptr, cu_ptr, cu_k_ptr, block_seq_ptr, block_start_ptr,
-    lse_i_ptr, denom_ptr, scale_ptr, dk_ptr,
-    sq_t, sq_h, sw_t, sk_s, saq_t, saq_h, sak_s, sak_h, slse_t, sdk_s,
-    num_seqs, H_I, D_I, H, H_KV, GROUP, D_A, ratio, qk_scale_log2,
+    lse_i_ptr, denom_ptr, scale_ptr, part_ptr,
+    sq_t, sq_h, sw_t, sk_s, saq_t, saq_h, sak_s, sak_h, slse_t, spart_split, spart_s,
+    num_seqs, H_I, D_I, H, H_KV, GROUP, D_A, ratio, splits, qk_scale_log2,
     BT: tl.constexpr, HIP: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, HC: tl.constexpr, BDA: tl.constexpr,
     L1: tl.constexpr, IEEE_I: tl.constexpr, IEEE_A: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """``dk`` of one block of ``BS`` keys of one sequence (dense stage): sweeps, in token order, the
-    queries that see at least its first key and sums ``M^T q`` with ``M = G w 1[a > 0]``."""
+    """Part ``program_id(1)`` of ``dk`` of one block of ``BS`` keys of one sequence (dense stage): the
+    queries that see its first key, cut in ``splits`` equal runs, this program's run swept in token order,
+    summing ``M^T q`` with ``M = G w 1[a > 0]`` into ``part[split]`` (fp32)."""
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     b, key_start, key_len, s0 = _sequence_block(pid, block_seq_ptr, block_start_ptr, cu_k_ptr, num_seqs, BS)
     seq_start = tl.load(cu_ptr + b).to(tl.int64)
     seq_len = tl.where(key_len > 0, tl.load(cu_ptr + b + 1).to(tl.int64) - seq_start, 0)
@@ -293,9 +299,12 @@ def _dk_dense_kernel(
     scale = tl.load(scale_ptr)
     dk_acc = tl.zeros([BS, BD], dtype=tl.float32)
     tt = tl.arange(0, BT)
-    p0 = (s0 + 1) * ratio - 1  # the first query that sees key s0
-    while p0 < seq_len:
-        n_tok = tl.minimum(seq_len - p0, BT)
+    p_first = (s0 + 1) * ratio - 1  # the first query that sees key s0
+    run = tl.cdiv(tl.cdiv(tl.maximum(seq_len - p_first, 0), splits), BT) * BT
+    p0 = p_first + split * run
+    p_end = tl.minimum(seq_len, p0 + run)
+    while p0 < p_end:
+        n_tok = tl.minimum(p_end - p0, BT)
         t0 = seq_start + p0
         tok_ok = tt < n_tok
         tok = t0 + tt.to(tl.int64)
@@ -317,7 +326,7 @@ def _dk_dense_kernel(
         dk_acc += _mma_split(tl.trans(gated), q, IEEE_I, UPCAST)
         p0 += BT
     d = tl.arange(0, BD)
-    tl.store(dk_ptr + key_rows[:, None] * sdk_s + d[None, :], _as_output(dk_acc, dk_ptr, UPCAST),
+    tl.store(part_ptr + split * spart_split + key_rows[:, None] * spart_s + d[None, :], dk_acc,
              mask=key_ok[:, None] & (d < D_I)[None, :])
 
 
@@ -534,12 +543,17 @@ def indexer_kl_triton(q, k, weights, attn_q, attn_k, attn_lse, *, softmax_scale:
         dense = _config(h_i, d_i, group, d_a, t_k, False)
         key_programs = t_k // dense["BS"] + num_seqs
         key_seq, key_start = _block_map(cu_k, dense["BS"], key_programs)
-        _dk_dense_kernel[(key_programs,)](
-            q, weights, k, attn_q, attn_k, attn_lse, cu, cu_k, key_seq, key_start, lse_i, denom, scale, dk,
+        # Each key block's queries are cut in `splits` runs (more programs than key blocks alone, whose causal
+        # work is uneven); the fp32 parts are summed in split order by one torch reduction: deterministic.
+        splits = max(1, min(_DK_MAX_SPLITS, triton.cdiv(_DK_PROGRAMS, key_programs), triton.cdiv(t, _DK_MIN_SPLIT_ROWS)))
+        parts = torch.empty((splits, t_k, d_i), dtype=torch.float32, device=device)
+        _dk_dense_kernel[(key_programs, splits)](
+            q, weights, k, attn_q, attn_k, attn_lse, cu, cu_k, key_seq, key_start, lse_i, denom, scale, parts,
             q.stride(0), q.stride(1), weights.stride(0), k.stride(0), attn_q.stride(0), attn_q.stride(1),
-            attn_k.stride(0), attn_k.stride(1), attn_lse.stride(0), dk.stride(0),
-            num_seqs, h_i, d_i, h, h_kv, group, d_a, compress_ratio, float(softmax_scale) * _LOG2E,
+            attn_k.stride(0), attn_k.stride(1), attn_lse.stride(0), parts.stride(0), parts.stride(1),
+            num_seqs, h_i, d_i, h, h_kv, group, d_a, compress_ratio, splits, float(softmax_scale) * _LOG2E,
             L1=l1, IEEE_I=ieee_i, IEEE_A=ieee_a, UPCAST=upcast, num_warps=_WARPS, **dense)
+        dk.copy_(parts.sum(0))
     total = kl.to(torch.float64).sum()
     if reduction == "mean":
         total = total / count.clamp(min=1).to(torch.float64)
