@@ -487,7 +487,7 @@ def indexer_kl_triton(q, k, weights, attn_q, attn_k, attn_lse, *, softmax_scale:
     if attn_k.dim() == 2:
         attn_k = attn_k.unsqueeze(1)
     if cu_seqlens is None:
-        cu = torch.tensor([0, t], dtype=torch.int64, device=device)
+        cu = torch.arange(2, dtype=torch.int64, device=device) * t  # [0, T] without a host copy (graph capture)
     else:
         cu = cu_seqlens.to(torch.int64)
     num_seqs = cu.shape[0] - 1
