@@ -50,7 +50,7 @@ from ..ops.q_quant.triton import round_to_bf16
 
 _LOG2E = 1.4426950408889634
 _ROWS = 128  # rows (token, head) of one tile: the M dimension of the tensor-core products
-_BLOCK_S = 64  # keys per tile
+_BLOCK_S = 32  # keys per tile (64 spills registers in the gradient pass at H_I = 64, D_I = 128 on sm_90)
 _BLOCK_DA = 64  # D_a chunk of the attention product (D_a = 576 = 9 x 64)
 _BLOCK_E = 2  # CSR entries per step of the sparse dk kernel
 _WARPS = 8
@@ -346,7 +346,7 @@ def _dk_sparse_kernel(
     kvec = tl.load(k_ptr + s * sk_s + d, mask=d_ok, other=0.0).to(tl.float32)
     r = tl.arange(0, BE * HIP)
     j = r % HIP
-    acc = tl.zeros([BE * HIP, BD], dtype=tl.float32)
+    acc = tl.zeros([BD], dtype=tl.float32)
     e = e0
     while e < e1:
         er = e + r // HIP
@@ -358,9 +358,9 @@ def _dk_sparse_kernel(
         q = tl.load(q_ptr + tok[:, None] * sq_t + j[:, None] * sq_h + d[None, :], mask=ok[:, None] & d_ok[None, :],
                     other=0.0).to(tl.float32)
         a = tl.sum(q * kvec[None, :], axis=1)
-        acc += tl.where(a > 0.0, g * w, 0.0)[:, None] * q
+        acc += tl.sum(tl.where(a > 0.0, g * w, 0.0)[:, None] * q, axis=0)
         e += BE
-    tl.store(dk_ptr + s * sdk_s + d, _as_output(tl.sum(acc, axis=0), dk_ptr, UPCAST), mask=d_ok)
+    tl.store(dk_ptr + s * sdk_s + d, _as_output(acc, dk_ptr, UPCAST), mask=d_ok)
 
 
 def _check_inputs(q, k, weights, attn_q, attn_k, attn_lse, softmax_scale, cu_seqlens, topk_indices, compress_ratio,
@@ -538,7 +538,8 @@ def indexer_kl_triton(q, k, weights, attn_q, attn_k, attn_lse, *, softmax_scale:
         if t_k:
             _dk_sparse_kernel[(t_k,)](q, weights, k, ptr, entries, gbuf, dk, q.stride(0), q.stride(1), weights.stride(0),
                                       k.stride(0), dk.stride(0), h_i, d_i, big_k,
-                                      HIP=cfg["HIP"], BD=cfg["BD"], BE=_BLOCK_E, UPCAST=upcast)
+                                      HIP=cfg["HIP"], BD=cfg["BD"], BE=_BLOCK_E, UPCAST=upcast,
+                                      num_warps=_WARPS)
     elif t_k:
         dense = _config(h_i, d_i, group, d_a, t_k, False)
         key_programs = t_k // dense["BS"] + num_seqs
