@@ -289,7 +289,7 @@ def _dk_dense_kernel(
     queries that see its first key, cut in ``splits`` equal runs, this program's run swept in token order,
     summing ``M^T q`` with ``M = G w 1[a > 0]`` into ``part[split]`` (fp32)."""
     pid = tl.program_id(0)
-    split = tl.program_id(1)
+    split = tl.program_id(1).to(tl.int64)
     b, key_start, key_len, s0 = _sequence_block(pid, block_seq_ptr, block_start_ptr, cu_k_ptr, num_seqs, BS)
     seq_start = tl.load(cu_ptr + b).to(tl.int64)
     seq_len = tl.where(key_len > 0, tl.load(cu_ptr + b + 1).to(tl.int64) - seq_start, 0)
