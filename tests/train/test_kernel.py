@@ -200,10 +200,15 @@ def test_sparse_matches_oracle(kernel_device, target_norm):
 
 @pytest.mark.interpreter
 def test_empty_and_single_token(kernel_device):
-    """T = 1 with ratio 2 sees no key: loss and gradients 0; T = 0 returns empty gradients."""
+    """T = 1 with ratio 2 sees no key, nor does a sparse stage with k = 0: loss and gradients 0; T = 0 returns empty
+    gradients."""
     q, k, w, attn_q, attn_k, attn_lse = _inputs(1, 2, 16, 2, 16, t_k=0, device=kernel_device)
     loss, dq, dk, dw = indexer_kl_triton(q, k, w, attn_q, attn_k, attn_lse, softmax_scale=0.2, compress_ratio=2)
     assert float(loss) == 0.0 and not dq.any() and dk.shape == (0, 16) and not dw.any()
+    q, k, w, attn_q, attn_k, attn_lse = _inputs(3, 2, 16, 2, 16, device=kernel_device)
+    nothing = torch.empty(3, 0, dtype=torch.int32, device=kernel_device)  # k = 0: every V_t is empty
+    loss, dq, dk, dw = indexer_kl_triton(q, k, w, attn_q, attn_k, attn_lse, softmax_scale=0.2, topk_indices=nothing)
+    assert float(loss) == 0.0 and not dq.any() and not dk.any() and not dw.any()
     empty = _inputs(0, 2, 16, 2, 16, device=kernel_device)
     loss, dq, dk, dw = indexer_kl_triton(*empty, softmax_scale=0.2)
     assert float(loss) == 0.0 and dq.shape == (0, 2, 16) and dk.shape == (0, 16) and dw.shape == (0, 2)

@@ -405,8 +405,8 @@ def _check_inputs(q, k, weights, attn_q, attn_k, attn_lse, softmax_scale, cu_seq
         raise ValueError(f"k must have T // compress_ratio = {t // compress_ratio} rows, got {t_k}")
     if topk_indices is not None:
         check_tensor("topk_indices", topk_indices, dtype=torch.int32, ndim=2)
-        if topk_indices.shape[0] != t or topk_indices.shape[1] < 1:
-            raise ValueError(f"topk_indices must have shape [{t}, K] with K >= 1, got {list(topk_indices.shape)}")
+        if topk_indices.shape[0] != t:
+            raise ValueError(f"topk_indices must have shape [{t}, K], got {list(topk_indices.shape)}")
     check_same_device(q=q, k=k, weights=weights, attn_q=attn_q, attn_k=attn_k, attn_lse=attn_lse, cu_seqlens=cu_seqlens,
                       topk_indices=topk_indices)
     return h_kv, h // h_kv
