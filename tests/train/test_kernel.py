@@ -155,12 +155,19 @@ def test_oracle_gradients_equal_autograd_of_its_loss():
         dict(t=17, h_i=4, d_i=32, h=4, d_a=16, dtype=torch.bfloat16, target_norm="l1"),
         dict(t=21, h_i=2, d_i=16, h=4, d_a=20, h_kv=2, cu=[0, 1, 12, 12, 21], ratio=2, target_norm="l1", split_rows=4),
         dict(t=20, h_i=4, d_i=16, h=2, d_a=16, cu=[0, 7, 20], ratio=3, reduction="sum", coeff=0.25),
+        dict(t=40, h_i=8, d_i=16, h=2, d_a=16, cu=[0, 3, 40], target_norm="l1", fused_dk=True),
     ],
-    ids=["dense-fp32-causal", "dense-bf16-l1", "dense-varlen-ratio2-gqa-l1-split-dk", "dense-varlen-ratio3-sum"],
+    ids=["dense-fp32-causal", "dense-bf16-l1", "dense-varlen-ratio2-gqa-l1-split-dk", "dense-varlen-ratio3-sum",
+         "dense-varlen-fused-dk"],
 )
 def test_dense_matches_oracle(kernel_device, case, monkeypatch):
     if "split_rows" in case:  # dk summed from several parts of the query sweep
         monkeypatch.setattr(triton_kernels, "_DK_MIN_SPLIT_ROWS", case["split_rows"])
+    # dk added in the gradient pass behind per-tile tickets (the second sequence: three blocks of 16 tokens
+    # adding, in turn, to two tiles of 32 keys); the separate dk kernel must not run
+    monkeypatch.setattr(triton_kernels, "_FUSED_DK", case.get("fused_dk", False))
+    if case.get("fused_dk"):
+        monkeypatch.setattr(triton_kernels, "_dk_dense_kernel", None)
     ratio = case.get("ratio", 1)
     cu = None if "cu" not in case else torch.tensor(case["cu"], dtype=torch.int32)
     t = case["t"]
@@ -252,8 +259,10 @@ def _gpu_case(t, *, h=V32["h"], seed=0):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused_dk", [False, True])
 @pytest.mark.parametrize("t, target_norm, h", [(1024, "heads", 128), (2048, "l1", 128), (4096, "heads", 16)])
-def test_gpu_dense_matches_oracle(t, target_norm, h):
+def test_gpu_dense_matches_oracle(t, target_norm, h, fused_dk, monkeypatch):
+    monkeypatch.setattr(triton_kernels, "_FUSED_DK", fused_dk)
     q, k, w, attn_q, attn_k = _gpu_case(t, h=h)
     scale = V32["softmax_scale"]
     lse = _gpu_lse(attn_q, attn_k, scale, None) if target_norm == "heads" else torch.randn(t, h, device="cuda") + 8.0
@@ -325,8 +334,9 @@ def _gpu_lse(attn_q, attn_k, scale, cu, topk=None, chunk=128):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("sparse", [False, True])
-def test_gpu_dk_is_bitwise_deterministic(sparse):
+@pytest.mark.parametrize("sparse, fused_dk", [(False, False), (False, True), (True, False)])
+def test_gpu_dk_is_bitwise_deterministic(sparse, fused_dk, monkeypatch):
+    monkeypatch.setattr(triton_kernels, "_FUSED_DK", fused_dk)
     t = 2048
     q, k, w, attn_q, attn_k = _gpu_case(t)
     lse = torch.randn(t, V32["h"], device="cuda") + 8.0

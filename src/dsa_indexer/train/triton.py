@@ -54,6 +54,10 @@ _BLOCK_S = 32  # keys per tile (64 spills registers in the gradient pass at H_I 
 _BLOCK_DA = 64  # D_a chunk of the attention product (D_a = 576 = 9 x 64)
 _BLOCK_E = 2  # CSR entries per step of the sparse dk kernel
 _WARPS = 8
+# Dense dk inside the gradient pass, added to each key tile in a fixed order behind a per-tile ticket
+# (removes the dk pass and its recompute of the target). Off until measured on the GPU: it relies on
+# programs starting in launch order, as NVIDIA GPUs do.
+_FUSED_DK = False
 _DK_PROGRAMS = 1024  # dense dk: split the query sweep until about this many programs ...
 _DK_MAX_SPLITS = 16  # ... in at most this many parts ...
 _DK_MIN_SPLIT_ROWS = 256  # ... of at least this many query rows on average
@@ -176,14 +180,20 @@ _RUNTIME_INTS = ["num_seqs", "H_I", "D_I", "H", "H_KV", "GROUP", "D_A", "ratio"]
 @triton.jit(do_not_specialize=_RUNTIME_INTS + ["K"])
 def _query_kernel(
     q_ptr, w_ptr, k_ptr, aq_ptr, ak_ptr, alse_ptr, cu_ptr, cu_k_ptr, block_seq_ptr, block_start_ptr, sel_ptr,
-    lse_i_ptr, denom_ptr, scale_ptr, kl_ptr, dq_ptr, dw_ptr, gbuf_ptr,
+    lse_i_ptr, denom_ptr, scale_ptr, kl_ptr, dq_ptr, dw_ptr, gbuf_ptr, dk_sum_ptr, tickets_ptr, tile_start_ptr,
     sq_t, sq_h, sw_t, sk_s, saq_t, saq_h, sak_s, sak_h, slse_t, sdq_t, sdq_h, sdw_t,
     num_seqs, H_I, D_I, H, H_KV, GROUP, D_A, K, ratio, qk_scale_log2,
     BT: tl.constexpr, HIP: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, HC: tl.constexpr, BDA: tl.constexpr,
     SPARSE: tl.constexpr, STATS: tl.constexpr, L1: tl.constexpr, IEEE_I: tl.constexpr, IEEE_A: tl.constexpr, UPCAST: tl.constexpr,
+    FUSED_DK: tl.constexpr,
 ):
     """One block of ``BT`` query tokens: with ``STATS`` the row statistics (``lse_i`` [T], ``denom`` [T]
-    for L1), else the row KL terms ``kl`` [T], ``dq``, ``dw`` and (``SPARSE``) ``G`` of each slot."""
+    for L1), else the row KL terms ``kl`` [T], ``dq``, ``dw`` and (``SPARSE``) ``G`` of each slot.
+
+    ``FUSED_DK`` (dense): also adds the block's ``M^T q`` of each key tile into ``dk_sum`` (fp32 [T_k, D_I]),
+    in a fixed order: the blocks of a sequence add to a tile from the last one down, each waiting until the
+    tile's ticket (int32, one per key tile, ``tile_start[b]`` the first tile of sequence b) counts the blocks
+    above it. Programs start in that same order (heaviest first), so a program only waits for earlier ones."""
     pid = tl.num_programs(0) - 1 - tl.program_id(0)  # the last blocks of a sequence (most keys) start first
     b, seq_start, seq_len, p0 = _sequence_block(pid, block_seq_ptr, block_start_ptr, cu_ptr, num_seqs, BT)
     n_tok = tl.maximum(tl.minimum(seq_len - p0, BT), 0)
@@ -250,6 +260,19 @@ def _query_kernel(
             dw_acc += tl.sum(grad_rows * tl.maximum(a, 0.0), axis=1)
             gated = tl.where(a > 0.0, grad_rows, 0.0)
             dq_acc += _mma_split(gated, kt, IEEE_I, UPCAST)
+            if FUSED_DK:
+                part = _mma_split(tl.trans(tl.where(a > 0.0, grad_rows * w[:, None], 0.0)), q, IEEE_I, UPCAST)
+                ticket = tickets_ptr + tl.load(tile_start_ptr + b) + s0 // BS
+                above = tl.cdiv(seq_len, BT) - 1 - p0 // BT  # blocks of this sequence after this one
+                while tl.atomic_add(ticket, 0, sem="acquire") != above:
+                    pass
+                d = tl.arange(0, BD)
+                where = dk_sum_ptr + key_rows[:, None] * D_I + d[None, :]
+                inside = key_ok[:, None] & (d < D_I)[None, :]
+                total = tl.load(where, mask=inside, other=0.0, cache_modifier=".cg")  # L2: the predecessor's bytes
+                tl.store(where, total + part, mask=inside)
+                tl.debug_barrier()  # every thread's store issued before the ticket moves on
+                tl.atomic_add(ticket, 1, sem="release")
             if SPARSE:
                 tl.store(gbuf_ptr + t0 * K + cols, tl.sum(grad, axis=0), mask=(cols < K) & (n_tok > 0))
         s0 += BS
@@ -518,18 +541,29 @@ def indexer_kl_triton(q, k, weights, attn_q, attn_k, attn_lse, *, softmax_scale:
     denom = torch.empty(t, dtype=torch.float32, device=device) if target_norm == "l1" else lse_i
     kl = torch.empty(t, dtype=torch.float32, device=device)
     l1 = target_norm == "l1"
+    fused = _FUSED_DK and not sparse and t_k > 0
+    if fused:
+        tiles = (cu_k[1:] - cu_k[:-1] + cfg["BS"] - 1) // cfg["BS"]
+        tile_start = torch.zeros_like(cu_k)
+        tile_start[1:] = torch.cumsum(tiles, 0)
+        tickets = torch.zeros(t_k // cfg["BS"] + num_seqs, dtype=torch.int32, device=device)
+        dk_sum = torch.zeros((t_k, d_i), dtype=torch.float32, device=device)
+    else:
+        tile_start, tickets, dk_sum = cu_k, torch.empty(1, dtype=torch.int32, device=device), gbuf
     ieee_i = q.dtype == torch.float32
     ieee_a = attn_q.dtype == torch.float32
     upcast = interpreter_enabled()
     common = (q, weights, k, attn_q, attn_k, attn_lse, cu, cu_k, block_seq, block_start, sel,
-              lse_i, denom, scale, kl, dq, dw, gbuf,
+              lse_i, denom, scale, kl, dq, dw, gbuf, dk_sum, tickets, tile_start,
               q.stride(0), q.stride(1), weights.stride(0), k.stride(0), attn_q.stride(0), attn_q.stride(1),
               attn_k.stride(0), attn_k.stride(1), attn_lse.stride(0), dq.stride(0), dq.stride(1), dw.stride(0),
               num_seqs, h_i, d_i, h, h_kv, group, d_a, big_k, compress_ratio, float(softmax_scale) * _LOG2E)
     for stats in (True, False):
         _query_kernel[(programs,)](*common, SPARSE=sparse, STATS=stats, L1=l1, IEEE_I=ieee_i, IEEE_A=ieee_a,
-                                     UPCAST=upcast, num_warps=_WARPS, **cfg)
-    if sparse:
+                                     UPCAST=upcast, FUSED_DK=fused and not stats, num_warps=_WARPS, **cfg)
+    if fused:
+        dk.copy_(dk_sum)
+    elif sparse:
         keys = torch.where(sel >= 0, cu_k[torch.searchsorted(cu[1:], rows, right=True)][:, None] + sel,
                            torch.full_like(sel, t_k, dtype=torch.int64))
         sorted_keys, order = torch.sort(keys.reshape(-1), stable=True)
