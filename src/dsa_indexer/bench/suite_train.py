@@ -3,8 +3,9 @@
 Main attention: H = 128 heads over the MLA latent (D_a = 576, MQA), softmax scale 0.1352; indexer
 H_I = 64 heads of D_I = 128; bf16; causal, one sequence of T tokens. Dense stage for T in {4K, 8K, 32K};
 sparse stage with k = 2048 selected keys per row (every visible key while fewer than k, else a stratified
-random draw of k distinct visible keys). The target's per-head LSE is the exact one over V_t (computed
-before timing, chunked). Time: median of a few event-timed calls of ``indexer_kl_triton`` (loss and the
+random draw of k distinct visible keys). Dense shapes run twice: with ``dk`` in its own pass (the
+default) and fused into the gradient pass (``train.triton._FUSED_DK``). The target's per-head LSE is the
+exact one over V_t (computed before timing, chunked). Time: median of a few event-timed calls of ``indexer_kl_triton`` (loss and the
 three gradients in one call, as the autograd op's forward does), after one untimed call; a second call is
 first checked bitwise equal to the first (determinism). Peak memory: the allocator's peak above the inputs.
 
@@ -25,7 +26,7 @@ from . import harness
 
 HEADS, LATENT, SCALE, INDEX_HEADS, INDEX_DIM = 128, 576, 0.1352, 64, 128
 FLOP_PER_PAIR = 2 * HEADS * LATENT + 4 * 2 * INDEX_HEADS * INDEX_DIM
-CASES = [(4096, None), (8192, None), (32768, None), (4096, 2048), (8192, 2048), (32768, 2048)]
+SHAPES = [(4096, None), (8192, None), (32768, None), (4096, 2048), (8192, 2048), (32768, 2048)]  # (T, k; None: dense)
 MEGATRON_T = 4096
 _BUDGET_S = 6.0  # timed calls per case stop after about this long
 
@@ -127,18 +128,13 @@ def _megatron_available() -> bool:
         return False
 
 
-def run(ceilings: dict[str, float]) -> list[dict]:
-    from ..train.triton import indexer_kl_triton
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    rows = []
-    for t, top in CASES:
-        q, k, weights, attn_q, attn_k = _inputs(t, gen)
-        topk = None if top is None else _selection(t, top, gen)
-        lse = _attention_lse(attn_q, attn_k, topk)
-
+def _measure(kernels, inputs, t: int, top: int | None, fused: bool, ceilings: dict[str, float]) -> dict:
+    """One record: the call checked (deterministic, finite loss), timed and its peak memory measured."""
+    q, k, weights, attn_q, attn_k, topk, lse = inputs
+    kernels._FUSED_DK = fused
+    try:
         def call():
-            return indexer_kl_triton(q, k, weights, attn_q, attn_k, lse, softmax_scale=SCALE, topk_indices=topk)
+            return kernels.indexer_kl_triton(q, k, weights, attn_q, attn_k, lse, softmax_scale=SCALE, topk_indices=topk)
 
         first, second = call(), call()
         if not all(torch.equal(x, y) for x, y in zip(first, second)):
@@ -148,24 +144,37 @@ def run(ceilings: dict[str, float]) -> list[dict]:
         del first, second
         us = _events_us(call)
         peak = _peak_bytes(call)
-        pairs = t * (t + 1) // 2 if top is None else sum(min(top, p + 1) for p in range(t))
-        flops = FLOP_PER_PAIR * pairs
-        baselines = {}
-        note = {}
-        if top is None and t == MEGATRON_T:
-            if _megatron_available():
-                try:
-                    baselines = _megatron(q, k, weights, attn_q, attn_k)
-                except (RuntimeError, TypeError, ValueError, ImportError) as error:  # OOM or an API other than 0.19.2's
-                    note = {"megatron": f"not run: {type(error).__name__}: {str(error)[:120]}"}
-            else:
-                note = {"megatron": "not importable"}
-        torch.cuda.empty_cache()
-        rows.append(harness.record(
-            "indexer_kl_fwd_bwd", {"T": t, "k": top or "dense", "H": HEADS, "D_a": LATENT, "H_I": INDEX_HEADS, "D_I": INDEX_DIM},
-            us, flops / (ceilings["bf16_tflops"] * 1e6), tflops=flops / us / 1e6, baselines=baselines,
-            peak_mem_bytes=peak, **note,
-        ))
-        del q, k, weights, attn_q, attn_k, topk, lse
+    finally:
+        kernels._FUSED_DK = False
+    pairs = t * (t + 1) // 2 if top is None else sum(min(top, p + 1) for p in range(t))
+    flops = FLOP_PER_PAIR * pairs
+    baselines, note = {}, {}
+    if top is None and t == MEGATRON_T and not fused:
+        if _megatron_available():
+            try:
+                baselines = _megatron(q, k, weights, attn_q, attn_k)
+            except (RuntimeError, TypeError, ValueError, ImportError) as error:  # OOM or an API other than 0.19.2's
+                note = {"megatron": f"not run: {type(error).__name__}: {str(error)[:120]}"}
+        else:
+            note = {"megatron": "not importable"}
+    torch.cuda.empty_cache()
+    shape = {"T": t, "k": top or "dense", "dk": "fused" if fused else "own pass", "H": HEADS, "D_a": LATENT,
+             "H_I": INDEX_HEADS, "D_I": INDEX_DIM}
+    return harness.record("indexer_kl_fwd_bwd", shape, us, flops / (ceilings["bf16_tflops"] * 1e6), tflops=flops / us / 1e6,
+                          baselines=baselines, peak_mem_bytes=peak, **note)
+
+
+def run(ceilings: dict[str, float]) -> list[dict]:
+    from ..train import triton as kernels
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for t, top in SHAPES:
+        q, k, weights, attn_q, attn_k = _inputs(t, gen)
+        topk = None if top is None else _selection(t, top, gen)
+        inputs = (q, k, weights, attn_q, attn_k, topk, _attention_lse(attn_q, attn_k, topk))
+        for fused in (False, True) if top is None else (False,):
+            rows.append(_measure(kernels, inputs, t, top, fused, ceilings))
+        del q, k, weights, attn_q, attn_k, topk, inputs
         torch.cuda.empty_cache()
     return rows
