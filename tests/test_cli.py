@@ -94,13 +94,14 @@ def test_bench_on_cpu_writes_results_and_a_plot(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal of GPU suites without CUDA")
-def test_bench_gpu_suite_without_cuda_is_a_one_line_error(capsys):
-    assert main(["bench", "--suite", "logits", "--out", "/tmp/unused"]) == 2
+@pytest.mark.parametrize("suite", ["logits", "train"])
+def test_bench_gpu_suite_without_cuda_is_a_one_line_error(capsys, suite):
+    assert main(["bench", "--suite", suite, "--out", "/tmp/unused"]) == 2
     assert "need a CUDA device" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
-    "suite", ["quant_cache", "seq_candidates", "logits", "topk", "step", "sparse_logits", "distributed", "cpu"]
+    "suite", ["quant_cache", "seq_candidates", "logits", "topk", "step", "sparse_logits", "distributed", "train", "cpu"]
 )
 def test_every_bench_suite_imports_and_exposes_run(suite):
     import importlib

@@ -69,7 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="time every op on this device against its floor and torch")
     bench.add_argument("--suite", action="append", dest="suites", metavar="NAME",
                        help="quant_cache, seq_candidates, logits, topk, step, sparse_logits (GPU), distributed (ranks "
-                            "simulated on 1 GPU, NCCL with 2+) or cpu; repeatable (default: all for the device)")
+                            "simulated on 1 GPU, NCCL with 2+), train (GPU, only when named) or cpu; repeatable "
+                            "(default: all for the device but train)")
     bench.add_argument("--out", default="dsa-indexer-bench", metavar="DIR", help="folder for <suite>.json and .md")
     bench.add_argument("--plot", metavar="PNG", help="also draw each result as a percentage of its floor")
     commands.add_parser("info", help="versions, devices and available backends")

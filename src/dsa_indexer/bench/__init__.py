@@ -17,6 +17,8 @@ from . import harness
 
 GPU_SUITES = ("quant_cache", "seq_candidates", "logits", "topk", "step", "sparse_logits")
 MULTI_GPU_SUITES = ("distributed",)
+# Run only when named (``scripts/gpu-bench train``): the training loss takes minutes, not seconds.
+OPT_IN_GPU_SUITES = ("train",)
 CPU_SUITES = ("cpu",)
 PEER_LIBRARIES = ("deep_gemm", "flashinfer", "vllm", "sgl_kernel")
 
@@ -37,11 +39,11 @@ def run_suites(
     suites: tuple[str, ...], folder: Path, progress: Callable[[str], None] | None = None
 ) -> tuple[dict[str, float], list[dict]]:
     """Measure the ceilings, run ``suites`` and write their results to ``folder``."""
-    known = GPU_SUITES + MULTI_GPU_SUITES + CPU_SUITES
+    known = GPU_SUITES + MULTI_GPU_SUITES + OPT_IN_GPU_SUITES + CPU_SUITES
     unknown = [s for s in suites if s not in known]
     if unknown:
         raise ValueError(f"suites must be among {known}, got {unknown}")
-    needs_gpu = [s for s in suites if s in GPU_SUITES + MULTI_GPU_SUITES]
+    needs_gpu = [s for s in suites if s in GPU_SUITES + MULTI_GPU_SUITES + OPT_IN_GPU_SUITES]
     if needs_gpu and not torch.cuda.is_available():
         raise ValueError(f"suites {needs_gpu} need a CUDA device; on this machine run the 'cpu' suite")
     if needs_gpu:

@@ -5,7 +5,7 @@ kernels are measured cold) or of CUDA-graph replays for launches too short for e
 256 MB memset (``cold_graph_us``, the anchors' state: an L2 full of dirty lines) or cycling through buffer
 sets larger than the L2 (``rotating_graph_us``, DESIGN.md §12). Ceilings
 are measured in the same process: a device-to-device copy (read + write bandwidth), a read-only pass
-(a reduction), and an FP8 matrix product through ``torch._scaled_mm``.
+(a reduction), an FP8 matrix product through ``torch._scaled_mm`` and a bf16 one through ``torch.mm``.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def rotation_count(bytes_per_call: int, minimum: int = 2) -> int:
 
 
 def measure_ceilings() -> dict[str, float]:
-    """Copy and read bandwidth (TB/s) and FP8 matmul rate (TFLOP/s) of this GPU, now."""
+    """Copy and read bandwidth (TB/s) and FP8 and bf16 matmul rates (TFLOP/s) of this GPU, now."""
     n = 1 << 30
     src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -102,12 +102,16 @@ def measure_ceilings() -> dict[str, float]:
     b = torch.randn(size, size, device="cuda").to(torch.float8_e4m3fn).t()
     one = torch.ones((), device="cuda")
     mm_us = median_us(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
-    del src, dst, a, b
+    a16 = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b16 = torch.randn(size, size, device="cuda", dtype=torch.bfloat16).t()
+    mm16_us = median_us(lambda: torch.mm(a16, b16))
+    del src, dst, a, b, a16, b16
     torch.cuda.empty_cache()
     return {
         "copy_tbs": 2 * n / copy_us / 1e6,
         "read_tbs": n / read_us / 1e6,
         "fp8_tflops": 2 * size**3 / mm_us / 1e6,
+        "bf16_tflops": 2 * size**3 / mm16_us / 1e6,
     }
 
 
@@ -162,7 +166,8 @@ def render_markdown(name: str, payload: dict) -> str:
         f"# {name}", "",
         f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date']}. "
         f"Ceilings measured in the same run: copy {ceilings['copy_tbs']:.2f} TB/s, read {ceilings['read_tbs']:.2f} TB/s, "
-        f"FP8 matmul {ceilings['fp8_tflops']:.0f} TFLOP/s.", "",
+        f"FP8 matmul {ceilings['fp8_tflops']:.0f} TFLOP/s"
+        + (f", bf16 matmul {ceilings['bf16_tflops']:.0f} TFLOP/s." if "bf16_tflops" in ceilings else "."), "",
         "| op | shape | µs | floor µs | % of floor | TFLOP/s | TB/s | baselines (µs) | notes |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | --- |",
     ]

@@ -255,6 +255,8 @@ def indexer_kl_loss(q, k, weights, attn_q, attn_k, attn_lse, *, softmax_scale: f
              coeff=coeff)
     _backend.requested_backend(backend)
     implementation = _implementation(backend, q.device, (q.dtype, weights.dtype, attn_q.dtype, attn_lse.dtype))
+    if topk_indices is not None:
+        topk_indices = topk_indices.to(torch.int32)  # the index-dtype policy: int64 accepted, int32 inside
 
     def compute():
         return implementation(q.detach(), k.detach(), weights.detach(), attn_q.detach(), attn_k.detach(),

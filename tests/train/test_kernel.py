@@ -1,0 +1,371 @@
+"""The Triton KL-loss kernels (``dsa_indexer.train.triton``) against an independent float64 oracle.
+
+The oracle below follows the math of issue 27 literally, query chunk by query chunk, materialising the
+``[chunk, T_k]`` scores (the whole ``T x T_k`` matrix at the interpreter's tiny shapes): visibility mask,
+indexer logits, the head-summed target, KL per row, and the gradients through ``G = (c/N)(pi - p)``.
+The oracle's own gradients are checked once against torch autograd of its loss. Interpreter cases are
+tiny (T <= 32); realistic shapes, the 20-rerun determinism of ``dk`` and the memory bound run on the GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dsa_indexer.testing import calc_diff
+
+triton_kernels = pytest.importorskip("dsa_indexer.train.triton")
+indexer_kl_triton = triton_kernels.indexer_kl_triton
+
+
+def _layout(t: int, cu_seqlens, ratio: int):
+    """Per token: (first key row of its sequence, visible key count (p + 1) // ratio)."""
+    cu = [0, t] if cu_seqlens is None else [int(x) for x in cu_seqlens]
+    base, limit, key_start = [], [], 0
+    for b in range(len(cu) - 1):
+        length = cu[b + 1] - cu[b]
+        for p in range(length):
+            base.append(key_start)
+            limit.append((p + 1) // ratio)
+        key_start += length // ratio
+    return torch.tensor(base, dtype=torch.int64), torch.tensor(limit, dtype=torch.int64)
+
+
+def _visible(rows, t_k, base, limit, topk):
+    """Bool [len(rows), T_k]: key s in V_t."""
+    s = torch.arange(t_k, device=base.device)
+    mask = (s[None, :] >= base[rows, None]) & (s[None, :] < (base + limit)[rows, None])
+    if topk is None:
+        return mask
+    ids = topk[rows].to(torch.int64)
+    ok = (ids >= 0) & (ids < limit[rows, None])
+    hits = torch.zeros(mask.shape, dtype=torch.int64, device=base.device)
+    hits.scatter_add_(1, torch.where(ok, base[rows, None] + ids, 0), ok.to(torch.int64))
+    return mask & (hits > 0)
+
+
+def oracle(q, k, w, attn_q, attn_k, attn_lse, *, softmax_scale, cu_seqlens=None, topk_indices=None, compress_ratio=1,
+           target_norm="heads", reduction="mean", coeff=1.0, chunk=4096):
+    """(loss, dq, dk, dw) in float64 on the inputs' device."""
+    q, k, w, attn_q, attn_k, attn_lse = (x.double() for x in (q, k, w, attn_q, attn_k, attn_lse))
+    t, h = attn_q.shape[:2]
+    t_k = k.shape[0]
+    kv = attn_k if attn_k.dim() == 3 else attn_k[:, None, :]
+    kv_of_head = torch.arange(h, device=q.device) // (h // kv.shape[1])
+    base, limit = (x.to(q.device) for x in _layout(t, cu_seqlens, compress_ratio))
+    topk = None if topk_indices is None else topk_indices.to(q.device)
+
+    def chunk_terms(rows):
+        vis = _visible(rows, t_k, base, limit, topk)
+        a = torch.einsum("thd,sd->ths", q[rows], k)
+        logits = torch.einsum("th,ths->ts", w[rows], a.clamp(min=0))
+        z = torch.einsum("thd,shd->ths", attn_q[rows], kv[:, kv_of_head])
+        target = torch.exp(softmax_scale * z - attn_lse[rows, :, None]).sum(1)
+        return vis, a, logits, target
+
+    lse_i = torch.empty(t, dtype=torch.float64, device=q.device)
+    denom = torch.full((t,), float(h), dtype=torch.float64, device=q.device)
+    for c0 in range(0, t, chunk):
+        rows = torch.arange(c0, min(t, c0 + chunk), device=q.device)
+        vis, _, logits, target = chunk_terms(rows)
+        lse_i[rows] = torch.logsumexp(logits.masked_fill(~vis, -math.inf), 1)
+        if target_norm == "l1":
+            denom[rows] = (target * vis).sum(1)
+    valid = lse_i > -math.inf
+    count = int(valid.sum())
+    g_scale = coeff / max(count, 1) if reduction == "mean" else coeff
+    kl = torch.zeros(t, dtype=torch.float64, device=q.device)
+    dq, dk, dw = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(w)
+    for c0 in range(0, t, chunk):
+        rows = torch.arange(c0, min(t, c0 + chunk), device=q.device)
+        vis, a, logits, target = chunk_terms(rows)
+        p = torch.where(vis, target / denom[rows, None], 0.0)
+        pi = torch.where(vis, torch.exp(logits - lse_i[rows, None]), 0.0)
+        plogp = torch.where(vis & (p > 0), p * torch.log(torch.where(p > 0, p, 1.0)), 0.0)
+        row_kl = plogp.sum(1) - (p * torch.where(vis, logits, 0.0)).sum(1) + torch.where(valid[rows], lse_i[rows], 0.0)
+        kl[rows] = torch.where(valid[rows], row_kl, 0.0)
+        grad = g_scale * (pi - p)
+        gate = (a > 0).double()
+        dw[rows] = torch.einsum("ts,ths->th", grad, a.clamp(min=0))
+        dq[rows] = w[rows, :, None] * torch.einsum("ts,ths,sd->thd", grad, gate, k)
+        dk += torch.einsum("ts,th,ths,thd->sd", grad, w[rows], gate, q[rows])
+    total = kl.sum()
+    loss = coeff * (total / max(count, 1) if reduction == "mean" else total)
+    return loss, dq, dk, dw
+
+
+def _inputs(t, h_i, d_i, h, d_a, *, t_k=None, h_kv=0, dtype=torch.float32, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    t_k = t if t_k is None else t_k
+    q = torch.randn(t, h_i, d_i, generator=gen)
+    k = torch.randn(t_k, d_i, generator=gen)
+    w = torch.randn(t, h_i, generator=gen) / math.sqrt(h_i * d_i)
+    attn_q = torch.randn(t, h, d_a, generator=gen)
+    attn_k = torch.randn(t_k, h_kv, d_a, generator=gen) if h_kv else torch.randn(t_k, d_a, generator=gen)
+    attn_lse = torch.randn(t, h, generator=gen) + 3.0
+    return [x.to(device=device, dtype=dtype) for x in (q, k, w, attn_q, attn_k)] + [attn_lse.to(device)]
+
+
+def _causal_lse(attn_q, attn_k, softmax_scale, cu_seqlens, ratio, topk=None):
+    """The attention's own per-head LSE over V_t (rows with an empty V_t: 0), float32."""
+    t, h = attn_q.shape[:2]
+    kv = attn_k if attn_k.dim() == 3 else attn_k[:, None, :]
+    kv_of_head = torch.arange(h, device=attn_q.device) // (h // kv.shape[1])
+    base, limit = (x.to(attn_q.device) for x in _layout(t, cu_seqlens, ratio))
+    rows = torch.arange(t, device=attn_q.device)
+    vis = _visible(rows, attn_k.shape[0], base, limit, topk)
+    z = softmax_scale * torch.einsum("thd,shd->ths", attn_q.double(), kv[:, kv_of_head].double())
+    lse = torch.logsumexp(z.masked_fill(~vis[:, None, :], -math.inf), 2)
+    return torch.where(torch.isfinite(lse), lse, 0.0).float()
+
+
+def _assert_close(got, want, *, dtype, label=""):
+    loss, dq, dk, dw = got
+    ref_loss, ref_dq, ref_dk, ref_dw = want
+    grad_tol = 1e-9 if dtype == torch.float32 else 5e-6
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * (1 + abs(float(ref_loss))), (label, float(loss), float(ref_loss))
+    for name, x, y in (("dq", dq, ref_dq), ("dk", dk, ref_dk), ("dw", dw, ref_dw)):
+        assert torch.isfinite(x).all(), (label, name)
+        assert calc_diff(x, y) < grad_tol, (label, name, calc_diff(x, y))
+
+
+def test_oracle_gradients_equal_autograd_of_its_loss():
+    """The oracle's G-based gradients are the derivative of its loss (float64 autograd, varlen, ratio 2, sparse)."""
+    q, k, w, attn_q, attn_k, attn_lse = (x.double() for x in _inputs(10, 2, 4, 3, 5, t_k=5))
+    cu = torch.tensor([0, 6, 10])
+    topk = torch.tensor([[0, 1, 2, -1]] * 10, dtype=torch.int32)
+    for sel in (None, topk):
+        kwargs = dict(softmax_scale=0.3, cu_seqlens=cu, topk_indices=sel, compress_ratio=2, target_norm="l1", coeff=0.7)
+        _, dq, dk, dw = oracle(q, k, w, attn_q, attn_k, attn_lse, **kwargs)
+        leaves = [x.clone().requires_grad_() for x in (q, k, w)]
+        loss, *_ = oracle(*leaves, attn_q, attn_k, attn_lse, **kwargs)
+        loss.backward()
+        for leaf, grad in zip(leaves, (dq, dk, dw)):
+            assert torch.allclose(leaf.grad, grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(t=23, h_i=3, d_i=16, h=4, d_a=24, dtype=torch.float32),
+        dict(t=17, h_i=4, d_i=32, h=4, d_a=16, dtype=torch.bfloat16, target_norm="l1"),
+        dict(t=21, h_i=2, d_i=16, h=4, d_a=20, h_kv=2, cu=[0, 1, 12, 12, 21], ratio=2, target_norm="l1", split_rows=4),
+        dict(t=20, h_i=4, d_i=16, h=2, d_a=16, cu=[0, 7, 20], ratio=3, reduction="sum", coeff=0.25),
+        dict(t=40, h_i=8, d_i=16, h=2, d_a=16, cu=[0, 3, 40], target_norm="l1", fused_dk=True),
+    ],
+    ids=["dense-fp32-causal", "dense-bf16-l1", "dense-varlen-ratio2-gqa-l1-split-dk", "dense-varlen-ratio3-sum",
+         "dense-varlen-fused-dk"],
+)
+def test_dense_matches_oracle(kernel_device, case, monkeypatch):
+    if "split_rows" in case:  # dk summed from several parts of the query sweep
+        monkeypatch.setattr(triton_kernels, "_DK_MIN_SPLIT_ROWS", case["split_rows"])
+    # dk added in the gradient pass behind per-tile tickets (the second sequence: three blocks of 16 tokens
+    # adding, in turn, to two tiles of 32 keys); the separate dk kernel must not run
+    monkeypatch.setattr(triton_kernels, "_FUSED_DK", case.get("fused_dk", False))
+    if case.get("fused_dk"):
+        monkeypatch.setattr(triton_kernels, "_dk_dense_kernel", None)
+    ratio = case.get("ratio", 1)
+    cu = None if "cu" not in case else torch.tensor(case["cu"], dtype=torch.int32)
+    t = case["t"]
+    t_k = t // ratio if cu is None else sum((b - a) // ratio for a, b in zip(case["cu"], case["cu"][1:]))
+    dtype = case.get("dtype", torch.float32)
+    q, k, w, attn_q, attn_k, attn_lse = _inputs(t, case["h_i"], case["d_i"], case["h"], case["d_a"], t_k=t_k,
+                                                h_kv=case.get("h_kv", 0), dtype=dtype, device=kernel_device)
+    if case.get("target_norm", "heads") == "heads":
+        attn_lse = _causal_lse(attn_q, attn_k, 0.3, cu, ratio)
+    kwargs = dict(softmax_scale=0.3, cu_seqlens=None if cu is None else cu.to(kernel_device), compress_ratio=ratio,
+                  target_norm=case.get("target_norm", "heads"), reduction=case.get("reduction", "mean"),
+                  coeff=case.get("coeff", 1.0))
+    got = indexer_kl_triton(q, k, w, attn_q, attn_k, attn_lse, **kwargs)
+    assert [x.dtype for x in got[1:]] == [dtype] * 3
+    _assert_close(got, oracle(q, k, w, attn_q, attn_k, attn_lse, **kwargs), dtype=dtype)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("target_norm", ["heads", "l1"])
+def test_sparse_matches_oracle(kernel_device, target_norm):
+    """Selections with -1 padding, duplicates, ids past the visible range and rows with nothing visible."""
+    t, cu = 10, torch.tensor([0, 3, 10], dtype=torch.int64)
+    q, k, w, attn_q, attn_k, attn_lse = _inputs(t, 3, 16, 3, 16, device=kernel_device, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    topk = torch.randint(-1, 8, (t, 5), generator=gen, dtype=torch.int32)
+    topk[4, :] = torch.tensor([1, 1, 0, 0, 1], dtype=torch.int32)  # duplicates count once
+    topk[5, :] = -1  # empty row
+    topk[6, :] = torch.tensor([4, 5, 6, 7, 4], dtype=torch.int32)  # local position 3: nothing visible
+    topk = topk.to(kernel_device)
+    if target_norm == "heads":
+        attn_lse = _causal_lse(attn_q, attn_k, 0.3, cu, 1, topk)
+    kwargs = dict(softmax_scale=0.3, cu_seqlens=cu.to(kernel_device), topk_indices=topk, target_norm=target_norm)
+    got = indexer_kl_triton(q, k, w, attn_q, attn_k, attn_lse, **kwargs)
+    _assert_close(got, oracle(q, k, w, attn_q, attn_k, attn_lse, **kwargs), dtype=torch.float32)
+    assert torch.equal(got[1][5:7].float(), torch.zeros_like(got[1][5:7]).float())
+
+
+@pytest.mark.interpreter
+def test_empty_and_single_token(kernel_device):
+    """T = 1 with ratio 2 sees no key, nor does a sparse stage with k = 0: loss and gradients 0; T = 0 returns empty
+    gradients."""
+    q, k, w, attn_q, attn_k, attn_lse = _inputs(1, 2, 16, 2, 16, t_k=0, device=kernel_device)
+    loss, dq, dk, dw = indexer_kl_triton(q, k, w, attn_q, attn_k, attn_lse, softmax_scale=0.2, compress_ratio=2)
+    assert float(loss) == 0.0 and not dq.any() and dk.shape == (0, 16) and not dw.any()
+    q, k, w, attn_q, attn_k, attn_lse = _inputs(3, 2, 16, 2, 16, device=kernel_device)
+    nothing = torch.empty(3, 0, dtype=torch.int32, device=kernel_device)  # k = 0: every V_t is empty
+    loss, dq, dk, dw = indexer_kl_triton(q, k, w, attn_q, attn_k, attn_lse, softmax_scale=0.2, topk_indices=nothing)
+    assert float(loss) == 0.0 and not dq.any() and not dk.any() and not dw.any()
+    empty = _inputs(0, 2, 16, 2, 16, device=kernel_device)
+    loss, dq, dk, dw = indexer_kl_triton(*empty, softmax_scale=0.2)
+    assert float(loss) == 0.0 and dq.shape == (0, 2, 16) and dk.shape == (0, 16) and dw.shape == (0, 2)
+
+
+@pytest.mark.parametrize(
+    "change, error",
+    [
+        (dict(k=torch.zeros(8, 8)), ValueError),
+        (dict(k=torch.zeros(8, 16, dtype=torch.float64)), TypeError),
+        (dict(weights=torch.zeros(8, 3)), ValueError),
+        (dict(attn_k=torch.zeros(8, 3, 16)), ValueError),
+        (dict(attn_lse=torch.zeros(8, 4, dtype=torch.bfloat16)), TypeError),
+        (dict(target_norm="l2"), ValueError),
+        (dict(reduction="none"), ValueError),
+        (dict(compress_ratio=0), ValueError),
+        (dict(compress_ratio=2), ValueError),
+        (dict(topk_indices=torch.zeros(8, 2, dtype=torch.int64)), TypeError),
+        (dict(topk_indices=torch.zeros(7, 2, dtype=torch.int32)), ValueError),
+        (dict(cu_seqlens=torch.tensor([0, 5, 9])), ValueError),
+        (dict(cu_seqlens=torch.tensor([0, 6, 4, 8])), ValueError),
+    ],
+)
+def test_bad_input_is_rejected(change, error):
+    q, k, w, attn_q, attn_k, attn_lse = _inputs(8, 2, 16, 4, 16)
+    args = dict(q=q, k=k, weights=w, attn_q=attn_q, attn_k=attn_k, attn_lse=attn_lse, softmax_scale=0.2)
+    args.update(change)
+    with pytest.raises(error):
+        indexer_kl_triton(args.pop("q"), args.pop("k"), args.pop("weights"), args.pop("attn_q"), args.pop("attn_k"),
+                          args.pop("attn_lse"), **args)
+
+
+V32 = dict(h=128, d_a=576, h_i=64, d_i=128, softmax_scale=0.1352)
+
+
+def _gpu_case(t, *, h=V32["h"], seed=0):
+    q, k, w, attn_q, attn_k, _ = _inputs(t, V32["h_i"], V32["d_i"], h, V32["d_a"], dtype=torch.bfloat16, device="cuda",
+                                         seed=seed)
+    attn_q = attn_q / 4  # attention logits of a few units, as in a trained model
+    return q, k, w, attn_q, attn_k
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused_dk", [False, True])
+@pytest.mark.parametrize("t, target_norm, h", [(1024, "heads", 128), (2048, "l1", 128), (4096, "heads", 16)])
+def test_gpu_dense_matches_oracle(t, target_norm, h, fused_dk, monkeypatch):
+    monkeypatch.setattr(triton_kernels, "_FUSED_DK", fused_dk)
+    q, k, w, attn_q, attn_k = _gpu_case(t, h=h)
+    scale = V32["softmax_scale"]
+    lse = _gpu_lse(attn_q, attn_k, scale, None) if target_norm == "heads" else torch.randn(t, h, device="cuda") + 8.0
+    kwargs = dict(softmax_scale=scale, target_norm=target_norm)
+    got = indexer_kl_triton(q, k, w, attn_q, attn_k, lse, **kwargs)
+    _assert_close(got, oracle(q, k, w, attn_q, attn_k, lse, chunk=128, **kwargs), dtype=torch.bfloat16, label=t)
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_ratio_gqa_matches_oracle():
+    """Packed sequences (one of a single token), compress_ratio 4, GQA attention keys (8 kv heads), "l1"."""
+    cu = torch.tensor([0, 1, 700, 2000], device="cuda")
+    t_k = sum((b - a) // 4 for a, b in zip(cu.tolist(), cu.tolist()[1:]))
+    q, k, w, attn_q, attn_k, lse = _inputs(2000, V32["h_i"], V32["d_i"], 64, 192, t_k=t_k, h_kv=8, dtype=torch.bfloat16,
+                                           device="cuda", seed=7)
+    kwargs = dict(softmax_scale=0.1, cu_seqlens=cu, compress_ratio=4, target_norm="l1")
+    got = indexer_kl_triton(q, k, w, attn_q / 4, attn_k, lse + 5.0, **kwargs)
+    _assert_close(got, oracle(q, k, w, attn_q / 4, attn_k, lse + 5.0, chunk=128, **kwargs), dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_call_replays_in_a_cuda_graph():
+    """Captured with the value checks skipped (as under any capture), replayed: the eager result's bits."""
+    t = 1024
+    q, k, w, attn_q, attn_k = _gpu_case(t, h=16)
+    lse = torch.randn(t, 16, device="cuda") + 8.0
+    topk = torch.randint(-1, t, (t, 256), generator=torch.Generator(device="cuda").manual_seed(8), device="cuda",
+                         dtype=torch.int32)
+    cu = torch.tensor([0, 300, t], device="cuda")
+    for sel in (None, topk):
+        def call(sel=sel):
+            return indexer_kl_triton(q, k, w, attn_q, attn_k, lse, softmax_scale=0.1352, cu_seqlens=cu, topk_indices=sel)
+
+        eager = call()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = call()
+        graph.replay()
+        torch.cuda.synchronize()
+        for x, y in zip(eager, captured):
+            assert torch.equal(x, y)
+
+
+@pytest.mark.gpu
+def test_gpu_sparse_varlen_matches_oracle():
+    t, cu = 3000, torch.tensor([0, 1000, 1001, 3000], device="cuda")
+    q, k, w, attn_q, attn_k = _gpu_case(t)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    topk = torch.randint(-1, 2000, (t, 512), generator=gen, device="cuda", dtype=torch.int32)
+    scale = V32["softmax_scale"]
+    lse = _gpu_lse(attn_q, attn_k, scale, cu, topk)
+    kwargs = dict(softmax_scale=scale, cu_seqlens=cu, topk_indices=topk)
+    got = indexer_kl_triton(q, k, w, attn_q, attn_k, lse, **kwargs)
+    _assert_close(got, oracle(q, k, w, attn_q, attn_k, lse, chunk=128, **kwargs), dtype=torch.bfloat16)
+
+
+def _gpu_lse(attn_q, attn_k, scale, cu, topk=None, chunk=128):
+    t = attn_q.shape[0]
+    out = torch.empty(t, attn_q.shape[1], device="cuda")
+    base, limit = (x.cuda() for x in _layout(t, cu, 1))
+    for c0 in range(0, t, chunk):
+        rows = torch.arange(c0, min(t, c0 + chunk), device="cuda")
+        vis = _visible(rows, attn_k.shape[0], base, limit, topk)
+        z = scale * torch.einsum("thd,sd->ths", attn_q[rows].float(), attn_k.float())
+        lse = torch.logsumexp(z.masked_fill(~vis[:, None, :], -math.inf), 2)
+        out[rows] = torch.where(torch.isfinite(lse), lse, 0.0)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sparse, fused_dk", [(False, False), (False, True), (True, False)])
+def test_gpu_dk_is_bitwise_deterministic(sparse, fused_dk, monkeypatch):
+    monkeypatch.setattr(triton_kernels, "_FUSED_DK", fused_dk)
+    t = 2048
+    q, k, w, attn_q, attn_k = _gpu_case(t)
+    lse = torch.randn(t, V32["h"], device="cuda") + 8.0
+    topk = None
+    if sparse:
+        topk = torch.randint(0, t, (t, 1024), generator=torch.Generator(device="cuda").manual_seed(6), device="cuda",
+                             dtype=torch.int32)
+    first = indexer_kl_triton(q, k, w, attn_q, attn_k, lse, softmax_scale=V32["softmax_scale"], topk_indices=topk)
+    for _ in range(20):
+        again = indexer_kl_triton(q, k, w, attn_q, attn_k, lse, softmax_scale=V32["softmax_scale"], topk_indices=topk)
+        for x, y in zip(first, again):
+            assert torch.equal(x, y)
+
+
+@pytest.mark.gpu
+def test_gpu_extra_memory_is_linear_in_t():
+    """Peak memory above the inputs and outputs grows like T: T = 8K stays under a bound no T x T tensor fits."""
+    peaks = {}
+    for t in (4096, 8192):
+        q, k, w, attn_q, attn_k = _gpu_case(t, h=16)
+        lse = torch.randn(t, 16, device="cuda") + 8.0
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        result = indexer_kl_triton(q, k, w, attn_q, attn_k, lse, softmax_scale=0.1352)
+        torch.cuda.synchronize()
+        outputs = sum(x.numel() * x.element_size() for x in result)
+        peaks[t] = torch.cuda.max_memory_allocated() - before - outputs
+        del result
+    # At most 16 fp32 [T, D_I] parts of dk plus a few words per token; one fp32 T x T matrix at 8K is 256 MiB.
+    assert peaks[8192] < 16 * 8192 * V32["d_i"] * 4 + 256 * 8192
+    assert peaks[8192] <= 2 * peaks[4096] + (1 << 20)
