@@ -18,9 +18,10 @@ from torch import nn
 from ._validation import check_choice, check_positive_int, check_tensor
 from .cache import IndexerKCache
 from .distributed import gather_prefill_k, merge_topk_global, select_candidate_blocks_dcp
+from .formats import FP8_DTYPE
 from .metadata import IndexerMetadata
 from .ops.candidates import apply_candidate_mask, select_candidate_blocks
-from .ops.k_cache import insert_k
+from .ops.k_cache import K_DTYPES, insert_k
 from .ops.logits import mqa_logits, paged_mqa_logits
 from .ops.seq_pack import pack_seq, unpack_seq
 from .ops.topk import topk, topk_decode
@@ -258,18 +259,7 @@ class SparseAttnIndexer(nn.Module):
             raise ValueError(
                 f"the step has {num_tokens} tokens but topk_indices_buffer holds {self.topk_indices_buffer.shape[0]} rows"
             )
-        check_tensor("q_quant", q_quant, ndim=3, device=self.cache.device)
-        check_tensor("weights", weights, dtype=torch.float32, ndim=2, device=self.cache.device)
-        if q_quant.shape[0] < num_tokens or weights.shape[0] < num_tokens:
-            raise ValueError(
-                f"q_quant and weights need >= {num_tokens} rows, got {q_quant.shape[0]} and {weights.shape[0]}"
-            )
-        if (q_scale is None) != (self.cache.fmt == "fp8"):
-            raise ValueError(f"q_scale must be None for an fp8 cache and given for mxfp4; cache fmt is {self.cache.fmt!r}")
-        if not self.skip_k_cache_insert:
-            check_tensor("k", k, ndim=2, device=self.cache.device)
-            if k.shape[0] < metadata.slot_mapping.shape[0]:
-                raise ValueError(f"k needs >= {metadata.slot_mapping.shape[0]} rows, got {k.shape[0]}")
+        self._validate_inputs(q_quant, q_scale, k, weights, metadata)
         decode = metadata.decode
         if decode is not None and self.decode_logits_width is not None and decode.max_context_len > self.decode_logits_width:
             raise ValueError(
@@ -281,6 +271,42 @@ class SparseAttnIndexer(nn.Module):
                 f"a prefill chunk gathers {largest_chunk} keys, more than workspace_tokens ({self.workspace_tokens}); "
                 "plan the metadata with the same workspace_tokens"
             )
+
+    def _validate_inputs(self, q_quant, q_scale, k, weights, metadata) -> None:
+        """The step's tensors against the cache and each other: formats, dtypes, head counts, head dims,
+        rows and devices (what the ops would reject later, after the insert and the buffer clear)."""
+        cache, num_tokens = self.cache, metadata.num_tokens
+        fp8 = cache.fmt == "fp8"
+        check_tensor("q_quant", q_quant, dtype=FP8_DTYPE if fp8 else torch.uint8, ndim=3, device=cache.device)
+        heads = q_quant.shape[1]
+        if q_quant.shape[2] != cache.value_bytes:
+            width = "D" if fp8 else "D/2"
+            raise ValueError(
+                f"q_quant must have shape [T, H, {width}] = [*, *, {cache.value_bytes}] for a {cache.fmt} cache with "
+                f"head_dim {cache.head_dim}, got {list(q_quant.shape)}"
+            )
+        check_tensor("weights", weights, dtype=torch.float32, ndim=2, device=cache.device)
+        if weights.shape[1] != heads:
+            raise ValueError(f"weights must have {heads} columns (q_quant's heads), got shape {list(weights.shape)}")
+        if q_quant.shape[0] < num_tokens or weights.shape[0] < num_tokens:
+            raise ValueError(
+                f"q_quant and weights need >= {num_tokens} rows, got {q_quant.shape[0]} and {weights.shape[0]}"
+            )
+        if fp8:
+            if q_scale is not None:
+                raise ValueError("q_scale must be None for an fp8 cache (the Q scale is folded into weights)")
+        else:
+            if q_scale is None:
+                raise ValueError("q_scale must be given for an mxfp4 cache")
+            check_tensor("q_scale", q_scale, dtype=torch.uint8, shape=(None, heads, cache.scale_bytes), device=cache.device)
+            if q_scale.shape[0] < num_tokens:
+                raise ValueError(f"q_scale needs >= {num_tokens} rows, got {q_scale.shape[0]}")
+        if not self.skip_k_cache_insert:
+            check_tensor("k", k, dtype=K_DTYPES, ndim=2, device=cache.device)
+            if k.shape[1] != cache.head_dim:
+                raise ValueError(f"k must have shape [T, {cache.head_dim}] (the cache's head_dim), got {list(k.shape)}")
+            if k.shape[0] < metadata.slot_mapping.shape[0]:
+                raise ValueError(f"k needs >= {metadata.slot_mapping.shape[0]} rows, got {k.shape[0]}")
 
     def _prefill_chunk(self, q_quant, q_scale, weights, chunk) -> None:
         rows = slice(chunk.token_start, chunk.token_end)
