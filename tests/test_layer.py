@@ -283,6 +283,22 @@ def test_bad_tensors_raise_naming_them_before_the_insert_and_the_clear(fmt, chan
     assert torch.equal(cache.buffer, cache_before) and torch.equal(buffer, buffer_before)
 
 
+@pytest.mark.parametrize("request_index", [0, 1])
+def test_block_table_entries_outside_the_cache_raise_before_anything_is_written(request_index):
+    """Metadata planned without num_cache_blocks: the first page of the decode (request 0) or of the prefill
+    (request 1), read but not written this step (the new keys go to later pages, so the insert's slot check
+    passes), is past the layer's 8-page cache; the step is refused before the insert and the clear."""
+    layer, cache, buffer = make_layer()
+    block_table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    block_table[request_index, 0] = 8
+    meta = build_metadata([20, 40], [1, 20], block_table, block_size=BLOCK)
+    cache_before, buffer_before = cache.buffer.clone(), buffer.clone()
+    part = "decode" if request_index == 0 else "prefill_chunks\\[0\\]"
+    with pytest.raises(ValueError, match=f"metadata.{part}.block_table entries read must be in \\[0, 8\\)"):
+        layer(*fp8_inputs(21), meta)
+    assert torch.equal(cache.buffer, cache_before) and torch.equal(buffer, buffer_before)
+
+
 def test_dense_prefill_bypass_inserts_keys_and_leaves_the_buffer():
     layer, cache, buffer = make_layer(dense_prefill_bypass=True)
     meta = build_metadata([20], [20], torch.arange(8, dtype=torch.int32).view(1, 8), block_size=BLOCK,

@@ -15,7 +15,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn
 
-from ._validation import check_choice, check_positive_int, check_tensor
+from ._validation import check_choice, check_positive_int, check_tensor, value_checks_enabled
 from .cache import IndexerKCache
 from .distributed import gather_prefill_k, merge_topk_global, select_candidate_blocks_dcp
 from .formats import FP8_DTYPE
@@ -271,6 +271,7 @@ class SparseAttnIndexer(nn.Module):
                 f"a prefill chunk gathers {largest_chunk} keys, more than workspace_tokens ({self.workspace_tokens}); "
                 "plan the metadata with the same workspace_tokens"
             )
+        self._validate_pages(metadata)
 
     def _validate_inputs(self, q_quant, q_scale, k, weights, metadata) -> None:
         """The step's tensors against the cache and each other: formats, dtypes, head counts, head dims,
@@ -307,6 +308,33 @@ class SparseAttnIndexer(nn.Module):
                 raise ValueError(f"k must have shape [T, {cache.head_dim}] (the cache's head_dim), got {list(k.shape)}")
             if k.shape[0] < metadata.slot_mapping.shape[0]:
                 raise ValueError(f"k needs >= {metadata.slot_mapping.shape[0]} rows, got {k.shape[0]}")
+
+    def _validate_pages(self, metadata) -> None:
+        """The block-table entries the step reads lie in the cache: one host synchronisation, skipped with value
+        checks off. Metadata planned without ``num_cache_blocks`` (or for another cache) is refused here, not by
+        an op after the insert and the buffer clear."""
+        if not value_checks_enabled():
+            return
+        tables = []  # (name, block table [n, max_blocks], positions read per row [n])
+        if metadata.decode is not None:
+            tables.append(("metadata.decode.block_table", metadata.decode.block_table,
+                           metadata.decode.context_lens.amax(dim=1)))
+        tables += [(f"metadata.prefill_chunks[{i}].block_table", chunk.block_table, chunk.cu_seq_lens.diff())
+                   for i, chunk in enumerate(metadata.prefill_chunks) if chunk.num_keys and not chunk.skip_gather]
+        if not tables:
+            return
+        block_size, num_blocks = self.cache.block_size, self.cache.num_blocks
+        outside = []
+        for _, table, positions in tables:
+            read = torch.arange(table.shape[1], device=table.device) < -(-positions.long() // block_size)[:, None]
+            outside.append(read & ((table < 0) | (table >= num_blocks)))  # [n, max_blocks]
+        for (name, table, _), bad, found in zip(tables, outside, torch.stack([o.any() for o in outside]).tolist()):
+            if found:
+                row, column = (int(i) for i in torch.nonzero(bad)[0])
+                raise ValueError(
+                    f"{name} entries read must be in [0, {num_blocks}) (the cache's pages), "
+                    f"got {name}[{row}, {column}] = {int(table[row, column])}"
+                )
 
     def _prefill_chunk(self, q_quant, q_scale, weights, chunk) -> None:
         rows = slice(chunk.token_start, chunk.token_end)
