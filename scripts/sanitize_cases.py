@@ -5,13 +5,17 @@ in FP8 and MXFP4, whole-row top-k), the Gluon decode kernels on Hopper (each def
 directly: the demo's shapes take the Triton kernel), then the wide-row top-k paths (few rows: split; some:
 gather pieces; many: row programs), with positions and with slots, then the rows of a causal prompt (whole-row
 programs, carry-chain counts on the widest tiles), then the V4.1 candidate blocks on both select kernels (one
-program per row; split streaming with the last program selecting) and the mask. Exits non-zero if a result
-differs from the reference; the sanitizer reports bad accesses. Arguments pick parts (``demo``, ``gluon``,
-``topk``, ``candidates``; default: all), so that a time-capped run can be split.
+program per row; split streaming with the last program selecting) and the mask, then calls with value checks
+off on wild metadata (page ids 10**6, -5, 2**31 - 1, lengths past the width and the table, slots past the cache):
+insert, gather, paged decode logits (Triton, and each Gluon kernel with TMA and with cp.async copies on Hopper),
+slots and candidate blocks. Exits non-zero if a result differs from the reference; the sanitizer reports bad
+accesses. Arguments pick parts (``demo``, ``gluon``, ``topk``, ``candidates``, ``unchecked``; default: all), so
+that a time-capped run can be split.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -98,7 +102,95 @@ def gluon_cases() -> bool:
     return ok
 
 
-PARTS = ("demo", "gluon", "topk", "candidates")
+def _unchecked_decode_ok(fmt: str, gen: torch.Generator) -> bool:
+    """Paged decode logits on wild pages and lengths: the Triton kernel and (Hopper) each Gluon kernel, TMA page
+    copies and cp.async copies, against the reference on the same call (unreadable pages read as zeros)."""
+    from dsa_indexer.bench.suite_logits import REFERENCE_BOUND
+    from dsa_indexer.ops.logits import gluon_decode, gluon_decode_mxfp4, reference
+    from dsa_indexer.ops.logits.triton import paged_mqa_logits_triton
+    from dsa_indexer.testing import calc_diff
+
+    cache = dsa.IndexerKCache(16, block_size=64, fmt=fmt, device="cuda")
+    cache.insert(torch.randn(cache.num_slots, 128, generator=gen).cuda(), torch.arange(cache.num_slots).cuda())
+    heads, next_n = 64, 2
+    if fmt == "fp8":
+        q = torch.randn(2, next_n, heads, 128, generator=gen).to(torch.float8_e4m3fn).cuda()
+        q_scale = None
+    else:
+        q = torch.randint(0, 256, (2, next_n, heads, 64), generator=gen, dtype=torch.uint8).cuda()
+        q_scale = torch.randint(120, 130, (2, next_n, heads, 4), generator=gen, dtype=torch.uint8).cuda()
+    weights = torch.randn(2 * next_n, heads, generator=gen).cuda()
+    table = torch.tensor([[3, 10**6, 7, 2**31 - 1, 0, -1, 9, 11], [-5, 2, 4, 6, 8, 10, 12, 14]],
+                         dtype=torch.int32).cuda()
+    lens = torch.tensor([[700, 10**7], [640, 100]], dtype=torch.int32).cuda()
+    args = (q, q_scale, cache, weights, lens, table, 900)
+    expected = reference.paged_mqa_logits(*args, True, torch.empty((2 * next_n, 900), device="cuda"))
+    valid = expected != float("-inf")
+    outputs = [paged_mqa_logits_triton(*args, True, torch.full_like(expected, 7.0))]
+    if torch.cuda.get_device_capability()[0] == 9:
+        gluon, configs = ((gluon_decode.paged_mqa_logits_gluon, (gluon_decode.GLUON_DECODE_CONFIG,
+                                                                  gluon_decode.GLUON_SWEEP_CONFIGS["cta3-copies"]))
+                          if fmt == "fp8" else
+                          (gluon_decode_mxfp4.paged_mqa_logits_gluon_mxfp4,
+                           (gluon_decode_mxfp4.GLUON_MXFP4_DECODE_CONFIG,
+                            gluon_decode_mxfp4.GLUON_MXFP4_DECODE_CONFIG[:5] + (4,)
+                            + gluon_decode_mxfp4.GLUON_MXFP4_DECODE_CONFIG[6:8] + (0,))))
+        outputs += [gluon(*args, True, torch.full_like(expected, 7.0), config=config) for config in configs]
+    return all(calc_diff(out[valid], expected[valid]) < REFERENCE_BOUND
+               and bool((out[~valid] == float("-inf")).all()) for out in outputs)
+
+
+def unchecked_cases() -> bool:
+    """Value checks off (``DSA_INDEXER_SKIP_VALUE_CHECKS=1``) on wild metadata: every kernel stays inside its
+    buffers (the sanitizer's part) and gives the reference's documented result."""
+    gen = torch.Generator().manual_seed(4)
+    previous = os.environ.get("DSA_INDEXER_SKIP_VALUE_CHECKS")
+    os.environ["DSA_INDEXER_SKIP_VALUE_CHECKS"] = "1"
+    try:
+        ok = True
+        for fmt in ("fp8", "mxfp4"):
+            caches = [dsa.IndexerKCache(8, block_size=64, fmt=fmt, device="cuda") for _ in range(2)]
+            keys = torch.randn(6, 128, generator=gen).cuda()
+            slots = torch.tensor([5, 8 * 64, 10**9, -3, 2**31, 100]).cuda()
+            for cache, backend in zip(caches, ("triton", "reference")):
+                cache.insert(keys, slots, backend=backend)
+            ok &= torch.equal(caches[0].buffer, caches[1].buffer)
+            table = torch.tensor([[3, 10**6], [-5, 2**31 - 1]], dtype=torch.int32).cuda()
+            cu = torch.tensor([0, 100, 250], dtype=torch.int32).cuda()
+            gathered = [caches[0].gather(table, cu, num_tokens=200, backend=backend) for backend in ("triton", "reference")]
+            ok &= all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(*gathered))
+            ok &= _unchecked_decode_ok(fmt, gen)
+        logits = torch.randn(8, 20000, generator=gen).cuda()
+        seq_lens = torch.tensor([20000, 10**7, 5000, 300], dtype=torch.int32).cuda()
+        table = torch.randperm(4 * 160, generator=gen).view(4, 160).int().cuda()  # 10240 of the 20000 positions
+        table[:, ::7] = -1
+        table[1, 3] = 2**30
+        ok &= torch.equal(dsa.topk_decode_slots(logits, seq_lens, 2, 2048, table, 64),
+                          dsa.topk_decode_slots(logits, seq_lens, 2, 2048, table, 64, backend="reference"))
+        indices = torch.randint(-1, 20000, (8, 2048), generator=gen, dtype=torch.int32).cuda()
+        rows = torch.tensor([0, 1, 2, 3, 9, -4, 0, 1], dtype=torch.int32).cuda()
+        ok &= torch.equal(dsa.indices_to_slots(indices, table, 64, rows),
+                          dsa.indices_to_slots(indices, table, 64, rows, backend="reference"))
+        starts = torch.tensor([-5, 300, 25000, 0, 7, 0, 0, 1], dtype=torch.int32).cuda()
+        ends = torch.tensor([10**6, 2**31 - 1, 30000, 19999, 20001, 0, 100, 5], dtype=torch.int32).cuda()
+        clamped_starts = starts.clamp(0, 20000)
+        clamped_ends = torch.maximum(ends, clamped_starts).clamp(max=20000)
+        expected = dsa.select_candidate_blocks(logits, clamped_starts, clamped_ends, 300, 8, backend="reference")
+        ok &= torch.equal(dsa.select_candidate_blocks(logits, starts, ends, 300, 8), expected)
+        masked, masked_reference = logits.clone(), logits.clone()
+        dsa.apply_candidate_mask(masked, starts, ends, expected, 8)
+        dsa.apply_candidate_mask(masked_reference, clamped_starts, clamped_ends, expected, 8, backend="reference")
+        ok &= torch.equal(masked.view(torch.int32), masked_reference.view(torch.int32))
+        torch.cuda.synchronize()
+        return ok
+    finally:
+        if previous is None:
+            del os.environ["DSA_INDEXER_SKIP_VALUE_CHECKS"]
+        else:
+            os.environ["DSA_INDEXER_SKIP_VALUE_CHECKS"] = previous
+
+
+PARTS = ("demo", "gluon", "topk", "candidates", "unchecked")
 
 if __name__ == "__main__":
     parts = sys.argv[1:] or list(PARTS)
@@ -112,6 +204,8 @@ if __name__ == "__main__":
     torch.cuda.synchronize()
     topk_ok = wide_topk_cases() and prefill_topk_case() if "topk" in parts else True
     candidates_ok = candidate_cases() if "candidates" in parts else True
+    unchecked_ok = unchecked_cases() if "unchecked" in parts else True
     print(f"sanitize cases {parts}: demo exit codes {codes}, Gluon decode within the tier: {gluon_ok}, "
-          f"top-k equal to the reference: {topk_ok}, candidate blocks equal to the reference: {candidates_ok}")
-    sys.exit(0 if not any(codes) and gluon_ok and topk_ok and candidates_ok else 1)
+          f"top-k equal to the reference: {topk_ok}, candidate blocks equal to the reference: {candidates_ok}, "
+          f"unchecked wild metadata as documented: {unchecked_ok}")
+    sys.exit(0 if not any(codes) and gluon_ok and topk_ok and candidates_ok and unchecked_ok else 1)

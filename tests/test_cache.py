@@ -196,6 +196,38 @@ def test_constructor_rejects_a_buffer_on_another_device():
         IndexerKCache(2, block_size=4, buffer=torch.zeros(2, 4, 132, dtype=torch.uint8), device="meta")
 
 
+def test_slots_for_maps_unallocated_pages_and_padding_to_minus_one():
+    cache = IndexerKCache(5, block_size=16)
+    row = torch.tensor([3, -1, 4, -1], dtype=torch.int32)  # pages 1 and 3 not allocated
+    positions = torch.tensor([0, 16, 17, 31, 33, 63, -1, 47])
+    assert cache.slots_for(row, positions).tolist() == [48, -1, -1, -1, 65, -1, -1, 79]
+    assert cache.slots_for(torch.zeros(0, dtype=torch.int32), torch.tensor([-1])).tolist() == [-1]
+
+
+@pytest.mark.parametrize(
+    "row, positions, error, match",
+    [
+        ([3, 0], torch.tensor([1.7]), TypeError, "positions must have dtype"),
+        ([3, 0], torch.tensor([0, 32]), ValueError, "positions must be -1 or in \\[0, 32\\).*positions\\[1\\] = 32"),
+        ([3, 0], torch.tensor([5, -2]), ValueError, "positions\\[1\\] = -2"),
+        ([3, 5], torch.tensor([0, 17]), ValueError, "block_table_row entries must be < num_blocks = 5.*\\[1\\] = 5"),
+        ([[3, 0]], torch.tensor([0]), ValueError, "block_table_row must have 1 dimensions"),
+        ([3, 0], torch.tensor([[0]]), ValueError, "positions must have 1 dimensions"),
+    ],
+)
+def test_slots_for_checks_positions_and_page_ids(row, positions, error, match):
+    cache = IndexerKCache(5, block_size=16)
+    with pytest.raises(error, match=match):
+        cache.slots_for(torch.tensor(row, dtype=torch.int32), positions)
+
+
+def test_slots_for_without_value_checks_gives_minus_one_for_out_of_range(monkeypatch):
+    monkeypatch.setenv("DSA_INDEXER_SKIP_VALUE_CHECKS", "1")
+    cache = IndexerKCache(5, block_size=16)
+    row = torch.tensor([3, 5], dtype=torch.int32)
+    assert cache.slots_for(row, torch.tensor([1, 17, 32, -7, 10**12])).tolist() == [49, -1, -1, -1, -1]
+
+
 def test_slot_helpers_and_capacity_accounting():
     cache = IndexerKCache(5, block_size=4, fmt="mxfp4")
     assert cache.nbytes == 5 * 4 * 68 and cache.num_slots == 20

@@ -271,6 +271,70 @@ def test_bad_calls_raise_before_anything_is_written(change, match):
     assert torch.equal(cache.buffer, cache_before) and torch.equal(buffer, buffer_before)
 
 
+def mxfp4_inputs(num_tokens):
+    q = torch.randint(0, 256, (num_tokens, HEADS, DIM // 2), dtype=torch.uint8)
+    q_scale = torch.full((num_tokens, HEADS, DIM // 32), 127, dtype=torch.uint8)
+    return q, q_scale, torch.randn(num_tokens, DIM), torch.rand(num_tokens, HEADS)
+
+
+def _with(index, value):
+    """A change of the (q_quant, q_scale, k, weights) tuple: entry ``index`` becomes ``value(old entry)``."""
+    return lambda args: tuple(value(a) if i == index else a for i, a in enumerate(args))
+
+
+@pytest.mark.parametrize(
+    "fmt, change, match",
+    [
+        ("fp8", _with(0, lambda q: q.to(torch.bfloat16)), "q_quant must have dtype float8_e4m3fn"),
+        ("fp8", _with(0, lambda q: q.view(torch.uint8)), "q_quant must have dtype float8_e4m3fn"),
+        ("fp8", _with(0, lambda q: q[..., : DIM // 2]), "q_quant must have shape"),
+        ("fp8", _with(0, lambda q: q[:, 0]), "q_quant must have 3 dimensions"),
+        ("fp8", _with(1, lambda _: torch.zeros(21, HEADS, DIM // 32, dtype=torch.uint8)), "q_scale must be None"),
+        ("fp8", _with(2, lambda k: k[:, : DIM - 1]), "k must have shape"),
+        ("fp8", _with(2, lambda k: k.to(torch.float8_e4m3fn)), "k must have dtype"),
+        ("fp8", _with(3, lambda w: torch.cat([w, w[:, :1]], dim=1)), "weights must have 4 columns"),
+        ("fp8", _with(3, lambda w: w[:, :-1]), "weights must have 4 columns"),
+        ("fp8", _with(3, lambda w: w.to(torch.bfloat16)), "weights must have dtype float32"),
+        ("mxfp4", _with(0, lambda q: torch.zeros(21, HEADS, DIM, dtype=torch.float8_e4m3fn)), "q_quant must have dtype uint8"),
+        ("mxfp4", _with(0, lambda q: torch.cat([q, q], dim=2)), "q_quant must have shape"),
+        ("mxfp4", _with(1, lambda _: None), "q_scale must be given"),
+        ("mxfp4", _with(1, lambda s: s[:, :, :2]), "q_scale must have shape"),
+        ("mxfp4", _with(1, lambda s: s[:, :-1]), "q_scale must have shape"),
+        ("mxfp4", _with(1, lambda s: s[:5]), "q_scale needs >= 21 rows"),
+        ("mxfp4", _with(1, lambda s: s.float()), "q_scale must have dtype uint8"),
+        ("mxfp4", _with(3, lambda w: torch.cat([w, w[:, :1]], dim=1)), "weights must have 4 columns"),
+    ],
+)
+def test_bad_tensors_raise_naming_them_before_the_insert_and_the_clear(fmt, change, match):
+    """A mixed step (one decode, one prefill): every wrong tensor is named, and neither the cache
+    (the insert comes first) nor the top-k buffer (cleared next) changes."""
+    layer, cache, buffer = make_layer(fmt)
+    meta = build_metadata([9, 20], [1, 20], torch.arange(8, dtype=torch.int32).view(2, 4), block_size=BLOCK)
+    args = change((fp8_inputs if fmt == "fp8" else mxfp4_inputs)(21))
+    layer(*(fp8_inputs if fmt == "fp8" else mxfp4_inputs)(21), meta)  # a valid step first: non-zero cache bytes
+    buffer.fill_(POISON)
+    cache_before, buffer_before = cache.buffer.clone(), buffer.clone()
+    with pytest.raises((ValueError, TypeError), match=match):
+        layer(*args, meta)
+    assert torch.equal(cache.buffer, cache_before) and torch.equal(buffer, buffer_before)
+
+
+@pytest.mark.parametrize("request_index", [0, 1])
+def test_block_table_entries_outside_the_cache_raise_before_anything_is_written(request_index):
+    """Metadata planned without num_cache_blocks: the first page of the decode (request 0) or of the prefill
+    (request 1), read but not written this step (the new keys go to later pages, so the insert's slot check
+    passes), is past the layer's 8-page cache; the step is refused before the insert and the clear."""
+    layer, cache, buffer = make_layer()
+    block_table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    block_table[request_index, 0] = 8
+    meta = build_metadata([20, 40], [1, 20], block_table, block_size=BLOCK)
+    cache_before, buffer_before = cache.buffer.clone(), buffer.clone()
+    part = "decode" if request_index == 0 else "prefill_chunks\\[0\\]"
+    with pytest.raises(ValueError, match=f"metadata.{part}.block_table entries read must be in \\[0, 8\\)"):
+        layer(*fp8_inputs(21), meta)
+    assert torch.equal(cache.buffer, cache_before) and torch.equal(buffer, buffer_before)
+
+
 def test_dense_prefill_bypass_inserts_keys_and_leaves_the_buffer():
     layer, cache, buffer = make_layer(dense_prefill_bypass=True)
     meta = build_metadata([20], [20], torch.arange(8, dtype=torch.int32).view(1, 8), block_size=BLOCK,

@@ -109,6 +109,32 @@ def test_builder_reuses_its_decode_buffers_across_steps():
     assert second.decode.context_lens.tolist() == [[8, 9], [6, 7]]
 
 
+def _builder_state(builder: MetadataBuilder) -> list[torch.Tensor]:
+    return [t.clone() for t in (builder._context_lens, builder._global_context_lens, builder._decode_lens,
+                                builder._row_to_request, builder._block_table, builder._slots)]
+
+
+@pytest.mark.parametrize(
+    "layout, seq_lens, query_lens, match",
+    [
+        # Request 1 needs ceil(101 / 16) = 7 pages of a 4-page capacity; its table has 8 columns.
+        ("native", [5, 101], [1, 1], "decode request 1 needs 7 pages .* max_blocks_per_request \\(4\\)"),
+        ("flattened", [5, 101], [1, 2], "decode request 1 needs 7 pages .* max_blocks_per_request \\(4\\)"),
+        ("native", [65, 5], [1, 1], "decode request 0 needs 5 pages"),
+        ("native", [5, 6, 7], [1, 1, 1], "3 rows x next_n 1 exceeds the builder's capacity 2 x 2"),
+        ("flattened", [5, 6], [2, 3], "5 rows x next_n 1 exceeds the builder's capacity 4 x 1"),
+    ],
+)
+def test_builder_capacity_overflow_raises_before_writing_its_buffers(layout, seq_lens, query_lens, match):
+    builder = MetadataBuilder(max_decode_requests=2, max_next_n=2, max_blocks_per_request=4, block_size=16,
+                              num_spec_tokens=1 if layout == "native" else 2, decode_layout=layout)
+    builder.build([20, 30], [1, 1], table(2, 4, offset=3))  # a planned step: the buffers hold non-zero values
+    before = _builder_state(builder)
+    with pytest.raises(ValueError, match=match):
+        builder.build(seq_lens, query_lens, table(len(seq_lens), 8))
+    assert all(torch.equal(a, b) for a, b in zip(before, _builder_state(builder)))
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

@@ -19,7 +19,15 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import check_choice, check_positive_int, check_tensor
+from ._validation import (
+    check_choice,
+    check_index_tensor,
+    check_positive_int,
+    check_same_device,
+    check_tensor,
+    first_true,
+    value_checks_enabled,
+)
 from .formats import MXFP4_BLOCK, mxfp4_scale_bytes
 
 FORMATS = ("fp8", "mxfp4")
@@ -126,12 +134,42 @@ class IndexerKCache:
         return -(-num_tokens // block_size)
 
     def slots_for(self, block_table_row: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Physical slots of request-local key ``positions [N]`` given the request's pages
-        ``block_table_row [max_blocks]``: ``page * block_size + position % block_size``, ``-1`` kept."""
+        """int64 ``[N]`` physical slots of request-local key ``positions [N]`` given the request's pages
+        ``block_table_row [max_blocks]``: ``page * block_size + position % block_size``.
+
+        ``positions`` are integers in ``[-1, max_blocks * block_size)``; ``-1`` (padding) gives ``-1``.
+        A negative page id (an unallocated page) gives ``-1`` too, which ``insert`` skips. Page ids read
+        must be ``< num_blocks``. The range checks read the values on the host (one synchronisation);
+        with value checks off (``DSA_INDEXER_SKIP_VALUE_CHECKS=1``, graph capture) every position or page
+        outside its range gives ``-1`` instead of an error.
+        """
+        check_index_tensor("block_table_row", block_table_row, ndim=1)
+        check_index_tensor("positions", positions, ndim=1)
+        check_same_device(block_table_row=block_table_row, positions=positions)
         positions = positions.to(torch.int64)
-        pages = block_table_row.to(torch.int64)[positions.clamp(min=0) // self.block_size]
-        slots = pages * self.block_size + positions.clamp(min=0) % self.block_size
-        return torch.where(positions < 0, torch.full_like(slots, -1), slots)
+        capacity = block_table_row.shape[0] * self.block_size
+        in_row = (positions >= 0) & (positions < capacity)
+        if capacity:
+            pages = block_table_row.to(torch.int64)[torch.where(in_row, positions // self.block_size, 0)]
+        else:
+            pages = torch.full_like(positions, -1)
+        past_cache = in_row & (pages >= self.num_blocks)
+        outside_row = (positions < -1) | (positions >= capacity)
+        if value_checks_enabled() and any(torch.stack((outside_row.any(), past_cache.any())).tolist()):
+            if bool(outside_row.any()):
+                entry = first_true(outside_row)
+                raise ValueError(
+                    f"positions must be -1 or in [0, {capacity}) (block_table_row's {block_table_row.shape[0]} pages "
+                    f"of block_size {self.block_size}), got positions[{entry}] = {int(positions[entry])}"
+                )
+            entry = first_true(past_cache)
+            page = int(positions[entry]) // self.block_size
+            raise ValueError(
+                f"block_table_row entries must be < num_blocks = {self.num_blocks}, got block_table_row[{page}] = "
+                f"{int(pages[entry])} (for positions[{entry}])"
+            )
+        live = in_row & (pages >= 0) & (pages < self.num_blocks)
+        return torch.where(live, pages * self.block_size + positions % self.block_size, -1)
 
     @property
     def page_stride(self) -> int:

@@ -15,7 +15,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn
 
-from ._validation import check_choice, check_positive_int, check_tensor
+from ._validation import check_choice, check_positive_int, check_tensor, value_checks_enabled
 from .cache import IndexerKCache
 from .distributed import (
     DcpMergeWorkspace,
@@ -24,9 +24,10 @@ from .distributed import (
     merge_topk_global,
     select_candidate_blocks_dcp,
 )
+from .formats import FP8_DTYPE
 from .metadata import IndexerMetadata
 from .ops.candidates import apply_candidate_mask, select_candidate_blocks
-from .ops.k_cache import insert_k
+from .ops.k_cache import K_DTYPES, insert_k
 from .ops.logits import mqa_logits, paged_mqa_logits
 from .ops.seq_pack import pack_seq, unpack_seq
 from .ops.sparse_logits import columns_to_positions, sparse_mqa_logits, sparse_paged_mqa_logits
@@ -297,18 +298,7 @@ class SparseAttnIndexer(nn.Module):
             raise ValueError(
                 f"the step has {num_tokens} tokens but topk_indices_buffer holds {self.topk_indices_buffer.shape[0]} rows"
             )
-        check_tensor("q_quant", q_quant, ndim=3, device=self.cache.device)
-        check_tensor("weights", weights, dtype=torch.float32, ndim=2, device=self.cache.device)
-        if q_quant.shape[0] < num_tokens or weights.shape[0] < num_tokens:
-            raise ValueError(
-                f"q_quant and weights need >= {num_tokens} rows, got {q_quant.shape[0]} and {weights.shape[0]}"
-            )
-        if (q_scale is None) != (self.cache.fmt == "fp8"):
-            raise ValueError(f"q_scale must be None for an fp8 cache and given for mxfp4; cache fmt is {self.cache.fmt!r}")
-        if not self.skip_k_cache_insert:
-            check_tensor("k", k, ndim=2, device=self.cache.device)
-            if k.shape[0] < metadata.slot_mapping.shape[0]:
-                raise ValueError(f"k needs >= {metadata.slot_mapping.shape[0]} rows, got {k.shape[0]}")
+        self._validate_inputs(q_quant, q_scale, k, weights, metadata)
         decode = metadata.decode
         if decode is not None and self.decode_logits_width is not None and decode.max_context_len > self.decode_logits_width:
             raise ValueError(
@@ -320,6 +310,70 @@ class SparseAttnIndexer(nn.Module):
                 f"a prefill chunk gathers {largest_chunk} keys, more than workspace_tokens ({self.workspace_tokens}); "
                 "plan the metadata with the same workspace_tokens"
             )
+        self._validate_pages(metadata)
+
+    def _validate_inputs(self, q_quant, q_scale, k, weights, metadata) -> None:
+        """The step's tensors against the cache and each other: formats, dtypes, head counts, head dims,
+        rows and devices (what the ops would reject later, after the insert and the buffer clear)."""
+        cache, num_tokens = self.cache, metadata.num_tokens
+        fp8 = cache.fmt == "fp8"
+        check_tensor("q_quant", q_quant, dtype=FP8_DTYPE if fp8 else torch.uint8, ndim=3, device=cache.device)
+        heads = q_quant.shape[1]
+        if q_quant.shape[2] != cache.value_bytes:
+            width = "D" if fp8 else "D/2"
+            raise ValueError(
+                f"q_quant must have shape [T, H, {width}] = [*, *, {cache.value_bytes}] for a {cache.fmt} cache with "
+                f"head_dim {cache.head_dim}, got {list(q_quant.shape)}"
+            )
+        check_tensor("weights", weights, dtype=torch.float32, ndim=2, device=cache.device)
+        if weights.shape[1] != heads:
+            raise ValueError(f"weights must have {heads} columns (q_quant's heads), got shape {list(weights.shape)}")
+        if q_quant.shape[0] < num_tokens or weights.shape[0] < num_tokens:
+            raise ValueError(
+                f"q_quant and weights need >= {num_tokens} rows, got {q_quant.shape[0]} and {weights.shape[0]}"
+            )
+        if fp8:
+            if q_scale is not None:
+                raise ValueError("q_scale must be None for an fp8 cache (the Q scale is folded into weights)")
+        else:
+            if q_scale is None:
+                raise ValueError("q_scale must be given for an mxfp4 cache")
+            check_tensor("q_scale", q_scale, dtype=torch.uint8, shape=(None, heads, cache.scale_bytes), device=cache.device)
+            if q_scale.shape[0] < num_tokens:
+                raise ValueError(f"q_scale needs >= {num_tokens} rows, got {q_scale.shape[0]}")
+        if not self.skip_k_cache_insert:
+            check_tensor("k", k, dtype=K_DTYPES, ndim=2, device=cache.device)
+            if k.shape[1] != cache.head_dim:
+                raise ValueError(f"k must have shape [T, {cache.head_dim}] (the cache's head_dim), got {list(k.shape)}")
+            if k.shape[0] < metadata.slot_mapping.shape[0]:
+                raise ValueError(f"k needs >= {metadata.slot_mapping.shape[0]} rows, got {k.shape[0]}")
+
+    def _validate_pages(self, metadata) -> None:
+        """The block-table entries the step reads lie in the cache: one host synchronisation, skipped with value
+        checks off. Metadata planned without ``num_cache_blocks`` (or for another cache) is refused here, not by
+        an op after the insert and the buffer clear."""
+        if not value_checks_enabled():
+            return
+        tables = []  # (name, block table [n, max_blocks], positions read per row [n])
+        if metadata.decode is not None:
+            tables.append(("metadata.decode.block_table", metadata.decode.block_table,
+                           metadata.decode.context_lens.amax(dim=1)))
+        tables += [(f"metadata.prefill_chunks[{i}].block_table", chunk.block_table, chunk.cu_seq_lens.diff())
+                   for i, chunk in enumerate(metadata.prefill_chunks) if chunk.num_keys and not chunk.skip_gather]
+        if not tables:
+            return
+        block_size, num_blocks = self.cache.block_size, self.cache.num_blocks
+        outside = []
+        for _, table, positions in tables:
+            read = torch.arange(table.shape[1], device=table.device) < -(-positions.long() // block_size)[:, None]
+            outside.append(read & ((table < 0) | (table >= num_blocks)))  # [n, max_blocks]
+        for (name, table, _), bad, found in zip(tables, outside, torch.stack([o.any() for o in outside]).tolist()):
+            if found:
+                row, column = (int(i) for i in torch.nonzero(bad)[0])
+                raise ValueError(
+                    f"{name} entries read must be in [0, {num_blocks}) (the cache's pages), "
+                    f"got {name}[{row}, {column}] = {int(table[row, column])}"
+                )
 
     def _prefill_chunk(self, q_quant, q_scale, weights, chunk) -> None:
         rows = slice(chunk.token_start, chunk.token_end)

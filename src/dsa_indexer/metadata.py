@@ -193,6 +193,7 @@ class MetadataBuilder:
         host_table = block_table.cpu()
         local_keys = self._local([s // self.compress_ratio for s in seq_lens])
         self._check_block_table(host_table, local_keys)
+        self._check_decode_capacity(decodes, query_lens, local_keys)
         slot_mapping = self._persistent_slots(self._slot_mapping(seq_lens, query_lens, host_table))
         num_decode_tokens = sum(query_lens[r] for r in decodes)
         decode_index = torch.tensor(decodes, dtype=torch.int64, device=block_table.device)
@@ -241,6 +242,29 @@ class MetadataBuilder:
                     f"{used.tolist()}"
                 )
 
+    def _check_decode_capacity(self, decodes: list[int], query_lens: list[int], local_keys: list[int]) -> None:
+        """The decode part fits the builder's buffers: rows, next_n and pages per request (a longer
+        request would otherwise have its block table cut to ``max_blocks_per_request`` columns)."""
+        if not decodes:
+            return
+        decode_queries = [query_lens[r] for r in decodes]
+        if self.decode_layout == "flattened":
+            rows, next_n = sum(decode_queries), 1
+        else:
+            rows, next_n = len(decodes), max(decode_queries)
+        if rows > self._decode_rows_capacity or next_n > self._context_lens.shape[1]:
+            raise ValueError(
+                f"decode batch of {rows} rows x next_n {next_n} exceeds the builder's capacity "
+                f"{self._decode_rows_capacity} x {self._context_lens.shape[1]} (max_decode_requests, max_next_n)"
+            )
+        for r in decodes:
+            pages = -(-local_keys[r] // self.block_size)
+            if pages > self.max_blocks_per_request:
+                raise ValueError(
+                    f"decode request {r} needs {pages} pages ({local_keys[r]} keys of block_size {self.block_size}), "
+                    f"more than the builder's max_blocks_per_request ({self.max_blocks_per_request})"
+                )
+
     def _persistent_slots(self, slots: list[int]) -> torch.Tensor:
         """Slots of a step that fits the decode capacity live in the builder's buffer (graph replays
         read the same address); larger (prefill) steps get a fresh tensor."""
@@ -283,11 +307,6 @@ class MetadataBuilder:
             request_of_row = list(range(len(seq_lens)))
             decode_lens, padding = list(query_lens), min(query_lens) != next_n
         rows = len(global_rows)
-        if rows > self._decode_rows_capacity or next_n > self._context_lens.shape[1]:
-            raise ValueError(
-                f"decode batch of {rows} rows x next_n {next_n} exceeds the builder's capacity "
-                f"{self._decode_rows_capacity} x {self._context_lens.shape[1]}"
-            )
         local_rows = [self._local(row) for row in global_rows]
         self._global_context_lens[:rows, :next_n].copy_(torch.tensor(global_rows, dtype=torch.int32))
         self._context_lens[:rows, :next_n].copy_(torch.tensor(local_rows, dtype=torch.int32))

@@ -722,3 +722,23 @@ def test_indices_to_slots_variants_at_bench_shape():
         actual = indices_to_slots_triton(indices, table, 64, row_to_request, block=block, num_warps=warps,
                                          aligned_rows=aligned)
         assert torch.equal(actual, expected)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_unchecked_bounds_past_the_row_are_clamped(kernel_device, fused, monkeypatch):
+    # Value checks off: a start below 0, ends past the width and a start past it act as the window clamped into
+    # [0, width] (the reference on clamped bounds), with no read or scratch write outside the rows.
+    monkeypatch.setenv("DSA_INDEXER_SKIP_VALUE_CHECKS", "1")
+    generator = torch.Generator().manual_seed(17)
+    logits = make_logits(4, 40, generator, "random").to(kernel_device)
+    starts = torch.tensor([-5, 3, 45, 0], dtype=torch.int32, device=kernel_device)
+    ends = torch.tensor([30, 10**6, 50, 2**31 - 1], dtype=torch.int32, device=kernel_device)
+    clamped_starts = starts.clamp(0, 40)
+    clamped_ends = torch.maximum(ends, clamped_starts).clamp(max=40)
+    expected = select_candidate_blocks(logits, clamped_starts, clamped_ends, 3, 4, backend="reference")
+    got = candidates_triton.select_candidate_blocks_triton(logits, starts, ends, 3, 4, 1, fused=fused)
+    assert torch.equal(got, expected)
+    masked, expected_masked = logits.clone(), logits.clone()
+    apply_candidate_mask(expected_masked, clamped_starts, clamped_ends, expected, 4, backend="reference")
+    apply_candidate_mask(masked, starts, ends, expected, 4, backend="triton")
+    assert torch.equal(masked.view(torch.int32), expected_masked.view(torch.int32))

@@ -499,3 +499,47 @@ def test_cuda_graph_replay_with_changed_lengths_and_slots(kernel_device):
     expected = gather_k(twin.cache, table, cu, out=poisoned_outputs(twin.cache, 1024, kernel_device),
                         backend="reference")
     assert_same_bytes(out, expected)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_insert_with_unchecked_slots_past_the_cache_writes_nothing_for_them(kernel_device, fmt, monkeypatch):
+    monkeypatch.setenv("DSA_INDEXER_SKIP_VALUE_CHECKS", "1")
+    poisoned = PoisonedCache(3, 16, fmt, device=kernel_device)
+    k = random_k(6, 21).to(kernel_device)
+    slots = torch.tensor([5, poisoned.cache.num_slots, 47, 10**12, -5, 2**31], device=kernel_device)
+    insert_both(poisoned, k, slots)  # the kernel's bytes equal the reference's, poison around the pages included
+    padded = PoisonedCache(3, 16, fmt, device=kernel_device)
+    insert_k(k, padded.cache, torch.where((slots >= 0) & (slots < 48), slots, -1), backend="reference")
+    assert torch.equal(poisoned.canonical_storage(), padded.canonical_storage())
+
+
+def gathered_oracle(cache: IndexerKCache, table, cu, rows: int):
+    """Row by row: position ``p`` of request ``b`` from its page when the table lists a page of the cache there,
+    zero bytes otherwise; rows past ``min(cu[-1], rows)`` keep the poison."""
+    values, scales = (t.cpu().clone() for t in poisoned_outputs(cache, rows, "cpu"))
+    value_bytes, scale_bytes = values.view(torch.uint8), scales.view(torch.uint8).view(rows, -1)
+    pages_v, pages_s = cache.values_view().cpu(), cache.scales_view().cpu()
+    table, cu = table.tolist(), cu.tolist()
+    for b in range(len(table)):
+        for row in range(cu[b], min(cu[b + 1], rows)):
+            p = row - cu[b]
+            page = table[b][p // cache.block_size] if p // cache.block_size < len(table[b]) else -1
+            if 0 <= page < cache.num_blocks:
+                value_bytes[row], scale_bytes[row] = pages_v[page, p % cache.block_size], pages_s[page, p % cache.block_size]
+            else:
+                value_bytes[row], scale_bytes[row] = 0, 0
+    return values, scales
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_gather_with_unchecked_wild_pages_reads_zeros_and_stops_at_the_destination(kernel_device, fmt, monkeypatch):
+    monkeypatch.setenv("DSA_INDEXER_SKIP_VALUE_CHECKS", "1")
+    poisoned = random_filled_cache(6, 4, fmt, device=kernel_device, seed=5)
+    # Positions 8, 9 of request 0 and 8, 9 of request 1 lie past the 2-column table; cu[-1] = 22 passes the 20 rows.
+    table = torch.tensor([[3, 10**6], [-5, 2]], dtype=torch.int32)
+    cu = torch.tensor([0, 10, 22], dtype=torch.int32)
+    expected = gathered_oracle(poisoned.cache, table, cu, 20)
+    for backend in ("reference", "triton"):
+        out = poisoned_outputs(poisoned.cache, 20, kernel_device)
+        got = gather_k(poisoned.cache, table.to(kernel_device), cu.to(kernel_device), out=out, backend=backend)
+        assert_same_bytes(tuple(t.cpu() for t in got), expected)

@@ -13,7 +13,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_logits_kernel import FORCE_UPCAST_ENV, NEG_INF, POISON, TIER, DecodeInputs, decode_inputs, run_decode
+from test_logits_kernel import (
+    FORCE_UPCAST_ENV,
+    NEG_INF,
+    POISON,
+    TIER,
+    DecodeInputs,
+    check_unchecked_call,
+    decode_inputs,
+    run_decode,
+)
 
 from dsa_indexer import backend
 from dsa_indexer.ops.logits import _gluon_available
@@ -229,6 +238,22 @@ def test_gluon_decode_tma_falls_back_to_copies_gpu(kernel_device, variant):
     small = decode_inputs("fp8", [[13, 0], [700, 701], [0, 40]], 2, kernel_device, heads=3, dim=64, block_size=16,
                           seed=88)
     check_gluon(_aligned(small), False, config=config)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("variant", ["cta3", "cta3-copies", "persist2-coarse-early", "wave3-early", "persist4-one-row"])
+@pytest.mark.parametrize("block_size", [64, 16])
+def test_gluon_decode_unchecked_wild_pages_and_lengths_gpu(kernel_device, variant, block_size, monkeypatch):
+    """Value checks off: the TMA page copies (aligned cache, 64-key pages), the cp.async tile copies and the
+    per-key copies (16-key pages) read nothing outside the cache (scripts/gpu-sanitize runs such a call under
+    compute-sanitizer) and give the documented logits: a page outside the cache reads as zeros, a length past
+    the width or the table stops there."""
+    config = GLUON_SWEEP_CONFIGS[variant]
+    aligned = _aligned if _asks_tma(config) and block_size == 64 else None
+    monkeypatch.setenv("DSA_INDEXER_SKIP_VALUE_CHECKS", "1")
+    check_unchecked_call("fp8", lambda inputs, clean: run_gluon(inputs, clean, 8, config=config), kernel_device,
+                         block_size, aligned)
 
 
 def test_gluon_decode_tma_pages_only_where_the_cache_allows():

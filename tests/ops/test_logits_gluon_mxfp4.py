@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_logits_kernel import NEG_INF, POISON, TIER, DecodeInputs, decode_inputs, run_decode
+from test_logits_kernel import NEG_INF, POISON, TIER, DecodeInputs, check_unchecked_call, decode_inputs, run_decode
 
 from dsa_indexer import backend
 from dsa_indexer.cache import IndexerKCache
@@ -153,6 +153,21 @@ def _aligned(inputs: DecodeInputs) -> DecodeInputs:
                             buffer=cache.buffer.contiguous())
     return DecodeInputs(inputs.q, inputs.q_scale, aligned, inputs.weights, inputs.context_lens, inputs.block_table,
                         inputs.max_context_len)
+
+
+@pytest.mark.parametrize("tma", [True, False])
+@pytest.mark.parametrize("block_size", [64, 16])
+def test_gluon_mxfp4_decode_unchecked_wild_pages_and_lengths_gpu(kernel_device, block_size, tma, monkeypatch):
+    """Value checks off, page ids outside the cache and lengths past the width and the table: the TMA page copies
+    (aligned cache, 64-key pages), the cp.async tile copies and the per-key copies (16-key pages) read nothing
+    outside the cache and give the documented logits (unreadable pages read as zeros, lengths stop at the
+    width and the table)."""
+    from dsa_indexer.ops.logits.gluon_decode_mxfp4 import GLUON_MXFP4_DECODE_CONFIG
+
+    config = GLUON_MXFP4_DECODE_CONFIG if tma else GLUON_MXFP4_DECODE_CONFIG[:5] + (4,) + GLUON_MXFP4_DECODE_CONFIG[6:8] + (0,)
+    monkeypatch.setenv("DSA_INDEXER_SKIP_VALUE_CHECKS", "1")
+    check_unchecked_call("mxfp4", lambda inputs, clean: run_gluon(inputs, clean, 8, config=config), kernel_device,
+                         block_size, _aligned if tma and block_size == 64 else None)
 
 
 @pytest.mark.parametrize("case", ["tile_counts", "not_clean", "long", "exponent_spreads"])

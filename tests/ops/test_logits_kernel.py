@@ -11,7 +11,7 @@ Interpreter shapes are tiny; ``gpu`` tests use realistic ones and check 20 rerun
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -316,9 +316,94 @@ def test_kernels_bf16_logits_and_weights(kernel_device, fmt):
     check_bf16_logits(decode_inputs(fmt, [[3, 30], [0, 19]], 2, kernel_device, seed=16), decode_call)
 
 
+def unchecked_decode_inputs(fmt, lengths: list[list[int]], device, *, wild_pages=((0, 1, 10**6), (1, 0, -5)),
+                            wild_lengths=((0, 1, 10**6),), **kwargs):
+    """``(wild, oracle)``: the decode inputs of 2-D ``lengths`` with block-table entries set to page ids
+    outside the cache (``wild_pages``: ``(request, column, page)``) and lengths past the width and the
+    table (``wild_lengths``: ``(request, row, length)``), and the inputs that describe what an unchecked
+    call must compute: every unreadable page id replaced by a page of zero bytes, every length clamped
+    to the width and the table's positions (what value checks would have refused)."""
+    inputs = decode_inputs(fmt, lengths, len(lengths[0]), device, **kwargs)
+    cache, table, lens = inputs.cache, inputs.block_table.clone(), inputs.context_lens.clone()
+    for request, column, page in wild_pages:
+        table[request, column] = page
+    for request, row, length in wild_lengths:
+        lens[request, row] = length
+    listed = set(table.flatten().tolist())
+    zero_page = next(p for p in range(cache.num_blocks) if p not in listed)
+    cache.buffer[zero_page] = 0
+    readable = (table >= 0) & (table < cache.num_blocks)
+    limit = min(inputs.max_context_len, table.shape[1] * cache.block_size)
+    oracle = replace(inputs, block_table=torch.where(readable, table, zero_page), context_lens=lens.clamp(max=limit))
+    return replace(inputs, block_table=table, context_lens=lens), oracle
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_kernel_with_unchecked_wild_pages_and_lengths(kernel_device, fmt, monkeypatch):
+    # Request 0: page 1 is 10**6 and row 1's length passes the width (a 98-wide output) and the table's 5
+    # pages (entries past the request's 3 full pages are 10**6 and -1); request 1: page 0 is -5.
+    wild, oracle = unchecked_decode_inputs(fmt, [[20, 48], [40, 17]], kernel_device, extra_width=50, seed=11)
+    assert wild.max_context_len > wild.block_table.shape[1] * wild.cache.block_size
+    expected = run_decode(oracle, "reference", True, 4)
+    monkeypatch.setenv("DSA_INDEXER_SKIP_VALUE_CHECKS", "1")
+    assert torch.equal(run_decode(wild, "reference", True, 4), expected)
+    for clean in (True, False):
+        check_against_reference(run_decode(wild, "triton", clean, 4), expected, wild.max_context_len, clean)
+
+
+# Page ids outside the cache (2**31 - 1: its TMA coordinate would overflow int32 unclamped) and lengths past the
+# width and the table; the rows with a wild length fill whole pages (no unwritten, poisoned slot is read).
+WILD_PAGES = ((0, 1, 10**6), (1, 0, -5), (2, 2, 2**31 - 1), (3, 7, 10**6))
+WILD_LENGTHS = ((0, 1, 10**7), (3, 0, 10**6))
+WILD_REQUESTS = [[704, 640], [0, 64], [300, 17], [5120, 4990]]
+
+
+def check_unchecked_call(fmt: str, run, device, block_size: int, aligned=None) -> None:
+    """``run(inputs, clean)`` (a GPU launcher into a poisoned allocation), value checks off, on wild pages and
+    lengths: within the tier of the reference on the oracle inputs (wild pages read as zero pages, lengths
+    clamped to the width and the table), nothing written outside the valid entries when not clean, and the
+    Triton kernel on the same wild inputs within the tier too. ``aligned``: a copy of the inputs on another
+    cache (the TMA condition), or None."""
+    from dsa_indexer.ops.logits.triton import paged_mqa_logits_triton
+
+    wild, oracle = unchecked_decode_inputs(fmt, WILD_REQUESTS, device, heads=64, block_size=block_size,
+                                           extra_width=300, seed=48, wild_pages=WILD_PAGES, wild_lengths=WILD_LENGTHS)
+    if aligned is not None:
+        wild = aligned(wild)
+        oracle = replace(oracle, cache=wild.cache)
+    assert wild.max_context_len > wild.block_table.shape[1] * block_size
+    width = wild.max_context_len
+    expected = run_decode(oracle, "reference", True, 8)[:, :width]
+    triton_out = torch.full_like(expected, POISON)
+    paged_mqa_logits_triton(*wild.args(), True, triton_out)
+    assert calc_diff(triton_out, expected) < TIER
+    for clean in (True, False):
+        result = run(wild, clean)
+        assert (result[:, width:] == POISON).all(), "padded row stride was written"
+        got = result[:, :width]
+        valid = expected != NEG_INF
+        assert calc_diff(got[valid], expected[valid]) < TIER
+        assert (got[~valid] == (NEG_INF if clean else POISON)).all()
+
+
 def assert_reruns_identical(run, first: torch.Tensor, times: int = 20) -> None:
     for _ in range(times):
         assert torch.equal(run().view(torch.int32), first.view(torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [64, 16])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_kernel_unchecked_wild_pages_and_lengths_gpu(kernel_device, fmt, block_size, monkeypatch):
+    """The Triton decode kernel (forced: Hopper would pick Gluon for some calls) on wild pages and lengths with
+    value checks off, at 64 heads and thousands of keys."""
+    monkeypatch.setenv("DSA_INDEXER_SKIP_VALUE_CHECKS", "1")
+    monkeypatch.setenv("DSA_INDEXER_DECODE_KERNEL", "triton")
+
+    def run(inputs, clean):
+        return run_decode(inputs, "triton", clean, 8)
+
+    check_unchecked_call(fmt, run, kernel_device, block_size)
 
 
 @pytest.mark.gpu

@@ -144,6 +144,18 @@ def test_lengths_past_the_payload_read_padding(kernel_device):
     both_pack(x, torch.tensor([3, -2, 4], device=kernel_device), -3.0, max_len=4)
 
 
+def test_unpack_with_lengths_past_the_grid_or_negative_stays_inside(kernel_device):
+    # Wild lengths (unchecked, total given): only grid rows t < min(lengths[b], L) are read, and only output
+    # rows in [0, total) are written; the result is the reference's, bit for bit.
+    packed = random_payload((3, 4, 2), torch.float32, kernel_device, seed=12)
+    lengths = torch.tensor([3, 10**6, -4], device=kernel_device)
+    outs = [poison_like(torch.empty(9, 2, device=kernel_device)) for _ in range(2)]
+    for out, backend in zip(outs, ("reference", "triton")):
+        unpack_seq(packed, lengths, out=out, backend=backend)
+    assert_same_bytes(outs[1], outs[0])
+    assert torch.equal(outs[0][:3], packed[0, :3]) and torch.equal(outs[0][3:7], packed[1])
+
+
 def test_empty_inputs(kernel_device):
     lengths = torch.zeros(3, dtype=torch.int64, device=kernel_device)
     x = torch.zeros(0, 2, dtype=torch.uint8, device=kernel_device)

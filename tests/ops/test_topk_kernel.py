@@ -725,3 +725,100 @@ def test_bf16_logits_select_as_their_fp32_widening_gpu(kernel_device, config):
     expected = reference_topk(bf16.float(), 2048, starts, ends)
     assert torch.equal(triton_topk(bf16, 2048, starts, ends, config), expected)
     assert torch.equal(topk_decode(bf16, seq_lens, 1, 2048), topk_decode(bf16.float(), seq_lens, 1, 2048))
+
+
+def slots_oracle(positions, table, block_size, requests):
+    """Python loop of the slot rule: ``-1`` unless the position's page is listed (request and page index inside
+    the table), allocated (>= 0) and the slot fits int32."""
+    out = []
+    rows = table.tolist()
+    for position_row, request in zip(positions.tolist(), requests.tolist()):
+        slots = []
+        for p in position_row:
+            known = p >= 0 and 0 <= request < len(rows) and p // block_size < len(rows[request])
+            page = rows[request][p // block_size] if known else -1
+            slot = page * block_size + p % block_size
+            slots.append(slot if page >= 0 and slot < 2**31 else -1)
+        out.append(slots)
+    return torch.tensor(out, dtype=torch.int32)
+
+
+def unallocated_table(device):
+    """Pages -1 (unallocated), -5, 2**29 (its slots pass int32 with block_size 4 at offsets >= 0: 2**31) and valid."""
+    return torch.tensor([[3, -1, 2**29, 7], [-5, 0, 1, -1], [2, 9, -1, 4]], dtype=torch.int32, device=device)
+
+
+@pytest.mark.parametrize("checks", ["on", "off"])
+def test_indices_to_slots_gives_minus_one_or_a_valid_slot(kernel_device, checks, monkeypatch):
+    table = unallocated_table(kernel_device)
+    indices = torch.tensor([[0, 5, 8, 11, 15, -1], [0, 4, 7, 12, 15, 9], [3, 4, 11, 13, -1, -1]],
+                           dtype=torch.int32, device=kernel_device)
+    requests = torch.tensor([0, 1, 2], dtype=torch.int32, device=kernel_device)
+    if checks == "off":  # positions past the table and requests outside it, unread
+        monkeypatch.setenv("DSA_INDEXER_SKIP_VALUE_CHECKS", "1")
+        indices[0, 0], indices[2, 1] = 16, 10**9
+        requests[1] = 7
+    expected = slots_oracle(indices.cpu(), table.cpu(), 4, requests.cpu())
+    assert ((expected == -1) | (expected >= 0)).all() and (expected == -1).sum() >= 8
+    for backend in ("reference", "triton"):
+        for first in (0, 1):  # k = 6 (aligned rows off) and a strided view with k = 5
+            got = indices_to_slots(indices[:, first:], table, 4, requests, backend=backend)
+            assert torch.equal(got.cpu(), expected[:, first:])
+
+
+@pytest.mark.parametrize("config", [ROW, STREAM], ids=["row", "stream"])
+@pytest.mark.parametrize("checks", ["on", "off"])
+def test_decode_slots_give_minus_one_or_a_valid_slot(kernel_device, config, checks, monkeypatch):
+    next_n, k, block_size = 1, 5, 4
+    table = unallocated_table(kernel_device)  # 16 positions per request
+    width = 16 if checks == "on" else 24
+    logits = tie_heavy(3, width, 11, kernel_device)
+    seq_lens = torch.tensor([16, 16, 11], dtype=torch.int32, device=kernel_device)
+    if checks == "off":  # lengths past the table (positions 16.. have no page) and past the width
+        monkeypatch.setenv("DSA_INDEXER_SKIP_VALUE_CHECKS", "1")
+        seq_lens = torch.tensor([24, 10**6, 20], dtype=torch.int32, device=kernel_device)
+    visible = seq_lens.clamp(max=width)
+    positions = reference.topk_decode(logits, visible, next_n, k, poisoned(3, k, kernel_device))
+    expected = slots_oracle(positions.cpu(), table.cpu(), block_size, torch.arange(3))
+    got = triton_impl.topk_decode_triton(logits, seq_lens, next_n, k, poisoned(3, k, kernel_device), config=config,
+                                         slots=(table, block_size))
+    assert torch.equal(got.cpu(), expected)
+    assert torch.equal(topk_decode_slots(logits, seq_lens, next_n, k, table, block_size, backend="reference").cpu(),
+                       expected)
+
+
+def test_topk_window_past_the_row_is_clamped_with_checks_off(kernel_device, monkeypatch):
+    monkeypatch.setenv("DSA_INDEXER_SKIP_VALUE_CHECKS", "1")
+    logits = tie_heavy(3, 12, 4, kernel_device)
+    starts = torch.tensor([-4, 3, 20], dtype=torch.int32, device=kernel_device)
+    ends = torch.tensor([9, 10**6, 25], dtype=torch.int32, device=kernel_device)
+    expected = reference_topk(logits, 5, starts.clamp(0, 12), ends.clamp(0, 12))
+    assert torch.equal(triton_topk(logits, 5, starts, ends), expected)
+    assert torch.equal(topk(logits, 5, starts=starts, ends=ends, backend="reference"), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [GPU_SPLIT, GPU_STREAM, GPU_PIECES, None], ids=["split", "stream", "pieces", "rows"])
+def test_gpu_slots_are_minus_one_or_valid_with_checks_off(config, monkeypatch):
+    # Unallocated (-1) and wild (-5, 2**30: slots past int32) pages, a table covering half the width and a
+    # length past the width: every slot is -1 or the page's slot, as the CPU-tested reference maps them.
+    monkeypatch.setenv("DSA_INDEXER_SKIP_VALUE_CHECKS", "1")
+    num_requests, next_n, width, k, block_size = 4, 2, 131072 if config else 4096, 2048, 64
+    logits = ADVERSARIAL_GENERATORS["relu_sum"]((num_requests * next_n, width), 7, "cuda")
+    seq_lens = decode_lengths(num_requests, width, 7).cuda()
+    seq_lens[1] = 10**7
+    table = slot_table(num_requests, width // 2, block_size, 7, "cuda")
+    table[:, ::3] = -1
+    table[0, 1], table[2, 4] = -5, 2**30
+    requests = torch.arange(num_requests * next_n, dtype=torch.int32, device="cuda") // next_n
+    positions = reference.topk_decode(logits, seq_lens.clamp(max=width), next_n, k,
+                                      poisoned(num_requests * next_n, k, "cuda"))
+    expected = indices_to_slots(positions, table, block_size, requests, backend="reference")
+    assert bool(((expected == -1) | (expected >= 0)).all()) and bool((expected >= 0).any())
+    got = triton_impl.topk_decode_triton(logits, seq_lens, next_n, k, poisoned(num_requests * next_n, k, "cuda"),
+                                         config=config or triton_impl.DEFAULT_CONFIG, slots=(table, block_size))
+    assert torch.equal(got, expected)
+    positions[0, :4] = torch.tensor([10**9, width - 1, -1, 2**31 - 1], dtype=torch.int32)
+    requests[3] = 99
+    assert torch.equal(indices_to_slots(positions, table, block_size, requests, backend="triton"),
+                       indices_to_slots(positions, table, block_size, requests, backend="reference"))

@@ -14,12 +14,14 @@ from .._order import composite_key, selectable, top_ids_ascending
 
 
 def row_bounds(
-    starts: torch.Tensor | None, ends: torch.Tensor, num_rows: int, row_repeat: int
+    starts: torch.Tensor | None, ends: torch.Tensor, num_rows: int, row_repeat: int, width: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row ``(first column, length)``, both int64 ``[R]``."""
+    """Per-row ``(first column, length)``, both int64 ``[R]``, the window clamped into ``[0, width]`` as
+    the kernels clamp it (validated bounds are unchanged; unchecked ones read nothing outside the row)."""
     bound_index = torch.arange(num_rows, device=ends.device) // row_repeat  # [R]
     row_ends = ends[bound_index].to(torch.int64)
-    row_starts = torch.zeros_like(row_ends) if starts is None else starts[bound_index].to(torch.int64)
+    row_starts = torch.zeros_like(row_ends) if starts is None else starts[bound_index].to(torch.int64).clamp(0, width)
+    row_ends = torch.maximum(row_ends, row_starts).clamp(max=width)
     return row_starts, row_ends - row_starts
 
 
@@ -37,7 +39,7 @@ def block_scores(
     scores = torch.full((num_rows, num_blocks), float("-inf"), dtype=torch.float32, device=logits.device)
     if num_rows == 0 or num_blocks == 0 or width == 0:
         return scores
-    row_starts, row_lengths = row_bounds(starts, ends, num_rows, row_repeat)
+    row_starts, row_lengths = row_bounds(starts, ends, num_rows, row_repeat, width)
     position = torch.arange(num_blocks * block_size, device=logits.device)  # [NB * bs], row-relative
     in_row = position[None, :] < row_lengths[:, None]  # [R, NB * bs]
     column = (row_starts[:, None] + position[None, :]).clamp(max=width - 1)
@@ -69,7 +71,7 @@ def select_candidate_blocks_reference(
     if num_rows == 0 or num_blocks == 0:
         return out.fill_(-1)
     scores = block_scores(logits, starts, ends, block_size, num_blocks, row_repeat)  # [R, NB]
-    _, row_lengths = row_bounds(starts, ends, num_rows, row_repeat)
+    _, row_lengths = row_bounds(starts, ends, num_rows, row_repeat, width)
     block_ids = torch.arange(num_blocks, device=logits.device).expand(num_rows, num_blocks)
     # A row without context has newest block -1, which matches no block.
     newest_block = torch.div(row_lengths - 1, block_size, rounding_mode="floor")
@@ -92,7 +94,7 @@ def apply_candidate_mask_reference(
     num_rows, width = logits.shape
     if num_rows == 0 or width == 0:
         return
-    row_starts, row_lengths = row_bounds(starts, ends, num_rows, row_repeat)
+    row_starts, row_lengths = row_bounds(starts, ends, num_rows, row_repeat, width)
     num_blocks = -(-width // block_size)
     ids = candidate_blocks.to(torch.int64)
     # Ids that name no block of the logits land in the spare flag slot num_blocks, never read.

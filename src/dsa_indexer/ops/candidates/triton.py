@@ -165,14 +165,16 @@ def _pad_after_taken(out_row, out_stride_col, totals, ties, num_blocks_k, PAD_BL
 
 
 @triton.jit
-def _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS: tl.constexpr):
-    """(first column, length) of ``row`` as int64 scalars."""
+def _row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS: tl.constexpr):
+    """(first column, length) of ``row`` as int64 scalars, the window clamped into ``[0, width]`` (a no-op on
+    validated bounds; unchecked ones never move a read or a scratch write outside the row)."""
     bound = row // row_repeat
     end = tl.load(ends_ptr + bound).to(tl.int64)
     if HAS_STARTS:
-        start = tl.load(starts_ptr + bound).to(tl.int64)
+        start = tl.minimum(tl.maximum(tl.load(starts_ptr + bound).to(tl.int64), 0), width)
     else:
         start = end * 0
+    end = tl.minimum(tl.maximum(end, start), width)
     return start, end - start
 
 
@@ -187,10 +189,10 @@ def _pick_bin(hist, bins, remaining):
     return chosen, above, in_bin
 
 
-@triton.jit(do_not_specialize=["row_repeat"])
+@triton.jit(do_not_specialize=["row_repeat", "width"])
 def _block_keys_kernel(
     logits_ptr, starts_ptr, ends_ptr, keys_ptr,
-    row_repeat, stride_row, stride_col, keys_stride,
+    row_repeat, width, stride_row, stride_col, keys_stride,
     HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_J: tl.constexpr,
     VECTOR: tl.constexpr,
 ):
@@ -198,7 +200,7 @@ def _block_keys_kernel(
     of 4 is read unmasked from a base the compiler knows to be 4-aligned, i.e. with 16-byte loads;
     other tiles take the masked scalar path."""
     row = tl.program_id(0).to(tl.int64)
-    start, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS)
+    start, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS)
     num_blocks = (length + BLOCK_SIZE - 1) // BLOCK_SIZE
     first_block = tl.program_id(1).to(tl.int64) * BLOCK_NB
     blocks = first_block + tl.arange(0, BLOCK_NB)  # [BLOCK_NB]
@@ -232,14 +234,14 @@ def _block_keys_kernel(
     tl.store(keys_ptr + row * keys_stride + blocks, key.to(tl.int32, bitcast=True), mask=blocks < num_blocks)
 
 
-@triton.jit(do_not_specialize=["row_repeat", "num_blocks_k"])
+@triton.jit(do_not_specialize=["row_repeat", "width", "num_blocks_k"])
 def _select_kernel(
     keys_ptr, cand_ptr, starts_ptr, ends_ptr, out_ptr,
-    row_repeat, num_blocks_k, keys_stride, out_stride_row, out_stride_col,
+    row_repeat, width, num_blocks_k, keys_stride, out_stride_row, out_stride_col,
     HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, RADIX_BITS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    _, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS)
+    _, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS)
     num_blocks = (length + BLOCK_SIZE - 1) // BLOCK_SIZE
     row_keys = keys_ptr + row * keys_stride
     row_cand = cand_ptr + row * keys_stride
@@ -547,10 +549,10 @@ def _threshold(images, num_blocks, num_blocks_k, CARRY: tl.constexpr, MOMENTS: t
     return t
 
 
-@triton.jit(do_not_specialize=["row_repeat", "num_blocks_k"])
+@triton.jit(do_not_specialize=["row_repeat", "width", "num_blocks_k"])
 def _fused_select_kernel(
     logits_ptr, starts_ptr, ends_ptr, out_ptr,
-    row_repeat, num_blocks_k, stride_row, stride_col, out_stride_row, out_stride_col,
+    row_repeat, width, num_blocks_k, stride_row, stride_col, out_stride_row, out_stride_col,
     HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr, STEPS: tl.constexpr,
     STEP_NB: tl.constexpr, VECTOR: tl.constexpr, PAD_BLOCK: tl.constexpr, CARRY: tl.constexpr,
     MOMENTS: tl.constexpr, EVICTION: tl.constexpr,
@@ -570,7 +572,7 @@ def _fused_select_kernel(
     separate runs of one id: a warp scan and a cross-warp exchange per run (~3K of the ~8K SASS
     instructions per thread; session 5's one-run-per-thread layout cut that but lost on the loads)."""
     row = tl.program_id(0).to(tl.int64)
-    start, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS)
+    start, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS)
     num_blocks = ((length + BLOCK_SIZE - 1) // BLOCK_SIZE).to(tl.int32)
     readable = num_blocks - 1  # every block but the pinned newest one
     row_ptr = logits_ptr + row * stride_row
@@ -806,10 +808,10 @@ def _stream_piece_images(keys_row, row_ptr, first_column, stride_col, readable, 
             values = following
 
 
-@triton.jit(do_not_specialize=["row_repeat", "num_blocks_k"])
+@triton.jit(do_not_specialize=["row_repeat", "width", "num_blocks_k"])
 def _split_select_kernel(
     logits_ptr, starts_ptr, ends_ptr, out_ptr, keys_ptr, arrivals_ptr,
-    row_repeat, num_blocks_k, stride_row, stride_col, out_stride_row, out_stride_col,
+    row_repeat, width, num_blocks_k, stride_row, stride_col, out_stride_row, out_stride_col,
     HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr, STEPS: tl.constexpr,
     STEP_NB: tl.constexpr, PIECES: tl.constexpr, LANES: tl.constexpr, VECTOR: tl.constexpr,
     PAD_BLOCK: tl.constexpr, SELECT_CHUNK: tl.constexpr, CARRY: tl.constexpr, MOMENTS: tl.constexpr,
@@ -831,7 +833,7 @@ def _split_select_kernel(
     _stamp(timeline_ptr, program, _TL_START, _TL_SLOTS, TIMELINE)
     row = (program // PIECES).to(tl.int64)
     piece = program % PIECES
-    start, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS)
+    start, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS)
     num_blocks = ((length + BLOCK_SIZE - 1) // BLOCK_SIZE).to(tl.int32)
     readable = num_blocks - 1  # every block but the pinned newest one
     row_ptr = logits_ptr + row * stride_row
@@ -855,14 +857,14 @@ def _split_select_kernel(
             _discard_lines(keys_row, NB // 32, 32, NB // 32)
 
 
-@triton.jit(do_not_specialize=["row_repeat", "num_candidates"])
+@triton.jit(do_not_specialize=["row_repeat", "width", "num_candidates"])
 def _candidate_flags_kernel(
     candidates_ptr, starts_ptr, ends_ptr, flags_ptr,
-    row_repeat, num_candidates, cand_stride_row, cand_stride_col, flags_stride,
+    row_repeat, width, num_candidates, cand_stride_row, cand_stride_col, flags_stride,
     HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    _, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS)
+    _, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS)
     num_blocks = (length + BLOCK_SIZE - 1) // BLOCK_SIZE
     slot = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BLOCK_K]
     ids = tl.load(candidates_ptr + row * cand_stride_row + slot * cand_stride_col, mask=slot < num_candidates,
@@ -900,7 +902,7 @@ def _mask_kernel(
     unwritten (``_discard_lines``).
     """
     row = tl.program_id(0).to(tl.int64)
-    start64, length64 = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS)
+    start64, length64 = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS)
     start = start64.to(tl.int32)
     end = (start64 + length64).to(tl.int32)
     lowest = -((start + BLOCK_SIZE - 1) // BLOCK_SIZE)
@@ -991,7 +993,7 @@ def block_keys(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.Te
         block_nb = min(block_nb, triton.next_power_of_2(max_blocks))
         _block_keys_kernel[(num_rows, triton.cdiv(max_blocks, block_nb))](
             logits, starts_arg, ends, keys,
-            row_repeat, logits.stride(0), logits.stride(1), keys.stride(0),
+            row_repeat, width, logits.stride(0), logits.stride(1), keys.stride(0),
             HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_NB=block_nb, BLOCK_J=block_j, VECTOR=vector,
             num_warps=8,
         )
@@ -999,16 +1001,18 @@ def block_keys(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.Te
 
 
 def select_from_keys(keys: torch.Tensor, starts: torch.Tensor | None, ends: torch.Tensor, num_blocks_k: int,
-                     block_size: int, row_repeat: int, out: torch.Tensor) -> torch.Tensor:
+                     block_size: int, row_repeat: int, out: torch.Tensor, *, width: int | None = None) -> torch.Tensor:
     """Second stage: the ``num_blocks_k`` best block ids of each row of ``keys`` into ``out`` (the
     radix kernel, one program of ``_SELECT_WARPS`` warps per row scanning ``_SELECT_CHUNK`` keys per
-    step)."""
+    step). ``width``: the logits' columns (default: the positions of ``keys``' blocks)."""
+    if width is None:
+        width = keys.shape[1] * block_size
     if out.shape[0]:
         starts_arg, has_starts = _bounds_args(starts, ends)
         candidates = torch.empty_like(keys)
         _select_kernel[(out.shape[0],)](
             keys, candidates, starts_arg, ends, out,
-            row_repeat, num_blocks_k, keys.stride(0), out.stride(0), out.stride(1),
+            row_repeat, width, num_blocks_k, keys.stride(0), out.stride(0), out.stride(1),
             HAS_STARTS=has_starts, BLOCK_SIZE=block_size, CHUNK=_SELECT_CHUNK, RADIX_BITS=_RADIX_BITS,
             num_warps=_SELECT_WARPS, maxnreg=_SELECT_MAX_REGISTERS,
         )
@@ -1104,7 +1108,7 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
         discard = (_SPLIT_DISCARD if piece_discard is None else piece_discard) and _discardable_rows(keys)
         _split_select_kernel[(num_rows * pieces,)](
             logits, starts_arg, ends, out, keys, arrivals,
-            row_repeat, num_blocks_k, logits.stride(0), logits.stride(1), out.stride(0), out.stride(1),
+            row_repeat, width, num_blocks_k, logits.stride(0), logits.stride(1), out.stride(0), out.stride(1),
             HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_J=block_j, STEPS=piece_blocks // piece_step_blocks,
             STEP_NB=piece_step_blocks, PIECES=pieces, LANES=lanes, VECTOR=vector,
             PAD_BLOCK=_PAD_BLOCK, SELECT_CHUNK=chunk, CARRY=_carry_mode(chunk, 32 * warps), MOMENTS=moments,
@@ -1118,7 +1122,7 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
     step_blocks = min(max(1, step // block_j), padded_blocks)
     _fused_select_kernel[(num_rows,)](
         logits, starts_arg, ends, out,
-        row_repeat, num_blocks_k, logits.stride(0), logits.stride(1), out.stride(0), out.stride(1),
+        row_repeat, width, num_blocks_k, logits.stride(0), logits.stride(1), out.stride(0), out.stride(1),
         HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_J=block_j, STEPS=padded_blocks // step_blocks,
         STEP_NB=step_blocks, VECTOR=vector, PAD_BLOCK=_PAD_BLOCK,
         CARRY=_carry_mode(padded_blocks, 32 * _FUSED_WARPS), MOMENTS=moments,
@@ -1167,7 +1171,7 @@ def select_candidate_blocks_triton(
                             moment_probes=moment_probes, moment_sample=moment_sample,
                             piece_discard=fused_piece_discard, evict_first=fused_evict_first)
     keys = block_keys(logits, starts, ends, block_size, row_repeat, vector=vector, tile=keys_tile)
-    return select_from_keys(keys, starts, ends, num_blocks_k, block_size, row_repeat, out)
+    return select_from_keys(keys, starts, ends, num_blocks_k, block_size, row_repeat, out, width=logits.shape[1])
 
 
 def apply_candidate_mask_triton(
@@ -1217,7 +1221,7 @@ def apply_candidate_mask_triton(
         block_k = min(1024, triton.next_power_of_2(num_candidates))
         _candidate_flags_kernel[(num_rows, triton.cdiv(num_candidates, block_k))](
             candidate_blocks, starts_arg, ends, flags,
-            row_repeat, num_candidates, candidate_blocks.stride(0), candidate_blocks.stride(1), flags.stride(0),
+            row_repeat, width, num_candidates, candidate_blocks.stride(0), candidate_blocks.stride(1), flags.stride(0),
             HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_K=block_k, num_warps=4,
         )
     _mask_kernel[(num_rows, programs)](

@@ -57,8 +57,9 @@ def insert_k(
         k: ``[T, D]`` bf16/fp16/fp32 with ``D = cache.head_dim``; any strides.
         cache: the destination; slot ``s`` is token ``s % block_size`` of page ``s // block_size``.
         slot_mapping: ``[T]`` int64 (int32 accepted), each ``< cache.num_slots``; a negative slot is
-            padding and nothing is written for that row. Two rows with the same slot are the caller's
-            error: the reference keeps the last row, kernels promise no order.
+            padding and nothing is written for that row (with value checks off, a slot ``>= num_slots``
+            too). Two rows with the same slot are the caller's error: the reference keeps the last row,
+            kernels promise no order.
         scale_fmt: FP8 scale rounding, ``"ue8m0"`` (power of two) or ``"fp32"``; MXFP4 caches and FP8
             caches storing mxfp8 scale words (``cache.scale_fmt == "mxfp8"``) take only ``"ue8m0"``.
         amax_floor: FP8 amax floor (> 0); MXFP4 uses its format's fixed floor.
@@ -148,7 +149,8 @@ def gather_k(
         cache: the source cache.
         block_table: ``[B, max_blocks]`` int32 (int64 accepted); row ``b`` lists request ``b``'s pages.
             Only the first ``ceil(len_b / block_size)`` entries of a row are read; they must lie in
-            ``[0, cache.num_blocks)``.
+            ``[0, cache.num_blocks)`` (with value checks off, a position whose entry is outside the cache or
+            past the table gathers zero bytes, and rows stop at the destination's).
         cu_seq_lens: ``[B + 1]`` int32 (int64 accepted), non-decreasing from 0;
             ``len_b = cu_seq_lens[b + 1] - cu_seq_lens[b]``.
         num_tokens: rows ``N`` of the returned tensors (``>= cu_seq_lens[-1]``); default

@@ -8,10 +8,11 @@ from ...cache import IndexerKCache
 from ...formats import mxfp8_scale_words, quantize_fp8, quantize_mxfp4
 
 
-def rows_to_write(slot_mapping: torch.Tensor) -> torch.Tensor:
+def rows_to_write(slot_mapping: torch.Tensor, num_slots: int | None = None) -> torch.Tensor:
     """Rows of ``slot_mapping [T]`` that the insert writes -> int64 ``[W]``, ordered by slot.
 
-    A row is written when its slot is ``>= 0`` and no later row has the same slot (last write wins).
+    A row is written when its slot is ``>= 0`` (and ``< num_slots`` when given: an unchecked slot past
+    the cache writes nothing, as in the kernel) and no later row has the same slot (last write wins).
     The count ``W`` depends on the data, so this synchronises with the device on CUDA.
     """
     slots = slot_mapping.long()
@@ -19,7 +20,10 @@ def rows_to_write(slot_mapping: torch.Tensor) -> torch.Tensor:
     sorted_slots = slots[order]
     last_of_slot = torch.ones_like(sorted_slots, dtype=torch.bool)
     last_of_slot[:-1] = sorted_slots[:-1] != sorted_slots[1:]
-    return order[last_of_slot & (sorted_slots >= 0)]
+    inside = sorted_slots >= 0
+    if num_slots is not None:
+        inside &= sorted_slots < num_slots
+    return order[last_of_slot & inside]
 
 
 def insert_k_reference(
@@ -37,7 +41,7 @@ def insert_k_reference(
     ``scale_fmt="mxfp8"`` cache four copies of the power-of-two scale's ue8m0 byte.
     MXFP4: ``quantize_mxfp4(row)``; packed bytes and the padded scale bytes. Negative slots are skipped.
     """
-    rows = rows_to_write(slot_mapping)
+    rows = rows_to_write(slot_mapping, cache.num_slots)
     slots = slot_mapping.index_select(0, rows).long()
     page, token = slots // cache.block_size, slots % cache.block_size
     source = k.index_select(0, rows)
@@ -63,6 +67,8 @@ def gather_k_reference(
     Position ``p`` of request ``b`` is token ``p % block_size`` of page ``block_table[b, p // block_size]``.
     ``values_out [R, value_bytes]`` (float8_e4m3fn or uint8) and ``scales_out`` (float32 ``[R]`` or
     uint8 ``[R, scale_bytes]``) have ``R >= cu[-1]`` rows; rows ``[cu[-1], R)`` keep their bytes. No host read.
+    Unchecked tables (value checks off) read nothing outside the cache, as in the kernel: a position whose
+    table column is outside the table or whose page id is outside ``[0, num_blocks)`` gathers zero bytes.
     """
     num_rows = values_out.shape[0]
     batch, max_blocks = block_table.shape
@@ -75,11 +81,14 @@ def gather_k_reference(
     request = torch.searchsorted(cu[1:], row, right=True).clamp_max(batch - 1)
     position = row - cu[request]
     written = row < cu[-1]
-    block = (position // cache.block_size).clamp_max(max_blocks - 1)
-    page = block_table.long()[request, block].clamp(0, cache.num_blocks - 1)
+    block = position // cache.block_size
+    listed = (block >= 0) & (block < max_blocks)
+    page = block_table.long()[request, torch.where(listed, block, 0)]
+    readable = (listed & (page >= 0) & (page < cache.num_blocks)).unsqueeze(-1)  # [R, 1]
+    page = torch.where(readable[:, 0], page, 0)
     token = position % cache.block_size
-    gathered_values = cache.values_view()[page, token]  # [R, value_bytes]
-    gathered_scales = cache.scales_view()[page, token]  # [R, scale_bytes]
+    gathered_values = cache.values_view()[page, token] * readable  # [R, value_bytes]
+    gathered_scales = cache.scales_view()[page, token] * readable  # [R, scale_bytes]
     if scales_out.dtype == torch.float32:
         # Move the fp32 scales as int32 bit patterns so every byte is copied exactly.
         scale_destination = scales_out.view(torch.int32).unsqueeze(-1)

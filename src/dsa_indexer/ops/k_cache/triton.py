@@ -54,21 +54,23 @@ INSERT_MXFP4_BF16X2 = True
 __all__ = ["gather_k_triton", "insert_k_triton"]
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
+@triton.jit(do_not_specialize=["num_tokens", "num_slots"])
 def _insert_k_kernel(
     k_ptr, slots_ptr, cache_ptr,
-    num_tokens, stride_kt, stride_kd, stride_slots,
+    num_tokens, num_slots, stride_kt, stride_kd, stride_slots,
     page_stride, amax_floor,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MXFP4: tl.constexpr,
     MXFP8: tl.constexpr, UE8M0: tl.constexpr, BLOCK_T: tl.constexpr, BF16X2: tl.constexpr, INTERPRETER: tl.constexpr,
 ):
-    """One program: rows ``[program_id(0) * BLOCK_T, +BLOCK_T)`` of ``k``; rows with a negative slot write nothing.
+    """One program: rows ``[program_id(0) * BLOCK_T, +BLOCK_T)`` of ``k``; rows with a negative slot write nothing,
+    nor (unchecked slot mappings) rows whose slot is ``>= num_slots``.
 
     ``BF16X2`` (MXFP4 of bf16 ``k`` with unit dim stride and even row stride): rows are loaded as bf16 pair
     words (``load_bf16_words``) and quantised by ``quantize_store_bf16_words``."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
     slot = tl.load(slots_ptr + rows * stride_slots, mask=rows < num_tokens, other=-1).to(tl.int64)
-    write = slot >= 0
+    write = (slot >= 0) & (slot < num_slots)
+    slot = tl.where(write, slot, 0)
     page = cache_ptr + (slot // BLOCK_SIZE) * page_stride  # [BLOCK_T] first byte of the row's page
     token = slot % BLOCK_SIZE
     if MXFP4:
@@ -116,18 +118,22 @@ def _insert_k_kernel(
         tl.store(scale_rows[:, None] + byte[None, :], scale_bytes.to(tl.uint8), mask=write[:, None])
 
 
-@triton.jit(do_not_specialize=["num_requests", "search_steps"])
+@triton.jit(do_not_specialize=["num_requests", "search_steps", "num_rows", "table_columns", "num_blocks"])
 def _gather_k_kernel(
     cache_ptr, block_table_ptr, cu_ptr, values_ptr, scales_ptr,
-    num_requests, search_steps, stride_cu,
+    num_requests, search_steps, stride_cu, num_rows, table_columns, num_blocks,
     stride_bt_request, stride_bt_block, page_stride,
     stride_values_row, stride_values_byte, stride_scales_row, stride_scales_byte,
     BLOCK_SIZE: tl.constexpr, VALUE_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_ROWS: tl.constexpr,
 ):
-    """One program: destination rows ``[program_id(0) * BLOCK_ROWS, +BLOCK_ROWS)``, those below ``cu[-1]``."""
+    """One program: destination rows ``[program_id(0) * BLOCK_ROWS, +BLOCK_ROWS)``, those below ``cu[-1]``.
+
+    Unchecked tables stay inside the buffers: rows stop at the destination's ``num_rows``, and a position whose
+    table column lies outside ``[0, table_columns)`` or whose page id lies outside ``[0, num_blocks)`` is not
+    read: its row receives zero bytes."""
     first_row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS
-    total = tl.load(cu_ptr + num_requests * stride_cu).to(tl.int64)
+    total = tl.minimum(tl.load(cu_ptr + num_requests * stride_cu).to(tl.int64), num_rows)
     if first_row < total:
         rows = first_row + tl.arange(0, BLOCK_ROWS)  # [BLOCK_ROWS]
         row_ok = rows < total
@@ -141,8 +147,11 @@ def _gather_k_kernel(
             high = tl.where(right, high, middle)
             step += 1
         position = rows - tl.load(cu_ptr + low * stride_cu).to(tl.int64)  # [BLOCK_ROWS] request-local position
-        page_id = tl.load(block_table_ptr + low.to(tl.int64) * stride_bt_request
-                          + (position // BLOCK_SIZE) * stride_bt_block, mask=row_ok, other=0)
+        column = position // BLOCK_SIZE
+        listed = row_ok & (column.to(tl.uint64) < table_columns.to(tl.uint64))
+        page_id = tl.load(block_table_ptr + low.to(tl.int64) * stride_bt_request + column * stride_bt_block,
+                          mask=listed, other=-1)
+        readable = page_id.to(tl.uint32) < num_blocks.to(tl.uint32)  # [BLOCK_ROWS]
         page = cache_ptr + page_id.to(tl.int64) * page_stride  # [BLOCK_ROWS]
         token = position % BLOCK_SIZE
         values_out = values_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
@@ -150,14 +159,15 @@ def _gather_k_kernel(
 
         byte = tl.arange(0, BLOCK_V)
         byte_mask = row_ok[:, None] & (byte < VALUE_BYTES)[None, :]
-        values = tl.load(page[:, None] + token[:, None] * VALUE_BYTES + byte[None, :], mask=byte_mask)
+        values = tl.load(page[:, None] + token[:, None] * VALUE_BYTES + byte[None, :],
+                         mask=byte_mask & readable[:, None], other=0)
         tl.store(values_out + rows[:, None] * stride_values_row + byte[None, :] * stride_values_byte, values,
                  mask=byte_mask)  # [BLOCK_ROWS, BLOCK_V]
 
         byte = tl.arange(0, BLOCK_S)
         byte_mask = row_ok[:, None] & (byte < SCALE_BYTES)[None, :]
         scale_rows = page + BLOCK_SIZE * VALUE_BYTES + token * SCALE_BYTES  # [BLOCK_ROWS]
-        scales = tl.load(scale_rows[:, None] + byte[None, :], mask=byte_mask)
+        scales = tl.load(scale_rows[:, None] + byte[None, :], mask=byte_mask & readable[:, None], other=0)
         tl.store(scales_out + rows[:, None] * stride_scales_row + byte[None, :] * stride_scales_byte, scales,
                  mask=byte_mask)  # [BLOCK_ROWS, BLOCK_S]
 
@@ -195,7 +205,7 @@ def insert_k_triton(
                 and cache.buffer.data_ptr() % 4 == 0 and cache.page_stride % 4 == 0)  # 4-byte loads and stores
     _insert_k_kernel[(triton.cdiv(num_tokens, block_tokens),)](
         k, slot_mapping, cache.buffer,
-        num_tokens, k.stride(0), k.stride(1), slot_mapping.stride(0),
+        num_tokens, cache.num_slots, k.stride(0), k.stride(1), slot_mapping.stride(0),
         cache.page_stride, amax_floor,
         BLOCK_SIZE=cache.block_size, HEAD_DIM=cache.head_dim, BLOCK_D=triton.next_power_of_2(cache.head_dim),
         MXFP4=mxfp4, MXFP8=cache.scale_fmt == "mxfp8", UE8M0=scale_fmt == "ue8m0", BLOCK_T=block_tokens,
@@ -229,7 +239,7 @@ def gather_k_triton(
         stride_scales_row, stride_scales_byte = scales_out.stride(0), scales_out.stride(1)
     _gather_k_kernel[(triton.cdiv(num_rows, block_rows),)](
         cache.buffer, block_table, cu_seq_lens, values_out, scales_out,
-        num_requests, num_requests.bit_length(), cu_seq_lens.stride(0),
+        num_requests, num_requests.bit_length(), cu_seq_lens.stride(0), num_rows, block_table.shape[1], cache.num_blocks,
         block_table.stride(0), block_table.stride(1), cache.page_stride,
         values_out.stride(0), values_out.stride(1), stride_scales_row, stride_scales_byte,
         BLOCK_SIZE=cache.block_size, VALUE_BYTES=cache.value_bytes, SCALE_BYTES=cache.scale_bytes,

@@ -312,6 +312,8 @@ def paged_mqa_logits(
             ``L``; row ``t`` then sees ``max(L - next_n + t + 1, 0)`` positions).
         block_table: int32 ``[B, max_blocks]`` page ids. Entries for pages a request reads must be in
             ``[0, cache.num_blocks)``; entries past the request's length are never read (may be -1).
+            With value checks off, an entry outside the cache reads as zero bytes and a row reads at most
+            ``max_blocks * block_size`` positions (contract §12): nothing outside the cache is read.
         max_context_len: output width, ``>=`` every row's length.
         clean: when True every entry at ``p >= len[b, t]`` is ``-inf``; when False those entries are
             unspecified (a backend may leave them unwritten) and must not be read.

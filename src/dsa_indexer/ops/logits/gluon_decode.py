@@ -132,10 +132,12 @@ def _row_length(lens_ptr, stride_lb, stride_lt, request, t, next_n, one_d):
 
 @gluon.jit
 def _work_item(lens_ptr, stride_lb, stride_lt, work, next_n, one_d, max_context_len, num_splits, num_groups,
-               ROWS: gl.constexpr, split_tiles):
+               ROWS: gl.constexpr, split_tiles, table_positions):
     """Work item ``work`` (request, split, row group fastest, as in the Triton kernel's program ids): the
     request, its first draft row ``t0``, the rows' lengths, the split ``[split_start, split_end)``, where
-    reading stops (``read_end``: the longer row's length inside the split) and the tiles read."""
+    reading stops (``read_end``: the longer row's length inside the split, at most ``table_positions``, the
+    block table's columns times the page size, so unchecked lengths never read past the table) and the
+    tiles read."""
     request_split = work // num_groups
     split = request_split % num_splits
     request = request_split // num_splits
@@ -149,7 +151,7 @@ def _work_item(lens_ptr, stride_lb, stride_lt, work, next_n, one_d, max_context_
         extent = length0
     split_start = split * (split_tiles * BLOCK_K)
     split_end = gl.minimum(split_start + split_tiles * BLOCK_K, max_context_len)
-    read_end = gl.minimum(split_end, extent)
+    read_end = gl.minimum(gl.minimum(split_end, extent), table_positions)
     num_tiles = (gl.maximum(read_end - split_start, 0) + BLOCK_K - 1) // BLOCK_K
     return request, t0, length0, length1, split_start, split_end, read_end, num_tiles
 
@@ -175,8 +177,8 @@ def _next_tile_page(table_row, tile_start, read_end, BLOCK_SIZE: gl.constexpr):
 
 
 @gluon.jit
-def _fill_tiles(values_ptr, cache_ptr, page_units, table_row, key_ring, scale_ring, ready, empty, split_start,
-                read_end, first_use, num_fills, first_page, key, column, scale_key, ROW_BYTES: gl.constexpr,
+def _fill_tiles(values_ptr, cache_ptr, page_units, num_blocks, table_row, key_ring, scale_ring, ready, empty,
+                split_start, read_end, first_use, num_fills, first_page, key, column, scale_key, ROW_BYTES: gl.constexpr,
                 BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr, COPY_ALIGN: gl.constexpr,
                 EARLY_TABLE: gl.constexpr):
     """Producer side of the ring, shared by the FP8 and MXFP4 kernels: tiles ``0 .. num_fills - 1`` of a
@@ -185,7 +187,8 @@ def _fill_tiles(values_ptr, cache_ptr, page_units, table_row, key_ring, scale_ri
     scales; pages start every ``page_units * COPY_ALIGN`` bytes and the cache is ``COPY_ALIGN``-byte aligned,
     so the copies move ``COPY_ALIGN`` bytes (16 or 4) each. ``key``/``column``/``scale_key``: the aranges
     over a tile's keys, a row's bytes and the scales in the copy layouts; ``first_page`` (with
-    ``EARLY_TABLE``): the split's first table entry, already loaded."""
+    ``EARLY_TABLE``): the split's first table entry, already loaded. A page id outside ``[0, num_blocks)``
+    (unchecked metadata) is not read: its keys and scales are zero-filled and its address is page 0's."""
     scale_base = BLOCK_SIZE * ROW_BYTES  # the page's scales follow its key rows
     if BLOCK_SIZE % BLOCK_K == 0:
         # A tile lies in one page: one block-table entry per tile, loaded a tile ahead (its latency hides
@@ -194,7 +197,8 @@ def _fill_tiles(values_ptr, cache_ptr, page_units, table_row, key_ring, scale_ri
         for tile in range(num_fills):
             stage = (first_use + tile) % NUM_STAGES
             tile_start = split_start + tile * BLOCK_K
-            page_start = next_page.to(gl.int64) * page_units * COPY_ALIGN
+            readable = next_page.to(gl.uint32) < num_blocks.to(gl.uint32)
+            page_start = gl.where(readable, next_page, 0).to(gl.int64) * page_units * COPY_ALIGN
             next_page = _next_tile_page(table_row, tile_start, read_end, BLOCK_SIZE)
             # A fresh barrier has completed no phase; waiting on parity 1 passes, so the first round is free.
             mbarrier.wait(empty.index(stage), (((first_use + tile) // NUM_STAGES) & 1) ^ 1)
@@ -206,9 +210,9 @@ def _fill_tiles(values_ptr, cache_ptr, page_units, table_row, key_ring, scale_ri
                 key_ptrs = gl.multiple_of(key_ptrs, [4, 4])
                 scale_ptrs = gl.multiple_of(scale_ptrs, [4])
             async_copy.async_copy_global_to_shared(key_ring.index(stage), key_ptrs,
-                                                   mask=(tile_start + key < read_end)[:, None])
+                                                   mask=((tile_start + key < read_end) & readable)[:, None])
             async_copy.async_copy_global_to_shared(scale_ring.index(stage), scale_ptrs,
-                                                   mask=tile_start + scale_key < read_end)
+                                                   mask=(tile_start + scale_key < read_end) & readable)
             async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
     else:
         for tile in range(num_fills):
@@ -216,9 +220,13 @@ def _fill_tiles(values_ptr, cache_ptr, page_units, table_row, key_ring, scale_ri
             positions = split_start + tile * BLOCK_K + key  # [BLOCK_K]
             live = positions < read_end
             page = gl.load(table_row + positions.to(gl.uint32) // BLOCK_SIZE, mask=live, other=0)
+            live = live & (page.to(gl.uint32) < num_blocks.to(gl.uint32))
+            page = gl.where(live, page, 0)
             scale_positions = split_start + tile * BLOCK_K + scale_key
             scale_live = scale_positions < read_end
             scale_page = gl.load(table_row + scale_positions.to(gl.uint32) // BLOCK_SIZE, mask=scale_live, other=0)
+            scale_live = scale_live & (scale_page.to(gl.uint32) < num_blocks.to(gl.uint32))
+            scale_page = gl.where(scale_live, scale_page, 0)
             mbarrier.wait(empty.index(stage), (((first_use + tile) // NUM_STAGES) & 1) ^ 1)
             slot = (positions.to(gl.uint32) % BLOCK_SIZE).to(gl.int32)
             key_rows = values_ptr + page.to(gl.int64) * page_units * COPY_ALIGN + slot * ROW_BYTES  # [BLOCK_K]
@@ -235,16 +243,18 @@ def _fill_tiles(values_ptr, cache_ptr, page_units, table_row, key_ring, scale_ri
 
 
 @gluon.jit
-def _fill_tiles_tma(key_desc, scale_desc, page_rows, table_row, key_ring, scale_ring, ready, empty, split_start,
-                    read_end, first_use, num_fills, first_page, ROW_BYTES: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                    NUM_STAGES: gl.constexpr, EARLY_TABLE: gl.constexpr):
+def _fill_tiles_tma(key_desc, scale_desc, page_rows, num_blocks, table_row, key_ring, scale_ring, ready, empty,
+                    split_start, read_end, first_use, num_fills, first_page, ROW_BYTES: gl.constexpr,
+                    BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr, EARLY_TABLE: gl.constexpr):
     """``_fill_tiles`` (pages a multiple of a tile) by TMA: per tile one copy of the ``[BLOCK_K, ROW_BYTES]``
     key rows and one of the ``BLOCK_K`` 32-bit scales (as ``[4 * BLOCK_K / ROW_BYTES, ROW_BYTES]`` bytes), on
     the ``ready`` barrier's transaction count: a few instructions a tile instead of address arithmetic and a
     cp.async per thread and 16 bytes. The cache is viewed as rows of ``ROW_BYTES``
     (``key_desc``/``scale_desc``, block shapes as above, the rings' layouts); a page is ``page_rows`` of them:
     its ``BLOCK_SIZE`` key rows, then its scales. Positions ``>= read_end`` are not zero-filled: they read
-    page 0 (masked table entries) or the page's own slots, whose logits are never stored."""
+    page 0 (masked table entries) or the page's own slots, whose logits are never stored. A page id outside
+    ``[0, num_blocks)`` (unchecked metadata) becomes ``num_blocks`` before the coordinate is formed: its boxes
+    lie past the descriptor's rows, which TMA fills with zeros, and the coordinate cannot overflow."""
     key_stages = key_ring._reinterpret(key_ring.dtype, [NUM_STAGES, BLOCK_K, ROW_BYTES], key_desc.layout)
     scale_stages = scale_ring._reinterpret(gl.uint8, [NUM_STAGES, 4 * BLOCK_K // ROW_BYTES, ROW_BYTES],
                                            scale_desc.layout)
@@ -252,7 +262,7 @@ def _fill_tiles_tma(key_desc, scale_desc, page_rows, table_row, key_ring, scale_
     for tile in range(num_fills):
         stage = (first_use + tile) % NUM_STAGES
         tile_start = split_start + tile * BLOCK_K
-        page_row = next_page * page_rows
+        page_row = gl.where(next_page.to(gl.uint32) < num_blocks.to(gl.uint32), next_page, num_blocks) * page_rows
         next_page = _next_tile_page(table_row, tile_start, read_end, BLOCK_SIZE)
         slot = tile_start % BLOCK_SIZE
         # A fresh barrier has completed no phase; waiting on parity 1 passes, so the first round is free.
@@ -264,8 +274,8 @@ def _fill_tiles_tma(key_desc, scale_desc, page_rows, table_row, key_ring, scale_
 
 
 @gluon.jit
-def _producer(q_ptr, stride_qb, stride_qt, stride_qh, values_ptr, cache_ptr, page_units, table_ptr, stride_tb,
-              table_columns, lens_ptr, stride_lb, stride_lt, key_desc, scale_desc, page_rows, query_desc,
+def _producer(q_ptr, stride_qb, stride_qt, stride_qh, values_ptr, cache_ptr, page_units, num_blocks, table_ptr,
+              stride_tb, table_columns, lens_ptr, stride_lb, stride_lt, key_desc, scale_desc, page_rows, query_desc,
               key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty,
               next_n, one_d, max_context_len, num_splits, num_groups, num_works, split_tiles,
               HEADS: gl.constexpr, BLOCK_H: gl.constexpr, DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
@@ -299,7 +309,7 @@ def _producer(q_ptr, stride_qb, stride_qt, stride_qh, values_ptr, cache_ptr, pag
             first_page = 0  # unused: the first entry is read after the lengths
         request, t0, _, _, split_start, _, read_end, num_tiles = _work_item(
             lens_ptr, stride_lb, stride_lt, work, next_n, one_d, max_context_len, num_splits, num_groups, ROWS,
-            split_tiles)
+            split_tiles, table_columns * BLOCK_SIZE)
         table_row = table_ptr + request.to(gl.int64) * stride_tb
         query_slot = done % QUERY_SLOTS
         # A fresh barrier has completed no phase; waiting on parity 1 passes, so the first round is free.
@@ -318,11 +328,11 @@ def _producer(q_ptr, stride_qb, stride_qt, stride_qh, values_ptr, cache_ptr, pag
                                                        mask=((head < HEADS) & (t < next_n))[:, None])
             async_copy.mbarrier_arrive(query_ready.index(query_slot), increment_count=False)
         if TMA_PAGES:
-            _fill_tiles_tma(key_desc, scale_desc, page_rows, table_row, key_ring, scale_ring, ready, empty,
+            _fill_tiles_tma(key_desc, scale_desc, page_rows, num_blocks, table_row, key_ring, scale_ring, ready, empty,
                             split_start, read_end, uses, num_tiles, first_page, DIM, BLOCK_SIZE, NUM_STAGES,
                             EARLY_TABLE)
         else:
-            _fill_tiles(values_ptr, cache_ptr, page_units, table_row, key_ring, scale_ring, ready, empty,
+            _fill_tiles(values_ptr, cache_ptr, page_units, num_blocks, table_row, key_ring, scale_ring, ready, empty,
                         split_start, read_end, uses, num_tiles, first_page, key, dim, scale_key, DIM, BLOCK_SIZE,
                         NUM_STAGES, COPY_ALIGN, EARLY_TABLE)
         uses += num_tiles
@@ -378,7 +388,7 @@ def _store_tail(out_row0, out_row1, present0, present1, split_start, split_end, 
 def _consumer(w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_lb, stride_lt,
               key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty,
               next_n, one_d, max_context_len, num_splits, num_groups, num_works,
-              split_tiles, HEADS: gl.constexpr, BLOCK_H: gl.constexpr, ROWS: gl.constexpr,
+              split_tiles, table_positions, HEADS: gl.constexpr, BLOCK_H: gl.constexpr, ROWS: gl.constexpr,
               NUM_STAGES: gl.constexpr, QUERY_SLOTS: gl.constexpr, CLEAN: gl.constexpr, TMA_PAGES: gl.constexpr):
     """Per work item, per tile: one async wgmma per row, row 0's epilogue under row 1's wgmma; then the
     item's ``-inf`` tail. Query slot and ring stages go back to the producer as soon as they are read."""
@@ -392,7 +402,7 @@ def _consumer(w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_
     for work in range(gl.program_id(0), num_works, gl.num_programs(0)):
         request, t0, length0, length1, split_start, split_end, read_end, num_tiles = _work_item(
             lens_ptr, stride_lb, stride_lt, work, next_n, one_d, max_context_len, num_splits, num_groups, ROWS,
-            split_tiles)
+            split_tiles, table_positions)
         present0, present1, half_w0, half_w1, out_row0, out_row1 = _row_outputs(
             w_ptr, stride_wr, stride_wh, out_ptr, stride_or, request, t0, next_n, head, HEADS, ROWS)
         query_slot = done % QUERY_SLOTS
@@ -434,12 +444,12 @@ def _consumer(w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_
         done += 1
 
 
-@gluon.jit(do_not_specialize=["table_columns", "next_n", "one_d", "max_context_len", "num_splits", "num_groups",
-                              "num_works", "split_tiles"])
+@gluon.jit(do_not_specialize=["num_blocks", "table_columns", "next_n", "one_d", "max_context_len", "num_splits",
+                              "num_groups", "num_works", "split_tiles"])
 def _paged_mqa_logits_ws_kernel(
     q_ptr, stride_qb, stride_qt, stride_qh,
     w_ptr, stride_wr, stride_wh,
-    values_ptr, cache_ptr, page_units,
+    values_ptr, cache_ptr, page_units, num_blocks,
     lens_ptr, stride_lb, stride_lt,
     table_ptr, stride_tb, table_columns,
     out_ptr, stride_or,
@@ -475,8 +485,8 @@ def _paged_mqa_logits_ws_kernel(
         (_consumer, (w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_lb, stride_lt,
                      key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty,
                      next_n, one_d, max_context_len, num_splits, num_groups, num_works, split_tiles,
-                     HEADS, BLOCK_H, ROWS, NUM_STAGES, QUERY_SLOTS, CLEAN, TMA_PAGES)),
-        (_producer, (q_ptr, stride_qb, stride_qt, stride_qh, values_ptr, cache_ptr, page_units, table_ptr,
+                     table_columns * BLOCK_SIZE, HEADS, BLOCK_H, ROWS, NUM_STAGES, QUERY_SLOTS, CLEAN, TMA_PAGES)),
+        (_producer, (q_ptr, stride_qb, stride_qt, stride_qh, values_ptr, cache_ptr, page_units, num_blocks, table_ptr,
                      stride_tb, table_columns, lens_ptr, stride_lb, stride_lt, key_desc, scale_desc, page_rows,
                      query_desc, key_ring, scale_ring, query_ring, ready, empty, query_ready, query_empty, next_n,
                      one_d, max_context_len, num_splits, num_groups, num_works, split_tiles, HEADS, BLOCK_H, DIM,
@@ -686,7 +696,7 @@ def paged_mqa_logits_gluon(
     _paged_mqa_logits_ws_kernel[(programs,)](
         q_values, q_values.stride(0), q_values.stride(1), q_values.stride(2),
         weights, weights.stride(0), weights.stride(1),
-        buffer.view(FP8_DTYPE), buffer, cache.page_stride // copy_align,
+        buffer.view(FP8_DTYPE), buffer, cache.page_stride // copy_align, cache.num_blocks,
         context_lens, context_lens.stride(0), 0 if one_d else context_lens.stride(1),
         block_table, block_table.stride(0), block_table.shape[1],
         out, out.stride(0),

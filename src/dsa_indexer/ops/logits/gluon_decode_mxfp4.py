@@ -97,24 +97,24 @@ GLUON_MXFP4_MIN_KEYS_WAVE = 1 << 17
 
 
 @gluon.jit
-def _producer(values_ptr, cache_ptr, page_units, key_desc, scale_desc, page_rows, table_row, key_ring, scale_ring,
-              ready, empty, split_start, read_end, num_fills,
+def _producer(values_ptr, cache_ptr, page_units, num_blocks, key_desc, scale_desc, page_rows, table_row, key_ring,
+              scale_ring, ready, empty, split_start, read_end, num_fills,
               BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr, TMA_PAGES: gl.constexpr, COPY_ALIGN: gl.constexpr,
               COPY_LAYOUT: gl.constexpr, SCALE_LAYOUT: gl.constexpr):
     """Per tile ``[BLOCK_K, D/2]`` packed bytes and ``[BLOCK_K]`` scale words into the ring, ``num_fills``
     tiles: two TMA copies a tile with ``TMA_PAGES`` (``_fill_tiles_tma``: the cache as rows of ``D/2`` bytes,
     ``page_rows`` a page), else cp.async (``_fill_tiles``; positions ``>= read_end`` are zero-filled: code 0
-    in a block of exponent 0 expands to +0)."""
+    in a block of exponent 0 expands to +0). A page id outside ``[0, num_blocks)`` reads as zeros too."""
     if TMA_PAGES:
-        _fill_tiles_tma(key_desc, scale_desc, page_rows, table_row, key_ring, scale_ring, ready, empty, split_start,
-                        read_end, 0, num_fills, 0, DIM // 2, BLOCK_SIZE, NUM_STAGES, False)
+        _fill_tiles_tma(key_desc, scale_desc, page_rows, num_blocks, table_row, key_ring, scale_ring, ready, empty,
+                        split_start, read_end, 0, num_fills, 0, DIM // 2, BLOCK_SIZE, NUM_STAGES, False)
     else:
         key = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, COPY_LAYOUT))
         byte = gl.arange(0, DIM // 2, layout=gl.SliceLayout(0, COPY_LAYOUT))
         scale_key = gl.arange(0, BLOCK_K, layout=SCALE_LAYOUT)
-        _fill_tiles(values_ptr, cache_ptr, page_units, table_row, key_ring, scale_ring, ready, empty, split_start,
-                    read_end, 0, num_fills, 0, key, byte, scale_key, DIM // 2, BLOCK_SIZE, NUM_STAGES, COPY_ALIGN,
-                    False)
+        _fill_tiles(values_ptr, cache_ptr, page_units, num_blocks, table_row, key_ring, scale_ring, ready, empty,
+                    split_start, read_end, 0, num_fills, 0, key, byte, scale_key, DIM // 2, BLOCK_SIZE, NUM_STAGES,
+                    COPY_ALIGN, False)
 
 
 @gluon.jit
@@ -218,13 +218,14 @@ def _consumer(q_ptr, stride_qb, stride_qt, stride_qh, w_ptr, stride_wr, stride_w
         _store_tail(out_row0, out_row1, present0, present1, split_start, split_end, read_end, key, ROWS)
 
 
-@gluon.jit(do_not_specialize=["next_n", "one_d", "max_context_len", "num_splits", "num_groups", "split_tiles"])
+@gluon.jit(do_not_specialize=["num_blocks", "table_columns", "next_n", "one_d", "max_context_len", "num_splits",
+                              "num_groups", "split_tiles"])
 def _paged_mqa_logits_mxfp4_ws_kernel(
     q_ptr, stride_qb, stride_qt, stride_qh,
     w_ptr, stride_wr, stride_wh,
-    values_ptr, cache_ptr, page_units,
+    values_ptr, cache_ptr, page_units, num_blocks,
     lens_ptr, stride_lb, stride_lt,
-    table_ptr, stride_tb,
+    table_ptr, stride_tb, table_columns,
     out_ptr, stride_or,
     next_n, one_d, max_context_len, num_splits, num_groups, split_tiles, key_desc, scale_desc, page_rows,
     HEADS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_SIZE: gl.constexpr,
@@ -240,7 +241,7 @@ def _paged_mqa_logits_mxfp4_ws_kernel(
     ``page_rows``: ``_fill_tiles_tma``'s arguments with ``TMA_PAGES``, None otherwise."""
     request, t0, length0, length1, split_start, split_end, read_end, num_tiles = _work_item(
         lens_ptr, stride_lb, stride_lt, gl.program_id(0), next_n, one_d, max_context_len, num_splits, num_groups, ROWS,
-        split_tiles)
+        split_tiles, table_columns * BLOCK_SIZE)
     table_row = table_ptr + request.to(gl.int64) * stride_tb
 
     key_ring = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, BLOCK_K, DIM // 2],
@@ -258,7 +259,7 @@ def _paged_mqa_logits_mxfp4_ws_kernel(
                      key_ring, scale_ring, query_smem, ready, empty,
                      request, t0, next_n, length0, length1, split_start, split_end, read_end, num_tiles,
                      HEADS, BLOCK_H, ROWS, NUM_STAGES, CLEAN, ROW_BYTES_LAYOUT, PACKED_LAYOUT, QUERY_LAYOUT)),
-        (_producer, (values_ptr, cache_ptr, page_units, key_desc, scale_desc, page_rows, table_row, key_ring,
+        (_producer, (values_ptr, cache_ptr, page_units, num_blocks, key_desc, scale_desc, page_rows, table_row, key_ring,
                      scale_ring, ready, empty, split_start, read_end, num_tiles, BLOCK_SIZE, NUM_STAGES, TMA_PAGES,
                      COPY_ALIGN, COPY_LAYOUT, SCALE_LAYOUT)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
@@ -386,9 +387,9 @@ def paged_mqa_logits_gluon_mxfp4(
     _paged_mqa_logits_mxfp4_ws_kernel[(batch * num_groups * num_splits,)](
         q_values, q_values.stride(0), q_values.stride(1), q_values.stride(2),
         w, w.stride(0), w.stride(1),
-        buffer, buffer, cache.page_stride // copy_align,
+        buffer, buffer, cache.page_stride // copy_align, cache.num_blocks,
         context_lens, context_lens.stride(0), 0 if one_d else context_lens.stride(1),
-        block_table, block_table.stride(0),
+        block_table, block_table.stride(0), block_table.shape[1],
         out, out.stride(0),
         next_n, int(one_d), max_context_len, num_splits, num_groups, tiles, key_desc, scale_desc,
         cache.page_stride // (DIM.value // 2) if descriptors else None,

@@ -151,6 +151,10 @@ def paged_mqa_logits(
     those positions are redirected to page 0 and their results masked. The bytes of the valid
     positions come through ``cache.values_view()`` / ``scales_view()``, so a page stride larger than
     the packed page is honoured.
+
+    Unchecked metadata (value checks off) reads nothing outside the cache, as in the kernels: lengths
+    count at most ``max_blocks * block_size`` positions, and a page id outside ``[0, num_blocks)``
+    reads as zero bytes (an all-zero key).
     """
     batch, next_n = q.shape[:2]
     heads = weights.shape[1]
@@ -162,6 +166,7 @@ def paged_mqa_logits(
         # The wrapper has checked that no row can then see a position.
         out_by_request.fill_(float("-inf"))
         return out
+    row_lengths = row_lengths.clamp_max(max_blocks * block_size)
     request_extents = row_lengths.amax(dim=1)  # [B]: positions the longest row reads
     weights_by_request = weights.unflatten(0, (batch, next_n))  # [B, next_n, H]
     values_pages, scales_pages = cache.values_view(), cache.scales_view()
@@ -176,8 +181,10 @@ def paged_mqa_logits(
             requests = slice(request_start, min(request_start + request_step, batch))
             read = positions < request_extents[requests, None]  # [b, n]
             pages = torch.where(read, block_table[requests][:, page_columns].long(), 0)  # [b, n]
-            value_bytes = values_pages[pages, token_offsets]  # [b, n, value_bytes]
-            scale_bytes = scales_pages[pages, token_offsets]  # [b, n, scale_bytes]
+            readable = ((pages >= 0) & (pages < cache.num_blocks))[..., None]  # [b, n, 1]
+            pages = torch.where(readable[..., 0], pages, 0)
+            value_bytes = values_pages[pages, token_offsets] * readable  # [b, n, value_bytes]
+            scale_bytes = scales_pages[pages, token_offsets] * readable  # [b, n, scale_bytes]
             if cache.fmt == "fp8":
                 # Four bytes per token: the little-endian fp32 scale, or four equal ue8m0 bytes (mxfp8).
                 if cache.scale_fmt == "mxfp8":

@@ -324,22 +324,31 @@ def _mxfp4_scales_at(cache_ptr, page, page_stride, positions, live, DIM: tl.cons
 
 
 @triton.jit
-def _mxfp4_tile_scales(table_row, cache_ptr, page_stride, first, read_end, DIM: tl.constexpr,
+def _readable(page, live, num_blocks):
+    """``live`` positions whose page id lies in ``[0, num_blocks)`` (one unsigned compare): only those are read;
+    the others read as zero bytes, so a block-table entry outside the cache never moves a read out of it."""
+    return live & (page.to(tl.uint32) < num_blocks.to(tl.uint32))
+
+
+@triton.jit
+def _mxfp4_tile_scales(table_row, cache_ptr, page_stride, num_blocks, first, read_end, DIM: tl.constexpr,
                        BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr):
     """``_mxfp4_scales_at`` for the tile of positions ``[first, first + BLOCK_K)``, its pages read here."""
     positions = first + tl.arange(0, BLOCK_K)
     live = positions < read_end
     page = tl.load(table_row + positions.to(tl.uint32) // BLOCK_SIZE, mask=live, other=0)
-    return _mxfp4_scales_at(cache_ptr, page, page_stride, positions, live, DIM, BLOCK_D, BLOCK_SIZE)
+    return _mxfp4_scales_at(cache_ptr, page, page_stride, positions, _readable(page, live, num_blocks), DIM,
+                            BLOCK_D, BLOCK_SIZE)
 
 
-@triton.jit(do_not_specialize=["next_n", "one_d", "max_context_len", "num_splits", "num_groups"])
+@triton.jit(do_not_specialize=["num_blocks", "table_columns", "next_n", "one_d", "max_context_len", "num_splits",
+                              "num_groups"])
 def _paged_mqa_logits_kernel(
     q_ptr, stride_qb, stride_qt, stride_qh,
     w_ptr, stride_wr, stride_wh,
-    values_ptr, cache_ptr, page_stride,
+    values_ptr, cache_ptr, page_stride, num_blocks,
     lens_ptr, stride_lb, stride_lt,
-    table_ptr, stride_tb,
+    table_ptr, stride_tb, table_columns,
     out_ptr, stride_or,
     next_n, one_d, max_context_len, num_splits, num_groups,
     HEADS: tl.constexpr, BLOCK_H: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -357,6 +366,9 @@ def _paged_mqa_logits_kernel(
     put in ``_dot_order`` (with ``EXPAND_PTX``, each thread's share of a key row is one scale block).
     Program ids run over (request, split, row group), row groups fastest: a request's row groups read
     the same keys close together in time (the second reads hit the L2).
+
+    Unchecked metadata stays inside the buffers: reads stop at the table's ``table_columns * BLOCK_SIZE``
+    positions (as at a row's end) and a page id outside ``[0, num_blocks)`` is not read (its keys are zeros).
     """
     pid = tl.program_id(0)
     request_split = pid // num_groups
@@ -389,13 +401,13 @@ def _paged_mqa_logits_kernel(
 
     split_start = split * (TILES * BLOCK_K)
     split_end = tl.minimum(split_start + TILES * BLOCK_K, max_context_len)
-    read_end = tl.minimum(split_end, extent)
+    read_end = tl.minimum(tl.minimum(split_end, extent), table_columns * BLOCK_SIZE)
     table_row = table_ptr + request.to(tl.int64) * stride_tb
     if split_start < read_end:
         if MXFP4:
             # Scale bytes are 2 per thread, too few for a cp.async the pipeliner could stage: they are
             # loaded one tile ahead into registers (and their page two tiles ahead), off the critical path.
-            next_scales = _mxfp4_tile_scales(table_row, cache_ptr, page_stride, split_start, read_end,
+            next_scales = _mxfp4_tile_scales(table_row, cache_ptr, page_stride, num_blocks, split_start, read_end,
                                              DIM, BLOCK_D, BLOCK_SIZE, BLOCK_K)
             next_positions = split_start + BLOCK_K + tl.arange(0, BLOCK_K)
             next_page = tl.load(table_row + next_positions.to(tl.uint32) // BLOCK_SIZE,
@@ -405,6 +417,7 @@ def _paged_mqa_logits_kernel(
             live = positions < read_end
             unsigned = positions.to(tl.uint32)  # non-negative: page and slot without sign fix-ups
             page = tl.load(table_row + unsigned // BLOCK_SIZE, mask=live, other=0)  # [BLOCK_K]
+            readable = _readable(page, live, num_blocks)
             slot = (unsigned % BLOCK_SIZE).to(tl.int32)  # [BLOCK_K]
             page_start = page.to(tl.int64) * page_stride  # [BLOCK_K] byte offset of the page
             if MXFP4:
@@ -413,11 +426,12 @@ def _paged_mqa_logits_kernel(
                 block_ok = block < DIM // 32
                 row_bytes = page_start + slot * (DIM // 2)  # [BLOCK_K]
                 packed = tl.load(cache_ptr + row_bytes[:, None, None] + block[None, :, None] * 16 + byte[None, None, :],
-                                 mask=live[:, None, None] & block_ok[None, :, None], other=0)  # [BLOCK_K, BLOCK_D/32, 16]
+                                 mask=readable[:, None, None] & block_ok[None, :, None], other=0)  # [BLOCK_K, BLOCK_D/32, 16]
                 scale_bytes = next_scales
                 ahead = positions + BLOCK_K
-                next_scales = _mxfp4_scales_at(cache_ptr, next_page, page_stride, ahead, ahead < read_end,
-                                               DIM, BLOCK_D, BLOCK_SIZE)
+                next_scales = _mxfp4_scales_at(cache_ptr, next_page, page_stride, ahead,
+                                               _readable(next_page, ahead < read_end, num_blocks), DIM, BLOCK_D,
+                                               BLOCK_SIZE)
                 ahead = positions + 2 * BLOCK_K
                 next_page = tl.load(table_row + ahead.to(tl.uint32) // BLOCK_SIZE, mask=ahead < read_end, other=0)
                 if EXPAND_PTX:
@@ -433,15 +447,15 @@ def _paged_mqa_logits_kernel(
                 scores = tl.dot(k_odd, tl.trans(q_odd), scores)  # [BLOCK_K, ROWS * BLOCK_H]
             else:
                 keys = tl.load(values_ptr + page_start[:, None] + slot[:, None] * DIM + dim[None, :],
-                               mask=live[:, None] & (dim < DIM)[None, :], other=0.0)  # [BLOCK_K, BLOCK_D]
+                               mask=readable[:, None] & (dim < DIM)[None, :], other=0.0)  # [BLOCK_K, BLOCK_D]
                 scores = tl.dot(_dot_operand(keys), tl.trans(queries))  # [BLOCK_K, ROWS * BLOCK_H]
                 scale_words = cache_ptr + page_start + BLOCK_SIZE * DIM + slot * 4  # [BLOCK_K]
                 if MXFP8:
                     # Four equal ue8m0 bytes: the low byte (little-endian) is the exponent field.
-                    word = tl.load(scale_words.to(tl.pointer_type(tl.int32)), mask=live, other=0)
+                    word = tl.load(scale_words.to(tl.pointer_type(tl.int32)), mask=readable, other=0)
                     key_mul = ((word & 0xFF) << 23).to(tl.float32, bitcast=True)
                 else:
-                    key_mul = tl.load(scale_words.to(tl.pointer_type(tl.float32)), mask=live, other=0.0)  # [BLOCK_K]
+                    key_mul = tl.load(scale_words.to(tl.pointer_type(tl.float32)), mask=readable, other=0.0)  # [BLOCK_K]
             weighted = tl.reshape((scores + tl.abs(scores)) * half_w[None, :], (BLOCK_K, ROWS, BLOCK_H))
             logits = tl.sum(weighted, axis=2) * key_mul[:, None]  # [BLOCK_K, ROWS]
             ptrs = out_rows[None, :] + positions[:, None]  # [BLOCK_K, ROWS]
@@ -654,9 +668,9 @@ def paged_mqa_logits_triton(
     _paged_mqa_logits_kernel[grid](
         q_values, q_values.stride(0), q_values.stride(1), q_values.stride(2),
         w, w.stride(0), w.stride(1),
-        values, buffer, cache.page_stride,
+        values, buffer, cache.page_stride, cache.num_blocks,
         context_lens, context_lens.stride(0), 0 if one_d else context_lens.stride(1),
-        block_table, block_table.stride(0),
+        block_table, block_table.stride(0), block_table.shape[1],
         out, out.stride(0),
         next_n, int(one_d), max_context_len, num_splits, num_groups,
         HEADS=heads, BLOCK_H=block_h, DIM=dim, BLOCK_D=_next_pow2(dim, 32),

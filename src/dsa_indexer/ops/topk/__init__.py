@@ -176,8 +176,11 @@ def indices_to_slots(
         row_to_request: int32 ``[R]`` request of each row, in ``[0, B)``.
 
     Slot of position ``p`` in row ``r``: ``block_table[row_to_request[r], p // block_size] *
-    block_size + p % block_size``. Positions whose page index reaches ``max_blocks`` are rejected;
-    that the table's page ids lie within the cache is the caller's duty (slots are int32).
+    block_size + p % block_size``. Positions whose page index reaches ``max_blocks`` are rejected.
+    Every output is ``-1`` or a slot in ``[0, 2**31)``: a position on a negative (unallocated) page id,
+    or whose slot passes the int32 range, gives ``-1``. That the non-negative page ids lie within the
+    cache is the caller's duty (the op does not know the cache). With value checks off, positions past
+    the table and requests outside it give ``-1`` too, and no kernel reads outside the table.
     """
     check_tensor("indices", indices, dtype=torch.int32, ndim=2)
     check_tensor("block_table", block_table, dtype=torch.int32, ndim=2)
@@ -227,7 +230,9 @@ def topk_decode_slots(
         block_size: tokens per page, ``>= 1``.
 
     Returns int32 ``[B * next_n, k]``: ``indices_to_slots(topk_decode(...), block_table, block_size,
-    row // next_n)`` bit for bit (``-1`` padding kept), computed in the top-k launch on GPUs.
+    row // next_n)`` bit for bit (``-1`` padding kept; a pick on a negative page id gives ``-1``),
+    computed in the top-k launch on GPUs. With value checks off a length past the logits width counts
+    as the width, and a pick past the table gives ``-1``.
     """
     _check_decode_rows(logits, seq_lens, next_n, k, out)
     check_tensor("block_table", block_table, dtype=torch.int32, ndim=2)

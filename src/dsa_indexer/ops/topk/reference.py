@@ -31,8 +31,13 @@ def topk(
     Row ``r`` considers columns ``[starts[r], ends[r])`` (``None``: ``0`` and ``C``); ``out[r]``
     receives the selected columns minus ``starts[r]``, ascending, then ``-1`` up to ``k``.
     Columns outside the window only ever meet a mask, so their contents cannot change the result.
+    Bounds are clamped into ``[0, width]`` as the kernels clamp them (validated bounds are unchanged).
     """
     num_rows, width = logits.shape
+    if starts is not None:
+        starts = starts.clamp(0, width)
+    if ends is not None:
+        ends = ends.clamp(0, width) if starts is None else torch.maximum(ends, starts).clamp(max=width)
     picks_per_row = min(k, width)
     out[:, picks_per_row:] = -1
     if picks_per_row == 0 or num_rows == 0:
@@ -81,17 +86,20 @@ def indices_to_slots(
     """Map request-local positions ``indices [R, k]`` to physical cache slots, int32 ``[R, k]``.
 
     Position ``p`` of row ``r`` lives in page ``block_table[row_to_request[r], p // block_size]`` at
-    offset ``p % block_size``; ``-1`` stays ``-1``.
+    offset ``p % block_size``; ``-1`` stays ``-1``. Every other result is ``-1`` or a slot in
+    ``[0, 2**31)``: a negative (unallocated) page id, a slot past the int32 range and, left unchecked
+    (value checks off), a position past the table or a request outside it give ``-1`` without a read.
     """
-    padding = indices < 0
-    if block_table.shape[1] == 0:
-        # Validation guarantees every index is -1 here; there is no page to look up.
-        return torch.full_like(indices, -1)
-    positions = indices.to(torch.int64).clamp_min(0)
+    num_requests, max_blocks = block_table.shape
+    positions = indices.to(torch.int64)
     requests = row_to_request.to(torch.int64)[:, None]  # [R, 1]
-    pages = block_table.to(torch.int64)[requests, positions // block_size]  # [R, k]
+    page_index = positions // block_size
+    readable = (positions >= 0) & (page_index < max_blocks) & (requests >= 0) & (requests < num_requests)  # [R, k]
+    if max_blocks == 0 or num_requests == 0:
+        return torch.full_like(indices, -1)
+    pages = block_table.to(torch.int64)[torch.where(readable, requests, 0), torch.where(readable, page_index, 0)]
     slots = pages * block_size + positions % block_size
-    return torch.where(padding, -1, slots).to(torch.int32)
+    return torch.where(readable & (pages >= 0) & (slots < 2**31), slots, -1).to(torch.int32)
 
 
 def topk_decode_slots(

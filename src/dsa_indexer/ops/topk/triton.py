@@ -352,16 +352,18 @@ def _row_window(row, valid, starts_ptr, ends_ptr, width, next_n, HAS_STARTS: tl.
     """(start, length) of the windows of ``row`` (scalar or vector; ``valid`` false gives length 0).
 
     ENDS_MODE 0: end ``width``; 1: ``ends[row]``; 2: decode request lengths ``L = ends[row // next_n]``,
-    end ``max(L - next_n + row % next_n + 1, 0)``."""
+    end ``max(L - next_n + row % next_n + 1, 0)``. The window is clamped into ``[0, width]`` (a no-op on
+    validated bounds) so that bounds left unchecked (value checks off) never move a read outside the row."""
     start = row * 0
     if HAS_STARTS:
-        start = tl.load(starts_ptr + row, mask=valid, other=0)
+        start = tl.minimum(tl.maximum(tl.load(starts_ptr + row, mask=valid, other=0), 0), width)
     end = row * 0 + width
     if ENDS_MODE == 1:
         end = tl.load(ends_ptr + row, mask=valid, other=0)
     if ENDS_MODE == 2:
         request_len = tl.load(ends_ptr + row // next_n, mask=valid, other=0)
         end = tl.maximum(request_len - next_n + row % next_n + 1, 0)
+    end = tl.minimum(tl.maximum(end, start), width)
     return start, tl.where(valid, end - start, 0)
 
 
@@ -563,7 +565,7 @@ def _count_above_in_memory(ptr, n, threshold, TILE: tl.constexpr):
 
 
 @triton.jit
-def _emit_taken(counts, greater, equal, columns, ties, base, out_ptrs, out_stride_col, pages, table_stride_col,
+def _emit_taken(counts, greater, equal, columns, ties, base, out_ptrs, out_stride_col, pages, table_stride_col, table_blocks,
                 block_size, AXIS: tl.constexpr, SLOTS: tl.constexpr):
     """Store the columns of the ``greater`` entries and of the first ``ties`` (>= 0) ``equal`` entries
     at ``out_ptrs`` positions ``base, base + 1, ...`` in column order along ``AXIS``; with ``SLOTS``, the
@@ -577,11 +579,22 @@ def _emit_taken(counts, greater, equal, columns, ties, base, out_ptrs, out_strid
     take = greater | (equal & (equal_rank <= ties))
     position = base + greater_rank + tl.minimum(equal_rank, ties) - 1
     if SLOTS:
-        page = tl.load(pages + (columns // block_size).to(tl.int64) * table_stride_col, mask=take, other=0)
-        written = page * block_size + columns % block_size
+        written = _column_slots(pages, columns, take, table_stride_col, table_blocks, block_size)
     else:
         written = columns
     tl.store(out_ptrs + position.to(tl.int64) * out_stride_col, written, mask=take)
+
+
+@triton.jit
+def _column_slots(pages, columns, valid, table_stride_col, table_blocks, block_size):
+    """int32 cache slots of request-local positions ``columns`` whose pages are listed at ``pages`` (a block-table
+    row, ``table_blocks`` entries): ``-1`` where not ``valid``, where the page index reaches ``table_blocks`` (the
+    entry is not read), where the page id is negative (unallocated) or where the slot passes the int32 range."""
+    page_index = columns // block_size
+    readable = valid & (page_index < table_blocks)
+    page = tl.load(pages + page_index.to(tl.int64) * table_stride_col, mask=readable, other=-1).to(tl.int64)
+    slot = page * block_size + columns % block_size
+    return tl.where((page >= 0) & (slot <= KEY_MAX), slot, -1).to(tl.int32)
 
 
 @triton.jit
@@ -606,7 +619,7 @@ def _pad_rows(out_ptrs, out_stride_col, first, valid, k, PAD_BLOCK: tl.constexpr
 
 @triton.jit
 def _select_rows(logits_ptr, stride_row, stride_col, rows, valid, start, length, out_ptr, out_stride_row,
-                 out_stride_col, k, table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request,
+                 out_stride_col, k, table_ptr, table_stride_row, table_stride_col, table_blocks, block_size, rows_per_request,
                  BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr, COPY_SHORT: tl.constexpr,
                  CARRY: tl.constexpr, PLATEAU_EVERY: tl.constexpr):
     """Top-k of the windows ``[start, start + length)`` (``length <= BLOCK``) of ``rows`` [ROWS] into ``out``:
@@ -624,8 +637,7 @@ def _select_rows(logits_ptr, stride_row, stride_col, rows, valid, start, length,
         copy = tl.min(((selectable == length) & (length <= k)).to(tl.int32), axis=0) > 0
     if copy:
         if SLOTS:
-            page = tl.load(pages + (columns // block_size).to(tl.int64) * table_stride_col, mask=inside, other=0)
-            written = page * block_size + columns % block_size
+            written = _column_slots(pages, columns, inside, table_stride_col, table_blocks, block_size)
         else:
             written = tl.broadcast_to(columns, [rows.shape[0], BLOCK])
         tl.store(out_ptrs + columns.to(tl.int64) * out_stride_col, written, mask=inside)
@@ -639,17 +651,17 @@ def _select_rows(logits_ptr, stride_row, stride_col, rows, valid, start, length,
         totals = tl.sum(counts, axis=1)  # [ROWS]
         ties = tl.where(searching, k - (totals & LOW_FIELD), 0)
         _emit_taken(counts, greater, equal, tl.broadcast_to(columns, [rows.shape[0], BLOCK]), ties[:, None], 0,
-                    out_ptrs, out_stride_col, pages, table_stride_col, block_size, 1, SLOTS)
+                    out_ptrs, out_stride_col, pages, table_stride_col, table_blocks, block_size, 1, SLOTS)
         taken = (totals & LOW_FIELD) + tl.minimum(totals >> 16, ties)
     _pad_rows(out_ptrs, out_stride_col, taken, valid, k, PAD_BLOCK)
 
 
-@triton.jit(do_not_specialize=["num_rows", "width", "k", "next_n", "block_size", "rows_per_request",
+@triton.jit(do_not_specialize=["num_rows", "width", "k", "next_n", "block_size", "table_blocks", "rows_per_request",
                               "class_above", "class_upto"])
 def _topk_row_kernel(
     logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, out_ptr, out_stride_row, out_stride_col,
     num_rows, width, k, next_n,
-    table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request, class_above, class_upto,
+    table_ptr, table_stride_row, table_stride_col, table_blocks, block_size, rows_per_request, class_above, class_upto,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
     PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr, COPY_SHORT: tl.constexpr, TILES: tl.constexpr,
     CLASSED: tl.constexpr, CARRY: tl.constexpr, PLATEAU_EVERY: tl.constexpr, PDL: tl.constexpr = False,
@@ -667,7 +679,7 @@ def _topk_row_kernel(
         valid = valid & (length > class_above) & (length <= class_upto)
         length = tl.where(valid, length, 0)
     args = (logits_ptr, stride_row, stride_col, rows, valid, start, length, out_ptr, out_stride_row,
-            out_stride_col, k, table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request)
+            out_stride_col, k, table_ptr, table_stride_row, table_stride_col, table_blocks, block_size, rows_per_request)
     widest = tl.max(length, axis=0)
     if CLASSED:
         if tl.max(valid.to(tl.int32), axis=0) > 0:
@@ -779,12 +791,12 @@ def _flags_before(flags_row, chunk, FLAG_TILE: tl.constexpr):
     return flags
 
 
-@triton.jit(do_not_specialize=["width", "k", "next_n", "num_rows", "num_chunks", "enough", "block_size",
+@triton.jit(do_not_specialize=["width", "k", "next_n", "num_rows", "num_chunks", "enough", "block_size", "table_blocks",
                                "rows_per_request"])
 def _split_candidates_kernel(
     logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, group_max_ptr, cand_keys_ptr, cand_columns_ptr,
     cand_stride, state_ptr, state_stride, width, k, next_n, num_rows, num_chunks, enough, out_ptr, out_stride_row,
-    out_stride_col, table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request,
+    out_stride_col, table_ptr, table_stride_row, table_stride_col, table_blocks, block_size, rows_per_request,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr,
     GROUP_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, CARRY: tl.constexpr, CARRY_BOUND: tl.constexpr,
     FLAG_TILE: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr, PDL: tl.constexpr = False,
@@ -836,8 +848,8 @@ def _split_candidates_kernel(
             flags = tl.load(state_row + _FLAGS + every, mask=every < row_chunks, other=1, volatile=True)
             _select_and_emit(row, logits_ptr + row.to(tl.int64) * stride_row, start, stride_col, length, k, t_low,
                              inclusive, row_max, tl.sum(flags - 1, axis=0), cand_keys_row, cand_columns_row, out_ptr,
-                             out_stride_row, out_stride_col, table_ptr, table_stride_row, table_stride_col, block_size,
-                             rows_per_request, CHUNK, CANDIDATE_BLOCK, PAD_BLOCK, SLOTS, CARRY, None, row, 1, False)
+                             out_stride_row, out_stride_col, table_ptr, table_stride_row, table_stride_col, table_blocks,
+                             block_size, rows_per_request, CHUNK, CANDIDATE_BLOCK, PAD_BLOCK, SLOTS, CARRY, None, row, 1, False)
 
 
 @triton.jit
@@ -847,7 +859,7 @@ def _reaches(keys, bound, inclusive):
 
 
 @triton.jit
-def _emit_ordered(keys, columns, threshold, ties, base, out_row, out_stride_col, pages, table_stride_col, block_size,
+def _emit_ordered(keys, columns, threshold, ties, base, out_row, out_stride_col, pages, table_stride_col, table_blocks, block_size,
                   SLOTS: tl.constexpr):
     """Emit the 1-D tile ``keys``/``columns`` (ascending columns, after every earlier tile of the row):
     entries ``> threshold`` and the first ``ties`` entries ``== threshold`` go to positions ``base, ...``.
@@ -856,7 +868,7 @@ def _emit_ordered(keys, columns, threshold, ties, base, out_row, out_stride_col,
     equal = (keys == threshold) & (keys != NONE)
     counts = greater.to(tl.int32) + (equal.to(tl.int32) << 16)
     total = tl.sum(counts, axis=0)
-    _emit_taken(counts, greater, equal, columns, ties, base, out_row, out_stride_col, pages, table_stride_col,
+    _emit_taken(counts, greater, equal, columns, ties, base, out_row, out_stride_col, pages, table_stride_col, table_blocks,
                 block_size, 0, SLOTS)
     ties_taken = tl.minimum(total >> 16, ties)
     return base + (total & LOW_FIELD) + ties_taken, ties - ties_taken
@@ -988,7 +1000,7 @@ def _compact_quads(quad0, quad1, quad2, quad3, ids, piece_first, num_qualifying,
 @triton.jit
 def _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusive, row_max, num_candidates,
                      cand_keys_row, cand_columns_row, out_ptr, out_stride_row, out_stride_col, table_ptr,
-                     table_stride_row, table_stride_col, block_size, rows_per_request, STREAM_TILE: tl.constexpr,
+                     table_stride_row, table_stride_col, table_blocks, block_size, rows_per_request, STREAM_TILE: tl.constexpr,
                      CANDIDATE_BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr,
                      CARRY: tl.constexpr, timeline_ptr, program, TIMELINE_SLOTS: tl.constexpr,
                      TIMELINE: tl.constexpr):
@@ -1018,7 +1030,7 @@ def _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusiv
             line_keys = _order_keys(tl.load(src_row + (start + line_columns).to(tl.int64) * stride_col,
                                             mask=line_inside, other=0.0), line_inside)
             taken, ties = _emit_ordered(line_keys, line_columns, bound, ties, taken, out_row, out_stride_col,
-                                        pages, table_stride_col, block_size, SLOTS)
+                                        pages, table_stride_col, table_blocks, block_size, SLOTS)
             line_first += STREAM_TILE
         # The candidates past the streamed columns follow in column order: the j-th at position taken + j -
         # emitted (emitted = candidates already streamed = taken minus the ties taken).
@@ -1027,7 +1039,7 @@ def _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusiv
         remaining = (held >= emitted) & (held < num_candidates)
         held_columns = tl.load(cand_columns_row + slots, mask=remaining, other=0, cache_modifier=".cg")
         _emit_taken(remaining.to(tl.int32), remaining, held < 0, held_columns, 0, taken, out_row, out_stride_col,
-                    pages, table_stride_col, block_size, 0, SLOTS)
+                    pages, table_stride_col, table_blocks, block_size, 0, SLOTS)
         taken += num_candidates - emitted
     elif num_candidates <= CANDIDATE_BLOCK:
         held = slots < num_candidates
@@ -1043,7 +1055,7 @@ def _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusiv
                 ties = k - tl.sum((held_keys > threshold).to(tl.int32), axis=0)
         _stamp(timeline_ptr, program, _TL_T, TIMELINE_SLOTS, TIMELINE)
         taken, ties = _emit_ordered(held_keys, held_columns, threshold, ties, taken, out_row, out_stride_col, pages,
-                                    table_stride_col, block_size, SLOTS)
+                                    table_stride_col, table_blocks, block_size, SLOTS)
     else:
         threshold = row * 0 + NONE
         ties = row * 0
@@ -1059,7 +1071,7 @@ def _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusiv
             slot_columns = tl.load(cand_columns_row + slot_first + slot, mask=in_slots, other=0,
                                    cache_modifier=".cg")
             taken, ties = _emit_ordered(slot_keys, slot_columns, threshold, ties, taken, out_row, out_stride_col,
-                                        pages, table_stride_col, block_size, SLOTS)
+                                        pages, table_stride_col, table_blocks, block_size, SLOTS)
             slot_first += CANDIDATE_BLOCK
     one = tl.full([1], 0, tl.int32)
     _pad_rows(out_row + tl.zeros([1, 1], tl.int64), out_stride_col, one + taken, one == 0, k, PAD_BLOCK)
@@ -1160,11 +1172,12 @@ def _gather_candidates(src_row, start, stride_col, length, ids, ids_row, num_qua
     return num_candidates
 
 
-@triton.jit(do_not_specialize=["width", "k", "next_n", "enough", "capacity", "block_size", "rows_per_request"])
+@triton.jit(do_not_specialize=["width", "k", "next_n", "enough", "capacity", "block_size", "table_blocks",
+                              "rows_per_request"])
 def _row_program_kernel(
     logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, out_ptr, out_stride_row, out_stride_col,
     groups_ptr, cand_keys_ptr, cand_columns_ptr, capacity, state_ptr, state_stride, width, k, next_n, enough,
-    table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request,
+    table_ptr, table_stride_row, table_stride_col, table_blocks, block_size, rows_per_request,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
     STREAM_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr,
     STREAM: tl.constexpr, VECTOR_GATHER: tl.constexpr, PREFETCH_GATHER: tl.constexpr, STAGES: tl.constexpr,
@@ -1260,16 +1273,16 @@ def _row_program_kernel(
     if STAGES >= 3:
         _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusive, row_max, num_candidates,
                          cand_keys_row, cand_columns_row, out_ptr, out_stride_row, out_stride_col, table_ptr,
-                         table_stride_row, table_stride_col, block_size, rows_per_request, STREAM_TILE,
+                         table_stride_row, table_stride_col, table_blocks, block_size, rows_per_request, STREAM_TILE,
                          CANDIDATE_BLOCK, PAD_BLOCK, SLOTS, CARRY_SEARCH, timeline_ptr, row, TIMELINE_SLOTS, TIMELINE)
 
 
-@triton.jit(do_not_specialize=["width", "k", "next_n", "state_stride", "capacity", "block_size",
+@triton.jit(do_not_specialize=["width", "k", "next_n", "state_stride", "capacity", "block_size", "table_blocks",
                                "rows_per_request"])
 def _row_pieces_kernel(
     logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, out_ptr, out_stride_row, out_stride_col,
     groups_ptr, state_ptr, state_stride, cand_keys_ptr, cand_columns_ptr, capacity, width, k, next_n,
-    table_ptr, table_stride_row, table_stride_col, block_size, rows_per_request,
+    table_ptr, table_stride_row, table_stride_col, table_blocks, block_size, rows_per_request,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
     STREAM_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, MAX_PIECES: tl.constexpr, PAD_BLOCK: tl.constexpr,
     SLOTS: tl.constexpr, CARRY: tl.constexpr, PDL: tl.constexpr = False, timeline_ptr=None,
@@ -1336,40 +1349,36 @@ def _row_pieces_kernel(
             row_max = tl.load(state_row + _PIECE_ROW_MAX)
             _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusive, row_max,
                              tl.sum(flags - 1, axis=0), cand_keys_row, cand_columns_row, out_ptr, out_stride_row,
-                             out_stride_col, table_ptr, table_stride_row, table_stride_col, block_size,
+                             out_stride_col, table_ptr, table_stride_row, table_stride_col, table_blocks, block_size,
                              rows_per_request, STREAM_TILE, CANDIDATE_BLOCK, PAD_BLOCK, SLOTS, CARRY, timeline_ptr,
                              pid, _TL_PIECE_SLOTS, TIMELINE)
 
 
-@triton.jit(do_not_specialize=["k", "block_size"])
+@triton.jit(do_not_specialize=["num_requests", "table_blocks", "k", "block_size"])
 def _indices_to_slots_kernel(
-    indices_ptr, idx_stride_row, idx_stride_col, table_ptr, table_stride_row, table_stride_col,
-    request_ptr, out_ptr, k, block_size, BLOCK: tl.constexpr, ALIGNED_ROWS: tl.constexpr,
+    indices_ptr, idx_stride_row, idx_stride_col, table_ptr, table_stride_row, table_stride_col, num_requests,
+    table_blocks, request_ptr, out_ptr, k, block_size, BLOCK: tl.constexpr, ALIGNED_ROWS: tl.constexpr,
 ):
     """Grid ``(R, cdiv(k, BLOCK))``. ``ALIGNED_ROWS`` (``k % 4 == 0``): programs whose ``BLOCK``
     positions all lie inside the row run unmasked, with the output row offset written as a multiple
-    of 4 the compiler can see, so indices and slots move as 16-byte loads and stores."""
+    of 4 the compiler can see, so indices and slots move as 16-byte loads and stores. A request outside
+    ``[0, num_requests)`` reads no table row and gives ``-1`` slots."""
     row = tl.program_id(0).to(tl.int64)
     position = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     index_row = indices_ptr + row * idx_stride_row
-    table_row = table_ptr + tl.load(request_ptr + row).to(tl.int64) * table_stride_row
+    request = tl.load(request_ptr + row).to(tl.int64)
+    known = (request >= 0) & (request < num_requests)
+    table_row = table_ptr + tl.where(known, request, 0) * table_stride_row
     if ALIGNED_ROWS and ((tl.program_id(1) + 1) * BLOCK <= k):
         index = tl.load(index_row + position.to(tl.int64) * idx_stride_col)  # [BLOCK]
-        slot = _slot_of(index, index >= 0, table_row, table_stride_col, block_size)
+        slot = _column_slots(table_row, index, known & (index >= 0), table_stride_col, table_blocks, block_size)
         tl.store(out_ptr + row * ((k // 4) * 4) + position, slot)
     else:
         in_row = position < k
         index = tl.load(index_row + position.to(tl.int64) * idx_stride_col, mask=in_row, other=-1)  # [BLOCK]
-        slot = _slot_of(index, in_row & (index >= 0), table_row, table_stride_col, block_size)
+        slot = _column_slots(table_row, index, known & in_row & (index >= 0), table_stride_col, table_blocks,
+                             block_size)
         tl.store(out_ptr + row * k + position, slot, mask=in_row)
-
-
-@triton.jit
-def _slot_of(index, valid, table_row, table_stride_col, block_size):
-    """int32 cache slot of each request-local position ``index`` (``-1`` where not ``valid``)."""
-    local = tl.maximum(index, 0).to(tl.int64)
-    page = tl.load(table_row + (local // block_size) * table_stride_col, mask=valid, other=0).to(tl.int64)
-    return tl.where(valid, page * block_size + local % block_size, -1).to(tl.int32)
 
 
 def _next_pow2(n: int) -> int:
@@ -1387,9 +1396,9 @@ def _bounds_args(starts: torch.Tensor | None, ends: torch.Tensor | None, decode:
 def _slot_args(slots, logits):
     """Kernel arguments of the slot output: ``slots = (block_table, block_size, rows_per_request)`` or None."""
     if slots is None:
-        return (logits, 0, 0, 1, 1), dict(SLOTS=False)
+        return (logits, 0, 0, 0, 1, 1), dict(SLOTS=False)
     table, block_size, rows_per_request = slots
-    return (table, table.stride(0), table.stride(1), block_size, rows_per_request), dict(SLOTS=True)
+    return (table, table.stride(0), table.stride(1), table.shape[1], block_size, rows_per_request), dict(SLOTS=True)
 
 
 def _pdl_args(config, device):
@@ -1642,7 +1651,8 @@ def indices_to_slots_triton(
         return slots
     _indices_to_slots_kernel[(num_rows, triton.cdiv(k, block))](
         indices, indices.stride(0), indices.stride(1), block_table, block_table.stride(0), block_table.stride(1),
-        row_to_request.contiguous(), slots, k, block_size, BLOCK=block, ALIGNED_ROWS=aligned_rows and k % 4 == 0,
+        block_table.shape[0], block_table.shape[1], row_to_request.contiguous(), slots, k, block_size, BLOCK=block,
+        ALIGNED_ROWS=aligned_rows and k % 4 == 0,
         num_warps=num_warps,
     )
     return slots
