@@ -12,11 +12,15 @@ import torch
 
 from ... import backend as _backend
 from ..._validation import (
+    INT32_MAX,
+    check_index_tensor,
+    check_k,
     check_positive_int,
     check_row_windows,
     check_same_device,
     check_tensor,
     first_true,
+    index_as_int32,
     value_checks_enabled,
 )
 from . import reference
@@ -58,12 +62,13 @@ def _check_out(out: torch.Tensor | None, num_rows: int, k: int, device: torch.de
         check_tensor("out", out, dtype=torch.int32, shape=(num_rows, k), device=device)
 
 
-def _check_decode_rows(logits, seq_lens, next_n: int, k: int, out) -> None:
-    """The argument checks of ``topk_decode`` (shared by ``topk_decode_slots``)."""
+def _check_decode_rows(logits, seq_lens, next_n: int, k: int, out) -> torch.Tensor:
+    """The argument checks of ``topk_decode`` (shared by ``topk_decode_slots``); returns ``seq_lens``
+    as int32."""
     check_tensor("logits", logits, dtype=torch.float32, ndim=2)
     check_positive_int("next_n", next_n)
-    check_positive_int("k", k)
-    check_tensor("seq_lens", seq_lens, dtype=torch.int32, ndim=(1, 2))
+    check_k("k", k)
+    check_index_tensor("seq_lens", seq_lens, ndim=(1, 2))
     num_requests = seq_lens.shape[0]
     if seq_lens.dim() == 2:
         check_tensor("seq_lens", seq_lens, shape=(num_requests, next_n))
@@ -83,6 +88,7 @@ def _check_decode_rows(logits, seq_lens, next_n: int, k: int, out) -> None:
             f"seq_lens must lie in [0, {width}] (the logits width), "
             f"got {int(flat_lens[position])} at flat position {position}"
         )
+    return index_as_int32("seq_lens", seq_lens, check_range=False)
 
 
 def topk(
@@ -98,8 +104,8 @@ def topk(
 
     Args:
         logits: float32 ``[R, C]``, any strides (offset, column-strided and stride-0 expanded views).
-        k: picks per row, ``>= 1`` (may exceed ``C``).
-        starts, ends: int32 ``[R]``, ``0 <= starts <= ends <= C``; row ``r`` considers columns
+        k: picks per row, ``1 <= k <= 2**31 - 1`` (may exceed ``C``; the extra columns are ``-1``).
+        starts, ends: int32 or int64 ``[R]``, ``0 <= starts <= ends <= C``; row ``r`` considers columns
             ``[starts[r], ends[r])``. ``None`` means ``0`` and ``C``. Columns outside are never used.
         out: int32 ``[R, k]`` destination, fully written.
 
@@ -109,16 +115,19 @@ def topk(
     The result is bitwise deterministic.
     """
     check_tensor("logits", logits, dtype=torch.float32, ndim=2)
-    check_positive_int("k", k)
+    check_k("k", k)
     num_rows, width = logits.shape
     if starts is not None:
-        check_tensor("starts", starts, dtype=torch.int32, shape=(num_rows,))
+        check_index_tensor("starts", starts, shape=(num_rows,))
     if ends is not None:
-        check_tensor("ends", ends, dtype=torch.int32, shape=(num_rows,))
+        check_index_tensor("ends", ends, shape=(num_rows,))
     check_same_device(logits=logits, starts=starts, ends=ends, out=out)
     _check_out(out, num_rows, k, logits.device)
     if (starts is not None or ends is not None) and value_checks_enabled():
         check_row_windows(starts, ends, width)
+    # The window check bounds every entry by the width, so the conversion needs no range check.
+    starts = None if starts is None else index_as_int32("starts", starts, check_range=False)
+    ends = None if ends is None else index_as_int32("ends", ends, check_range=False)
     implementation = _backend.dispatch(reference.topk, _triton_or_none(_topk_triton), backend, logits.device)
     if out is None:
         out = torch.empty((num_rows, k), dtype=torch.int32, device=logits.device)
@@ -139,15 +148,16 @@ def topk_decode(
     Args:
         logits: float32 ``[B * next_n, C]``, any strides; row ``b * next_n + t`` is token ``t`` of
             request ``b``.
-        seq_lens: int32 ``[B]`` request lengths ``L_b`` (row ``t`` sees ``max(L_b - next_n + t + 1, 0)``
-            columns) or int32 ``[B, next_n]`` per-row lengths; every length in ``[0, C]``.
+        seq_lens: int32 or int64 ``[B]`` request lengths ``L_b`` (row ``t`` sees
+            ``max(L_b - next_n + t + 1, 0)`` columns) or ``[B, next_n]`` per-row lengths; every length
+            in ``[0, C]``.
         next_n: query tokens per request, ``>= 1``.
-        k: picks per row, ``>= 1``.
+        k: picks per row, ``1 <= k <= 2**31 - 1``.
         out: int32 ``[B * next_n, k]`` destination, fully written.
 
     Same selection rule as ``topk`` with ``starts = 0`` and ``ends`` the row's visible length.
     """
-    _check_decode_rows(logits, seq_lens, next_n, k, out)
+    seq_lens = _check_decode_rows(logits, seq_lens, next_n, k, out)
     implementation = _backend.dispatch(
         reference.topk_decode, _triton_or_none(_topk_decode_triton), backend, logits.device
     )
@@ -167,24 +177,26 @@ def indices_to_slots(
     """Physical cache slots of request-local positions; returns int32 ``[R, k]``.
 
     Args:
-        indices: int32 ``[R, k]`` request-local positions, or ``-1`` (padding, kept as ``-1``).
-        block_table: int32 ``[B, max_blocks]``; page ``j`` of request ``b`` is ``block_table[b, j]``.
+        indices: int32 or int64 ``[R, k]`` request-local positions, or ``-1`` (padding, kept as ``-1``).
+        block_table: int32 or int64 ``[B, max_blocks]``; page ``j`` of request ``b`` is
+            ``block_table[b, j]``; entries within the int32 range.
         block_size: tokens per page, ``>= 1``.
-        row_to_request: int32 ``[R]`` request of each row, in ``[0, B)``.
+        row_to_request: int32 or int64 ``[R]`` request of each row, in ``[0, B)``.
 
     Slot of position ``p`` in row ``r``: ``block_table[row_to_request[r], p // block_size] *
     block_size + p % block_size``. Positions whose page index reaches ``max_blocks`` are rejected;
     that the table's page ids lie within the cache is the caller's duty (slots are int32).
     """
-    check_tensor("indices", indices, dtype=torch.int32, ndim=2)
-    check_tensor("block_table", block_table, dtype=torch.int32, ndim=2)
+    check_index_tensor("indices", indices, ndim=2)
+    check_index_tensor("block_table", block_table, ndim=2)
     check_positive_int("block_size", block_size)
     num_rows = indices.shape[0]
     num_requests, max_blocks = block_table.shape
-    check_tensor("row_to_request", row_to_request, dtype=torch.int32, shape=(num_rows,))
+    check_index_tensor("row_to_request", row_to_request, shape=(num_rows,))
     check_same_device(indices=indices, block_table=block_table, row_to_request=row_to_request)
-    # int64 because max_blocks * block_size may exceed the int32 range.
-    bad_index = (indices < -1) | (indices.to(torch.int64) >= max_blocks * block_size)
+    # int64 because max_blocks * block_size may exceed the int32 range; positions are int32.
+    num_positions = min(max_blocks * block_size, INT32_MAX + 1)
+    bad_index = (indices < -1) | (indices.to(torch.int64) >= num_positions)
     bad_request = (row_to_request < 0) | (row_to_request >= num_requests)
     if value_checks_enabled() and bool(bad_index.any() | bad_request.any()):
         if bool(bad_request.any()):
@@ -195,9 +207,12 @@ def indices_to_slots(
             )
         row, column = (int(i) for i in torch.nonzero(bad_index)[0])
         raise ValueError(
-            f"indices must be -1 or positions in [0, max_blocks * block_size = {max_blocks * block_size}), "
+            f"indices must be -1 or positions in [0, min(max_blocks * block_size, 2**31) = {num_positions}), "
             f"got indices[{row}, {column}] = {int(indices[row, column])}"
         )
+    indices = index_as_int32("indices", indices, check_range=False)
+    row_to_request = index_as_int32("row_to_request", row_to_request, check_range=False)
+    block_table = index_as_int32("block_table", block_table)
     implementation = _backend.dispatch(
         reference.indices_to_slots, _triton_or_none(_indices_to_slots_triton), backend, indices.device
     )
@@ -219,15 +234,16 @@ def topk_decode_slots(
 
     Args:
         logits, seq_lens, next_n, k, out: as in ``topk_decode`` (``out``: int32 ``[B * next_n, k]``).
-        block_table: int32 ``[B, max_blocks]``; position ``p`` of request ``b`` lives in page
-            ``block_table[b, p // block_size]``. Every visible length must be ``<= max_blocks * block_size``.
+        block_table: int32 or int64 ``[B, max_blocks]`` (entries within the int32 range); position
+            ``p`` of request ``b`` lives in page ``block_table[b, p // block_size]``. Every visible
+            length must be ``<= max_blocks * block_size``.
         block_size: tokens per page, ``>= 1``.
 
     Returns int32 ``[B * next_n, k]``: ``indices_to_slots(topk_decode(...), block_table, block_size,
     row // next_n)`` bit for bit (``-1`` padding kept), computed in the top-k launch on GPUs.
     """
-    _check_decode_rows(logits, seq_lens, next_n, k, out)
-    check_tensor("block_table", block_table, dtype=torch.int32, ndim=2)
+    seq_lens = _check_decode_rows(logits, seq_lens, next_n, k, out)
+    check_index_tensor("block_table", block_table, ndim=2)
     check_positive_int("block_size", block_size)
     num_requests, max_blocks = block_table.shape
     if num_requests != seq_lens.shape[0]:
@@ -242,6 +258,7 @@ def topk_decode_slots(
                 f"block_table holds max_blocks * block_size = {max_blocks * block_size} positions, but row {row} "
                 f"sees {int(visible[row])}"
             )
+    block_table = index_as_int32("block_table", block_table)
     implementation = _backend.dispatch(
         reference.topk_decode_slots, _triton_or_none(_topk_decode_slots_triton), backend, logits.device
     )
