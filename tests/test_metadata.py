@@ -131,3 +131,40 @@ def test_bad_batches_raise_before_planning(kwargs, match):
     tbl = args.pop("block_table")
     with pytest.raises((ValueError, TypeError), match=match):
         build_metadata(seq_lens, query_lens, tbl, **args)
+
+
+@pytest.mark.parametrize(
+    "seq_lens, query_lens, error, match",
+    [
+        ([100.9], [1], TypeError, "seq_lens"),
+        ([100.0], [1], TypeError, "seq_lens"),
+        ([100], [1.0], TypeError, "query_lens"),
+        ([100], [True], TypeError, "query_lens"),
+        (torch.tensor([100.5]), [1], TypeError, "seq_lens"),
+        ([100], torch.tensor([[1]]), ValueError, "query_lens"),
+        ("12", [1], TypeError, "seq_lens"),
+        (100, [1], TypeError, "seq_lens"),
+    ],
+)
+def test_non_integer_lengths_are_refused_not_truncated(seq_lens, query_lens, error, match):
+    builder = MetadataBuilder(max_decode_requests=1, max_next_n=1, max_blocks_per_request=8, block_size=16)
+    before = builder._block_table.clone()
+    with pytest.raises(error, match=match):
+        build_metadata(seq_lens, query_lens, table(1, 8), block_size=16)
+    with pytest.raises(error, match=match):
+        builder.build(seq_lens, query_lens, table(1, 8))
+    assert torch.equal(builder._block_table, before)
+
+
+def test_integer_lengths_of_every_kind_plan_alike():
+    np = pytest.importorskip("numpy")
+    expected = build_metadata([100, 7], [1, 7], table(2, 8), block_size=16)
+    for seq_lens, query_lens in [
+        (np.array([100, 7]), np.array([1, 7], dtype=np.int32)),
+        ([np.int64(100), np.int16(7)], (1, 7)),
+        (torch.tensor([100, 7]), torch.tensor([1, 7], dtype=torch.int32)),
+    ]:
+        meta = build_metadata(seq_lens, query_lens, table(2, 8), block_size=16)
+        assert torch.equal(meta.slot_mapping, expected.slot_mapping)
+        assert meta.decode.context_lens.tolist() == expected.decode.context_lens.tolist()
+        assert [c.ke.tolist() for c in meta.prefill_chunks] == [c.ke.tolist() for c in expected.prefill_chunks]

@@ -337,3 +337,15 @@ def test_mask_rejects_bad_arguments_without_writing(overrides, error, name):
             args.pop("block_size"), **args
         )
     assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize("block_size", [2**24, 2**40])
+def test_select_reference_memory_does_not_grow_with_block_size(block_size):
+    # One block covers every row: the result is that of block_size = width. A rows x block_size working
+    # set would take GiBs at 2**24 and fail to allocate at 2**40.
+    logits = make_logits(4, 64, None, None, 1, torch.Generator().manual_seed(0), "random")
+    ends = torch.tensor([64, 33, 1, 0], dtype=torch.int32)
+    result = select_candidate_blocks(logits, None, ends, 2, block_size, backend="reference")
+    assert torch.equal(result, select_candidate_blocks(logits, None, ends, 2, 64, backend="reference"))
+    assert torch.equal(result, select_oracle(logits, None, ends, 2, block_size))
+    assert result.tolist() == [[0, -1], [0, -1], [0, -1], [-1, -1]]
