@@ -116,11 +116,14 @@ def test_builder_reuses_its_decode_buffers_across_steps():
         (dict(seq_lens=[-1], query_lens=[0]), "must be >= 0"),
         (dict(seq_lens=[5, 5], query_lens=[5]), "query_lens must have 2"),
         (dict(seq_lens=[80], query_lens=[1]), "block_table row 0 has 2 pages"),
-        (dict(seq_lens=[20, 5], query_lens=[20, 1]), "must come before prefills"),
+        (dict(seq_lens=[20, 5], query_lens=[20, 1]), "query_lens must list the decode requests"),
         (dict(seq_lens=[5], query_lens=[1], block_table=torch.tensor([[-1, 0]], dtype=torch.int32)), "page ids outside"),
         (dict(seq_lens=[5], query_lens=[1], block_table=torch.tensor([[9, 0]], dtype=torch.int32)), "page ids outside"),
         (dict(seq_lens=[5], query_lens=[1], block_table=torch.zeros(1, 2)), "block_table must have dtype"),
         (dict(seq_lens=[5], query_lens=[1], dcp_rank=2, dcp_world_size=2), "dcp_rank"),
+        (dict(seq_lens=[5], query_lens=[1], num_cache_blocks="8"), "num_cache_blocks"),
+        (dict(seq_lens=[5], query_lens=[1], num_cache_blocks=-1), "num_cache_blocks"),
+        (dict(seq_lens=[5], query_lens=[1], dense_prefill_max_len=1.5), "dense_prefill_max_len"),
     ],
 )
 def test_bad_batches_raise_before_planning(kwargs, match):

@@ -86,13 +86,19 @@ def check_positive_finite(name: str, value) -> float:
     return float(value)
 
 
-def check_k(name: str, value) -> int:
-    """A per-row pick count (an output width): ``1 <= value <= 2**31 - 1``. Picks are int32 positions,
-    so a wider output could never be filled, and its allocation alone would fail."""
-    check_positive_int(name, value)
+def check_index_size(name: str, value, *, minimum: int = 0) -> int:
+    """A size along an indexed dimension (an output width, a padded length): an int in
+    ``[minimum, 2**31 - 1]``. Positions are int32, so a larger size could never be indexed, and its
+    allocation alone would fail."""
+    check_positive_int(name, value, minimum=minimum)
     if value > torch.iinfo(torch.int32).max:
-        raise ValueError(f"{name} must be <= 2**31 - 1 (picks are int32 positions), got {value}")
+        raise ValueError(f"{name} must be <= 2**31 - 1 (positions are int32), got {value}")
     return value
+
+
+def check_k(name: str, value) -> int:
+    """A per-row pick count: ``1 <= value <= 2**31 - 1`` (``check_index_size``)."""
+    return check_index_size(name, value, minimum=1)
 
 
 def check_choice(name: str, value, choices: Sequence) -> None:
@@ -103,6 +109,9 @@ def check_choice(name: str, value, choices: Sequence) -> None:
 def check_same_device(**tensors: torch.Tensor | None) -> None:
     """All non-None tensors live on one device."""
     named = [(n, t) for n, t in tensors.items() if t is not None]
+    for name, tensor in named:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if not named:
         return
     first_name, first = named[0]

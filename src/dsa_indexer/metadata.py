@@ -143,6 +143,9 @@ class MetadataBuilder:
             raise ValueError(f"dcp_rank must be < dcp_world_size ({dcp_world_size}), got {dcp_rank}")
         if workspace_tokens is not None:
             check_positive_int("workspace_tokens", workspace_tokens)
+        check_positive_int("dense_prefill_max_len", dense_prefill_max_len, minimum=0)
+        if num_cache_blocks is not None:
+            check_positive_int("num_cache_blocks", num_cache_blocks, minimum=0)
         if max_next_n < 1 + num_spec_tokens and decode_layout == "native":
             raise ValueError(f"max_next_n must be >= 1 + num_spec_tokens ({1 + num_spec_tokens}), got {max_next_n}")
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -191,7 +194,7 @@ class MetadataBuilder:
         prefills = [r for r, q in enumerate(query_lens) if q > decode_threshold]
         if decodes and prefills and max(decodes) > min(prefills):
             raise ValueError(
-                f"decode requests (query_len <= {decode_threshold}) must come before prefills; "
+                f"query_lens must list the decode requests (query_len <= {decode_threshold}) before the prefills; "
                 f"request {max(decodes)} follows prefill request {min(prefills)}"
             )
         host_table = block_table.cpu()

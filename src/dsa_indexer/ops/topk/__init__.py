@@ -13,6 +13,7 @@ import torch
 from ... import backend as _backend
 from ..._validation import (
     INT32_MAX,
+    check_index_size,
     check_index_tensor,
     check_k,
     check_positive_int,
@@ -89,6 +90,21 @@ def _check_decode_rows(logits, seq_lens, next_n: int, k: int, out) -> torch.Tens
             f"got {int(flat_lens[position])} at flat position {position}"
         )
     return index_as_int32("seq_lens", seq_lens, check_range=False)
+
+
+def _slots_past_int32(block_table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Entries whose pages hold slots past the int32 range (slots are int32); ``block_size <= 2**31 - 1``, so
+    the int64 product cannot overflow."""
+    return block_table.to(torch.int64) * block_size + (block_size - 1) > INT32_MAX
+
+
+def _raise_for_pages(block_table: torch.Tensor, bad_page: torch.Tensor, block_size: int) -> None:
+    if bool(bad_page.any()):
+        request, column = (int(i) for i in torch.nonzero(bad_page)[0])
+        raise ValueError(
+            f"block_table entries must give int32 slots (page * block_size + block_size - 1 <= 2**31 - 1 with "
+            f"block_size {block_size}), got block_table[{request}, {column}] = {int(block_table[request, column])}"
+        )
 
 
 def topk(
@@ -179,17 +195,19 @@ def indices_to_slots(
     Args:
         indices: int32 or int64 ``[R, k]`` request-local positions, or ``-1`` (padding, kept as ``-1``).
         block_table: int32 or int64 ``[B, max_blocks]``; page ``j`` of request ``b`` is
-            ``block_table[b, j]``; entries within the int32 range.
-        block_size: tokens per page, ``>= 1``.
+            ``block_table[b, j]``; every page's slots within the int32 range
+            (``page * block_size + block_size - 1 <= 2**31 - 1``).
+        block_size: tokens per page, ``1 <= block_size <= 2**31 - 1``.
         row_to_request: int32 or int64 ``[R]`` request of each row, in ``[0, B)``.
 
     Slot of position ``p`` in row ``r``: ``block_table[row_to_request[r], p // block_size] *
-    block_size + p % block_size``. Positions whose page index reaches ``max_blocks`` are rejected;
-    that the table's page ids lie within the cache is the caller's duty (slots are int32).
+    block_size + p % block_size``. Positions whose page index reaches ``max_blocks`` and pages whose
+    slots leave the int32 range are rejected (one host read); that the page ids lie within the cache is
+    the caller's duty.
     """
     check_index_tensor("indices", indices, ndim=2)
     check_index_tensor("block_table", block_table, ndim=2)
-    check_positive_int("block_size", block_size)
+    check_index_size("block_size", block_size, minimum=1)
     num_rows = indices.shape[0]
     num_requests, max_blocks = block_table.shape
     check_index_tensor("row_to_request", row_to_request, shape=(num_rows,))
@@ -198,7 +216,9 @@ def indices_to_slots(
     num_positions = min(max_blocks * block_size, INT32_MAX + 1)
     bad_index = (indices < -1) | (indices.to(torch.int64) >= num_positions)
     bad_request = (row_to_request < 0) | (row_to_request >= num_requests)
-    if value_checks_enabled() and bool(bad_index.any() | bad_request.any()):
+    bad_page = _slots_past_int32(block_table, block_size)
+    if value_checks_enabled() and bool(bad_index.any() | bad_request.any() | bad_page.any()):
+        _raise_for_pages(block_table, bad_page, block_size)
         if bool(bad_request.any()):
             row = first_true(bad_request)
             raise ValueError(
@@ -234,17 +254,17 @@ def topk_decode_slots(
 
     Args:
         logits, seq_lens, next_n, k, out: as in ``topk_decode`` (``out``: int32 ``[B * next_n, k]``).
-        block_table: int32 or int64 ``[B, max_blocks]`` (entries within the int32 range); position
-            ``p`` of request ``b`` lives in page ``block_table[b, p // block_size]``. Every visible
-            length must be ``<= max_blocks * block_size``.
-        block_size: tokens per page, ``>= 1``.
+        block_table: int32 or int64 ``[B, max_blocks]``; position ``p`` of request ``b`` lives in page
+            ``block_table[b, p // block_size]``; every page's slots within the int32 range (as for
+            ``indices_to_slots``). Every visible length must be ``<= max_blocks * block_size``.
+        block_size: tokens per page, ``1 <= block_size <= 2**31 - 1``.
 
     Returns int32 ``[B * next_n, k]``: ``indices_to_slots(topk_decode(...), block_table, block_size,
     row // next_n)`` bit for bit (``-1`` padding kept), computed in the top-k launch on GPUs.
     """
     seq_lens = _check_decode_rows(logits, seq_lens, next_n, k, out)
     check_index_tensor("block_table", block_table, ndim=2)
-    check_positive_int("block_size", block_size)
+    check_index_size("block_size", block_size, minimum=1)
     num_requests, max_blocks = block_table.shape
     if num_requests != seq_lens.shape[0]:
         raise ValueError(f"block_table must have B = {seq_lens.shape[0]} rows (B from seq_lens), got {num_requests}")
@@ -252,7 +272,9 @@ def topk_decode_slots(
     if value_checks_enabled():
         visible = reference.decode_row_ends(seq_lens, next_n)
         too_long = visible.to(torch.int64) > max_blocks * block_size
-        if bool(too_long.any()):
+        bad_page = _slots_past_int32(block_table, block_size)
+        if bool(too_long.any() | bad_page.any()):
+            _raise_for_pages(block_table, bad_page, block_size)
             row = first_true(too_long)
             raise ValueError(
                 f"block_table holds max_blocks * block_size = {max_blocks * block_size} positions, but row {row} "
