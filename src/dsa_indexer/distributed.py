@@ -346,7 +346,7 @@ def merge_topk_global(
         group: the DCP process group (None: the default group). Every rank calls with the same ``R``
             and ``k``; a world of one is a no-op.
         interleave: consecutive positions per rank in the sharding.
-        starts: ``[R]`` int32 first column of each row (prefill chunks), None for 0.
+        starts: ``[R]`` int32 or int64 first column of each row (prefill chunks), None for 0.
 
     The result is bitwise equal to the top-k of the whole (unsharded) row.
     """
@@ -358,7 +358,7 @@ def merge_topk_global(
         check_positive_int("k", k)
         check_positive_int("interleave", interleave)
         if starts is not None:
-            check_tensor("starts", starts, dtype=torch.int32, shape=(logits.shape[0],))
+            check_index_tensor("starts", starts, shape=(logits.shape[0],))
         if k > world_size * topk_indices.shape[1]:
             raise ValueError(f"k = {k} exceeds the {world_size} x {topk_indices.shape[1]} candidates the ranks contribute")
         if k != topk_indices.shape[1]:
