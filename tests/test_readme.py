@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from dsa_indexer.testing import assert_topk_exact
@@ -40,3 +41,13 @@ def test_readme_prefill_recipe_runs_with_arange_bounds():
     for row, visible in enumerate(ke.tolist()):
         assert torch.equal(indices[row, :visible], torch.arange(visible, dtype=torch.int32))
         assert bool((indices[row, visible:] == -1).all())
+
+
+def test_the_license_ships_with_the_package_metadata():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    root = Path(__file__).parent.parent
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
+    text = (root / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
+    assert any(c.startswith("Programming Language :: Python :: 3") for c in project["classifiers"])
