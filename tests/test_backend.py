@@ -79,4 +79,4 @@ def test_value_checks_can_be_turned_off_but_shape_checks_cannot(monkeypatch):
     monkeypatch.setenv(SKIP_VALUE_CHECKS_ENV, "1")
     assert not value_checks_enabled()
     with pytest.raises(TypeError, match="ends"):
-        topk(logits, 2, ends=bad_ends.long())
+        topk(logits, 2, ends=bad_ends.float())

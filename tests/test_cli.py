@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ def test_demo_agrees_with_the_oracle_and_writes_json(tmp_path, config, fmt):
             "--decode-steps", "3", "--json", str(path)]
     assert main(args) == 0
     numbers = json.loads(path.read_text())
-    assert numbers["agreement"] == 1.0
+    assert numbers["agreement"] == 1.0 and numbers["fmt"] == fmt
     assert 0.8 < numbers["recall_vs_fp32"] <= 1.0
     assert numbers["tokens_per_s"] > 0
     assert any(step["padded"] for step in numbers["steps"])
@@ -65,6 +66,29 @@ def test_info_lists_versions_and_backends(capsys):
     assert "torch" in out and "backend: reference" in out
 
 
+def test_info_shows_the_install_hint_with_its_extra(capsys, monkeypatch):
+    from dsa_indexer import backend
+
+    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.setattr(backend, "triton_available", lambda: False)
+    assert main(["info"]) == 0
+    assert "pip install 'dsa-indexer[triton]'" in capsys.readouterr().out
+
+
+def test_demo_json_to_stdout_names_the_resolved_format(capsys, monkeypatch):
+    from dsa_indexer import demo
+    from dsa_indexer.indexer import IndexerConfig
+
+    # The serving loop itself is the other tests' subject: here an empty run (every check vacuously met).
+    monkeypatch.setattr(demo, "run_demo", lambda options, progress=None: demo.DemoResult(options))
+    assert main(["demo", "--config", "v41", "--json", "-"]) == 0
+    captured = capsys.readouterr()
+    numbers = json.loads(captured.out)  # only the JSON: the tables went to stderr
+    assert numbers["config"] == "v41" and numbers["fmt"] == IndexerConfig.deepseek_v41().fmt
+    assert "agreement with the exact oracle" in captured.err
+    assert not (Path.cwd() / "-").exists()
+
+
 @pytest.mark.distributed
 def test_demo_with_dcp_matches_the_single_process_run(tmp_path):
     path = tmp_path / "dcp.json"
@@ -84,13 +108,31 @@ def test_near_tie_rows_accept_only_swaps_within_kernel_rounding():
     assert _near_tie_rows(logits, got, expected).tolist() == [True, False, False]
 
 
-def test_bench_on_cpu_writes_results_and_a_plot(tmp_path):
+def test_bench_on_cpu_writes_results_and_a_plot(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")
     plot_path = tmp_path / "bench.png"
     assert main(["bench", "--suite", "cpu", "--out", str(tmp_path), "--plot", str(plot_path)]) == 0
     results = json.loads((tmp_path / "cpu.json").read_text())
     assert {r["op"] for r in results["records"]} >= {"mqa_logits", "paged_mqa_logits", "topk"}
     assert all(r["us"] > 0 and r["floor_us"] > 0 for r in results["records"])
     assert plot_path.read_bytes()[:4] == b"\x89PNG"
+    # A CPU's rates are far below 1 T: they show in giga units, never as blank or 0.0 cells.
+    assert all((r["tflops"] or r["tbs"]) > 0 for r in results["records"])
+    lines = capsys.readouterr().out.splitlines()
+    assert any("GFLOP/s" in line and "GB/s" in line for line in lines)
+    for record in results["records"]:
+        row = next(line for line in lines if f" {record['op']} " in line)
+        cells = [cell.strip() for cell in row.strip("│┃ ").split("│")]
+        assert cells[5] or cells[6], row
+
+
+def test_bench_plot_without_matplotlib_fails_before_running(monkeypatch, capsys, tmp_path):
+    from dsa_indexer import bench
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # find_spec then reports it missing
+    monkeypatch.setattr(bench, "run_suites", lambda *args, **kwargs: pytest.fail("ran the suites"))
+    assert main(["bench", "--suite", "cpu", "--out", str(tmp_path), "--plot", str(tmp_path / "p.png")]) == 2
+    assert "matplotlib" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal of GPU suites without CUDA")

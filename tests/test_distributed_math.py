@@ -205,8 +205,8 @@ PACK_ERRORS = [
     ({"interleave": 0}, ValueError, "interleave"),
     ({"starts": torch.zeros(3, dtype=torch.int32)}, ValueError, "starts"),
     ({"starts": torch.zeros(2)}, TypeError, "starts"),
-    ({"starts": torch.zeros(2, dtype=torch.int64)}, TypeError, "starts"),
-    ({"local_topk": torch.zeros(2, 4, dtype=torch.int64)}, TypeError, "local_topk"),
+    ({"starts": torch.zeros(2, dtype=torch.int16)}, TypeError, "starts"),
+    ({"local_topk": torch.zeros(2, 4, dtype=torch.int16)}, TypeError, "local_topk"),
     ({"backend": "nccl"}, ValueError, "backend"),
 ]
 
@@ -230,7 +230,7 @@ def test_pack_local_candidates_rejects_bad_arguments(overrides, error, name):
 SELECT_ERRORS = [
     ({"scores": torch.zeros(2, 6, dtype=torch.float64)}, TypeError, "scores"),
     ({"scores": torch.zeros(12)}, ValueError, "scores"),
-    ({"global_ids": torch.zeros(2, 6, dtype=torch.int32)}, TypeError, "global_ids"),
+    ({"global_ids": torch.zeros(2, 6, dtype=torch.int16)}, TypeError, "global_ids"),
     ({"global_ids": torch.zeros(2, 5, dtype=torch.int64)}, ValueError, "global_ids"),
     ({"global_ids": torch.zeros(2, 6, dtype=torch.int64, device="meta")}, ValueError, "global_ids"),
     ({"k": 0}, ValueError, "^k "),

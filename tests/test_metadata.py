@@ -142,11 +142,14 @@ def test_builder_capacity_overflow_raises_before_writing_its_buffers(layout, seq
         (dict(seq_lens=[-1], query_lens=[0]), "must be >= 0"),
         (dict(seq_lens=[5, 5], query_lens=[5]), "query_lens must have 2"),
         (dict(seq_lens=[80], query_lens=[1]), "block_table row 0 has 2 pages"),
-        (dict(seq_lens=[20, 5], query_lens=[20, 1]), "must come before prefills"),
+        (dict(seq_lens=[20, 5], query_lens=[20, 1]), "query_lens must list the decode requests"),
         (dict(seq_lens=[5], query_lens=[1], block_table=torch.tensor([[-1, 0]], dtype=torch.int32)), "page ids outside"),
         (dict(seq_lens=[5], query_lens=[1], block_table=torch.tensor([[9, 0]], dtype=torch.int32)), "page ids outside"),
         (dict(seq_lens=[5], query_lens=[1], block_table=torch.zeros(1, 2)), "block_table must have dtype"),
         (dict(seq_lens=[5], query_lens=[1], dcp_rank=2, dcp_world_size=2), "dcp_rank"),
+        (dict(seq_lens=[5], query_lens=[1], num_cache_blocks="8"), "num_cache_blocks"),
+        (dict(seq_lens=[5], query_lens=[1], num_cache_blocks=-1), "num_cache_blocks"),
+        (dict(seq_lens=[5], query_lens=[1], dense_prefill_max_len=1.5), "dense_prefill_max_len"),
     ],
 )
 def test_bad_batches_raise_before_planning(kwargs, match):
@@ -157,3 +160,40 @@ def test_bad_batches_raise_before_planning(kwargs, match):
     tbl = args.pop("block_table")
     with pytest.raises((ValueError, TypeError), match=match):
         build_metadata(seq_lens, query_lens, tbl, **args)
+
+
+@pytest.mark.parametrize(
+    "seq_lens, query_lens, error, match",
+    [
+        ([100.9], [1], TypeError, "seq_lens"),
+        ([100.0], [1], TypeError, "seq_lens"),
+        ([100], [1.0], TypeError, "query_lens"),
+        ([100], [True], TypeError, "query_lens"),
+        (torch.tensor([100.5]), [1], TypeError, "seq_lens"),
+        ([100], torch.tensor([[1]]), ValueError, "query_lens"),
+        ("12", [1], TypeError, "seq_lens"),
+        (100, [1], TypeError, "seq_lens"),
+    ],
+)
+def test_non_integer_lengths_are_refused_not_truncated(seq_lens, query_lens, error, match):
+    builder = MetadataBuilder(max_decode_requests=1, max_next_n=1, max_blocks_per_request=8, block_size=16)
+    before = builder._block_table.clone()
+    with pytest.raises(error, match=match):
+        build_metadata(seq_lens, query_lens, table(1, 8), block_size=16)
+    with pytest.raises(error, match=match):
+        builder.build(seq_lens, query_lens, table(1, 8))
+    assert torch.equal(builder._block_table, before)
+
+
+def test_integer_lengths_of_every_kind_plan_alike():
+    np = pytest.importorskip("numpy")
+    expected = build_metadata([100, 7], [1, 7], table(2, 8), block_size=16)
+    for seq_lens, query_lens in [
+        (np.array([100, 7]), np.array([1, 7], dtype=np.int32)),
+        ([np.int64(100), np.int16(7)], (1, 7)),
+        (torch.tensor([100, 7]), torch.tensor([1, 7], dtype=torch.int32)),
+    ]:
+        meta = build_metadata(seq_lens, query_lens, table(2, 8), block_size=16)
+        assert torch.equal(meta.slot_mapping, expected.slot_mapping)
+        assert meta.decode.context_lens.tolist() == expected.decode.context_lens.tolist()
+        assert [c.ke.tolist() for c in meta.prefill_chunks] == [c.ke.tolist() for c in expected.prefill_chunks]

@@ -7,6 +7,8 @@ any output is written.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -75,6 +77,30 @@ def check_positive_int(name: str, value, *, minimum: int = 1) -> int:
     return value
 
 
+def check_positive_finite(name: str, value) -> float:
+    """A real number (not bool) that is finite and ``> 0``; returned as a Python float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be finite and > 0, got {value}")
+    return float(value)
+
+
+def check_index_size(name: str, value, *, minimum: int = 0) -> int:
+    """A size along an indexed dimension (an output width, a padded length): an int in
+    ``[minimum, 2**31 - 1]``. Positions are int32, so a larger size could never be indexed, and its
+    allocation alone would fail."""
+    check_positive_int(name, value, minimum=minimum)
+    if value > torch.iinfo(torch.int32).max:
+        raise ValueError(f"{name} must be <= 2**31 - 1 (positions are int32), got {value}")
+    return value
+
+
+def check_k(name: str, value) -> int:
+    """A per-row pick count: ``1 <= value <= 2**31 - 1`` (``check_index_size``)."""
+    return check_index_size(name, value, minimum=1)
+
+
 def check_choice(name: str, value, choices: Sequence) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
@@ -83,6 +109,9 @@ def check_choice(name: str, value, choices: Sequence) -> None:
 def check_same_device(**tensors: torch.Tensor | None) -> None:
     """All non-None tensors live on one device."""
     named = [(n, t) for n, t in tensors.items() if t is not None]
+    for name, tensor in named:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if not named:
         return
     first_name, first = named[0]
@@ -93,6 +122,26 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
 
 def check_index_tensor(name: str, value, *, ndim: int | Sequence[int] | None = None, shape=None) -> torch.Tensor:
     return check_tensor(name, value, dtype=INDEX_DTYPES, ndim=ndim, shape=shape)
+
+
+INT32_MIN, INT32_MAX = torch.iinfo(torch.int32).min, torch.iinfo(torch.int32).max
+
+
+def index_as_int32(name: str, value: torch.Tensor, *, check_range: bool = True) -> torch.Tensor:
+    """An index tensor already checked by ``check_index_tensor`` as int32 (int64 is copied once).
+
+    With ``check_range`` and value checks enabled, an int64 value outside the int32 range is rejected
+    first (one host synchronisation, int64 input only). Callers whose own value checks already bound
+    every entry that is read pass ``check_range=False``.
+    """
+    if value.dtype == torch.int32:
+        return value
+    if check_range and value.numel() and value_checks_enabled():
+        low, high = torch.stack((value.min(), value.max())).tolist()
+        if low < INT32_MIN or high > INT32_MAX:
+            bad = low if low < INT32_MIN else high
+            raise ValueError(f"{name} must hold values in the int32 range [-2**31, 2**31 - 1], got {bad}")
+    return value.to(torch.int32)
 
 
 SKIP_VALUE_CHECKS_ENV = "DSA_INDEXER_SKIP_VALUE_CHECKS"

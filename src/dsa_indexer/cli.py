@@ -8,6 +8,7 @@ import platform
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -54,7 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--dcp", type=_positive, default=1, metavar="N",
                       help="also run with decode context parallelism over N processes and compare")
-    demo.add_argument("--json", metavar="PATH", help="write the numbers as JSON")
+    demo.add_argument("--json", metavar="PATH",
+                      help="write the numbers as JSON ('-': standard output, and the tables go to standard error)")
     train = commands.add_parser("train-demo", help="warm up a random indexer against a small causal attention "
                                 "with the KL loss; plots loss and top-k recall")
     train.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -103,7 +105,7 @@ def _run_demo(args, console: Console) -> int:
         update = lambda done, total: progress.update(task, completed=done, total=total)  # noqa: E731
         result = run_demo_dcp(options, update) if args.dcp > 1 else run_demo(options, update)
 
-    steps = Table(title=f"dsa-indexer demo — {args.config}, {result.options.fmt or 'default format'}, {args.device}")
+    steps = Table(title=f"dsa-indexer demo — {args.config}, {result.fmt}, {args.device}")
     for name in ("step", "decode tok", "prefill tok", "padded", "rows = oracle", "recall vs fp32"):
         steps.add_column(name, justify="right")
     for s in result.steps:
@@ -133,7 +135,10 @@ def _run_demo(args, console: Console) -> int:
         console.print(
             f"DCP over {args.dcp} ranks: {result.dcp_rows_equal}/{result.dcp_rows} merged rows equal the single-process run"
         )
-    if args.json:
+    if args.json == "-":
+        json.dump(result.to_json(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    elif args.json:
         with open(args.json, "w") as handle:
             json.dump(result.to_json(), handle, indent=2)
     return 0 if result.agreement_within_ties == 1.0 and dcp_ok else 1
@@ -186,6 +191,8 @@ def _run_bench(args, console: Console) -> int:
 
     from . import bench
 
+    if args.plot:
+        bench.require_matplotlib()
     suites = tuple(args.suites) if args.suites else bench.default_suites()
     env = bench.harness.environment()
     console.print(f"[bold]dsa-indexer bench[/] on {env['gpu']} — torch {env['torch']}, triton {env['triton']}, {env['date']}")
@@ -203,18 +210,21 @@ def _run_bench(args, console: Console) -> int:
             progress.update(task, description=f"suite {name}")
 
         ceilings, rows = bench.run_suites(suites, Path(args.out), progress=advance)
+    flops_unit, flops_scale = _rate_unit([ceilings["fp8_tflops"]], "FLOP/s")
+    bytes_unit, bytes_scale = _rate_unit([ceilings["copy_tbs"], ceilings["read_tbs"]], "B/s")
     console.print(
-        f"ceilings measured now: copy {ceilings['copy_tbs']:.2f} TB/s, read {ceilings['read_tbs']:.2f} TB/s, "
-        f"matmul {ceilings['fp8_tflops']:.3g} TFLOP/s"
+        f"ceilings measured now: copy {ceilings['copy_tbs'] * bytes_scale:.3g} {bytes_unit}, "
+        f"read {ceilings['read_tbs'] * bytes_scale:.3g} {bytes_unit}, "
+        f"matmul {ceilings['fp8_tflops'] * flops_scale:.3g} {flops_unit}"
     )
     table = Table(title="results (median; % of floor = floor time / measured time)")
-    for name in ("op", "shape", "µs", "floor µs", "% floor", "TFLOP/s", "TB/s", "× torch"):
+    for name in ("op", "shape", "µs", "floor µs", "% floor", flops_unit, bytes_unit, "× torch"):
         table.add_column(name, justify="left" if name in ("op", "shape") else "right")
     for r in rows:
         torch_us = next(iter(r["baselines"].values()), None)
         table.add_row(
             r["op"], ",".join(f"{k}={v}" for k, v in r["shape"].items()), f"{r['us']:.1f}", f"{r['floor_us']:.1f}",
-            f"{r['pct_of_floor']}", f"{r['tflops'] or ''}", f"{r['tbs'] or ''}",
+            f"{r['pct_of_floor']}", _rate(r["tflops"], flops_scale), _rate(r["tbs"], bytes_scale),
             f"{torch_us / r['us']:.1f}" if torch_us else "",
         )
     console.print(table)
@@ -223,6 +233,16 @@ def _run_bench(args, console: Console) -> int:
         bench.plot(rows, Path(args.plot))
         console.print(f"plot written to {args.plot}")
     return 0
+
+
+def _rate_unit(ceilings: list[float], base: str) -> tuple[str, float]:
+    """``(column title, factor from tera-units)``: tera on machines whose ceilings reach 1 T (GPUs), giga
+    below (a CPU's TFLOP/s rounds to 0.0)."""
+    return (f"T{base}", 1.0) if max(ceilings) >= 1.0 else (f"G{base}", 1e3)
+
+
+def _rate(tera: float | None, scale: float) -> str:
+    return "" if tera is None else f"{tera * scale:.3g}"
 
 
 def _run_info(console: Console) -> int:
@@ -239,7 +259,7 @@ def _run_info(console: Console) -> int:
 
         table.add_row("triton", triton.__version__)
     else:
-        table.add_row("triton", "not installed (pip install 'dsa-indexer[triton]')")
+        table.add_row("triton", escape("not installed (pip install 'dsa-indexer[triton]')"))
     if torch.cuda.is_available():
         for index in range(torch.cuda.device_count()):
             major, minor = torch.cuda.get_device_capability(index)
@@ -257,7 +277,8 @@ def _run_info(console: Console) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    console = Console()
+    # With --json - standard output carries only the JSON.
+    console = Console(stderr=getattr(args, "json", None) == "-")
     try:
         if args.command == "demo":
             return _run_demo(args, console)

@@ -91,10 +91,15 @@ class DemoResult:
     def tokens_per_s(self) -> float:
         return self.tokens / self.indexer_seconds if self.indexer_seconds else 0.0
 
+    @property
+    def fmt(self) -> str:
+        """The cache format the run used: ``options.fmt``, or the config's own when that is None."""
+        return _config(self.options).fmt
+
     def to_json(self) -> dict:
         return {
             "config": self.options.config,
-            "fmt": self.options.fmt,
+            "fmt": self.fmt,
             "device": self.options.device,
             "agreement": self.agreement,
             "agreement_within_ties": self.agreement_within_ties,

@@ -28,7 +28,15 @@ from __future__ import annotations
 import torch
 
 from . import backend as _backend
-from ._validation import check_index_tensor, check_positive_int, check_same_device, check_tensor, value_checks_enabled
+from ._validation import (
+    check_index_tensor,
+    check_k,
+    check_positive_int,
+    check_same_device,
+    check_tensor,
+    index_as_int32,
+    value_checks_enabled,
+)
 from .ops._order import composite_key, top_ids_ascending
 
 __all__ = [
@@ -165,10 +173,10 @@ def pack_local_candidates(
 
     Args:
         logits: ``[R, C]`` float32 local logits (any strides), as given to the local top-k.
-        local_topk: ``[R, k]`` int32 local positions relative to ``starts`` (``-1`` padding), the
-            output of the local top-k.
+        local_topk: ``[R, k]`` int32 or int64 local positions relative to ``starts`` (``-1`` padding),
+            the output of the local top-k; values within the int32 range.
         rank, world_size, interleave: this rank's place in the sharding (see ``global_to_local``).
-        starts: ``[R]`` int32 first column of each row (prefill chunks), or None for 0.
+        starts: ``[R]`` int32 or int64 first column of each row (prefill chunks), or None for 0.
         backend: ``"auto" | "reference" | "triton"``.
 
     Returns:
@@ -178,11 +186,13 @@ def pack_local_candidates(
         (such entries are padding, not an error: checking them would cost a host synchronisation).
     """
     check_tensor("logits", logits, dtype=torch.float32, ndim=2)
-    check_tensor("local_topk", local_topk, dtype=torch.int32, shape=(logits.shape[0], None))
+    check_index_tensor("local_topk", local_topk, shape=(logits.shape[0], None))
     _check_layout(world_size, interleave, rank)
     if starts is not None:
-        check_tensor("starts", starts, dtype=torch.int32, shape=(logits.shape[0],))
+        check_index_tensor("starts", starts, shape=(logits.shape[0],))
     check_same_device(logits=logits, local_topk=local_topk, starts=starts)
+    local_topk = index_as_int32("local_topk", local_topk)
+    starts = None if starts is None else index_as_int32("starts", starts)
     triton_impl = _pack_local_candidates_triton if _backend.triton_available() else None
     impl = _backend.dispatch(_pack_local_candidates_reference, triton_impl, backend, logits.device)
     return impl(logits, local_topk, rank, world_size, interleave, starts)
@@ -229,8 +239,8 @@ def select_global_topk(
 
     Args:
         scores: ``[R, M]`` float32 candidate scores (``M = W * k`` after the all-gather).
-        global_ids: ``[R, M]`` int64 candidate global ids, unique per row apart from ``-1``.
-        k: positions to select per row (>= 1).
+        global_ids: ``[R, M]`` int64 (or int32) candidate global ids, unique per row apart from ``-1``.
+        k: positions to select per row, ``1 <= k <= 2**31 - 1``.
         out: optional int32 ``[R, k]`` destination.
         backend: ``"auto" | "reference" | "triton"``.
 
@@ -240,11 +250,13 @@ def select_global_topk(
         its score is NaN or ``-inf`` or its id is outside ``[0, 2**31)`` (``-1`` is padding).
     """
     check_tensor("scores", scores, dtype=torch.float32, ndim=2)
-    check_tensor("global_ids", global_ids, dtype=torch.int64, shape=scores.shape)
-    check_positive_int("k", k)
+    check_index_tensor("global_ids", global_ids, shape=scores.shape)
+    check_k("k", k)
     if out is not None:
         check_tensor("out", out, dtype=torch.int32, shape=(scores.shape[0], k))
     check_same_device(scores=scores, global_ids=global_ids, out=out)
+    # Ids are int64 here (not int32): ids past 2**31 - 1 are valid input that is never selectable.
+    global_ids = global_ids.to(torch.int64)
     triton_impl = _select_global_topk_by_id_order if _backend.triton_available() else None
     impl = _backend.dispatch(_select_global_topk_reference, triton_impl, backend, scores.device)
     return impl(scores, global_ids, k, out)
@@ -504,7 +516,7 @@ def merge_topk_global(
         group: the DCP process group (None: the default group). Every rank calls with the same ``R``
             and ``k``; a world of one is a no-op.
         interleave: consecutive positions per rank in the sharding.
-        starts: ``[R]`` int32 first column of each row (prefill chunks), None for 0.
+        starts: ``[R]`` int32 or int64 first column of each row (prefill chunks), None for 0.
         workspace: a ``DcpMergeWorkspace`` of this group, ``k`` and ``interleave`` with ``>= R`` rows;
             None allocates one for the call.
 
@@ -527,7 +539,7 @@ def merge_topk_global(
         check_positive_int("k", k)
         check_positive_int("interleave", interleave)
         if starts is not None:
-            check_tensor("starts", starts, dtype=torch.int32, shape=(logits.shape[0],))
+            check_index_tensor("starts", starts, shape=(logits.shape[0],))
         if k > world_size * topk_indices.shape[1]:
             raise ValueError(f"k = {k} exceeds the {world_size} x {topk_indices.shape[1]} candidates the ranks contribute")
         if k != topk_indices.shape[1]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import check_floating, check_last_dim_multiple, check_tensor
+from ._validation import check_floating, check_last_dim_multiple, check_positive_finite, check_positive_int, check_tensor
 
 FP8_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
@@ -91,15 +91,16 @@ def quantize_fp8(
 
     Returns ``(values float8_e4m3fn [..., D], scales float32 [..., D // block_size])`` such that
     ``values * scale`` approximates ``x``. ``scale_fmt`` is ``"ue8m0"`` (power-of-two scales) or
-    ``"fp32"`` (plain ``amax / 448``). ``amax_floor`` is 1e-4 for K and 1e-10 for Q by convention.
+    ``"fp32"`` (plain ``amax / 448``). ``block_size`` is an int ``>= 1`` dividing ``D``. ``amax_floor``
+    (finite, ``> 0``) is 1e-4 for K and 1e-10 for Q by convention.
     """
     check_tensor("x", x, min_ndim=1)
     check_floating("x", x)
+    check_positive_int("block_size", block_size)
     check_last_dim_multiple("x", x, block_size, "block_size")
     if scale_fmt not in SCALE_FORMATS:
         raise ValueError(f"scale_fmt must be one of {SCALE_FORMATS}, got {scale_fmt!r}")
-    if not amax_floor > 0:
-        raise ValueError(f"amax_floor must be > 0, got {amax_floor}")
+    amax_floor = check_positive_finite("amax_floor", amax_floor)
     scale = fp8_scales(x, block_size, scale_fmt, amax_floor)
     blocks = x.float().unflatten(-1, (-1, block_size))
     scaled = (blocks / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX)
@@ -109,6 +110,7 @@ def quantize_fp8(
 def dequantize_fp8(values: torch.Tensor, scales: torch.Tensor, *, block_size: int = 128) -> torch.Tensor:
     """``values [..., D]`` e4m3 times ``scales [..., D // block_size]`` -> float32 ``[..., D]``."""
     check_tensor("values", values, dtype=FP8_DTYPE, min_ndim=1)
+    check_positive_int("block_size", block_size)
     check_last_dim_multiple("values", values, block_size, "block_size")
     expected = (*values.shape[:-1], values.shape[-1] // block_size)
     check_tensor("scales", scales, dtype=torch.float32, shape=expected, device=values.device)

@@ -17,12 +17,13 @@ after the expansion to rows.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import numbers
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from ._validation import check_choice, check_positive_int, check_tensor
+from ._validation import check_choice, check_index_tensor, check_positive_int, index_as_int32
 from .distributed import global_to_local, local_lengths
 
 DEFAULT_MAX_LOGITS_BYTES = 512 * 1024 * 1024
@@ -142,6 +143,9 @@ class MetadataBuilder:
             raise ValueError(f"dcp_rank must be < dcp_world_size ({dcp_world_size}), got {dcp_rank}")
         if workspace_tokens is not None:
             check_positive_int("workspace_tokens", workspace_tokens)
+        check_positive_int("dense_prefill_max_len", dense_prefill_max_len, minimum=0)
+        if num_cache_blocks is not None:
+            check_positive_int("num_cache_blocks", num_cache_blocks, minimum=0)
         if max_next_n < 1 + num_spec_tokens and decode_layout == "native":
             raise ValueError(f"max_next_n must be >= 1 + num_spec_tokens ({1 + num_spec_tokens}), got {max_next_n}")
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -168,15 +172,18 @@ class MetadataBuilder:
         self._slots = torch.full((max_decode_requests * max_next_n,), -1, dtype=torch.int64, device=self.device)
 
     def build(self, seq_lens: Sequence[int], query_lens: Sequence[int], block_table: torch.Tensor) -> IndexerMetadata:
-        """Plan one step. ``block_table [num_requests, >= blocks needed] int32`` (any device)."""
+        """Plan one step. ``seq_lens``, ``query_lens``: per request, integers (Python or numpy ints, or
+        a 1-D integer tensor). ``block_table [num_requests, >= blocks needed]`` int32 or int64 (any
+        device; entries within the int32 range), copied as int32 into the plan."""
         seq_lens = _as_int_list("seq_lens", seq_lens)
         query_lens = _as_int_list("query_lens", query_lens)
         num_requests = len(seq_lens)
         if len(query_lens) != num_requests:
             raise ValueError(f"query_lens must have {num_requests} entries like seq_lens, got {len(query_lens)}")
-        check_tensor("block_table", block_table, dtype=torch.int32, ndim=2)
+        check_index_tensor("block_table", block_table, ndim=2)
         if block_table.shape[0] != num_requests:
             raise ValueError(f"block_table must have {num_requests} rows (one per request), got {block_table.shape[0]}")
+        block_table = index_as_int32("block_table", block_table)
         for r, (seq_len, query_len) in enumerate(zip(seq_lens, query_lens)):
             if seq_len < 0 or query_len < 0:
                 raise ValueError(f"seq_lens and query_lens must be >= 0, got {seq_len} and {query_len} for request {r}")
@@ -187,7 +194,7 @@ class MetadataBuilder:
         prefills = [r for r, q in enumerate(query_lens) if q > decode_threshold]
         if decodes and prefills and max(decodes) > min(prefills):
             raise ValueError(
-                f"decode requests (query_len <= {decode_threshold}) must come before prefills; "
+                f"query_lens must list the decode requests (query_len <= {decode_threshold}) before the prefills; "
                 f"request {max(decodes)} follows prefill request {min(prefills)}"
             )
         host_table = block_table.cpu()
@@ -421,9 +428,10 @@ def build_metadata(
     """Plan one step with buffers sized for exactly this batch (see ``MetadataBuilder``).
 
     Args:
-        seq_lens: per request, context length in tokens after this step.
+        seq_lens: per request, context length in tokens after this step (integers: Python or numpy
+            ints, or a 1-D integer tensor; ``100.9`` or ``100.0`` is refused).
         query_lens: per request, new tokens this step (consecutive rows of the batch, decodes first).
-        block_table: ``[num_requests, max_blocks] int32`` pages of each request's keys.
+        block_table: ``[num_requests, max_blocks]`` int32 or int64 pages of each request's keys.
         block_size: tokens per cache page.
         num_spec_tokens: speculative tokens per decode; ``query_len <= 1 + num_spec_tokens`` is a decode.
         compress_ratio: tokens per indexer key.
@@ -462,11 +470,18 @@ def build_metadata(
 
 
 def _as_int_list(name: str, values) -> list[int]:
+    """``values`` as Python ints: a sequence of integers (``numbers.Integral``: Python or numpy ints,
+    not bool) or a 1-D integer tensor. Floats are refused, not truncated."""
     if isinstance(values, torch.Tensor):
-        if values.dim() != 1 or values.is_floating_point():
-            raise ValueError(f"{name} must be a 1-D integer sequence, got shape {tuple(values.shape)} {values.dtype}")
-        return [int(v) for v in values.tolist()]
-    try:
-        return [int(v) for v in values]
-    except TypeError as error:
-        raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}") from error
+        if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integers, got a tensor of dtype {values.dtype}")
+        if values.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(values.shape)}")
+        return values.tolist()
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
+    items = list(values)
+    for position, value in enumerate(items):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must hold integers, got {value!r} ({type(value).__name__}) at position {position}")
+    return [int(value) for value in items]

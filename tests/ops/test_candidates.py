@@ -239,7 +239,7 @@ SELECT_ERRORS = [
     ({"logits": torch.randn(40)}, ValueError, "logits"),
     ({"starts": torch.zeros(3, dtype=torch.int32)}, ValueError, "starts"),
     ({"starts": torch.zeros(4)}, TypeError, "starts"),
-    ({"starts": torch.zeros(4, dtype=torch.int64)}, TypeError, "starts"),
+    ({"starts": torch.zeros(4, dtype=torch.int16)}, TypeError, "starts"),
     ({"starts": torch.tensor([0, -1, 0, 0], dtype=torch.int32)}, ValueError, "starts"),
     ({"starts": torch.tensor([0, 0, 0, 11], dtype=torch.int32)}, ValueError, "starts"),
     ({"ends": torch.tensor([10, 10, 11, 10], dtype=torch.int32)}, ValueError, "ends"),
@@ -251,6 +251,7 @@ SELECT_ERRORS = [
     ({"ends": torch.full((4,), 10, dtype=torch.int32, device="meta")}, ValueError, "ends"),
     ({"num_blocks_k": 0}, ValueError, "num_blocks_k"),
     ({"num_blocks_k": 1.5}, TypeError, "num_blocks_k"),
+    ({"num_blocks_k": 2**31}, ValueError, "num_blocks_k"),
     ({"block_size": 0}, ValueError, "block_size"),
     ({"row_repeat": 0}, ValueError, "row_repeat"),
     ({"row_repeat": True}, TypeError, "row_repeat"),
@@ -313,7 +314,7 @@ MASK_ERRORS = [
     ({"ends": torch.tensor([10, 11], dtype=torch.int32)}, ValueError, "ends"),
     ({"starts": torch.tensor([0, 11], dtype=torch.int32)}, ValueError, "starts"),
     ({"starts": torch.tensor([-3, 0], dtype=torch.int32)}, ValueError, "starts"),
-    ({"candidate_blocks": torch.zeros(4, 2, dtype=torch.int64)}, TypeError, "candidate_blocks"),
+    ({"candidate_blocks": torch.zeros(4, 2, dtype=torch.uint8)}, TypeError, "candidate_blocks"),
     ({"row_repeat": 1}, ValueError, "starts"),
     ({"candidate_blocks": torch.zeros(3, 2, dtype=torch.int32)}, ValueError, "candidate_blocks"),
     ({"candidate_blocks": torch.zeros(4, 2)}, TypeError, "candidate_blocks"),
@@ -336,3 +337,15 @@ def test_mask_rejects_bad_arguments_without_writing(overrides, error, name):
             args.pop("block_size"), **args
         )
     assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize("block_size", [2**24, 2**40])
+def test_select_reference_memory_does_not_grow_with_block_size(block_size):
+    # One block covers every row: the result is that of block_size = width. A rows x block_size working
+    # set would take GiBs at 2**24 and fail to allocate at 2**40.
+    logits = make_logits(4, 64, None, None, 1, torch.Generator().manual_seed(0), "random")
+    ends = torch.tensor([64, 33, 1, 0], dtype=torch.int32)
+    result = select_candidate_blocks(logits, None, ends, 2, block_size, backend="reference")
+    assert torch.equal(result, select_candidate_blocks(logits, None, ends, 2, 64, backend="reference"))
+    assert torch.equal(result, select_oracle(logits, None, ends, 2, block_size))
+    assert result.tolist() == [[0, -1], [0, -1], [0, -1], [-1, -1]]

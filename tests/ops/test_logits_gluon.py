@@ -329,68 +329,83 @@ def test_gluon_decode_replays_in_a_cuda_graph_with_changed_lengths_gpu(kernel_de
     assert calc_diff(out, run_decode(inputs, "reference", True, 0)) < TIER
 
 
-@needs_gluon
-def test_gluon_decode_rule_by_work_size():
-    """FP8: draft rows go to the Gluon kernel from 64K keys, one row from 1M keys (measured crossovers);
-    MXFP4 from 1M keys, and draft rows from 128K keys where their one wave fills its slots."""
-    preferred = gluon_decode.gluon_decode_preferred
-    assert preferred(32, 2, 131072) and preferred(128, 2, 32768) and preferred(1, 2, 131072)
-    assert preferred(32, 4, 32768) and not preferred(1, 2, 4096)
-    assert preferred(32, 1, 131072) and preferred(128, 1, 32768) and preferred(32, 1, 32768)
-    assert not preferred(1, 1, 131072) and not preferred(4, 1, 131072)
+# Work sizes and Hopper SM counts (H20 78, H100 PCIe 114, H100 SXM / H200 132, the full die 144) the dispatch
+# properties are checked on.
+SM_COUNTS = (78, 114, 132, 144)
+BATCHES = (1, 2, 3, 5, 8, 13, 16, 31, 32, 50, 64, 100, 128, 200, 256, 512, 1024)
+LENGTHS = (1, 64, 1000, 4096, 10000, 16384, 32768, 50000, 65536, 100000, 131072, 262144, 1 << 20, 1 << 21)
+NEXT_NS = (1, 2, 3, 4, 8)
 
-    def mxfp4(batch, next_n, length):
-        return gluon_decode_mxfp4.gluon_mxfp4_decode_preferred(batch, next_n, length, 132)
 
-    assert mxfp4(32, 1, 32768) and mxfp4(32, 2, 32768) and mxfp4(128, 2, 131072) and mxfp4(300, 2, 4096)
-    assert mxfp4(1, 2, 131072) and mxfp4(2, 3, 65536) and mxfp4(4, 2, 32768)
-    assert not mxfp4(1, 1, 131072) and not mxfp4(1, 2, 65536) and not mxfp4(100, 2, 2048)
+def _rule(fmt: str):
+    return gluon_decode.gluon_decode_preferred if fmt == "fp8" else gluon_decode_mxfp4.gluon_mxfp4_decode_preferred
+
+
+def _never_back_to_triton(choices: list[bool]) -> bool:
+    return all(earlier <= later for earlier, later in zip(choices, choices[1:]))
 
 
 @needs_gluon
-def test_gluon_decode_config_by_work_size():
-    """The FP8 launcher's default configuration: the one-row one at next_n = 1; with draft rows the
-    three-programs-per-SM one from 4M keys, below it the one-wave one where its wave fills at least
-    ``GLUON_WAVE_MIN_FILL`` of the slots and the persistent one elsewhere; each is one of the swept (and tested)
-    configurations. MXFP4: the one-row configuration at next_n = 1; with draft rows the one-wave one where it
-    fills its wave, else the three-programs-per-SM one; each is swept (and tested)."""
-    config = gluon_decode.gluon_decode_config
-    for batch, length in [(1, 131072), (32, 32768), (128, 131072)]:
-        assert config(batch, 1, length, 132) == gluon_decode.GLUON_DECODE_CONFIG_ONE_ROW == (
-            4, 8, 2, 32, 1, 1, 24, 64, 4, 0, 1)
-    for batch, length, next_n in [(32, 131072, 2), (128, 32768, 2), (128, 131072, 2), (32, 131072, 4)]:
-        assert config(batch, next_n, length, 132) == gluon_decode.GLUON_DECODE_CONFIG == (
-            4, 8, 2, 32, 2, 1, 24, 80, 0, 0, 1)
-    # One wave of 3 x 132 slots: B = 32 at L = 32K fills 384 (12 splits of 43 tiles), B = 1 at 128K 342 (6 tiles),
-    # B = 16 at 64K 384; B = 256 at 8K only 256 (a split a request), B = 2 at 1K 64, B = 512 at 4K 512 (two waves,
-    # the second 116 items).
-    for batch, length, next_n in [(32, 32768, 2), (1, 131072, 2), (16, 65536, 2), (16, 32768, 4)]:
-        assert config(batch, next_n, length, 132) == gluon_decode.GLUON_DECODE_CONFIG_WAVE
-    for batch, length, next_n in [(256, 8192, 2), (2, 1024, 3), (100, 16384, 2), (512, 4096, 2)]:
-        assert config(batch, next_n, length, 132) == gluon_decode.GLUON_DECODE_CONFIG_SMALL
-    assert gluon_decode._wave_split(32, 512, 3, 132) == (43, 384 / 396)
-    assert gluon_decode._wave_split(1, 2048, 3, 132) == (6, 342 / 396)
-    assert gluon_decode._wave_split(512, 64, 3, 132) == (64, 512 / 792)
-    assert gluon_decode.GLUON_DECODE_CONFIG_SMALL == (4, 4, 2, 32, 2, 1, 24, 128, 2, 1, 1)
-    assert gluon_decode.GLUON_DECODE_CONFIG_WAVE == (4, 3, 2, 32, 2, 1, 24, 80, 0, 1, 1, 1)
-    defaults = {gluon_decode.GLUON_DECODE_CONFIG, gluon_decode.GLUON_DECODE_CONFIG_SMALL,
-                gluon_decode.GLUON_DECODE_CONFIG_ONE_ROW, gluon_decode.GLUON_DECODE_CONFIG_WAVE}
-    assert defaults <= set(GLUON_SWEEP_CONFIGS.values())
-    mxfp4 = gluon_decode_mxfp4
-    assert mxfp4.GLUON_MXFP4_DECODE_CONFIG_ONE_ROW == (4, 8, 2, 32, 2, 1, 24, 64, 1)
-    assert mxfp4.GLUON_MXFP4_DECODE_CONFIG == (4, 8, 2, 32, 2, 1, 24, 80, 1)
-    assert mxfp4.GLUON_MXFP4_DECODE_CONFIG_WAVE == (4, 3, 2, 32, 2, 1, 24, 80, 1, 1)
-    for batch, length in [(1, 131072), (32, 32768), (128, 131072)]:
-        assert mxfp4.gluon_mxfp4_decode_config(batch, 1, length, 132) == mxfp4.GLUON_MXFP4_DECODE_CONFIG_ONE_ROW
-    for batch, length, next_n in [(32, 32768, 2), (1, 131072, 2), (16, 32768, 4), (32, 131072, 2), (128, 131072, 2)]:
-        assert mxfp4.gluon_mxfp4_decode_config(batch, next_n, length, 132) == mxfp4.GLUON_MXFP4_DECODE_CONFIG_WAVE
-    for batch, length, next_n in [(256, 8192, 2), (512, 4096, 2), (100, 16384, 2)]:
-        assert mxfp4.gluon_mxfp4_decode_config(batch, next_n, length, 132) == mxfp4.GLUON_MXFP4_DECODE_CONFIG
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_gluon_decode_rule_is_monotone_in_work_size(fmt):
+    """More keys per request, more requests or more draft rows never turn a Gluon choice back into Triton.
+    The rule reads the call's host integers only, no SM count, so this holds on every Hopper part; it gives
+    both kernels some work sizes."""
+    import inspect
+
+    rule = _rule(fmt)
+    assert list(inspect.signature(rule).parameters) == ["batch", "next_n", "max_context_len"]
+    grid = {(b, n, length): rule(b, n, length) for b in BATCHES for n in NEXT_NS for length in LENGTHS}
+    for n in NEXT_NS:
+        for b in BATCHES:
+            assert _never_back_to_triton([grid[b, n, length] for length in LENGTHS]), (b, n)
+        for length in LENGTHS:
+            assert _never_back_to_triton([grid[b, n, length] for b in BATCHES]), (n, length)
+    for b in BATCHES:
+        for length in LENGTHS:
+            assert _never_back_to_triton([grid[b, n, length] for n in NEXT_NS]), (b, length)
+    assert set(grid.values()) == {False, True}
+
+
+@needs_gluon
+@pytest.mark.parametrize("sms", SM_COUNTS)
+def test_gluon_decode_configs_are_swept_ones_and_one_wave_only_where_it_fills(sms):
+    """Whatever the SM count, each launcher's default configuration is one of the swept configurations (each
+    tested against the reference on the GPU), and a one-wave configuration is picked only where its wave is
+    filled."""
     from dsa_indexer.bench.suite_logits import GLUON_SWEEP_VARIANTS
 
-    swept = {spec["config"] for spec in GLUON_SWEEP_VARIANTS["mxfp4"].values()}
-    assert {mxfp4.GLUON_MXFP4_DECODE_CONFIG, mxfp4.GLUON_MXFP4_DECODE_CONFIG_ONE_ROW,
-            mxfp4.GLUON_MXFP4_DECODE_CONFIG_WAVE} <= swept
+    mxfp4 = gluon_decode_mxfp4
+    fp8_swept = set(GLUON_SWEEP_CONFIGS.values())
+    mxfp4_swept = {spec["config"] for spec in GLUON_SWEEP_VARIANTS["mxfp4"].values()}
+    for b in BATCHES:
+        for n in NEXT_NS:
+            for length in LENGTHS:
+                fp8_config = gluon_decode.gluon_decode_config(b, n, length, sms)
+                mxfp4_config = mxfp4.gluon_mxfp4_decode_config(b, n, length, sms)
+                assert fp8_config in fp8_swept and mxfp4_config in mxfp4_swept, (b, n, length)
+                for config, wave in ((fp8_config, gluon_decode.GLUON_DECODE_CONFIG_WAVE),
+                                     (mxfp4_config, mxfp4.GLUON_MXFP4_DECODE_CONFIG_WAVE)):
+                    if config == wave:
+                        assert gluon_decode.wave_fills(config, b, n, length, sms), (b, n, length)
+
+
+@needs_gluon
+@pytest.mark.parametrize("sms", SM_COUNTS)
+def test_wave_split_covers_every_key_tile_within_one_wave_where_it_can(sms):
+    """The one-wave split: even splits that cover each row group's key tiles exactly (no empty split), as many
+    per group as the slots allow, one wave whenever the row groups fit the slots, and a fill in (0, 1]."""
+    for per_sm in (1, 3, 4):
+        slots = per_sm * sms
+        for groups in (1, 2, 3, 7, 50, 100, slots - 1, slots, slots + 1, 3 * slots + 5):
+            for key_tiles in (1, 2, 63, 64, 512, 2048, 4097):
+                tiles, fill = gluon_decode._wave_split(groups, key_tiles, per_sm, sms)
+                splits = -(-key_tiles // tiles)
+                assert tiles >= 1 and (splits - 1) * tiles < key_tiles <= splits * tiles
+                assert splits <= max(1, slots // groups)
+                assert 0 < fill <= 1
+                if groups <= slots:
+                    assert groups * splits <= slots
 
 
 def test_decode_kernel_is_triton_off_hopper_and_when_forced(monkeypatch):
@@ -411,40 +426,56 @@ def test_decode_kernel_is_triton_off_hopper_and_when_forced(monkeypatch):
 
 @pytest.mark.gpu
 @needs_hopper
-def test_decode_kernel_dispatch_on_hopper_gpu(kernel_device, monkeypatch):
-    """``auto`` follows the rule for both formats; ``gluon``/``triton`` force it; the upcast path and shapes
-    a Gluon kernel does not take stay on Triton; the public op runs the chosen kernel (same bits as calling
-    it directly)."""
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_decode_dispatch_follows_the_rule_and_each_choice_gives_the_reference_bits_gpu(kernel_device, monkeypatch, fmt):
+    """``auto`` answers what the rule says for every work size on this card; forced ``gluon`` and ``triton``
+    each give the reference's values within the tier with equal ``-inf`` masks and repeat their own bits, and
+    the public op under ``auto`` gives the bits of the kernel it chose."""
     from dsa_indexer.ops.logits import DECODE_KERNEL_ENV, decode_kernel
-    from dsa_indexer.ops.logits.gluon_decode_mxfp4 import paged_mqa_logits_gluon_mxfp4
+
+    inputs = decode_inputs(fmt, [3000, 0], 2, kernel_device, heads=64, block_size=64, seed=47)
+    batch = inputs.q.shape[0]
+    for rows in (1, 2):
+        for length in LENGTHS:
+            expected_kernel = "gluon" if _rule(fmt)(batch, rows, length) else "triton"
+            assert decode_kernel(inputs.q[:, :rows], inputs.cache, length) == expected_kernel, (rows, length)
+    width = inputs.max_context_len
+    expected = run_decode(inputs, "reference", True, 8)[:, :width]
+    results = {}
+    for kernel in ("gluon", "triton"):
+        monkeypatch.setenv(DECODE_KERNEL_ENV, kernel)
+        assert decode_kernel(inputs.q, inputs.cache, width) == kernel
+        got = run_decode(inputs, "triton", True, 8)[:, :width]
+        assert calc_diff(got, expected) < TIER
+        assert torch.equal(got == NEG_INF, expected == NEG_INF)
+        assert torch.equal(run_decode(inputs, "triton", True, 8)[:, :width].view(torch.int32), got.view(torch.int32))
+        results[kernel] = got
+    monkeypatch.delenv(DECODE_KERNEL_ENV)
+    chosen = decode_kernel(inputs.q, inputs.cache, width)
+    assert torch.equal(run_decode(inputs, "triton", True, 8)[:, :width].view(torch.int32), results[chosen].view(torch.int32))
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_decode_kernel_stays_triton_where_gluon_cannot_run_gpu(kernel_device, monkeypatch):
+    """The upcast path, a forced ``triton`` and shapes no Gluon kernel takes (MXFP4 ``head_dim`` 64) stay on
+    Triton at any work size; a forced ``gluon`` takes the Gluon kernel at any work size."""
+    from dsa_indexer.ops.logits import DECODE_KERNEL_ENV, decode_kernel
 
     fp8 = decode_inputs("fp8", [3000, 0], 2, kernel_device, heads=64, block_size=64, seed=47)
     mxfp4 = decode_inputs("mxfp4", [3000, 0], 2, kernel_device, heads=64, block_size=64, seed=47)
     mxfp4_d64 = decode_inputs("mxfp4", [300], 1, kernel_device, heads=64, dim=64, block_size=64, seed=48)
-    assert decode_kernel(fp8.q, fp8.cache, 1 << 20) == "gluon"
-    assert decode_kernel(fp8.q, fp8.cache, 1024) == "triton"
-    assert decode_kernel(fp8.q[:, :1], fp8.cache, 1 << 19) == "gluon"  # 2 x 512K keys
-    assert decode_kernel(fp8.q[:, :1], fp8.cache, 1 << 18) == "triton"
-    assert decode_kernel(mxfp4.q, mxfp4.cache, 1 << 19) == "gluon"
-    assert decode_kernel(mxfp4.q[:, :1], mxfp4.cache, 1 << 19) == "gluon"
-    assert decode_kernel(mxfp4.q, mxfp4.cache, 1 << 18) == "triton"
+    largest, smallest = max(LENGTHS), min(LENGTHS)
     monkeypatch.setenv(DECODE_KERNEL_ENV, "gluon")
-    assert decode_kernel(fp8.q, fp8.cache, 1024) == "gluon"
-    assert decode_kernel(mxfp4.q, mxfp4.cache, 1024) == "gluon"
-    assert decode_kernel(mxfp4_d64.q, mxfp4_d64.cache, 1 << 30) == "triton"
+    for inputs in (fp8, mxfp4):
+        assert decode_kernel(inputs.q, inputs.cache, smallest) == "gluon"
+    assert decode_kernel(mxfp4_d64.q, mxfp4_d64.cache, largest) == "triton"
     mxfp8 = decode_inputs("fp8", [300], 1, kernel_device, heads=64, block_size=64, seed=49, scale_fmt="mxfp8")
-    assert decode_kernel(mxfp8.q, mxfp8.cache, 1 << 30) == "triton"
-    forced = run_decode(fp8, "triton", True, 8)
-    assert torch.equal(forced[:, :fp8.max_context_len].view(torch.int32),
-                       run_gluon(fp8, True, 8)[:, :fp8.max_context_len].view(torch.int32))
-    width = mxfp4.max_context_len
-    direct = torch.full((4, width), POISON, device=kernel_device)
-    paged_mqa_logits_gluon_mxfp4(*mxfp4.args(), True, direct)
-    assert torch.equal(run_decode(mxfp4, "triton", True, 8)[:, :width].view(torch.int32), direct.view(torch.int32))
+    assert decode_kernel(mxfp8.q, mxfp8.cache, largest) == "triton"
     monkeypatch.setenv(FORCE_UPCAST_ENV, "1")
-    assert decode_kernel(fp8.q, fp8.cache, 1 << 20) == "triton"
-    assert decode_kernel(mxfp4.q, mxfp4.cache, 1 << 20) == "triton"
-    monkeypatch.setenv(DECODE_KERNEL_ENV, "triton")
+    for inputs in (fp8, mxfp4):
+        assert decode_kernel(inputs.q, inputs.cache, largest) == "triton"
     monkeypatch.delenv(FORCE_UPCAST_ENV)
-    assert decode_kernel(fp8.q, fp8.cache, 1 << 20) == "triton"
-    assert decode_kernel(mxfp4.q, mxfp4.cache, 1 << 20) == "triton"
+    monkeypatch.setenv(DECODE_KERNEL_ENV, "triton")
+    for inputs in (fp8, mxfp4):
+        assert decode_kernel(inputs.q, inputs.cache, largest) == "triton"

@@ -426,8 +426,9 @@ def test_decode_slots_public_function(kernel_device):
         topk_decode_slots(logits, seq_lens, 2, 6, table[:2], 8)
     with pytest.raises(ValueError, match="block_table holds max_blocks \\* block_size = 16 positions"):
         topk_decode_slots(logits, seq_lens, 2, 6, table[:, :2], 8)
+    assert torch.equal(topk_decode_slots(logits, seq_lens.long(), 2, 6, table.long(), 8, backend="triton"), expected)
     with pytest.raises(TypeError, match="block_table"):
-        topk_decode_slots(logits, seq_lens, 2, 6, table.long(), 8)
+        topk_decode_slots(logits, seq_lens, 2, 6, table.short(), 8)
 
 
 def test_public_functions_dispatch_to_triton(kernel_device):

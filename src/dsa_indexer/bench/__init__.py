@@ -62,16 +62,22 @@ def run_suites(
     return ceilings, rows
 
 
+def require_matplotlib() -> None:
+    """Raise ``ValueError`` now when ``plot`` could not run (before a suite spends minutes)."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot needs matplotlib: pip install 'dsa-indexer[bench]'")
+
+
 def plot(rows: list[dict], path: Path, environment: dict[str, str] | None = None) -> None:
     """A PNG bar chart of each measurement as a percentage of its floor (needs matplotlib); the title names
     ``environment`` (a results file's ``"environment"``; default: this machine now)."""
-    try:
-        import matplotlib
+    require_matplotlib()
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as error:
-        raise ValueError("--plot needs matplotlib: pip install 'dsa-indexer[bench]'") from error
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     labels = [f"{r['op']} " + ",".join(f"{k}={v}" for k, v in r["shape"].items()) for r in rows]
     values = [r["pct_of_floor"] or 0.0 for r in rows]
     figure, axis = plt.subplots(figsize=(10, 0.28 * len(rows) + 1.5))

@@ -136,6 +136,11 @@ def environment() -> dict[str, str]:
     }
 
 
+def _significant(value: float, digits: int = 4) -> float:
+    """``value`` to ``digits`` significant figures: a CPU's 0.0123 TFLOP/s stays visible, a GPU's 412.3 keeps a decimal."""
+    return float(f"{value:.{digits}g}")
+
+
 def record(op: str, shape: dict, us: float, floor_us: float, *, tflops: float | None = None,
            tbs: float | None = None, baselines: dict[str, float] | None = None, **extra) -> dict:
     """One result row in the committed JSON format."""
@@ -145,8 +150,8 @@ def record(op: str, shape: dict, us: float, floor_us: float, *, tflops: float | 
         "us": round(us, 2),
         "floor_us": round(floor_us, 2),
         "pct_of_floor": round(100 * floor_us / us, 1) if us else None,
-        "tflops": None if tflops is None else round(tflops, 1),
-        "tbs": None if tbs is None else round(tbs, 3),
+        "tflops": None if tflops is None else _significant(tflops),
+        "tbs": None if tbs is None else _significant(tbs),
         "baselines": {name: round(value, 2) for name, value in (baselines or {}).items()},
     }
     row.update(environment())

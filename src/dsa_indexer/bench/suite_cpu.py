@@ -55,7 +55,8 @@ def run(ceilings: dict[str, float]) -> list[dict]:
     weights = torch.randn(512, 64, generator=gen)
     us = _median_us(lambda: rope_quant_q(q, positions, cos_sin, weights, 128**-0.5, 64**-0.5))
     moved = q.numel() * 3 + weights.numel() * 8
-    rows.append(harness.record("rope_quant_q", {"T": 512, "H": 64, "D": 128}, us, moved / copy_bytes_per_us))
+    rows.append(harness.record("rope_quant_q", {"T": 512, "H": 64, "D": 128}, us, moved / copy_bytes_per_us,
+                               tbs=moved / us / 1e6))
 
     q8, _, w8 = rope_quant_q(q[:128], positions[:128], cos_sin, weights[:128], 128**-0.5, 64**-0.5)
     k8, k_scale = quantize_fp8(torch.randn(2048, 128, generator=gen))
@@ -81,5 +82,5 @@ def run(ceilings: dict[str, float]) -> list[dict]:
     torch_us = _median_us(lambda: torch.topk(logits, 512, dim=1))
     moved = logits.numel() * 4
     rows.append(harness.record("topk", {"rows": 16, "L": 16384, "k": 512, "data": "random"}, us,
-                               moved / copy_bytes_per_us, baselines={"torch.topk": torch_us}))
+                               moved / copy_bytes_per_us, tbs=moved / us / 1e6, baselines={"torch.topk": torch_us}))
     return rows

@@ -12,7 +12,16 @@ from __future__ import annotations
 import torch
 
 from ... import backend as _backend
-from ..._validation import check_positive_int, check_row_windows, check_same_device, check_tensor, value_checks_enabled
+from ..._validation import (
+    check_index_tensor,
+    check_k,
+    check_positive_int,
+    check_row_windows,
+    check_same_device,
+    check_tensor,
+    index_as_int32,
+    value_checks_enabled,
+)
 from .reference import apply_candidate_mask_reference, select_candidate_blocks_reference
 
 __all__ = ["apply_candidate_mask", "select_candidate_blocks"]
@@ -31,7 +40,7 @@ def _apply_candidate_mask_triton(*args, **kwargs):
 
 
 def _check_bound(name: str, bounds, num_rows: int, row_repeat: int) -> None:
-    check_tensor(name, bounds, dtype=torch.int32, ndim=1)
+    check_index_tensor(name, bounds, ndim=1)
     needed = -(-num_rows // row_repeat)
     if bounds.shape[0] < needed:
         raise ValueError(
@@ -52,6 +61,12 @@ def _check_used_windows(starts, ends, num_rows: int, row_repeat: int, width: int
     check_row_windows(None if starts is None else starts[:used], ends[:used], width)
 
 
+def _bounds_as_int32(starts, ends) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Bounds as int32; the window check bounded every entry a row reads (unused ones are never read)."""
+    starts = None if starts is None else index_as_int32("starts", starts, check_range=False)
+    return starts, index_as_int32("ends", ends, check_range=False)
+
+
 def select_candidate_blocks(
     logits: torch.Tensor,
     starts: torch.Tensor | None,
@@ -68,11 +83,11 @@ def select_candidate_blocks(
     Args:
         logits: ``[R, C]`` float32, any strides. Columns outside ``[starts, ends)`` are never used
             (they may hold garbage or NaN).
-        starts: ``[R']`` int32 first column of each row's context, or None for 0.
-        ends: ``[R']`` int32 end column (exclusive); ``R' >= ceil(R / row_repeat)`` and
+        starts: ``[R']`` int32 or int64 first column of each row's context, or None for 0.
+        ends: ``[R']`` int32 or int64 end column (exclusive); ``R' >= ceil(R / row_repeat)`` and
             ``0 <= starts <= ends <= C`` on the entries rows use (checked; ``starts == ends`` is a
             row without context).
-        num_blocks_k: blocks to keep per row (>= 1).
+        num_blocks_k: blocks to keep per row, ``1 <= num_blocks_k <= 2**31 - 1``.
         block_size: positions per block (>= 1); block ``b`` is ``[starts + b * bs, starts + (b+1) * bs)``
             clipped to ``ends``.
         row_repeat: rows sharing one bounds entry (>= 1).
@@ -87,7 +102,7 @@ def select_candidate_blocks(
         are chosen. A row with no context is all ``-1``.
     """
     check_tensor("logits", logits, dtype=torch.float32, ndim=2)
-    check_positive_int("num_blocks_k", num_blocks_k)
+    check_k("num_blocks_k", num_blocks_k)
     check_positive_int("block_size", block_size)
     check_positive_int("row_repeat", row_repeat)
     _check_bounds(starts, ends, logits.shape[0], row_repeat)
@@ -96,6 +111,7 @@ def select_candidate_blocks(
     check_same_device(logits=logits, starts=starts, ends=ends, out=out)
     if value_checks_enabled():
         _check_used_windows(starts, ends, logits.shape[0], row_repeat, logits.shape[1])
+    starts, ends = _bounds_as_int32(starts, ends)
     impl = _backend.dispatch(
         select_candidate_blocks_reference,
         _select_candidate_blocks_triton if _backend.triton_available() else None,
@@ -120,7 +136,7 @@ def apply_candidate_mask(
     Args:
         logits: ``[R, C]`` float32, any strides; modified in place.
         starts, ends, block_size, row_repeat: as for ``select_candidate_blocks``.
-        candidate_blocks: ``[R, K]`` int32 block ids (any order). ``-1`` (any negative id) is
+        candidate_blocks: ``[R, K]`` int32 or int64 block ids (any order), within the int32 range. ``-1`` (any negative id) is
             padding; an id at or past the row's block count ``ceil((ends - starts) / bs)`` names no
             column of the row and is ignored.
         backend: ``"auto" | "reference" | "triton"``.
@@ -132,10 +148,12 @@ def apply_candidate_mask(
     check_positive_int("block_size", block_size)
     check_positive_int("row_repeat", row_repeat)
     _check_bounds(starts, ends, logits.shape[0], row_repeat)
-    check_tensor("candidate_blocks", candidate_blocks, dtype=torch.int32, shape=(logits.shape[0], None))
+    check_index_tensor("candidate_blocks", candidate_blocks, shape=(logits.shape[0], None))
     check_same_device(logits=logits, starts=starts, ends=ends, candidate_blocks=candidate_blocks)
     if value_checks_enabled():
         _check_used_windows(starts, ends, logits.shape[0], row_repeat, logits.shape[1])
+    starts, ends = _bounds_as_int32(starts, ends)
+    candidate_blocks = index_as_int32("candidate_blocks", candidate_blocks)
     impl = _backend.dispatch(
         apply_candidate_mask_reference,
         _apply_candidate_mask_triton if _backend.triton_available() else None,

@@ -40,12 +40,14 @@ def block_scores(
     if num_rows == 0 or num_blocks == 0 or width == 0:
         return scores
     row_starts, row_lengths = row_bounds(starts, ends, num_rows, row_repeat, width)
-    position = torch.arange(num_blocks * block_size, device=logits.device)  # [NB * bs], row-relative
-    in_row = position[None, :] < row_lengths[:, None]  # [R, NB * bs]
+    # A row holds at most C positions: scoring only those keeps memory O(R x C) for any block size.
+    position = torch.arange(min(width, num_blocks * block_size), device=logits.device)  # [P], row-relative
+    in_row = position[None, :] < row_lengths[:, None]  # [R, P]
     column = (row_starts[:, None] + position[None, :]).clamp(max=width - 1)
     values = logits.gather(1, column)
     values = torch.where(in_row & selectable(values), values, float("-inf"))
-    return values.view(num_rows, num_blocks, block_size).amax(dim=2)
+    block = torch.div(position, block_size, rounding_mode="floor").expand(num_rows, -1)  # [R, P], < NB
+    return scores.scatter_reduce_(1, block, values, reduce="amax")
 
 
 def select_candidate_blocks_reference(

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 
 from ... import backend as _backend
 from ..._validation import (
     check_choice,
     check_index_tensor,
+    check_positive_finite,
     check_positive_int,
     check_same_device,
     check_tensor,
@@ -79,10 +77,7 @@ def insert_k(
         raise ValueError(f"scale_fmt must be 'ue8m0' for an MXFP4 cache, got {scale_fmt!r}")
     if cache.scale_fmt == "mxfp8" and scale_fmt != "ue8m0":
         raise ValueError(f"scale_fmt must be 'ue8m0' for a cache storing mxfp8 (power-of-two) scales, got {scale_fmt!r}")
-    if isinstance(amax_floor, bool) or not isinstance(amax_floor, numbers.Real):
-        raise TypeError(f"amax_floor must be a real number, got {type(amax_floor).__name__}")
-    if not (amax_floor > 0 and math.isfinite(amax_floor)):
-        raise ValueError(f"amax_floor must be finite and > 0, got {amax_floor}")
+    check_positive_finite("amax_floor", amax_floor)
     if slot_mapping.numel() and value_checks_enabled():
         highest = int(slot_mapping.max())
         if highest >= cache.num_slots:

@@ -103,8 +103,7 @@ def decode_kernel(q: torch.Tensor, cache: IndexerKCache, max_context_len: int) -
     else:
         from .gluon_decode_mxfp4 import gluon_mxfp4_decode_preferred
 
-        preferred = gluon_mxfp4_decode_preferred(batch, next_n, max_context_len,
-                                                 _backend.multiprocessor_count(q.device))
+        preferred = gluon_mxfp4_decode_preferred(batch, next_n, max_context_len)
     return "gluon" if preferred else "triton"
 
 

@@ -91,9 +91,10 @@ GLUON_MXFP4_DECODE_CONFIG_WAVE = (4, 3, 2, 32, 2, 1, 24, 80, 1, 1)
 # next_n = 1: four programs per SM, TMA (session 5 round 1: 131.6 vs 150.7 µs with cp.async at B = 32, L = 128K).
 GLUON_MXFP4_DECODE_CONFIG_ONE_ROW = (4, 8, 2, 32, 2, 1, 24, 64, 1)
 # Smallest ``batch * max_context_len`` the dispatch sends to this kernel (``gluon_mxfp4_decode_preferred``), and
-# for draft rows whose one wave fills its slots.
+# for draft rows of requests of at least GLUON_MXFP4_MIN_LEN_WAVE keys (whose one wave fills its slots).
 GLUON_MXFP4_MIN_KEYS = 1 << 20
 GLUON_MXFP4_MIN_KEYS_WAVE = 1 << 17
+GLUON_MXFP4_MIN_LEN_WAVE = 1 << 16
 
 
 @gluon.jit
@@ -318,18 +319,21 @@ def _build_page_descriptors(cache: IndexerKCache) -> tuple[TensorDescriptor, Ten
             TensorDescriptor(buffer, [rows, row_bytes], [row_bytes, 1], [BLOCK_K.value // 16, row_bytes], layout))
 
 
-def gluon_mxfp4_decode_preferred(batch: int, next_n: int, max_context_len: int, sms: int) -> bool:
-    """Whether this kernel beats the Triton one for the call (host integers only; ``sms``: the GPU's SM count).
-    Measured (H200, cold-L2 graph replays, NOTES_logits.md run 6, session 5, session 12): 1.09-1.12x from
-    B = 32, L = 32K (1M keys) up at next_n = 1 and 2 with the cp.async producer, 1.10-1.38x with TMA (session 5
-    suite: 45.3 vs 60.1 µs at B = 32, L = 32K, next_n = 1); slower at B = 1, L = 128K, next_n = 1 (run 6: 20.8
-    vs 16.4-18.2 µs); draft rows in one filled wave also from 128K keys (session 12: 20.6 vs 21.9 µs at B = 1,
-    L = 128K, next_n = 2, where the power-of-two split took 27.7)."""
+def gluon_mxfp4_decode_preferred(batch: int, next_n: int, max_context_len: int) -> bool:
+    """Whether this kernel beats the Triton one for the call (host integers only). Measured (H200, cold-L2 graph
+    replays, NOTES_logits.md): 1.09-1.12x from B = 32, L = 32K (1M keys) up at next_n = 1 and 2 with the cp.async
+    producer, 1.10-1.38x with TMA (45.3 vs 60.1 µs at B = 32, L = 32K, next_n = 1); slower at B = 1, L = 128K,
+    next_n = 1 (20.8 vs 16.4-18.2 µs); draft rows in one filled wave also from 128K keys (20.6 vs 21.9 µs at B = 1,
+    L = 128K, next_n = 2, where the power-of-two split took 27.7).
+
+    The rule is monotone: more requests, longer requests or more draft rows never turn Gluon into Triton. Below
+    1M keys, draft rows take Gluon only for requests of at least ``GLUON_MXFP4_MIN_LEN_WAVE`` keys, so fewer than
+    16 requests: few row groups, which the one-wave split fills (``gluon_mxfp4_decode_config`` still checks). A
+    fill test on the batch itself would flip the choice back and forth as the batch grows."""
     keys = batch * max_context_len
     if keys >= GLUON_MXFP4_MIN_KEYS:
         return True
-    return next_n > 1 and keys >= GLUON_MXFP4_MIN_KEYS_WAVE and wave_fills(
-        GLUON_MXFP4_DECODE_CONFIG_WAVE, batch, next_n, max_context_len, sms)
+    return next_n > 1 and keys >= GLUON_MXFP4_MIN_KEYS_WAVE and max_context_len >= GLUON_MXFP4_MIN_LEN_WAVE
 
 
 def gluon_mxfp4_decode_config(batch: int, next_n: int, max_context_len: int, sms: int) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ import math
 import torch
 
 from ... import backend as _backend
-from ..._validation import check_index_tensor, check_positive_int, check_same_device, check_tensor
+from ..._validation import check_index_size, check_index_tensor, check_same_device, check_tensor
 from .reference import pack_seq_reference, unpack_seq_reference
 
 __all__ = ["pack_seq", "unpack_seq"]
@@ -92,7 +92,7 @@ def pack_seq(
         pad_value: written at positions ``t >= lengths[b]``; must be exactly representable in
             ``x.dtype`` (an int in ``[0, 255]`` for uint8; float8_e4m3fn has no inf). Stored
             byte-exactly.
-        max_len: padded length L; default ``out.shape[1]``, else ``max(lengths)`` (a host read).
+        max_len: padded length L, ``<= 2**31 - 1``; default ``out.shape[1]``, else ``max(lengths)`` (a host read).
         out: optional ``[B, L, ...]`` destination of ``x.dtype``; every entry is written.
         backend: ``"auto" | "reference" | "triton"``.
 
@@ -103,7 +103,7 @@ def pack_seq(
     check_index_tensor("lengths", lengths, ndim=1)
     _check_pad_value(pad_value, x.dtype)
     if max_len is not None:
-        check_positive_int("max_len", max_len, minimum=0)
+        check_index_size("max_len", max_len)
     if out is not None:
         check_tensor("out", out, dtype=x.dtype, shape=(lengths.shape[0], max_len, *x.shape[1:]))
         max_len = out.shape[1]
@@ -133,7 +133,7 @@ def unpack_seq(
     Args:
         packed: ``[B, L, ...]`` payload (any float, float8 or integer dtype, any strides).
         lengths: ``[B]`` int32 or int64, ``0 <= lengths[b] <= L``.
-        total: output rows; default ``out.shape[0]``, else ``sum(lengths)`` (a host read). May
+        total: output rows, ``<= 2**31 - 1``; default ``out.shape[0]``, else ``sum(lengths)`` (a host read). May
             exceed ``sum(lengths)`` (a fixed-size buffer): rows past the sum are not written.
         out: optional ``[total, ...]`` destination of ``packed.dtype``.
         backend: ``"auto" | "reference" | "triton"``.
@@ -146,7 +146,7 @@ def unpack_seq(
     _check_payload("packed", packed, min_ndim=2)
     check_index_tensor("lengths", lengths, shape=(packed.shape[0],))
     if total is not None:
-        check_positive_int("total", total, minimum=0)
+        check_index_size("total", total)
     if out is not None:
         check_tensor("out", out, dtype=packed.dtype, shape=(total, *packed.shape[2:]))
         total = out.shape[0]
