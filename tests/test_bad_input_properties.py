@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 import dsa_indexer as dsa
 from dsa_indexer.cache import IndexerKCache
+from dsa_indexer.formats import mxfp4_scale_bytes
 from dsa_indexer.metadata import MetadataBuilder
 from dsa_indexer.ops.k_cache import gather_k, insert_k
 from dsa_indexer.testing import assert_topk_exact
@@ -167,7 +168,7 @@ def _check_mxfp4(args, result):
     packed, scales = result
     x = args["x"]
     _expect(packed, (*x.shape[:-1], x.shape[-1] // 2), torch.uint8)
-    _expect(scales, (*x.shape[:-1], x.shape[-1] // 32), torch.uint8)
+    _expect(scales, (*x.shape[:-1], mxfp4_scale_bytes(x.shape[-1])), torch.uint8)
 
 
 def _fp8_pair():
@@ -228,7 +229,7 @@ def _check_rope(args, result):
         assert q_scale is None
     else:
         _expect(q_quant, (tokens, heads, dim // 2), torch.uint8)
-        _expect(q_scale, (tokens, heads, dim // 32), torch.uint8)
+        _expect(q_scale, (tokens, heads, mxfp4_scale_bytes(dim)), torch.uint8)
 
 
 def _fp8_cache(num_blocks=4) -> IndexerKCache:
@@ -596,7 +597,122 @@ SEQ_CASES = {
     ),
 }
 
-OP_CASES = {**FORMAT_CASES, **KEY_CASES, **LOGITS_CASES, **TOPK_CASES, **SEQ_CASES}
+
+# ------------------------------------------------------------------------------------------ sparse logits
+
+SPARSE_BLOCK = 4
+
+
+def _sparse_rows_oracle(dense: torch.Tensor, lengths: list[int], blocks: torch.Tensor) -> torch.Tensor:
+    """Column ``j * bs + o`` of row ``r``: the dense logit at position ``blocks[r, j] * bs + o`` when the entry
+    is live (``>= 0`` and above the entry before it) and the position below the row's length, else ``-inf``."""
+    out = torch.full((blocks.shape[0], blocks.shape[1] * SPARSE_BLOCK), -math.inf)
+    for r, row in enumerate(blocks.tolist()):
+        previous = -1
+        for j, b in enumerate(row):
+            if b >= 0 and b > previous:
+                for o in range(SPARSE_BLOCK):
+                    if b * SPARSE_BLOCK + o < lengths[r]:
+                        out[r, j * SPARSE_BLOCK + o] = dense[r, b * SPARSE_BLOCK + o]
+            previous = max(previous, b)
+    return out
+
+
+def _sparse_mqa_args():
+    args = _mqa_args()
+    del args["clean"]
+    args["ks"] = torch.tensor([0, 0, 0], dtype=torch.int32)
+    args["blocks"] = torch.tensor([[0, 2, -1], [1, 1, 1], [-1, -1, -1]], dtype=torch.int32)
+    args["block_size"] = SPARSE_BLOCK
+    args["out"] = torch.full((3, 3 * SPARSE_BLOCK), float(POISON))
+    return args
+
+
+def _check_sparse_mqa(args, result):
+    blocks = args["blocks"]
+    _expect(result, (blocks.shape[0], blocks.shape[1] * args["block_size"]), torch.float32)
+    dense = dsa.mqa_logits(args["q"], args["q_scale"], args["k"], args["k_scale"], args["weights"], args["ks"],
+                           args["ke"], backend="reference")
+    lengths = (args["ke"] - args["ks"]).tolist()
+    starts = args["ks"].tolist()
+    shifted = torch.stack([torch.roll(dense[r], -starts[r]) for r in range(dense.shape[0])])
+    assert torch.equal(result, _sparse_rows_oracle(shifted, lengths, blocks))
+
+
+def _sparse_paged_args():
+    args = _paged_args()
+    del args["clean"], args["max_context_len"]
+    args["blocks"] = torch.tensor([[0, 3, 4], [4, -1, -1], [1, 2, 2], [-1, -1, -1]], dtype=torch.int32)
+    args["block_size"] = SPARSE_BLOCK
+    args["out"] = torch.full((4, 3 * SPARSE_BLOCK), float(POISON))
+    return args
+
+
+def _check_sparse_paged(args, result):
+    blocks = args["blocks"]
+    _expect(result, (blocks.shape[0], blocks.shape[1] * args["block_size"]), torch.float32)
+    width = int(args["context_lens"].max())
+    dense = dsa.paged_mqa_logits(args["q"], args["q_scale"], args["cache"], args["weights"], args["context_lens"],
+                                 args["block_table"], width, backend="reference")
+    next_n = args["q"].shape[1]
+    lengths = _decode_ends(args["context_lens"], next_n).tolist()
+    padded = torch.full((dense.shape[0], blocks.shape[1] * SPARSE_BLOCK + 64), -math.inf)
+    padded[:, :width] = dense
+    assert torch.equal(result, _sparse_rows_oracle(padded, lengths, blocks))
+
+
+def _topk_sparse_args():
+    logits = _logits(3, 12, 2)
+    blocks = torch.tensor([[0, 2, 5], [1, 1, -1], [3, -1, -1]], dtype=torch.int32)
+    live = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 0, 0]], dtype=torch.bool).repeat_interleave(SPARSE_BLOCK, dim=1)
+    return {"logits": logits.masked_fill(~live, -math.inf), "blocks": blocks, "block_size": SPARSE_BLOCK, "k": 5,
+            "out": torch.full((3, 5), POISON, dtype=torch.int32)}
+
+
+def _check_topk_sparse(args, result):
+    """Each pick is -1 or a position of a listed block, and the picks are the §5 top-k of the columns mapped
+    to positions (the columns of a -1 entry give -1)."""
+    logits, blocks, bs, k = args["logits"], args["blocks"], args["block_size"], args["k"]
+    _expect(result, (logits.shape[0], k), torch.int32)
+    columns = dsa.topk(logits, k, backend="reference").long()
+    ids = blocks.long().gather(1, columns.clamp(min=0) // bs)
+    expected = torch.where((columns >= 0) & (ids >= 0), ids * bs + columns.clamp(min=0) % bs, -1)
+    assert torch.equal(result, expected.to(torch.int32))
+
+
+SPARSE_CASES = {
+    "sparse_mqa_logits": Case(
+        build=_sparse_mqa_args,
+        call=lambda a: dsa.sparse_mqa_logits(a["q"], a["q_scale"], a["k"], a["k_scale"], a["weights"], a["ks"], a["ke"],
+                                             a["blocks"], a["block_size"], out=a["out"], backend="reference"),
+        corruptions={"q": quantised_values, "q_scale": _optional_scale, "k": quantised_values, "k_scale": float_values,
+                     "weights": float_values, "ks": index_values, "ke": index_values, "blocks": index_values,
+                     "block_size": lambda v: INTS, "out": float_values},
+        params=_params(dsa.sparse_mqa_logits), state=lambda a: [a["out"]], check=_check_sparse_mqa,
+    ),
+    "sparse_paged_mqa_logits": Case(
+        build=_sparse_paged_args,
+        call=lambda a: dsa.sparse_paged_mqa_logits(a["q"], a["q_scale"], a["cache"], a["weights"], a["context_lens"],
+                                                   a["block_table"], a["blocks"], a["block_size"], out=a["out"],
+                                                   backend="reference"),
+        corruptions={"q": quantised_values, "q_scale": _optional_scale, "cache": _other_cache, "weights": float_values,
+                     "context_lens": index_values, "block_table": index_values, "blocks": index_values,
+                     "block_size": lambda v: INTS, "out": float_values},
+        params=_params(dsa.sparse_paged_mqa_logits),
+        state=lambda a: [a["out"], getattr(a["cache"], "buffer", None)], check=_check_sparse_paged,
+    ),
+    "topk_sparse": Case(
+        build=_topk_sparse_args,
+        call=lambda a: dsa.topk_sparse(a["logits"], a["blocks"], a["block_size"], a["k"], out=a["out"],
+                                       backend="reference"),
+        corruptions={"logits": float_values, "blocks": index_values, "block_size": lambda v: INTS,
+                     "k": lambda v: INTS, "out": index_values},
+        params=_params(dsa.topk_sparse), state=lambda a: [a["out"]], check=_check_topk_sparse,
+    ),
+}
+
+
+OP_CASES = {**FORMAT_CASES, **KEY_CASES, **LOGITS_CASES, **TOPK_CASES, **SEQ_CASES, **SPARSE_CASES}
 
 
 @pytest.mark.parametrize("name", sorted(OP_CASES))

@@ -251,8 +251,8 @@ class SparseAttnIndexer(nn.Module):
         Returns:
             ``topk_indices_buffer[:T, :topk_tokens]``.
         """
-        num_tokens = metadata.num_tokens
         self._validate(q_quant, q_scale, k, weights, metadata)
+        num_tokens = metadata.num_tokens
         buffer = self.topk_indices_buffer
         if not self.skip_k_cache_insert:
             with self._stage("insert"):

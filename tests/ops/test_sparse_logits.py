@@ -192,6 +192,51 @@ def test_decode_kernel_matches_reference(kernel_device, fmt, scale_fmt):
     assert calc_diff(got, expected) < TIER
 
 
+
+
+def test_prefill_with_unchecked_windows_reads_only_the_keys(kernel_device, monkeypatch):
+    """Value checks off: windows past the keys are clamped into [0, N] on both backends."""
+    (q, q_scale, k, k_scale, w), ks, ke, blocks, bs = prefill_case("fp8", seed=5)
+    wild_ks, wild_ke = ks.clone(), ke.clone()
+    wild_ks[1], wild_ke[1], wild_ke[2], wild_ks[3] = -30, 10**6, 2**30, -(2**30)
+    expected = sparse_mqa_logits(q, q_scale, k, k_scale, w, wild_ks.clamp(0, k.shape[0]),
+                                 wild_ke.clamp(max=k.shape[0]), blocks, bs, backend="reference")
+    monkeypatch.setenv("DSA_INDEXER_SKIP_VALUE_CHECKS", "1")
+    assert torch.equal(sparse_mqa_logits(q, q_scale, k, k_scale, w, wild_ks, wild_ke, blocks, bs, backend="reference"),
+                       expected)
+    args = [None if t is None else t.to(kernel_device) for t in (q, q_scale, k, k_scale, w, wild_ks, wild_ke, blocks)]
+    got = sparse_mqa_logits(*args, bs, backend="triton").cpu()
+    assert torch.equal(torch.isinf(got), torch.isinf(expected))
+    assert calc_diff(got, expected) < TIER
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_decode_with_unchecked_wild_pages_reads_zero_bytes(kernel_device, fmt, monkeypatch):
+    """Value checks off: page ids outside the cache and lengths past the table read nothing outside the cache
+    or the table; such positions score as zero-byte keys, on both backends (contract §12)."""
+    q, q_scale, cache, w, lengths, table, blocks, bs = decode_case(fmt, seed=4, block_size=8)
+    wild_table, wild_lengths = table.clone(), lengths.clone()
+    wild_table[2, 1], wild_table[1, 0] = 10**6, -5
+    wild_lengths[2] = 10**6  # past the table's 4 pages
+    listed = set(wild_table.flatten().tolist())
+    zero_page = next(p for p in range(cache.num_blocks) if p not in listed)
+    cache.buffer[zero_page] = 0
+    readable = (wild_table >= 0) & (wild_table < cache.num_blocks)
+    oracle_table = torch.where(readable, wild_table, zero_page)
+    oracle_lengths = wild_lengths.clamp(max=table.shape[1] * cache.block_size)
+    expected = sparse_paged_mqa_logits(q, q_scale, cache, w, oracle_lengths, oracle_table, blocks, bs,
+                                       backend="reference")
+    monkeypatch.setenv("DSA_INDEXER_SKIP_VALUE_CHECKS", "1")
+    assert torch.equal(sparse_paged_mqa_logits(q, q_scale, cache, w, wild_lengths, wild_table, blocks, bs,
+                                               backend="reference"), expected)
+    moved = IndexerKCache(cache.num_blocks, block_size=cache.block_size, head_dim=cache.head_dim, fmt=fmt,
+                          device=kernel_device)
+    moved.buffer.copy_(cache.buffer)
+    args = [None if t is None else t.to(kernel_device) for t in (q, q_scale)]
+    rest = [t.to(kernel_device) for t in (w, wild_lengths, wild_table, blocks)]
+    got = sparse_paged_mqa_logits(*args, moved, *rest, bs, backend="triton").cpu()
+    assert torch.equal(torch.isinf(got), torch.isinf(expected))
+    assert calc_diff(got, expected) < TIER
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("next_n", [1, 2])

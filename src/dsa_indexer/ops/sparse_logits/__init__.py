@@ -24,6 +24,7 @@ from ..._validation import (
     check_same_device,
     check_tensor,
     first_true,
+    index_as_int32,
     value_checks_enabled,
 )
 from ...cache import IndexerKCache
@@ -154,6 +155,7 @@ def sparse_mqa_logits(
         reference.sparse_mqa_logits, _triton_or_none(_sparse_mqa_logits_triton), backend, q.device
     )
     out = _prepare_out(out, num_rows, blocks.shape[1] * block_size, q.device, logits_dtype)
+    ks, ke = index_as_int32("ks", ks), index_as_int32("ke", ke)
     if value_checks_enabled():
         check_row_windows(ks, ke, num_keys, names=("ks", "ke"), limit_name="the number of keys")
         check_candidate_rows(blocks)
@@ -216,6 +218,8 @@ def sparse_paged_mqa_logits(
         reference.sparse_paged_mqa_logits, _triton_or_none(_sparse_paged_mqa_logits_triton), backend, q.device
     )
     out = _prepare_out(out, batch * next_n, blocks.shape[1] * block_size, q.device, logits_dtype)
+    context_lens = index_as_int32("context_lens", context_lens)
+    block_table = index_as_int32("block_table", block_table)
     if value_checks_enabled():
         _check_decode_lengths(context_lens, block_table, next_n, torch.iinfo(torch.int32).max, cache)
         check_candidate_rows(blocks)

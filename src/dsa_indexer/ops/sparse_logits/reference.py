@@ -75,9 +75,11 @@ def sparse_mqa_logits(
     for start in range(0, num_rows, step):
         rows = slice(start, min(start + step, num_rows))
         positions, live = column_positions(blocks[rows], block_size)  # [r, C]
-        length = (ke[rows] - ks[rows]).long()[:, None]
+        # Windows clamped into [0, num_keys], as in the kernel (unchecked bounds: value checks off).
+        first = ks[rows].long().clamp(0, num_keys)[:, None]
+        length = ke[rows].long().clamp(max=num_keys)[:, None] - first
         valid = live & (positions >= 0) & (positions < length)
-        index = torch.where(valid, ks[rows].long()[:, None] + positions, 0)
+        index = torch.where(valid, first + positions, 0)
         if num_keys == 0:
             out[rows] = float("-inf")
             continue
@@ -126,10 +128,16 @@ def sparse_paged_mqa_logits(
         rows = torch.arange(start, min(start + step, num_rows), device=q.device)
         positions, live = column_positions(blocks[rows], block_size)  # [r, C]
         valid = live & (positions >= 0) & (positions < row_lengths[rows, None])
+        # Unchecked metadata (value checks off), as in the kernel: positions past the table's pages are past
+        # the row's end, and a page id outside the cache reads as zero bytes.
+        valid &= positions < block_table.shape[1] * page
         page_column = torch.where(valid, positions // page, 0)
-        pages = torch.where(valid, block_table[rows // next_n].long().gather(1, page_column), 0)
+        pages = torch.where(valid, block_table[rows // next_n].long().gather(1, page_column), -1)
+        readable = (pages >= 0) & (pages < cache.num_blocks)
+        pages = torch.where(readable, pages, 0)
         slots = torch.where(valid, positions % page, 0)
-        value_bytes, scale_bytes = values_pages[pages, slots], scales_pages[pages, slots]
+        value_bytes = values_pages[pages, slots] * readable[..., None]
+        scale_bytes = scales_pages[pages, slots] * readable[..., None]
         if cache.fmt == "fp8":
             # Four bytes per token: the little-endian fp32 scale, or four equal ue8m0 bytes (mxfp8).
             if cache.scale_fmt == "mxfp8":
@@ -147,10 +155,11 @@ def sparse_paged_mqa_logits(
 def columns_to_positions(columns: torch.Tensor, blocks: torch.Tensor, block_size: int,
                          out: torch.Tensor) -> torch.Tensor:
     """int32 ``[R, k]`` sparse-logit columns (``-1`` padding) -> int32 row-relative positions
-    ``blocks[r, c // block_size] * block_size + c % block_size`` (``-1`` stays ``-1``), into ``out``."""
+    ``blocks[r, c // block_size] * block_size + c % block_size`` (``-1`` stays ``-1``, and a column of a ``-1``
+    entry gives ``-1``), into ``out``."""
     if blocks.shape[1] == 0:
         return out.fill_(-1)
     safe = columns.clamp_min(0).long()
     ids = blocks.long().gather(1, torch.div(safe, block_size, rounding_mode="floor"))
     positions = ids * block_size + safe % block_size
-    return out.copy_(torch.where(columns >= 0, positions, -1))
+    return out.copy_(torch.where((columns >= 0) & (ids >= 0), positions, -1))

@@ -52,9 +52,9 @@ def _sparse_logits_kernel(
     blocks_ptr, stride_br,
     values_ptr, stride_vn, scales_ptr, stride_sn,
     cache_ptr, page_stride,
-    ks_ptr, ke_ptr,
+    ks_ptr, ke_ptr, num_keys,
     lens_ptr, stride_lb, stride_lt,
-    table_ptr, stride_tb,
+    table_ptr, stride_tb, table_columns, num_blocks,
     out_ptr, stride_or,
     next_n, one_d, num_cols, num_splits,
     HEADS: tl.constexpr, BLOCK_H: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -91,12 +91,14 @@ def _sparse_logits_kernel(
         request = row // next_n
         t = row % next_n
         stored = tl.load(lens_ptr + request.to(tl.int64) * stride_lb + t * stride_lt)
-        length = tl.maximum(stored + one_d * (t + 1 - next_n), 0)
+        # Positions past the table's pages are past the row's end (unchecked lengths: value checks off).
+        length = tl.minimum(tl.maximum(stored + one_d * (t + 1 - next_n), 0), table_columns * PAGE)
         table_row = table_ptr + request.to(tl.int64) * stride_tb
         key_base = 0
     else:
-        key_base = tl.load(ks_ptr + row)
-        length = tl.load(ke_ptr + row) - key_base
+        # Windows clamped into [0, num_keys] (unchecked bounds: value checks off).
+        key_base = tl.minimum(tl.maximum(tl.load(ks_ptr + row), 0), num_keys)
+        length = tl.minimum(tl.load(ke_ptr + row), num_keys) - key_base
     block_row = blocks_ptr + row64 * stride_br
     out_row = out_ptr + row64 * stride_or
     split_start = split * (TILES * BLOCK_K)
@@ -110,7 +112,11 @@ def _sparse_logits_kernel(
         live = col_ok & (block_id >= 0) & (block_id > previous) & (positions >= 0) & (positions < length)
         if PAGED:
             unsigned = positions.to(tl.uint32)
-            page = tl.load(table_row + unsigned // PAGE, mask=live, other=0)
+            # Unchecked metadata (value checks off) reads nothing outside the cache: a page id outside
+            # [0, num_blocks) reads as zero bytes.
+            page = tl.load(table_row + unsigned // PAGE, mask=live, other=-1)
+            readable = live & (page >= 0) & (page < num_blocks)
+            page = tl.where(readable, page, 0)
             slot = (unsigned % PAGE).to(tl.int32)
             page_start = page.to(tl.int64) * page_stride
             if MXFP4:
@@ -121,6 +127,7 @@ def _sparse_logits_kernel(
                 value_row = page_start + slot * DIM
                 scale_words = cache_ptr + page_start + PAGE * DIM + slot * 4  # [BLOCK_K]
         else:
+            readable = live
             key = (key_base + positions).to(tl.int64)
             value_row = key * stride_vn
             scale_row = key * stride_sn
@@ -131,9 +138,9 @@ def _sparse_logits_kernel(
             byte = tl.arange(0, 16)
             block_ok = block < DIM // 32
             packed = tl.load(values_ptr + value_row[:, None, None] + block[None, :, None] * 16 + byte[None, None, :],
-                             mask=live[:, None, None] & block_ok[None, :, None], other=0)  # [BLOCK_K, BLOCK_D/32, 16]
+                             mask=readable[:, None, None] & block_ok[None, :, None], other=0)  # [BLOCK_K, BLOCK_D/32, 16]
             scale_bytes = tl.load(scales_ptr + scale_row[:, None] + block[None, :],
-                                  mask=live[:, None] & block_ok[None, :], other=0)  # [BLOCK_K, BLOCK_D/32]
+                                  mask=readable[:, None] & block_ok[None, :], other=0)  # [BLOCK_K, BLOCK_D/32]
             if EXPAND_PTX:
                 k_even, k_odd, key_mul = _mxfp4_halves_e4m3(packed, scale_bytes)
             else:
@@ -147,14 +154,14 @@ def _sparse_logits_kernel(
             scores = tl.dot(k_odd, tl.trans(q_odd), scores)  # [BLOCK_K, BLOCK_H]
         else:
             keys = tl.load(values_ptr + value_row[:, None] + dim[None, :],
-                           mask=live[:, None] & (dim < DIM)[None, :], other=0.0)  # [BLOCK_K, BLOCK_D]
+                           mask=readable[:, None] & (dim < DIM)[None, :], other=0.0)  # [BLOCK_K, BLOCK_D]
             scores = tl.dot(_dot_operand(keys), tl.trans(queries))  # [BLOCK_K, BLOCK_H]
             if MXFP8:
                 # Four equal ue8m0 bytes: the low byte (little-endian) is the exponent field.
-                word = tl.load(scale_words.to(tl.pointer_type(tl.int32)), mask=live, other=0)
+                word = tl.load(scale_words.to(tl.pointer_type(tl.int32)), mask=readable, other=0)
                 key_mul = ((word & 0xFF) << 23).to(tl.float32, bitcast=True)
             else:
-                key_mul = tl.load(scale_words.to(tl.pointer_type(tl.float32)), mask=live, other=0.0)  # [BLOCK_K]
+                key_mul = tl.load(scale_words.to(tl.pointer_type(tl.float32)), mask=readable, other=0.0)  # [BLOCK_K]
         weighted = (scores + tl.abs(scores)) * half_w[None, :]
         logits = tl.sum(weighted, axis=1) * key_mul  # [BLOCK_K]
         logits = tl.where(live, logits, float("-inf"))
@@ -192,16 +199,18 @@ def _launch(q_rows, q_scale_rows, weights, blocks, block_size, out, fmt, keys, p
         page_stride, page = cache.page_stride, cache.block_size
         one_d = context_lens.dim() == 1
         lens, stride_lb, stride_lt = context_lens, context_lens.stride(0), 0 if one_d else context_lens.stride(1)
-        table, stride_tb = block_table, block_table.stride(0)
+        table, stride_tb, table_columns, num_blocks = block_table, block_table.stride(0), block_table.shape[1], cache.num_blocks
         ks = ke = blocks
+        num_keys = 0
     else:
         values, scales, ks, ke = keys
         values = _unit_last_stride(values)
         if upcast and not mxfp4:
             values = values.view(torch.uint8)
         buffer, page_stride, page, next_n, one_d = values, 0, 1, 1, False
+        num_keys = values.shape[0]
         stride_vn, stride_sn = values.stride(0), scales.stride(0)
-        lens, stride_lb, stride_lt, table, stride_tb = ks, 0, 0, ks, 0
+        lens, stride_lb, stride_lt, table, stride_tb, table_columns, num_blocks = ks, 0, 0, ks, 0, 0, 0
     grid = (num_rows * num_splits,)
     _sparse_logits_kernel[grid](
         q_values, q_values.stride(0), q_values.stride(1),
@@ -209,9 +218,9 @@ def _launch(q_rows, q_scale_rows, weights, blocks, block_size, out, fmt, keys, p
         blocks, blocks.stride(0),
         values, stride_vn, scales, stride_sn,
         buffer, page_stride,
-        ks, ke,
+        ks, ke, num_keys,
         lens, stride_lb, stride_lt,
-        table, stride_tb,
+        table, stride_tb, table_columns, num_blocks,
         out, out.stride(0),
         next_n, int(one_d), num_cols, num_splits,
         HEADS=heads, BLOCK_H=_next_pow2(heads, 16), DIM=dim, BLOCK_D=_next_pow2(dim, 32),
@@ -251,14 +260,17 @@ def _columns_to_positions_kernel(
     columns_ptr, stride_cr, blocks_ptr, stride_br, out_ptr, stride_or, num_rows, k,
     CAND: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """``BLOCK`` picks of one row: column ``c`` -> ``blocks[row, c // CAND] * CAND + c % CAND``; -1 stays -1."""
+    """``BLOCK`` picks of one row: column ``c`` -> ``blocks[row, c // CAND] * CAND + c % CAND``; -1 stays -1,
+    and so does a column of a ``-1`` entry."""
     row = tl.program_id(0).to(tl.int64)
     picks = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = picks < k
     columns = tl.load(columns_ptr + row * stride_cr + picks, mask=inside, other=-1)
     live = columns >= 0
     block_id = tl.load(blocks_ptr + row * stride_br + columns // CAND, mask=inside & live, other=0)
-    positions = tl.where(live, block_id * CAND + columns % CAND, -1)
+    # A padding entry (-1) that a caller's garbage logits made selectable still maps to -1, never to a
+    # negative position.
+    positions = tl.where(live & (block_id >= 0), block_id * CAND + columns % CAND, -1)
     tl.store(out_ptr + row * stride_or + picks, positions, mask=inside)
 
 
