@@ -263,10 +263,12 @@ def test_vllm_mxfp8_insert_stores_four_equal_ue8m0_bytes():
     mxfp8 = torch.zeros(2, 8, 132, dtype=torch.uint8)
     vllm_ops.indexer_k_quant_and_cache(k, ue8m0, slots, 128, "ue8m0")
     vllm_ops.indexer_k_quant_and_cache(k, mxfp8, slots, 128, "mxfp8")
-    flat_ue8m0, flat_mxfp8 = ue8m0.view(16, 132), mxfp8.view(16, 132)
-    assert torch.equal(flat_mxfp8[:, :128], flat_ue8m0[:, :128])
-    exponent = (flat_ue8m0[:, 128:].contiguous().view(torch.int32) >> 23) & 0xFF
-    assert torch.equal(flat_mxfp8[:, 128:], exponent.to(torch.uint8).expand(16, 4))
+    # A page is [8 x 128 value bytes][8 x 4 scale bytes].
+    pages_ue8m0, pages_mxfp8 = ue8m0.view(2, 8 * 132), mxfp8.view(2, 8 * 132)
+    assert torch.equal(pages_mxfp8[:, :1024], pages_ue8m0[:, :1024])
+    exponent = (pages_ue8m0[:, 1024:].contiguous().view(torch.int32) >> 23) & 0xFF  # [2, 8]
+    assert exponent[0, 3] > 0
+    assert torch.equal(pages_mxfp8[:, 1024:].view(2, 8, 4), exponent.to(torch.uint8)[..., None].expand(2, 8, 4))
 
 
 def test_vllm_topk_rejects_strides_past_the_logits():
