@@ -134,6 +134,12 @@ def test_vllm_order_takes_an_int_sixth_argument_as_max_seqlen_k():
     assert torch.equal(
         deep_gemm.fp8_fp4_mqa_logits((q, None), (k, k_scale), w, ks, ke, True), mqa_logits(q, None, k, k_scale, w, ks, ke)
     )
+    # 0 in the 2.8 order: full-width logits, as max_seqlen_k=0 is in DeepGEMM main.
+    uncompressed = deep_gemm.fp8_fp4_mqa_logits((q, None), (k, k_scale), w, ks, ke, 0)
+    expected = mqa_logits(q, None, k, k_scale, w, ks, ke)
+    assert uncompressed.shape == (M, N)
+    for i in range(M):
+        assert torch.equal(uncompressed[i, int(ks[i]) : int(ke[i])], expected[i, int(ks[i]) : int(ke[i])])
     # A one-key window is a 1-wide output, not clean_logits=True.
     one = deep_gemm.fp8_fp4_mqa_logits((q, None), (k, k_scale), w, ks, ks + 1, 1)
     full = mqa_logits(q, None, k, k_scale, w, ks, ks + 1)

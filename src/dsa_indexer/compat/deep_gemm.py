@@ -120,10 +120,11 @@ def fp8_fp4_mqa_logits(
     """Ragged prefill logits of ``q [M, H, D | D/2]`` against ``kv [N, D | D/2]``.
 
     ``max_seqlen_k == 0``: ``[M, N]`` logits, entries outside ``[ks[i], ke[i])`` ``-inf`` when
-    ``clean_logits``, else unspecified. ``max_seqlen_k > 0`` (needs ``clean_logits=False``, or the 2.8
-    order): compressed ``[M, max_seqlen_k]`` logits, column ``c`` of row ``i`` is key ``ks[i] + c`` for
-    ``c < ke[i] - ks[i]``, the tail unspecified; ``ks``/``ke`` must satisfy ``0 <= ks <= ke <= N`` and
-    ``ke - ks <= max_seqlen_k`` (checked on the host: this form reads ``ks`` there anyway).
+    ``clean_logits``, else (and always in the 2.8 order) unspecified. ``max_seqlen_k > 0`` (needs
+    ``clean_logits=False``, or the 2.8 order): compressed ``[M, max_seqlen_k]`` logits, column ``c`` of
+    row ``i`` is key ``ks[i] + c`` for ``c < ke[i] - ks[i]``, the tail unspecified; ``ks``/``ke`` must
+    satisfy ``0 <= ks <= ke <= N`` and ``ke - ks <= max_seqlen_k`` (checked on the host: this form reads
+    ``ks`` there anyway, and makes one native call per distinct ``ks``).
     ``logits_dtype``: ``torch.float32`` or ``torch.bfloat16``.
     """
     clean, width, logits_dtype = _call_form(clean_logits, max_seqlen_k, logits_dtype)
@@ -176,12 +177,14 @@ def get_paged_mqa_logits_metadata(
     check_positive_int("block_kv", block_kv)
     check_positive_int("num_sms", num_sms)
     if indices is not None:
-        _check_varlen_indices(indices, context_lens.shape[0], 1 if context_lens.dim() == 1 else context_lens.shape[1])
+        next_n = 1 if context_lens.dim() == 1 else context_lens.shape[1]
+        _check_varlen_indices(indices, context_lens.shape[0], next_n, context_lens.device)
     return torch.zeros((num_sms + 1, 2), dtype=torch.int32, device=context_lens.device)
 
 
-def _check_varlen_indices(indices, rows: int, next_n: int) -> None:
+def _check_varlen_indices(indices, rows: int, next_n: int, device: torch.device) -> None:
     check_index_tensor("indices", indices, ndim=1)
+    check_tensor("indices", indices, device=device)
     if next_n != 1:
         raise ValueError(f"indices (varlen rows) need one query per row (next_n 1), got next_n {next_n}")
     if indices.shape[0] != rows:
@@ -247,7 +250,7 @@ def fp8_fp4_paged_mqa_logits(
     cache = _cache_from_fused(kv_cache, head_dim, fmt)
     rows = q_values.shape[0] * q_values.shape[1]
     if indices is not None:
-        _check_varlen_indices(indices, q_values.shape[0], q_values.shape[1])
+        _check_varlen_indices(indices, q_values.shape[0], q_values.shape[1], q_values.device)
         check_index_tensor("context_lens", context_lens, ndim=(1, 2))
         block_table = _varlen_block_table(block_table, indices)
     out = _padded_logits(rows, max_context_len, q_values.device, logits_dtype)
