@@ -1,8 +1,8 @@
 """pytest plugin: with ``PEER_DEVICE=cpu`` the upstream tests' ``"cuda"`` tensors are made on the CPU.
 
 A torch function mode rewrites ``device=`` arguments, ``Tensor.cuda()`` and ``Tensor.to("cuda")``;
-``torch.set_default_device``, ``torch.accelerator.synchronize`` and ``torch.cuda.is_available`` are
-redirected for the session. With ``PEER_DEVICE=cuda`` nothing is changed.
+``torch.set_default_device`` is redirected to the CPU, and ``torch.cuda.is_available`` (True),
+synchronisation and the memory statistics (no-ops, zeros) are stubbed for the session. With ``PEER_DEVICE=cuda`` nothing is changed.
 """
 
 import os
@@ -45,6 +45,10 @@ def pytest_configure(config):
     torch.set_default_device = lambda device: real_set_default_device(_cpu(device))
     torch.accelerator.synchronize = lambda *args, **kwargs: None
     torch.cuda.is_available = lambda: True
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.reset_peak_memory_stats = lambda *args, **kwargs: None
+    torch.cuda.max_memory_allocated = lambda *args, **kwargs: 0
+    torch.cuda.max_memory_reserved = lambda *args, **kwargs: 0
     _mode.__enter__()
 
 

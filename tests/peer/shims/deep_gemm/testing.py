@@ -7,7 +7,10 @@ import torch
 
 
 def get_arch_major() -> int:
-    """9 (Hopper) on the CPU stand-in; the GPU's major compute capability otherwise."""
+    """``PEER_ARCH`` when set (10 enumerates the SM100 case lists: FP4, varlen rows, 8 and 16 heads, bf16
+    weights); else 9 (Hopper) on the CPU stand-in and the GPU's major compute capability on a GPU."""
+    if os.environ.get("PEER_ARCH"):
+        return int(os.environ["PEER_ARCH"])
     if os.environ.get("PEER_DEVICE", "cpu") == "cpu":
         return 9
     return torch.cuda.get_device_capability()[0]
