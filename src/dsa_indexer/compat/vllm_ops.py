@@ -25,7 +25,7 @@ __all__ = [
 def _fp8_cache(kv_cache: torch.Tensor, head_dim: int, scale_fmt: str = "fp32") -> IndexerKCache:
     if kv_cache.dim() != 3 or kv_cache.dtype != torch.uint8:
         raise ValueError(f"kv_cache must be uint8 [num_blocks, block_size, bytes], got {kv_cache.dtype} {tuple(kv_cache.shape)}")
-    # The fp32-scale cache is built without the keyword: its layout and bytes are those of every format.
+    # fp32 scale words are the cache's default; only another format is spelled out.
     formats = {} if scale_fmt == "fp32" else {"scale_fmt": scale_fmt}
     return IndexerKCache(kv_cache.shape[0], block_size=kv_cache.shape[1], head_dim=head_dim, buffer=kv_cache, **formats)
 
