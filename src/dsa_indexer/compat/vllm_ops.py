@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .._validation import check_positive_int, check_tensor
 from ..cache import IndexerKCache
 from ..ops.k_cache import gather_k, insert_k
 from ..ops.topk import topk, topk_decode
@@ -21,19 +22,31 @@ __all__ = [
 ]
 
 
-def _fp8_cache(kv_cache: torch.Tensor, head_dim: int) -> IndexerKCache:
+def _fp8_cache(kv_cache: torch.Tensor, head_dim: int, scale_fmt: str = "fp32") -> IndexerKCache:
     if kv_cache.dim() != 3 or kv_cache.dtype != torch.uint8:
         raise ValueError(f"kv_cache must be uint8 [num_blocks, block_size, bytes], got {kv_cache.dtype} {tuple(kv_cache.shape)}")
-    return IndexerKCache(kv_cache.shape[0], block_size=kv_cache.shape[1], head_dim=head_dim, buffer=kv_cache)
+    return IndexerKCache(kv_cache.shape[0], block_size=kv_cache.shape[1], head_dim=head_dim, buffer=kv_cache,
+                         scale_fmt=scale_fmt)
+
+
+# vLLM's scale formats -> (the cache's scale words, insert_k's scale rounding).
+_SCALE_FORMATS = {None: ("fp32", "fp32"), "fp32": ("fp32", "fp32"), "ue8m0": ("fp32", "ue8m0"), "mxfp8": ("mxfp8", "ue8m0")}
 
 
 def indexer_k_quant_and_cache(
     k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, quant_block_size: int, scale_fmt: str | None
 ) -> None:
-    """Quantise ``k [T, D]`` to FP8 and write it into the paged ``kv_cache [nb, bs, D + 4]`` at ``slot_mapping``."""
+    """Quantise ``k [T, D]`` to FP8 and write it into the paged ``kv_cache [nb, bs, D + 4]`` at ``slot_mapping``.
+
+    ``scale_fmt``: ``"ue8m0"`` (power-of-two scale stored as its fp32), ``"mxfp8"`` (power-of-two scale
+    stored as four equal ue8m0 bytes, what SM100 engines write), ``None`` or ``"fp32"`` (fp32 scale).
+    """
+    if scale_fmt not in _SCALE_FORMATS:
+        raise ValueError(f"scale_fmt must be one of {tuple(_SCALE_FORMATS)}, got {scale_fmt!r}")
     if quant_block_size != k.shape[-1]:
         raise ValueError(f"quant_block_size must equal head_dim ({k.shape[-1]}), got {quant_block_size}")
-    insert_k(k, _fp8_cache(kv_cache, k.shape[-1]), slot_mapping, scale_fmt="ue8m0" if scale_fmt == "ue8m0" else "fp32")
+    cache_scales, rounding = _SCALE_FORMATS[scale_fmt]
+    insert_k(k, _fp8_cache(kv_cache, k.shape[-1], cache_scales), slot_mapping, scale_fmt=rounding)
 
 
 def cp_gather_indexer_k_quant_cache(
@@ -43,7 +56,8 @@ def cp_gather_indexer_k_quant_cache(
     block_table: torch.Tensor,
     cu_seq_lens: torch.Tensor,
 ) -> None:
-    """Gather requests' FP8 keys into ``dst_k [T, D]`` (e4m3 or its bytes) and ``dst_scale [T, 4]`` (bytes of fp32)."""
+    """Gather requests' FP8 keys into ``dst_k [T, D]`` (e4m3 or its bytes) and ``dst_scale [T, 4]``: each
+    token's 4 scale bytes as stored (an fp32, or four ue8m0 bytes in an mxfp8 cache)."""
     values = dst_k if dst_k.dtype == torch.float8_e4m3fn else dst_k.view(torch.float8_e4m3fn)
     if dst_scale.dim() != 2 or dst_scale.shape[1] != 4 or dst_scale.dtype != torch.uint8:
         raise ValueError(f"dst_scale must be uint8 [T, 4], got {dst_scale.dtype} {tuple(dst_scale.shape)}")
@@ -52,8 +66,24 @@ def cp_gather_indexer_k_quant_cache(
 
 
 def _strided_logits(logits: torch.Tensor, num_rows: int, stride0: int, stride1: int) -> torch.Tensor:
-    if (stride0, stride1) != (logits.stride(0), logits.stride(1)):
-        logits = logits.as_strided((num_rows, logits.shape[1]), (stride0, stride1))
+    """``logits`` read as ``[num_rows, logits.shape[1]]`` with the caller's strides, which must stay
+    inside ``logits``' storage."""
+    check_tensor("logits", logits, ndim=2)
+    check_positive_int("num_rows", num_rows, minimum=0)
+    check_positive_int("stride0", stride0, minimum=0)
+    check_positive_int("stride1", stride1, minimum=0)
+    width = logits.shape[1]
+    if num_rows == 0 or width == 0:
+        return logits.as_strided((num_rows, width), (stride0, stride1))
+    capacity = logits.untyped_storage().nbytes() // logits.element_size() - logits.storage_offset()
+    last = (num_rows - 1) * stride0 + (width - 1) * stride1
+    if last >= capacity:
+        raise ValueError(
+            f"stride0 ({stride0}) and stride1 ({stride1}) reach element {last} of logits for {num_rows} rows of "
+            f"{width} columns, past the {capacity} elements of its storage"
+        )
+    if (stride0, stride1) != (logits.stride(0), logits.stride(1)) or num_rows > logits.shape[0]:
+        return logits.as_strided((num_rows, width), (stride0, stride1))
     return logits[:num_rows]
 
 

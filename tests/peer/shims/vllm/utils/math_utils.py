@@ -1,0 +1,2 @@
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
