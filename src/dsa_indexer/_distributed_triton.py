@@ -242,14 +242,14 @@ def select_global_topk_keys_triton(keys: torch.Tensor, k: int, out: torch.Tensor
     return out
 
 
-@triton.jit(do_not_specialize=["row_repeat", "num_blocks", "local_block", "global_block"])
+@triton.jit(do_not_specialize=["row_repeat", "num_blocks", "local_block", "global_block", "width"])
 def _dcp_block_scores_kernel(
     logits_ptr, stride_row, stride_col, starts_ptr, ends_ptr, global_ends_ptr, scores_ptr,
-    row_repeat, num_blocks, local_block, global_block,
+    row_repeat, num_blocks, local_block, global_block, width,
     HAS_STARTS: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_J: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    start, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, HAS_STARTS)
+    start, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS)
     blocks = tl.program_id(1).to(tl.int64) * BLOCK_NB + tl.arange(0, BLOCK_NB)  # [BLOCK_NB]
     best = tl.full([BLOCK_NB], float("-inf"), tl.float32)
     row_ptr = logits_ptr + row * stride_row
@@ -287,7 +287,7 @@ def dcp_block_scores_triton(
     block_nb = max(1, min(triton.next_power_of_2(num_blocks), 4096 // block_j))
     _dcp_block_scores_kernel[(num_rows, triton.cdiv(num_blocks, block_nb))](
         logits, logits.stride(0), logits.stride(1), starts if starts is not None else ends, ends, global_ends, out,
-        row_repeat, num_blocks, local_block, global_block,
+        row_repeat, num_blocks, local_block, global_block, logits.shape[1],
         HAS_STARTS=starts is not None, BLOCK_NB=block_nb, BLOCK_J=block_j, num_warps=4,
     )
     return out

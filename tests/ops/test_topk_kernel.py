@@ -744,14 +744,29 @@ def slots_oracle(positions, table, block_size, requests):
     return torch.tensor(out, dtype=torch.int32)
 
 
-def unallocated_table(device):
-    """Pages -1 (unallocated), -5, 2**29 (its slots pass int32 with block_size 4 at offsets >= 0: 2**31) and valid."""
-    return torch.tensor([[3, -1, 2**29, 7], [-5, 0, 1, -1], [2, 9, -1, 4]], dtype=torch.int32, device=device)
+def unallocated_table(device, checks):
+    """Pages -1 (unallocated), -5 and valid ones; with checks off also 2**29, whose slots pass int32 with block_size
+    4 (2**31 at offset 0), which value checks refuse."""
+    wide = 2**29 if checks == "off" else 6
+    return torch.tensor([[3, -1, wide, 7], [-5, 0, 1, -1], [2, 9, -1, 4]], dtype=torch.int32, device=device)
+
+
+def test_pages_whose_slots_leave_int32_are_refused_with_checks_on(kernel_device):
+    table = unallocated_table(kernel_device, "on")
+    table[0, 2] = 2**29
+    indices = torch.tensor([[0, 8]], dtype=torch.int32, device=kernel_device)
+    requests = torch.tensor([0], dtype=torch.int32, device=kernel_device)
+    for backend in ("reference", "triton"):
+        with pytest.raises(ValueError, match="block_table"):
+            indices_to_slots(indices, table, 4, requests, backend=backend)
+        with pytest.raises(ValueError, match="block_table"):
+            topk_decode_slots(tie_heavy(3, 16, 11, kernel_device), torch.full((3,), 16, dtype=torch.int32,
+                              device=kernel_device), 1, 5, table, 4, backend=backend)
 
 
 @pytest.mark.parametrize("checks", ["on", "off"])
 def test_indices_to_slots_gives_minus_one_or_a_valid_slot(kernel_device, checks, monkeypatch):
-    table = unallocated_table(kernel_device)
+    table = unallocated_table(kernel_device, checks)
     indices = torch.tensor([[0, 5, 8, 11, 15, -1], [0, 4, 7, 12, 15, 9], [3, 4, 11, 13, -1, -1]],
                            dtype=torch.int32, device=kernel_device)
     requests = torch.tensor([0, 1, 2], dtype=torch.int32, device=kernel_device)
@@ -771,7 +786,7 @@ def test_indices_to_slots_gives_minus_one_or_a_valid_slot(kernel_device, checks,
 @pytest.mark.parametrize("checks", ["on", "off"])
 def test_decode_slots_give_minus_one_or_a_valid_slot(kernel_device, config, checks, monkeypatch):
     next_n, k, block_size = 1, 5, 4
-    table = unallocated_table(kernel_device)  # 16 positions per request
+    table = unallocated_table(kernel_device, checks)  # 16 positions per request
     width = 16 if checks == "on" else 24
     logits = tie_heavy(3, width, 11, kernel_device)
     seq_lens = torch.tensor([16, 16, 11], dtype=torch.int32, device=kernel_device)
