@@ -113,10 +113,10 @@ def _sparse_logits_kernel(
         if PAGED:
             unsigned = positions.to(tl.uint32)
             # Unchecked metadata (value checks off) reads nothing outside the cache: a page id outside
-            # [0, num_blocks) reads as zero bytes.
+            # [0, num_blocks) reads as zero bytes (every load below is masked by `readable`; a select of the
+            # page id here made Triton 3.6's layout passes fail on the MXFP4 path).
             page = tl.load(table_row + unsigned // PAGE, mask=live, other=-1)
             readable = live & (page >= 0) & (page < num_blocks)
-            page = tl.where(readable, page, 0)
             slot = (unsigned % PAGE).to(tl.int32)
             page_start = page.to(tl.int64) * page_stride
             if MXFP4:
