@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 # The CPU suite runs the Triton kernels on the interpreter (tiny shapes); scripts/gpu-check runs them on CUDA.
 test: $(STAMP)
 	$(BIN)/ruff check src tests scripts
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -n $(PYTEST_WORKERS) -m "not gpu" tests
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -n $(PYTEST_WORKERS) -m "not gpu and not slow" tests
 
 demo: $(STAMP)
 	$(BIN)/dsa-indexer demo

@@ -446,7 +446,8 @@ def test_select_split_matches_reference(kernel_device, variant, data, block_size
         assert torch.equal(actual, expected)
 
 
-@pytest.mark.parametrize("pieces,chunk", [(2, 256), (16, 64), (2, 128)])
+@pytest.mark.parametrize("pieces,chunk", [(2, 256), pytest.param(16, 64, marks=pytest.mark.slow),
+                                          pytest.param(2, 128, marks=pytest.mark.slow)])
 def test_select_split_runs_ties_pins_and_strides(kernel_device, pieces, chunk):
     # One warp over 256 padded blocks, several steps per piece (pieces 2), one step per piece (16); chunks of 256
     # (one chunk; on a GPU 8 images per thread: 4-image carry sums), 128 (two chunks, 4-image carry sums) and 64
@@ -489,7 +490,8 @@ MOMENT_CASES = [(variant, data) for variant in ("fused", "split", "split_sample"
 MOMENT_CASES += [("fused_off", "moments"), ("split_off", "moments")]
 
 
-@pytest.mark.parametrize("variant,data", MOMENT_CASES, ids=[f"{v}-{d}" for v, d in MOMENT_CASES])
+@pytest.mark.parametrize("variant,data", [pytest.param(v, d, id=f"{v}-{d}", marks=() if v == "fused" else pytest.mark.slow)
+                                          for v, d in MOMENT_CASES])
 def test_select_moment_probes_match_reference(kernel_device, variant, data):
     generator = torch.Generator().manual_seed(11)
     if data == "moments":
