@@ -397,7 +397,7 @@ def test_gather_with_no_requests(kernel_device):
     assert bool((values.view(torch.uint8) == POISON).all()) and bool((scales == -777.0).all())
 
 
-@pytest.mark.parametrize("block_rows, num_warps", [(1, 1), (16, 2), (256, 8)])
+@pytest.mark.parametrize("block_rows, num_warps", [pytest.param(1, 1, marks=pytest.mark.slow), (16, 2), (256, 8)])
 def test_gather_launch_knobs_do_not_change_results(kernel_device, block_rows, num_warps):
     lengths = LENGTHS["mixed"]
     for fmt in ("fp8", "mxfp4"):
