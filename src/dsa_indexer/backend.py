@@ -7,12 +7,14 @@ kernel, and the PyTorch reference otherwise. The ``DSA_INDEXER_BACKEND`` environ
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 from collections.abc import Callable
 
 import torch
+
+from .ops.common.runtime import interpreting as interpreter_enabled
+from .ops.common.runtime import sm_count
 
 BACKENDS = ("auto", "reference", "triton")
 ENV_VAR = "DSA_INDEXER_BACKEND"
@@ -23,20 +25,9 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def interpreter_enabled() -> bool:
-    """Triton kernels run on the CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@functools.cache
-def _multiprocessors_of(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def multiprocessor_count(device: torch.device) -> int:
-    """SMs of the CUDA ``device`` (its index, or the current device), cached per device: the kernels' launch
-    planning sizes grids by it."""
-    return _multiprocessors_of(torch.cuda.current_device() if device.index is None else device.index)
+    """SMs of the CUDA ``device`` (its index, or the current device), cached per device."""
+    return sm_count(device)
 
 
 def requested_backend(backend: str) -> str:
