@@ -1,12 +1,12 @@
 """dsa-indexer: the lightning indexer of DeepSeek Sparse Attention.
 
 Every op has a pure-PyTorch reference (any device) and, where it pays, a Triton kernel; the contract
-they share is ``docs/contract.md``.
+they share is ``docs/contract.md``. Each public op is also ``torch.ops.dsa_indexer.<name>``, registered
+where it is defined, so ``torch.compile`` traces calls to it without graph breaks.
 """
 
 __version__ = "0.1.0"
 
-from . import library as _library
 from .cache import IndexerKCache
 from .formats import dequantize_fp8, dequantize_mxfp4, quantize_fp8, quantize_mxfp4
 from .indexer import Indexer, IndexerConfig
@@ -18,26 +18,6 @@ from .ops.q_quant import rope_quant_q
 from .ops.seq_pack import pack_seq, unpack_seq
 from .ops.sparse_logits import sparse_mqa_logits, sparse_paged_mqa_logits, topk_sparse
 from .ops.topk import indices_to_slots, topk, topk_decode, topk_decode_slots
-
-# The public ops go through their torch.library custom ops only while torch.compile traces them.
-quantize_fp8 = _library.dispatching(quantize_fp8)
-dequantize_fp8 = _library.dispatching(dequantize_fp8)
-quantize_mxfp4 = _library.dispatching(quantize_mxfp4)
-dequantize_mxfp4 = _library.dispatching(dequantize_mxfp4)
-rope_quant_q = _library.dispatching(rope_quant_q)
-mqa_logits = _library.dispatching(mqa_logits)
-paged_mqa_logits = _library.dispatching(paged_mqa_logits)
-topk = _library.dispatching(topk)
-topk_decode = _library.dispatching(topk_decode)
-topk_decode_slots = _library.dispatching(topk_decode_slots)
-indices_to_slots = _library.dispatching(indices_to_slots)
-pack_seq = _library.dispatching(pack_seq)
-unpack_seq = _library.dispatching(unpack_seq)
-select_candidate_blocks = _library.dispatching(select_candidate_blocks)
-apply_candidate_mask = _library.dispatching(apply_candidate_mask)
-sparse_mqa_logits = _library.dispatching(sparse_mqa_logits)
-sparse_paged_mqa_logits = _library.dispatching(sparse_paged_mqa_logits)
-topk_sparse = _library.dispatching(topk_sparse)
 
 __all__ = [
     "Indexer",

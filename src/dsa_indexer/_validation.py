@@ -7,8 +7,10 @@ any output is written.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
+import os
 from collections.abc import Sequence
 
 import torch
@@ -145,20 +147,37 @@ def index_as_int32(name: str, value: torch.Tensor, *, check_range: bool = True) 
 
 
 SKIP_VALUE_CHECKS_ENV = "DSA_INDEXER_SKIP_VALUE_CHECKS"
+_checked_by_caller = 0
+
+
+def capturing_graph() -> bool:
+    """Whether the current CUDA stream is capturing a graph (no host read of device values may run)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def value_checks_enabled() -> bool:
     """Whether the checks that read device tensors' values on the host may run.
 
-    They are skipped while a CUDA graph is being captured (a host read would break the capture) and
-    when ``DSA_INDEXER_SKIP_VALUE_CHECKS=1`` (engines that validate their metadata themselves). The
-    checks of types, dtypes, shapes and devices always run.
+    They are skipped while a CUDA graph is being captured (a host read would break the capture), when
+    ``DSA_INDEXER_SKIP_VALUE_CHECKS=1`` (engines that validate their metadata themselves) and inside
+    ``checked_by_caller`` (the layer checked its step). The checks of types, dtypes, shapes and devices
+    always run. Skipping a check never changes a result or its shape: invalid values then give the
+    documented fallbacks (``-1``, zero bytes) instead of an error.
     """
-    import os
-
-    if os.environ.get(SKIP_VALUE_CHECKS_ENV, "0") == "1":
+    if _checked_by_caller or os.environ.get(SKIP_VALUE_CHECKS_ENV, "0") == "1":
         return False
-    return not (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
+    return not capturing_graph()
+
+
+@contextlib.contextmanager
+def checked_by_caller():
+    """Within it, ops skip their value checks: the caller (the layer) has checked the whole step once."""
+    global _checked_by_caller
+    _checked_by_caller += 1
+    try:
+        yield
+    finally:
+        _checked_by_caller -= 1
 
 
 def first_true(mask: torch.Tensor) -> int:

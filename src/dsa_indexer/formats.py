@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from ._validation import check_floating, check_last_dim_multiple, check_positive_finite, check_positive_int, check_tensor
+from .ops.common.registration import registered_op
 
 FP8_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
@@ -80,6 +81,13 @@ def fp8_scales(x: torch.Tensor, block_size: int, scale_fmt: str, amax_floor: flo
     return scale
 
 
+@registered_op(
+    "quantize_fp8",
+    fake=lambda x, *, block_size=128, scale_fmt="ue8m0", amax_floor=K_AMAX_FLOOR: (
+        torch.empty_like(x, dtype=FP8_DTYPE),
+        x.new_empty((*x.shape[:-1], x.shape[-1] // block_size), dtype=torch.float32),
+    ),
+)
 def quantize_fp8(
     x: torch.Tensor,
     *,
@@ -107,6 +115,8 @@ def quantize_fp8(
     return scaled.to(FP8_DTYPE).flatten(-2), scale
 
 
+@registered_op("dequantize_fp8", fake=lambda values, scales, *, block_size=128: torch.empty_like(
+    values, dtype=torch.float32))
 def dequantize_fp8(values: torch.Tensor, scales: torch.Tensor, *, block_size: int = 128) -> torch.Tensor:
     """``values [..., D]`` e4m3 times ``scales [..., D // block_size]`` -> float32 ``[..., D]``."""
     check_tensor("values", values, dtype=FP8_DTYPE, min_ndim=1)
@@ -152,6 +162,10 @@ def e2m1_codes(scaled: torch.Tensor) -> torch.Tensor:
     return code | (negative.to(torch.uint8) << 3)
 
 
+@registered_op("quantize_mxfp4", fake=lambda x: (
+    x.new_empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.uint8),
+    x.new_empty((*x.shape[:-1], mxfp4_scale_bytes(x.shape[-1])), dtype=torch.uint8),
+))
 def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise ``x [..., D]`` to MXFP4 (D a multiple of 32).
 
@@ -173,6 +187,8 @@ def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, scales
 
 
+@registered_op("dequantize_mxfp4", fake=lambda packed, scales: packed.new_empty(
+    (*packed.shape[:-1], packed.shape[-1] * 2), dtype=torch.float32))
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``packed uint8 [..., D // 2]`` and ``scales uint8 [..., mxfp4_scale_bytes(D)]`` -> float32 ``[..., D]``
     (the padding bytes past ``D // 32`` are not read)."""

@@ -22,6 +22,7 @@ from ..._validation import (
     index_as_int32,
     value_checks_enabled,
 )
+from ..common.registration import registered_op
 from .reference import apply_candidate_mask_reference, select_candidate_blocks_reference
 
 __all__ = ["apply_candidate_mask", "select_candidate_blocks"]
@@ -101,6 +102,47 @@ def select_candidate_blocks(
         the top blocks by (score descending, block id ascending) among those scoring above ``-inf``
         are chosen. A row with no context is all ``-1``.
     """
+    args = (logits, starts, ends, num_blocks_k, block_size, row_repeat)
+    if out is None:
+        return _select_candidate_blocks_op(*args, backend)
+    _select_candidate_blocks_out_op(*args, out, backend)
+    return out
+
+
+@registered_op(
+    "select_candidate_blocks",
+    fake=lambda logits, starts, ends, num_blocks_k, *args: logits.new_empty(
+        (logits.shape[0], num_blocks_k), dtype=torch.int32
+    ),
+)
+def _select_candidate_blocks_op(
+    logits: torch.Tensor,
+    starts: torch.Tensor | None,
+    ends: torch.Tensor,
+    num_blocks_k: int,
+    block_size: int,
+    row_repeat: int,
+    backend: str,
+) -> torch.Tensor:
+    return _select_candidate_blocks(logits, starts, ends, num_blocks_k, block_size, row_repeat, None, backend)
+
+
+@registered_op("select_candidate_blocks_out", mutates_args=("out",))
+def _select_candidate_blocks_out_op(
+    logits: torch.Tensor,
+    starts: torch.Tensor | None,
+    ends: torch.Tensor,
+    num_blocks_k: int,
+    block_size: int,
+    row_repeat: int,
+    out: torch.Tensor,
+    backend: str,
+) -> None:
+    _select_candidate_blocks(logits, starts, ends, num_blocks_k, block_size, row_repeat, out, backend)
+
+
+def _select_candidate_blocks(logits, starts, ends, num_blocks_k, block_size, row_repeat, out, backend):
+    """``select_candidate_blocks`` with every argument given: its checks, then the backend's implementation."""
     check_tensor("logits", logits, dtype=torch.float32, ndim=2)
     check_k("num_blocks_k", num_blocks_k)
     check_positive_int("block_size", block_size)
@@ -144,6 +186,24 @@ def apply_candidate_mask(
     Every column outside ``[starts, ends)`` or outside the listed blocks becomes ``-inf``; the
     others are untouched. The mask therefore also cleans the logits outside the row bounds.
     """
+    _apply_candidate_mask_op(logits, starts, ends, candidate_blocks, block_size, row_repeat, backend)
+
+
+@registered_op("apply_candidate_mask", mutates_args=("logits",))
+def _apply_candidate_mask_op(
+    logits: torch.Tensor,
+    starts: torch.Tensor | None,
+    ends: torch.Tensor,
+    candidate_blocks: torch.Tensor,
+    block_size: int,
+    row_repeat: int,
+    backend: str,
+) -> None:
+    _apply_candidate_mask(logits, starts, ends, candidate_blocks, block_size, row_repeat, backend)
+
+
+def _apply_candidate_mask(logits, starts, ends, candidate_blocks, block_size, row_repeat, backend):
+    """``apply_candidate_mask`` with every argument given: its checks, then the backend's implementation."""
     check_tensor("logits", logits, dtype=torch.float32, ndim=2)
     check_positive_int("block_size", block_size)
     check_positive_int("row_repeat", row_repeat)

@@ -6,6 +6,7 @@ import torch
 
 from ... import backend as _backend
 from ..._validation import (
+    capturing_graph,
     check_choice,
     check_index_tensor,
     check_positive_finite,
@@ -14,8 +15,9 @@ from ..._validation import (
     check_tensor,
     value_checks_enabled,
 )
-from ...cache import IndexerKCache
+from ...cache_layout import KCacheLayout
 from ...formats import FP8_DTYPE, K_AMAX_FLOOR, SCALE_FORMATS
+from ..common.registration import registered_op
 from .reference import gather_k_reference, insert_k_reference
 
 K_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -36,13 +38,13 @@ def _gather_k_triton(*args, **kwargs):
 
 
 def _check_cache(cache) -> None:
-    if not isinstance(cache, IndexerKCache):
+    if not isinstance(cache, KCacheLayout):
         raise TypeError(f"cache must be an IndexerKCache, got {type(cache).__name__}")
 
 
 def insert_k(
     k: torch.Tensor,
-    cache: IndexerKCache,
+    cache: KCacheLayout,
     slot_mapping: torch.Tensor,
     *,
     scale_fmt: str = "ue8m0",
@@ -69,6 +71,22 @@ def insert_k(
     anything is written.
     """
     _check_cache(cache)
+    _insert_k_op(k, *cache.op_args(), slot_mapping, scale_fmt, amax_floor, backend)
+
+
+@registered_op("insert_k", mutates_args=("cache_buffer",))
+def _insert_k_op(
+    k: torch.Tensor,
+    cache_buffer: torch.Tensor,
+    block_size: int,
+    head_dim: int,
+    formats: str,
+    slot_mapping: torch.Tensor,
+    scale_fmt: str,
+    amax_floor: float,
+    backend: str,
+) -> None:
+    cache = KCacheLayout.from_op_args(cache_buffer, block_size, head_dim, formats)
     check_tensor("k", k, dtype=K_DTYPES, shape=(None, cache.head_dim))
     check_index_tensor("slot_mapping", slot_mapping, shape=(k.shape[0],))
     check_same_device(cache=cache.buffer, k=k, slot_mapping=slot_mapping)
@@ -88,7 +106,7 @@ def insert_k(
     implementation(k, cache, slot_mapping, scale_fmt=scale_fmt, amax_floor=float(amax_floor))
 
 
-def _gather_out_spec(cache: IndexerKCache) -> tuple[torch.dtype, int, torch.dtype, tuple[int, ...]]:
+def _gather_out_spec(cache: KCacheLayout) -> tuple[torch.dtype, int, torch.dtype, tuple[int, ...]]:
     """``(values dtype, values width, scales dtype, scales trailing shape)`` of a gather for ``cache``."""
     if cache.fmt == "fp8":
         if cache.scale_fmt == "mxfp8":
@@ -97,7 +115,7 @@ def _gather_out_spec(cache: IndexerKCache) -> tuple[torch.dtype, int, torch.dtyp
     return torch.uint8, cache.value_bytes, torch.uint8, (cache.scale_bytes,)
 
 
-def _check_gather_tables(cache: IndexerKCache, block_table: torch.Tensor, cu_seq_lens: torch.Tensor) -> int:
+def _check_gather_tables(cache: KCacheLayout, block_table: torch.Tensor, cu_seq_lens: torch.Tensor) -> int:
     """Host-side checks of ``cu_seq_lens`` and the used block-table entries; returns ``cu_seq_lens[-1]``."""
     cu = cu_seq_lens.long()
     if int(cu[0]) != 0:
@@ -130,7 +148,7 @@ def _check_gather_tables(cache: IndexerKCache, block_table: torch.Tensor, cu_seq
 
 
 def gather_k(
-    cache: IndexerKCache,
+    cache: KCacheLayout,
     block_table: torch.Tensor,
     cu_seq_lens: torch.Tensor,
     *,
@@ -161,20 +179,72 @@ def gather_k(
         ``p % block_size`` of page ``block_table[b, p // block_size]``) lands in row ``cu_seq_lens[b] + p``.
 
     The checks of ``cu_seq_lens`` and of the used block-table entries read them on the host (device
-    synchronisations on CUDA), as does the default ``N``.
+    synchronisations on CUDA), as does the default ``N`` (a size, read with value checks off too; under
+    ``torch.compile`` or CUDA graph capture pass ``num_tokens`` or ``out``).
     """
     _check_cache(cache)
+    if out is None:
+        return _gather_k_op(*cache.op_args(), block_table, cu_seq_lens, num_tokens, backend)
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise TypeError(f"out must be a (values, scales) pair of tensors, got {type(out).__name__}")
+    if num_tokens is not None:
+        raise ValueError(f"num_tokens must be None when out is given (out fixes the rows), got {num_tokens}")
+    _gather_k_out_op(*cache.op_args(), block_table, cu_seq_lens, out[0], out[1], backend)
+    return out[0], out[1]
+
+
+def _gather_k_shapes(cache_buffer, block_size, head_dim, formats, block_table, cu_seq_lens, num_tokens, backend):
+    if num_tokens is None:
+        raise ValueError("num_tokens must be given when gather_k is compiled (the output size depends on tensor values)")
+    values_dtype, values_width, scales_dtype, scales_tail = _gather_out_spec(
+        KCacheLayout.from_op_args(cache_buffer, block_size, head_dim, formats)
+    )
+    return (
+        cache_buffer.new_empty((num_tokens, values_width), dtype=values_dtype),
+        cache_buffer.new_empty((num_tokens, *scales_tail), dtype=scales_dtype),
+    )
+
+
+@registered_op("gather_k", fake=_gather_k_shapes)
+def _gather_k_op(
+    cache_buffer: torch.Tensor,
+    block_size: int,
+    head_dim: int,
+    formats: str,
+    block_table: torch.Tensor,
+    cu_seq_lens: torch.Tensor,
+    num_tokens: int | None,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cache = KCacheLayout.from_op_args(cache_buffer, block_size, head_dim, formats)
+    return _gather_k(cache, block_table, cu_seq_lens, num_tokens, None, backend)
+
+
+@registered_op("gather_k_out", mutates_args=("values_out", "scales_out"))
+def _gather_k_out_op(
+    cache_buffer: torch.Tensor,
+    block_size: int,
+    head_dim: int,
+    formats: str,
+    block_table: torch.Tensor,
+    cu_seq_lens: torch.Tensor,
+    values_out: torch.Tensor,
+    scales_out: torch.Tensor,
+    backend: str,
+) -> None:
+    cache = KCacheLayout.from_op_args(cache_buffer, block_size, head_dim, formats)
+    _gather_k(cache, block_table, cu_seq_lens, None, (values_out, scales_out), backend)
+
+
+def _gather_k(cache, block_table, cu_seq_lens, num_tokens, out, backend):
+    """``gather_k`` after the cache check: the argument checks, then the backend's gather."""
     check_index_tensor("block_table", block_table, ndim=2)
     check_index_tensor("cu_seq_lens", cu_seq_lens, shape=(block_table.shape[0] + 1,))
     check_same_device(cache=cache.buffer, block_table=block_table, cu_seq_lens=cu_seq_lens)
     values_dtype, values_width, scales_dtype, scales_tail = _gather_out_spec(cache)
     if num_tokens is not None:
         check_positive_int("num_tokens", num_tokens, minimum=0)
-        if out is not None:
-            raise ValueError(f"num_tokens must be None when out is given (out fixes the rows), got {num_tokens}")
     if out is not None:
-        if not isinstance(out, (tuple, list)) or len(out) != 2:
-            raise TypeError(f"out must be a (values, scales) pair of tensors, got {type(out).__name__}")
         values_out, scales_out = out
         check_tensor("out[0] (values)", values_out, dtype=values_dtype, shape=(None, values_width), device=cache.device)
         scales_shape = (values_out.shape[0], *scales_tail)
@@ -185,7 +255,9 @@ def gather_k(
     else:
         num_rows = total if num_tokens is None else num_tokens
     if num_rows is None:
-        raise ValueError("num_tokens or out must be given while value checks are off (e.g. during CUDA graph capture)")
+        if capturing_graph():
+            raise ValueError("num_tokens or out must be given during CUDA graph capture (the default reads the total)")
+        num_rows = int(cu_seq_lens[-1])
     if total is not None and total > num_rows:
         source = "out rows" if out is not None else "num_tokens"
         raise ValueError(f"{source} must be >= cu_seq_lens[-1] = {total}, got {num_rows}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ...cache import IndexerKCache
+from ...cache_layout import KCacheLayout
 from ...formats import mxfp8_scale_words, quantize_fp8, quantize_mxfp4
 
 
@@ -28,7 +28,7 @@ def rows_to_write(slot_mapping: torch.Tensor, num_slots: int | None = None) -> t
 
 def insert_k_reference(
     k: torch.Tensor,
-    cache: IndexerKCache,
+    cache: KCacheLayout,
     slot_mapping: torch.Tensor,
     *,
     scale_fmt: str,
@@ -56,7 +56,7 @@ def insert_k_reference(
 
 
 def gather_k_reference(
-    cache: IndexerKCache,
+    cache: KCacheLayout,
     block_table: torch.Tensor,
     cu_seq_lens: torch.Tensor,
     values_out: torch.Tensor,

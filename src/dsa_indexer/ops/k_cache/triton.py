@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ...backend import interpreter_enabled
-from ...cache import IndexerKCache
+from ...cache_layout import KCacheLayout
 from ...formats import FP8_MAX
 from ..q_quant.triton import (
     bf16x2_block_amax,
@@ -174,7 +174,7 @@ def _gather_k_kernel(
 
 def insert_k_triton(
     k: torch.Tensor,
-    cache: IndexerKCache,
+    cache: KCacheLayout,
     slot_mapping: torch.Tensor,
     *,
     scale_fmt: str,
@@ -216,7 +216,7 @@ def insert_k_triton(
 
 
 def gather_k_triton(
-    cache: IndexerKCache,
+    cache: KCacheLayout,
     block_table: torch.Tensor,
     cu_seq_lens: torch.Tensor,
     values_out: torch.Tensor,

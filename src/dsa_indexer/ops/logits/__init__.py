@@ -31,8 +31,10 @@ from ..._validation import (
     check_tensor,
     value_checks_enabled,
 )
-from ...cache import IndexerKCache
+from ...cache_layout import KCacheLayout
 from ...formats import FP8_DTYPE, MXFP4_BLOCK, mxfp4_scale_bytes, ue8m0_to_fp32
+from ..common.logits_checks import check_decode_lengths, check_q_scale, key_format
+from ..common.registration import registered_op
 from . import reference
 
 __all__ = ["mqa_logits", "paged_mqa_logits", "decode_kernel", "DECODE_KERNEL_ENV"]
@@ -62,7 +64,7 @@ def _gluon_available() -> bool:
         return False
 
 
-def _gluon_takes_shape(cache: IndexerKCache, heads: int) -> bool:
+def _gluon_takes_shape(cache: KCacheLayout, heads: int) -> bool:
     """The Gluon kernels' limits: at most 128 heads (one wgmma N tile); FP8 fp32 scale words and a
     power-of-two ``head_dim`` in [32, 512], MXFP4 ``head_dim == 128``. Other caches and shapes (mxfp8
     scale words, MXFP4 at D = 64) run the Triton kernel."""
@@ -74,7 +76,7 @@ def _gluon_takes_shape(cache: IndexerKCache, heads: int) -> bool:
     return head_dim == 128
 
 
-def decode_kernel(q: torch.Tensor, cache: IndexerKCache, max_context_len: int) -> str:
+def decode_kernel(q: torch.Tensor, cache: KCacheLayout, max_context_len: int) -> str:
     """``"gluon"`` or ``"triton"``: the kernel the triton backend runs for this paged decode call.
 
     A Gluon (warp-specialised, wgmma) kernel needs a CUDA GPU of capability 9.x (Hopper's wgmma), e4m3
@@ -118,23 +120,6 @@ def _paged_mqa_logits_triton(q, q_scale, cache, weights, context_lens, block_tab
 
     return paged_mqa_logits_triton(q, q_scale, cache, weights, context_lens, block_table, max_context_len, clean,
                                    out)
-
-
-def _key_format(q) -> str:
-    """``"fp8"`` or ``"mxfp4"`` from the dtype of ``q``."""
-    check_tensor("q", q, dtype=(FP8_DTYPE, torch.uint8))
-    return "fp8" if q.dtype == FP8_DTYPE else "mxfp4"
-
-
-def _check_q_scale(q_scale, fmt: str, expected_shape: tuple[int, ...]) -> None:
-    if fmt == "fp8":
-        if q_scale is not None:
-            raise TypeError(
-                "q_scale must be None for FP8 q (the Q scale is folded into weights), "
-                f"got {type(q_scale).__name__}"
-            )
-        return
-    check_tensor("q_scale", q_scale, dtype=torch.uint8, shape=expected_shape)
 
 
 def _check_bool(name: str, value) -> None:
@@ -203,7 +188,53 @@ def mqa_logits(
     Returns:
         ``logits_dtype`` ``[M, N]`` logits (``out`` when given).
     """
-    fmt = _key_format(q)
+    if out is None:
+        return _mqa_logits_op(q, q_scale, k, k_scale, weights, ks, ke, clean, logits_dtype, backend)
+    _mqa_logits_out_op(q, q_scale, k, k_scale, weights, ks, ke, clean, out, logits_dtype, backend)
+    return out
+
+
+@registered_op(
+    "mqa_logits",
+    fake=lambda q, q_scale, k, k_scale, weights, ks, ke, clean, logits_dtype, backend: q.new_empty(
+        (q.shape[0], k.shape[0]), dtype=logits_dtype
+    ),
+)
+def _mqa_logits_op(
+    q: torch.Tensor,
+    q_scale: torch.Tensor | None,
+    k: torch.Tensor,
+    k_scale: torch.Tensor,
+    weights: torch.Tensor,
+    ks: torch.Tensor,
+    ke: torch.Tensor,
+    clean: bool,
+    logits_dtype: torch.dtype,
+    backend: str,
+) -> torch.Tensor:
+    return _mqa_logits(q, q_scale, k, k_scale, weights, ks, ke, clean, None, logits_dtype, backend)
+
+
+@registered_op("mqa_logits_out", mutates_args=("out",))
+def _mqa_logits_out_op(
+    q: torch.Tensor,
+    q_scale: torch.Tensor | None,
+    k: torch.Tensor,
+    k_scale: torch.Tensor,
+    weights: torch.Tensor,
+    ks: torch.Tensor,
+    ke: torch.Tensor,
+    clean: bool,
+    out: torch.Tensor,
+    logits_dtype: torch.dtype,
+    backend: str,
+) -> None:
+    _mqa_logits(q, q_scale, k, k_scale, weights, ks, ke, clean, out, logits_dtype, backend)
+
+
+def _mqa_logits(q, q_scale, k, k_scale, weights, ks, ke, clean, out, logits_dtype, backend):
+    """``mqa_logits`` with every argument given: its checks, then the backend's implementation."""
+    fmt = key_format(q)
     check_tensor("q", q, ndim=3)
     num_rows, heads, q_width = q.shape
     if q_width == 0:
@@ -217,12 +248,12 @@ def mqa_logits(
     check_tensor("k", k, shape=(None, q_width))
     num_keys = k.shape[0]
     if fmt == "fp8":
-        _check_q_scale(q_scale, fmt, ())
+        check_q_scale(q_scale, fmt, ())
         check_tensor("k_scale", k_scale, dtype=(torch.float32, torch.uint8))
         check_tensor("k_scale", k_scale, shape=(num_keys,) if k_scale.dtype == torch.float32 else (num_keys, 4))
     else:
         scales_per_row = mxfp4_scale_bytes(q_width * 2)
-        _check_q_scale(q_scale, fmt, (num_rows, heads, scales_per_row))
+        check_q_scale(q_scale, fmt, (num_rows, heads, scales_per_row))
         check_tensor("k_scale", k_scale, dtype=torch.uint8, shape=(num_keys, scales_per_row))
     check_tensor("weights", weights, dtype=WEIGHTS_DTYPES, shape=(num_rows, heads))
     check_index_tensor("ks", ks, shape=(num_rows,))
@@ -242,49 +273,10 @@ def mqa_logits(
     return implementation(q, q_scale, k, k_scale, weights, ks, ke, clean, out)
 
 
-def _check_decode_lengths(
-    context_lens: torch.Tensor, block_table: torch.Tensor, next_n: int, max_context_len: int, cache: IndexerKCache
-) -> None:
-    """Lengths are non-negative, fit ``max_context_len`` and the block table, and every page a row
-    reads is a page of the cache; one host synchronisation."""
-    row_lengths = reference.decode_row_lengths(context_lens, next_n)  # [B, next_n]
-    max_blocks = block_table.shape[1]
-    table_capacity = max_blocks * cache.block_size
-    pages_read = -(-row_lengths.amax(dim=1, keepdim=True) // cache.block_size)  # [B, 1], ceil division
-    read = torch.arange(max_blocks, device=block_table.device) < pages_read  # [B, max_blocks]
-    outside_cache = read & ((block_table < 0) | (block_table >= cache.num_blocks))
-    violations = torch.stack(
-        [
-            (context_lens < 0).any(),
-            (row_lengths > max_context_len).any(),
-            (row_lengths > table_capacity).any(),
-            outside_cache.any(),
-        ]
-    ).tolist()
-    if violations[0]:
-        raise ValueError(f"context_lens must be >= 0, got minimum {int(context_lens.min())}")
-    if violations[1]:
-        raise ValueError(
-            f"max_context_len must be >= every row's context length, got {max_context_len} "
-            f"< {int(row_lengths.max())}"
-        )
-    if violations[2]:
-        raise ValueError(
-            f"block_table has {max_blocks} pages per request ({table_capacity} positions with block_size "
-            f"{cache.block_size}), but context_lens reaches {int(row_lengths.max())}"
-        )
-    if violations[3]:
-        request, column = (int(i) for i in torch.nonzero(outside_cache)[0])
-        raise ValueError(
-            f"block_table entries read must be in [0, {cache.num_blocks}) (the cache's pages), "
-            f"got block_table[{request}, {column}] = {int(block_table[request, column])}"
-        )
-
-
 def paged_mqa_logits(
     q: torch.Tensor,
     q_scale: torch.Tensor | None,
-    cache: IndexerKCache,
+    cache: KCacheLayout,
     weights: torch.Tensor,
     context_lens: torch.Tensor,
     block_table: torch.Tensor,
@@ -324,9 +316,69 @@ def paged_mqa_logits(
     Returns:
         ``logits_dtype`` ``[B * next_n, max_context_len]`` logits (``out`` when given).
     """
-    if not isinstance(cache, IndexerKCache):
+    if not isinstance(cache, KCacheLayout):
         raise TypeError(f"cache must be an IndexerKCache, got {type(cache).__name__}")
-    fmt = _key_format(q)
+    args = (q, q_scale, *cache.op_args(), weights, context_lens, block_table, max_context_len, clean)
+    if out is None:
+        return _paged_mqa_logits_op(*args, logits_dtype, backend)
+    _paged_mqa_logits_out_op(*args, out, logits_dtype, backend)
+    return out
+
+
+@registered_op(
+    "paged_mqa_logits",
+    fake=lambda q, q_scale, cache_buffer, block_size, head_dim, formats, weights, context_lens, block_table,
+    max_context_len, clean, logits_dtype, backend: q.new_empty(
+        (q.shape[0] * q.shape[1], max_context_len), dtype=logits_dtype
+    ),
+)
+def _paged_mqa_logits_op(
+    q: torch.Tensor,
+    q_scale: torch.Tensor | None,
+    cache_buffer: torch.Tensor,
+    block_size: int,
+    head_dim: int,
+    formats: str,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    max_context_len: int,
+    clean: bool,
+    logits_dtype: torch.dtype,
+    backend: str,
+) -> torch.Tensor:
+    cache = KCacheLayout.from_op_args(cache_buffer, block_size, head_dim, formats)
+    return _paged_mqa_logits(
+        q, q_scale, cache, weights, context_lens, block_table, max_context_len, clean, None, logits_dtype, backend
+    )
+
+
+@registered_op("paged_mqa_logits_out", mutates_args=("out",))
+def _paged_mqa_logits_out_op(
+    q: torch.Tensor,
+    q_scale: torch.Tensor | None,
+    cache_buffer: torch.Tensor,
+    block_size: int,
+    head_dim: int,
+    formats: str,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    max_context_len: int,
+    clean: bool,
+    out: torch.Tensor,
+    logits_dtype: torch.dtype,
+    backend: str,
+) -> None:
+    cache = KCacheLayout.from_op_args(cache_buffer, block_size, head_dim, formats)
+    _paged_mqa_logits(
+        q, q_scale, cache, weights, context_lens, block_table, max_context_len, clean, out, logits_dtype, backend
+    )
+
+
+def _paged_mqa_logits(q, q_scale, cache, weights, context_lens, block_table, max_context_len, clean, out, logits_dtype, backend):
+    """``paged_mqa_logits`` with every argument given: its checks, then the backend's implementation."""
+    fmt = key_format(q)
     if fmt != cache.fmt:
         raise ValueError(f"cache must hold keys in q's format {fmt!r} (q has dtype {q.dtype}), got {cache.fmt!r}")
     check_tensor("q", q, ndim=4)
@@ -338,7 +390,7 @@ def paged_mqa_logits(
             f"q's last dimension must be {cache.value_bytes} for a {fmt} cache with head_dim "
             f"{cache.head_dim}, got {q_width}"
         )
-    _check_q_scale(q_scale, fmt, (batch, next_n, heads, cache.scale_bytes))
+    check_q_scale(q_scale, fmt, (batch, next_n, heads, cache.scale_bytes))
     check_tensor("weights", weights, dtype=WEIGHTS_DTYPES, shape=(batch * next_n, heads))
     check_index_tensor("context_lens", context_lens, ndim=(1, 2))
     check_tensor("context_lens", context_lens, shape=(batch,) if context_lens.dim() == 1 else (batch, next_n))
@@ -362,6 +414,6 @@ def paged_mqa_logits(
         q.device,
     )
     if value_checks_enabled():
-        _check_decode_lengths(context_lens, block_table, next_n, max_context_len, cache)
+        check_decode_lengths(context_lens, block_table, next_n, max_context_len, cache)
     out = _prepare_out(out, batch * next_n, max_context_len, q.device, logits_dtype)
     return implementation(q, q_scale, cache, weights, context_lens, block_table, max_context_len, clean, out)

@@ -15,7 +15,8 @@ from ..._validation import (
     check_tensor,
     value_checks_enabled,
 )
-from ...formats import MXFP4_BLOCK
+from ...formats import FP8_DTYPE, MXFP4_BLOCK, mxfp4_scale_bytes
+from ..common.registration import registered_op
 from .reference import rope_quant_q_reference
 
 ROPE_STYLES = ("neox", "interleaved")
@@ -80,6 +81,47 @@ def rope_quant_q(
     (sign unspecified) or MXFP4 +0, and no NaN or inf changes a scale. The position range check reads
     ``positions``' min and max on the host (one device synchronisation on CUDA).
     """
+    q_quant, q_scale, weights_out = _rope_quant_q_op(
+        q, positions, cos_sin, weights, softmax_scale, head_scale, rope_style, rope_position, fmt, backend
+    )
+    return q_quant, None if fmt == "fp8" else q_scale, weights_out
+
+
+def _rope_quant_q_shapes(q, positions, cos_sin, weights, softmax_scale, head_scale, rope_style, rope_position, fmt,
+                         backend):
+    tokens, heads, dim = q.shape
+    weights_out = q.new_empty((tokens, heads), dtype=torch.float32)
+    if fmt == "fp8":
+        return q.new_empty(q.shape, dtype=FP8_DTYPE), q.new_empty((0,), dtype=torch.uint8), weights_out
+    return (
+        q.new_empty((tokens, heads, dim // 2), dtype=torch.uint8),
+        q.new_empty((tokens, heads, mxfp4_scale_bytes(dim)), dtype=torch.uint8),
+        weights_out,
+    )
+
+
+@registered_op("rope_quant_q", fake=_rope_quant_q_shapes)
+def _rope_quant_q_op(
+    q: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    weights: torch.Tensor,
+    softmax_scale: float,
+    head_scale: float,
+    rope_style: str,
+    rope_position: str,
+    fmt: str,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``rope_quant_q`` with an empty uint8 ``q_scale`` for FP8 (an op returns tensors only)."""
+    q_quant, q_scale, weights_out = _rope_quant_q(
+        q, positions, cos_sin, weights, softmax_scale, head_scale, rope_style, rope_position, fmt, backend
+    )
+    return q_quant, q.new_empty((0,), dtype=torch.uint8) if q_scale is None else q_scale, weights_out
+
+
+def _rope_quant_q(q, positions, cos_sin, weights, softmax_scale, head_scale, rope_style, rope_position, fmt, backend):
+    """``rope_quant_q`` with every argument given: its checks, then the backend's implementation."""
     check_tensor("q", q, dtype=FLOAT_DTYPES, ndim=3)
     num_tokens, num_heads, head_dim = q.shape
     check_index_tensor("positions", positions, shape=(num_tokens,))

@@ -18,6 +18,7 @@ import torch
 
 from ... import backend as _backend
 from ..._validation import check_index_size, check_index_tensor, check_same_device, check_tensor
+from ..common.registration import registered_op
 from .reference import pack_seq_reference, unpack_seq_reference
 
 __all__ = ["pack_seq", "unpack_seq"]
@@ -74,6 +75,12 @@ def _host_length_stats(lengths: torch.Tensor) -> tuple[int, int, int]:
     return low, high, total
 
 
+def _compiled_size(name: str, value: int | None) -> int:
+    if value is None:
+        raise ValueError(f"{name} must be given when the op is compiled (the output size depends on tensor values)")
+    return value
+
+
 def pack_seq(
     x: torch.Tensor,
     lengths: torch.Tensor,
@@ -99,6 +106,36 @@ def pack_seq(
     Returns:
         ``[B, L, ...]`` with ``result[b, t] = x[sum(lengths[:b]) + t]`` for ``t < lengths[b]``.
     """
+    if out is None:
+        return _pack_seq_op(x, lengths, pad_value, max_len, backend)
+    _pack_seq_out_op(x, lengths, pad_value, max_len, out, backend)
+    return out
+
+
+@registered_op(
+    "pack_seq",
+    fake=lambda x, lengths, pad_value, max_len, backend: x.new_empty(
+        (lengths.shape[0], _compiled_size("max_len", max_len), *x.shape[1:])
+    ),
+)
+def _pack_seq_op(
+    x: torch.Tensor, lengths: torch.Tensor, pad_value: float, max_len: int | None, backend: str
+) -> torch.Tensor:
+    """``pack_seq``; an op passes ``pad_value`` as a float, an integer payload's pad is its int value."""
+    pad = pad_value if x.dtype.is_floating_point or isinstance(pad_value, int) else int(pad_value)
+    return _pack_seq(x, lengths, pad, max_len, None, backend)
+
+
+@registered_op("pack_seq_out", mutates_args=("out",))
+def _pack_seq_out_op(
+    x: torch.Tensor, lengths: torch.Tensor, pad_value: float, max_len: int | None, out: torch.Tensor, backend: str
+) -> None:
+    pad = pad_value if x.dtype.is_floating_point or isinstance(pad_value, int) else int(pad_value)
+    _pack_seq(x, lengths, pad, max_len, out, backend)
+
+
+def _pack_seq(x, lengths, pad_value, max_len, out, backend):
+    """``pack_seq`` with every argument given: its checks, then the backend's implementation."""
     _check_payload("x", x, min_ndim=1)
     check_index_tensor("lengths", lengths, ndim=1)
     _check_pad_value(pad_value, x.dtype)
@@ -143,6 +180,31 @@ def unpack_seq(
         ``t < lengths[b]``; rows ``[sum(lengths), total)`` keep ``out``'s contents (uninitialised
         when ``out`` is None).
     """
+    if out is None:
+        return _unpack_seq_op(packed, lengths, total, backend)
+    _unpack_seq_out_op(packed, lengths, total, out, backend)
+    return out
+
+
+@registered_op(
+    "unpack_seq",
+    fake=lambda packed, lengths, total, backend: packed.new_empty(
+        (_compiled_size("total", total), *packed.shape[2:])
+    ),
+)
+def _unpack_seq_op(packed: torch.Tensor, lengths: torch.Tensor, total: int | None, backend: str) -> torch.Tensor:
+    return _unpack_seq(packed, lengths, total, None, backend)
+
+
+@registered_op("unpack_seq_out", mutates_args=("out",))
+def _unpack_seq_out_op(
+    packed: torch.Tensor, lengths: torch.Tensor, total: int | None, out: torch.Tensor, backend: str
+) -> None:
+    _unpack_seq(packed, lengths, total, out, backend)
+
+
+def _unpack_seq(packed, lengths, total, out, backend):
+    """``unpack_seq`` with every argument given: its checks, then the backend's implementation."""
     _check_payload("packed", packed, min_ndim=2)
     check_index_tensor("lengths", lengths, shape=(packed.shape[0],))
     if total is not None:

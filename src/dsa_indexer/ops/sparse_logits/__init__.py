@@ -27,9 +27,10 @@ from ..._validation import (
     index_as_int32,
     value_checks_enabled,
 )
-from ...cache import IndexerKCache
+from ...cache_layout import KCacheLayout
 from ...formats import FP8_DTYPE, MXFP4_BLOCK, mxfp4_scale_bytes, ue8m0_to_fp32
-from ..logits import _check_decode_lengths, _check_q_scale, _key_format
+from ..common.logits_checks import check_decode_lengths, check_q_scale, key_format
+from ..common.registration import registered_op
 from ..topk import topk
 from . import reference
 
@@ -129,7 +130,56 @@ def sparse_mqa_logits(
         ``ks[i] + blocks[i, j] * block_size + o``, or ``-inf`` where that entry is padding or the position
         is outside ``[0, ke[i] - ks[i])``. Every column is written.
     """
-    fmt = _key_format(q)
+    args = (q, q_scale, k, k_scale, weights, ks, ke, blocks, block_size)
+    if out is None:
+        return _sparse_mqa_logits_op(*args, logits_dtype, backend)
+    _sparse_mqa_logits_out_op(*args, out, logits_dtype, backend)
+    return out
+
+
+@registered_op(
+    "sparse_mqa_logits",
+    fake=lambda q, q_scale, k, k_scale, weights, ks, ke, blocks, block_size, logits_dtype, backend: q.new_empty(
+        (q.shape[0], blocks.shape[1] * block_size), dtype=logits_dtype
+    ),
+)
+def _sparse_mqa_logits_op(
+    q: torch.Tensor,
+    q_scale: torch.Tensor | None,
+    k: torch.Tensor,
+    k_scale: torch.Tensor,
+    weights: torch.Tensor,
+    ks: torch.Tensor,
+    ke: torch.Tensor,
+    blocks: torch.Tensor,
+    block_size: int,
+    logits_dtype: torch.dtype,
+    backend: str,
+) -> torch.Tensor:
+    return _sparse_mqa_logits(q, q_scale, k, k_scale, weights, ks, ke, blocks, block_size, None, logits_dtype, backend)
+
+
+@registered_op("sparse_mqa_logits_out", mutates_args=("out",))
+def _sparse_mqa_logits_out_op(
+    q: torch.Tensor,
+    q_scale: torch.Tensor | None,
+    k: torch.Tensor,
+    k_scale: torch.Tensor,
+    weights: torch.Tensor,
+    ks: torch.Tensor,
+    ke: torch.Tensor,
+    blocks: torch.Tensor,
+    block_size: int,
+    out: torch.Tensor,
+    logits_dtype: torch.dtype,
+    backend: str,
+) -> None:
+    _sparse_mqa_logits(q, q_scale, k, k_scale, weights, ks, ke, blocks, block_size, out, logits_dtype, backend)
+
+
+def _sparse_mqa_logits(q, q_scale, k, k_scale, weights, ks, ke, blocks, block_size, out, logits_dtype, backend):
+    """``sparse_mqa_logits`` with every argument given: its checks, then the backend's implementation."""
+    fmt = key_format(q)
     check_tensor("q", q, ndim=3)
     num_rows, heads, q_width = q.shape
     if q_width == 0 or (fmt == "mxfp4" and q_width % (MXFP4_BLOCK // 2)):
@@ -137,12 +187,12 @@ def sparse_mqa_logits(
     check_tensor("k", k, dtype=FP8_DTYPE if fmt == "fp8" else torch.uint8, shape=(None, q_width))
     num_keys = k.shape[0]
     if fmt == "fp8":
-        _check_q_scale(q_scale, fmt, ())
+        check_q_scale(q_scale, fmt, ())
         check_tensor("k_scale", k_scale, dtype=(torch.float32, torch.uint8))
         check_tensor("k_scale", k_scale, shape=(num_keys,) if k_scale.dtype == torch.float32 else (num_keys, 4))
     else:
         scales_per_row = mxfp4_scale_bytes(q_width * 2)
-        _check_q_scale(q_scale, fmt, (num_rows, heads, scales_per_row))
+        check_q_scale(q_scale, fmt, (num_rows, heads, scales_per_row))
         check_tensor("k_scale", k_scale, dtype=torch.uint8, shape=(num_keys, scales_per_row))
         if num_keys > 1 and k_scale.stride(1) != 1:
             raise ValueError(f"k_scale must have column stride 1, got strides {k_scale.stride()}")
@@ -168,7 +218,7 @@ def sparse_mqa_logits(
 def sparse_paged_mqa_logits(
     q: torch.Tensor,
     q_scale: torch.Tensor | None,
-    cache: IndexerKCache,
+    cache: KCacheLayout,
     weights: torch.Tensor,
     context_lens: torch.Tensor,
     block_table: torch.Tensor,
@@ -194,9 +244,69 @@ def sparse_paged_mqa_logits(
         ``blocks[r, j] * block_size + o``, or ``-inf`` where the entry is padding or the position is not
         below the row's length. Only block-table entries of live positions are read.
     """
-    if not isinstance(cache, IndexerKCache):
+    if not isinstance(cache, KCacheLayout):
         raise TypeError(f"cache must be an IndexerKCache, got {type(cache).__name__}")
-    fmt = _key_format(q)
+    args = (q, q_scale, *cache.op_args(), weights, context_lens, block_table, blocks, block_size)
+    if out is None:
+        return _sparse_paged_mqa_logits_op(*args, logits_dtype, backend)
+    _sparse_paged_mqa_logits_out_op(*args, out, logits_dtype, backend)
+    return out
+
+
+@registered_op(
+    "sparse_paged_mqa_logits",
+    fake=lambda q, q_scale, cache_buffer, cache_block_size, head_dim, formats, weights, context_lens, block_table,
+    blocks, block_size, logits_dtype, backend: q.new_empty(
+        (q.shape[0] * q.shape[1], blocks.shape[1] * block_size), dtype=logits_dtype
+    ),
+)
+def _sparse_paged_mqa_logits_op(
+    q: torch.Tensor,
+    q_scale: torch.Tensor | None,
+    cache_buffer: torch.Tensor,
+    cache_block_size: int,
+    head_dim: int,
+    formats: str,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    blocks: torch.Tensor,
+    block_size: int,
+    logits_dtype: torch.dtype,
+    backend: str,
+) -> torch.Tensor:
+    cache = KCacheLayout.from_op_args(cache_buffer, cache_block_size, head_dim, formats)
+    return _sparse_paged_mqa_logits(
+        q, q_scale, cache, weights, context_lens, block_table, blocks, block_size, None, logits_dtype, backend
+    )
+
+
+@registered_op("sparse_paged_mqa_logits_out", mutates_args=("out",))
+def _sparse_paged_mqa_logits_out_op(
+    q: torch.Tensor,
+    q_scale: torch.Tensor | None,
+    cache_buffer: torch.Tensor,
+    cache_block_size: int,
+    head_dim: int,
+    formats: str,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    blocks: torch.Tensor,
+    block_size: int,
+    out: torch.Tensor,
+    logits_dtype: torch.dtype,
+    backend: str,
+) -> None:
+    cache = KCacheLayout.from_op_args(cache_buffer, cache_block_size, head_dim, formats)
+    _sparse_paged_mqa_logits(
+        q, q_scale, cache, weights, context_lens, block_table, blocks, block_size, out, logits_dtype, backend
+    )
+
+
+def _sparse_paged_mqa_logits(q, q_scale, cache, weights, context_lens, block_table, blocks, block_size, out, logits_dtype, backend):
+    """``sparse_paged_mqa_logits`` with every argument given: its checks, then the backend's implementation."""
+    fmt = key_format(q)
     if fmt != cache.fmt:
         raise ValueError(f"cache must hold keys in q's format {fmt!r} (q has dtype {q.dtype}), got {cache.fmt!r}")
     check_tensor("q", q, ndim=4)
@@ -205,7 +315,7 @@ def sparse_paged_mqa_logits(
         raise ValueError(f"q must have next_n (dimension 1) >= 1, got shape {list(q.shape)}")
     if q_width != cache.value_bytes:
         raise ValueError(f"q's last dimension must be {cache.value_bytes} for this {fmt} cache, got {q_width}")
-    _check_q_scale(q_scale, fmt, (batch, next_n, heads, cache.scale_bytes))
+    check_q_scale(q_scale, fmt, (batch, next_n, heads, cache.scale_bytes))
     check_tensor("weights", weights, dtype=(torch.float32, torch.bfloat16), shape=(batch * next_n, heads))
     check_index_tensor("context_lens", context_lens, ndim=(1, 2))
     check_tensor("context_lens", context_lens, shape=(batch,) if context_lens.dim() == 1 else (batch, next_n))
@@ -221,7 +331,7 @@ def sparse_paged_mqa_logits(
     context_lens = index_as_int32("context_lens", context_lens)
     block_table = index_as_int32("block_table", block_table)
     if value_checks_enabled():
-        _check_decode_lengths(context_lens, block_table, next_n, torch.iinfo(torch.int32).max, cache)
+        check_decode_lengths(context_lens, block_table, next_n, torch.iinfo(torch.int32).max, cache)
         check_candidate_rows(blocks)
     return implementation(q, q_scale, cache, weights, context_lens, block_table, blocks, block_size, out)
 
@@ -252,6 +362,29 @@ def topk_sparse(
         in position, so ties go to the lower position: for candidate rows of the required form this equals
         the dense top-k over the candidate-masked dense logits whenever the logits agree.
     """
+    if out is None:
+        return _topk_sparse_op(logits, blocks, block_size, k, backend)
+    _topk_sparse_out_op(logits, blocks, block_size, k, out, backend)
+    return out
+
+
+@registered_op(
+    "topk_sparse",
+    fake=lambda logits, blocks, block_size, k, backend: logits.new_empty((logits.shape[0], k), dtype=torch.int32),
+)
+def _topk_sparse_op(logits: torch.Tensor, blocks: torch.Tensor, block_size: int, k: int, backend: str) -> torch.Tensor:
+    return _topk_sparse(logits, blocks, block_size, k, None, backend)
+
+
+@registered_op("topk_sparse_out", mutates_args=("out",))
+def _topk_sparse_out_op(
+    logits: torch.Tensor, blocks: torch.Tensor, block_size: int, k: int, out: torch.Tensor, backend: str
+) -> None:
+    _topk_sparse(logits, blocks, block_size, k, out, backend)
+
+
+def _topk_sparse(logits, blocks, block_size, k, out, backend):
+    """``topk_sparse`` with every argument given: its checks, then the backend's implementation."""
     check_tensor("logits", logits, dtype=torch.float32, ndim=2)
     _check_blocks(blocks, logits.shape[0], block_size)
     check_positive_int("k", k)
@@ -287,6 +420,28 @@ def columns_to_positions(
     Returns:
         int32 ``[R, k]``: ``blocks[r, c // block_size] * block_size + c % block_size``, ``-1`` kept.
     """
+    if out is None:
+        return _columns_to_positions_op(columns, blocks, block_size, backend)
+    _columns_to_positions_out_op(columns, blocks, block_size, out, backend)
+    return out
+
+
+@registered_op("columns_to_positions", fake=lambda columns, *args: torch.empty_like(columns))
+def _columns_to_positions_op(
+    columns: torch.Tensor, blocks: torch.Tensor, block_size: int, backend: str
+) -> torch.Tensor:
+    return _columns_to_positions(columns, blocks, block_size, None, backend)
+
+
+@registered_op("columns_to_positions_out", mutates_args=("out",))
+def _columns_to_positions_out_op(
+    columns: torch.Tensor, blocks: torch.Tensor, block_size: int, out: torch.Tensor, backend: str
+) -> None:
+    _columns_to_positions(columns, blocks, block_size, out, backend)
+
+
+def _columns_to_positions(columns, blocks, block_size, out, backend):
+    """``columns_to_positions`` with every argument given: its checks, then the backend's implementation."""
     check_tensor("columns", columns, dtype=torch.int32, ndim=2)
     _check_blocks(blocks, columns.shape[0], block_size)
     if out is None:

@@ -24,6 +24,7 @@ from ..._validation import (
     index_as_int32,
     value_checks_enabled,
 )
+from ..common.registration import registered_op
 from . import reference
 
 __all__ = ["indices_to_slots", "topk", "topk_decode", "topk_decode_slots"]
@@ -59,6 +60,11 @@ def _indices_to_slots_triton(*args, **kwargs):
 def _triton_or_none(kernel):
     """``kernel`` when Triton is importable (without importing it), else ``None``."""
     return kernel if _backend.triton_available() else None
+
+
+def _picks_shape(logits, k) -> torch.Tensor:
+    """Fake result of the selection ops: int32 ``[rows of logits, k]``."""
+    return logits.new_empty((logits.shape[0], k), dtype=torch.int32)
 
 
 def _check_out(out: torch.Tensor | None, num_rows: int, k: int, device: torch.device) -> None:
@@ -133,6 +139,29 @@ def topk(
     relative to ``starts[r]`` (domain ``[0, ends[r] - starts[r])``), ascending, then ``-1`` up to ``k``.
     The result is bitwise deterministic.
     """
+    if out is None:
+        return _topk_op(logits, k, starts, ends, backend)
+    _topk_out_op(logits, k, starts, ends, out, backend)
+    return out
+
+
+@registered_op("topk", fake=lambda logits, k, *args: _picks_shape(logits, k))
+def _topk_op(
+    logits: torch.Tensor, k: int, starts: torch.Tensor | None, ends: torch.Tensor | None, backend: str
+) -> torch.Tensor:
+    return _topk(logits, k, starts, ends, None, backend)
+
+
+@registered_op("topk_out", mutates_args=("out",))
+def _topk_out_op(
+    logits: torch.Tensor, k: int, starts: torch.Tensor | None, ends: torch.Tensor | None, out: torch.Tensor,
+    backend: str,
+) -> None:
+    _topk(logits, k, starts, ends, out, backend)
+
+
+def _topk(logits, k, starts, ends, out, backend):
+    """``topk`` with every argument given: its checks, then the backend's implementation."""
     check_tensor("logits", logits, dtype=LOGITS_DTYPES, ndim=2)
     check_k("k", k)
     num_rows, width = logits.shape
@@ -176,6 +205,26 @@ def topk_decode(
 
     Same selection rule as ``topk`` with ``starts = 0`` and ``ends`` the row's visible length.
     """
+    if out is None:
+        return _topk_decode_op(logits, seq_lens, next_n, k, backend)
+    _topk_decode_out_op(logits, seq_lens, next_n, k, out, backend)
+    return out
+
+
+@registered_op("topk_decode", fake=lambda logits, seq_lens, next_n, k, backend: _picks_shape(logits, k))
+def _topk_decode_op(logits: torch.Tensor, seq_lens: torch.Tensor, next_n: int, k: int, backend: str) -> torch.Tensor:
+    return _topk_decode(logits, seq_lens, next_n, k, None, backend)
+
+
+@registered_op("topk_decode_out", mutates_args=("out",))
+def _topk_decode_out_op(
+    logits: torch.Tensor, seq_lens: torch.Tensor, next_n: int, k: int, out: torch.Tensor, backend: str
+) -> None:
+    _topk_decode(logits, seq_lens, next_n, k, out, backend)
+
+
+def _topk_decode(logits, seq_lens, next_n, k, out, backend):
+    """``topk_decode`` with every argument given: its checks, then the backend's implementation."""
     seq_lens = _check_decode_rows(logits, seq_lens, next_n, k, out)
     implementation = _backend.dispatch(
         reference.topk_decode, _triton_or_none(_topk_decode_triton), backend, logits.device
@@ -211,6 +260,18 @@ def indices_to_slots(
     positions past the table, requests outside it and slots past int32 give ``-1`` too, and no kernel reads
     outside the table.
     """
+    return _indices_to_slots_op(indices, block_table, block_size, row_to_request, backend)
+
+
+@registered_op("indices_to_slots", fake=lambda indices, *args: torch.empty_like(indices, dtype=torch.int32))
+def _indices_to_slots_op(
+    indices: torch.Tensor, block_table: torch.Tensor, block_size: int, row_to_request: torch.Tensor, backend: str
+) -> torch.Tensor:
+    return _indices_to_slots(indices, block_table, block_size, row_to_request, backend)
+
+
+def _indices_to_slots(indices, block_table, block_size, row_to_request, backend):
+    """``indices_to_slots`` with every argument given: its checks, then the backend's implementation."""
     check_index_tensor("indices", indices, ndim=2)
     check_index_tensor("block_table", block_table, ndim=2)
     check_index_size("block_size", block_size, minimum=1)
@@ -270,6 +331,30 @@ def topk_decode_slots(
     computed in the top-k launch on GPUs. With value checks off a length past the logits width counts
     as the width, and a pick past the table gives ``-1``.
     """
+    if out is None:
+        return _topk_decode_slots_op(logits, seq_lens, next_n, k, block_table, block_size, backend)
+    _topk_decode_slots_out_op(logits, seq_lens, next_n, k, block_table, block_size, out, backend)
+    return out
+
+
+@registered_op("topk_decode_slots", fake=lambda logits, seq_lens, next_n, k, *args: _picks_shape(logits, k))
+def _topk_decode_slots_op(
+    logits: torch.Tensor, seq_lens: torch.Tensor, next_n: int, k: int, block_table: torch.Tensor, block_size: int,
+    backend: str,
+) -> torch.Tensor:
+    return _topk_decode_slots(logits, seq_lens, next_n, k, block_table, block_size, None, backend)
+
+
+@registered_op("topk_decode_slots_out", mutates_args=("out",))
+def _topk_decode_slots_out_op(
+    logits: torch.Tensor, seq_lens: torch.Tensor, next_n: int, k: int, block_table: torch.Tensor, block_size: int,
+    out: torch.Tensor, backend: str,
+) -> None:
+    _topk_decode_slots(logits, seq_lens, next_n, k, block_table, block_size, out, backend)
+
+
+def _topk_decode_slots(logits, seq_lens, next_n, k, block_table, block_size, out, backend):
+    """``topk_decode_slots`` with every argument given: its checks, then the backend's implementation."""
     seq_lens = _check_decode_rows(logits, seq_lens, next_n, k, out)
     check_index_tensor("block_table", block_table, ndim=2)
     check_index_size("block_size", block_size, minimum=1)
