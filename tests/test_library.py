@@ -1,4 +1,4 @@
-"""torch.library registration: opcheck of every op, and torch.compile(fullgraph=True) equals eager."""
+"""torch.library registration: opcheck of every op, torch.compile(fullgraph=True) equals eager, the import graph."""
 
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ import pytest
 import torch
 from torch.library import opcheck
 
+
 import dsa_indexer as dsa
-from dsa_indexer import library
+
+ops = torch.ops.dsa_indexer
 
 D, H = 128, 2
 
@@ -39,38 +41,38 @@ def op_cases():
     fmt = (cache.buffer, cache.block_size, cache.head_dim, cache.fmt)
     blocks = torch.tensor([[0, 2, -1], [1, 1, 1], [0, 1, 4], [-1, -1, -1]], dtype=torch.int32)
     return {
-        "quantize_fp8": (library.quantize_fp8_op, (i["x"], 128, "ue8m0", 1e-4)),
-        "dequantize_fp8": (library.dequantize_fp8_op, (*dsa.quantize_fp8(i["x"]), 128)),
-        "quantize_mxfp4": (library.quantize_mxfp4_op, (i["x"],)),
-        "dequantize_mxfp4": (library.dequantize_mxfp4_op, dsa.quantize_mxfp4(i["x"])),
-        "rope_quant_q": (library.rope_quant_q_op, (i["q"], i["positions"], i["cos_sin"], i["weights"], 0.1, 0.5,
+        "quantize_fp8": (ops.quantize_fp8.default, (i["x"],)),
+        "dequantize_fp8": (ops.dequantize_fp8.default, dsa.quantize_fp8(i["x"])),
+        "quantize_mxfp4": (ops.quantize_mxfp4.default, (i["x"],)),
+        "dequantize_mxfp4": (ops.dequantize_mxfp4.default, dsa.quantize_mxfp4(i["x"])),
+        "rope_quant_q": (ops.rope_quant_q.default, (i["q"], i["positions"], i["cos_sin"], i["weights"], 0.1, 0.5,
                                                     "neox", "first", "fp8", "auto")),
-        "insert_k": (library.insert_k_op, (i["x"], cache.buffer.clone(), 4, D, "fp8", torch.tensor([0, 5, -1]),
+        "insert_k": (ops.insert_k.default, (i["x"], cache.buffer.clone(), 4, D, "fp8", torch.tensor([0, 5, -1]),
                                            "ue8m0", 1e-4, "auto")),
-        "gather_k": (library.gather_k_op, (*fmt, table, torch.tensor([0, 5, 8], dtype=torch.int32), 8, "auto")),
-        "mqa_logits": (library.mqa_logits_op, (i["q8"], None, i["k8"], i["k_scale"], i["w8"], i["ks"], i["ke"], True,
-                                               "auto")),
-        "mqa_logits_out": (library.mqa_logits_out_op, (i["q8"], None, i["k8"], i["k_scale"], i["w8"], i["ks"], i["ke"],
-                                                       True, torch.empty(4, 6), "auto")),
-        "paged_mqa_logits": (library.paged_mqa_logits_op, (i["q8"].view(2, 2, H, D), None, *fmt, i["w8"], lens, table,
-                                                           12, True, "auto")),
-        "topk": (library.topk_op, (i["logits"], 3, i["ks"], i["ke"] + 2, "auto")),
-        "topk_out": (library.topk_out_op, (i["logits"], 3, None, None, torch.empty(4, 3, dtype=torch.int32), "auto")),
-        "topk_decode": (library.topk_decode_op, (i["logits"], torch.tensor([9, 4], dtype=torch.int32), 2, 3, "auto")),
-        "topk_decode_slots": (library.topk_decode_slots_op, (i["logits"], torch.tensor([9, 4], dtype=torch.int32), 2, 3,
+        "gather_k": (ops.gather_k.default, (*fmt, table, torch.tensor([0, 5, 8], dtype=torch.int32), 8, "auto")),
+        "mqa_logits": (ops.mqa_logits.default, (i["q8"], None, i["k8"], i["k_scale"], i["w8"], i["ks"], i["ke"], True,
+                                        torch.float32, "auto")),
+        "mqa_logits_out": (ops.mqa_logits_out.default, (i["q8"], None, i["k8"], i["k_scale"], i["w8"], i["ks"], i["ke"],
+                                                       True, torch.empty(4, 6), torch.float32, "auto")),
+        "paged_mqa_logits": (ops.paged_mqa_logits.default, (i["q8"].view(2, 2, H, D), None, *fmt, i["w8"], lens, table,
+                                                           12, True, torch.float32, "auto")),
+        "topk": (ops.topk.default, (i["logits"], 3, i["ks"], i["ke"] + 2, "auto")),
+        "topk_out": (ops.topk_out.default, (i["logits"], 3, None, None, torch.empty(4, 3, dtype=torch.int32), "auto")),
+        "topk_decode": (ops.topk_decode.default, (i["logits"], torch.tensor([9, 4], dtype=torch.int32), 2, 3, "auto")),
+        "topk_decode_slots": (ops.topk_decode_slots.default, (i["logits"], torch.tensor([9, 4], dtype=torch.int32), 2, 3,
                                                              torch.tensor([[2, 0, 1], [1, 2, 0]], dtype=torch.int32), 4,
                                                              "auto")),
-        "indices_to_slots": (library.indices_to_slots_op, (torch.tensor([[0, 5, -1]], dtype=torch.int32), table, 4,
+        "indices_to_slots": (ops.indices_to_slots.default, (torch.tensor([[0, 5, -1]], dtype=torch.int32), table, 4,
                                                            torch.tensor([1], dtype=torch.int32), "auto")),
-        "pack_seq": (library.pack_seq_op, (i["x"], torch.tensor([1, 2]), 0.0, 2, "auto")),
-        "unpack_seq": (library.unpack_seq_op, (i["x"].view(3, 1, D), torch.tensor([1, 0, 1]), 2, "auto")),
-        "select_candidate_blocks": (library.select_candidate_blocks_op, (i["logits"], None, i["ke"], 2, 2, 1, "auto")),
-        "sparse_mqa_logits": (library.sparse_mqa_logits_op, (i["q8"], None, i["k8"], i["k_scale"], i["w8"], i["ks"],
+        "pack_seq": (ops.pack_seq.default, (i["x"], torch.tensor([1, 2]), 0.0, 2, "auto")),
+        "unpack_seq": (ops.unpack_seq.default, (i["x"].view(3, 1, D), torch.tensor([1, 0, 1]), 2, "auto")),
+        "select_candidate_blocks": (ops.select_candidate_blocks.default, (i["logits"], None, i["ke"], 2, 2, 1, "auto")),
+        "sparse_mqa_logits": (ops.sparse_mqa_logits.default, (i["q8"], None, i["k8"], i["k_scale"], i["w8"], i["ks"],
                                                              i["ke"], blocks, 2, torch.bfloat16, "auto")),
-        "sparse_paged_mqa_logits": (library.sparse_paged_mqa_logits_op, (i["q8"].view(2, 2, H, D), None, *fmt, i["w8"],
+        "sparse_paged_mqa_logits": (ops.sparse_paged_mqa_logits.default, (i["q8"].view(2, 2, H, D), None, *fmt, i["w8"],
                                                                          lens, table, blocks, 2, torch.float32, "auto")),
-        "topk_sparse": (library.topk_sparse_op, (i["logits"][:, :6], blocks, 2, 4, "auto")),
-        "apply_candidate_mask": (library.apply_candidate_mask_op, (i["logits"].clone(), None, i["ke"],
+        "topk_sparse": (ops.topk_sparse.default, (i["logits"][:, :6], blocks, 2, 4, "auto")),
+        "apply_candidate_mask": (ops.apply_candidate_mask.default, (i["logits"].clone(), None, i["ke"],
                                                                    torch.tensor([[0], [1], [0], [2]], dtype=torch.int32),
                                                                    2, 1, "auto")),
     }
@@ -93,9 +95,9 @@ def test_opcheck(name):
                   for a in args if isinstance(a, torch.Tensor)]
         op(*args)
         after = [a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a for a in args if isinstance(a, torch.Tensor)]
-        mutated = set(op._opoverload._schema.arguments[i].name for i, a in enumerate(op._opoverload._schema.arguments)
+        mutated = set(op._schema.arguments[i].name for i, a in enumerate(op._schema.arguments)
                       if a.alias_info is not None and a.alias_info.is_write)
-        names = [a.name for a, v in zip(op._opoverload._schema.arguments, args) if isinstance(v, torch.Tensor)]
+        names = [a.name for a, v in zip(op._schema.arguments, args) if isinstance(v, torch.Tensor)]
         for name_, b, a in zip(names, before, after):
             if name_ not in mutated:
                 assert torch.equal(b, a), f"{name} wrote its input {name_}"
@@ -135,3 +137,107 @@ def test_compiled_sizes_that_depend_on_values_must_be_given():
 
     with pytest.raises(Exception, match="max_len must be given"):
         torch.compile(pack, fullgraph=True, backend="aot_eager")(torch.randn(3, 4), torch.tensor([1, 2]))
+
+
+def test_compiled_keyword_arguments():
+    logits = torch.randn(4, 10)
+    compiled = torch.compile(lambda values: dsa.topk(values, k=3), fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(logits), dsa.topk(logits, 3))
+
+
+def test_compiled_out_arguments_are_written():
+    def step(logits, out):
+        dsa.topk(logits, 3, out=out)
+        return out
+
+    logits = torch.randn(4, 10)
+    out = torch.empty(4, 3, dtype=torch.int32)
+    torch.compile(step, fullgraph=True, backend="aot_eager")(logits, out)
+    assert torch.equal(out, dsa.topk(logits, 3))
+
+
+def test_cache_ops_compile_and_match_eager():
+    i = small_inputs()
+    table = torch.tensor([[2, 0, 1], [1, 2, 0]], dtype=torch.int32)
+    cu = torch.tensor([0, 5, 8], dtype=torch.int32)
+
+    def insert_then_gather(cache, keys, slots):
+        cache.insert(keys, slots)
+        return cache.gather(table, cu, num_tokens=8)
+
+    keys, slots = torch.randn(3, D), torch.tensor([0, 5, -1])
+    eager_cache, compiled_cache = dsa.IndexerKCache(3, block_size=4), dsa.IndexerKCache(3, block_size=4)
+    eager_cache.buffer.copy_(i["cache"].buffer)
+    compiled_cache.buffer.copy_(i["cache"].buffer)
+    eager = insert_then_gather(eager_cache, keys, slots)
+    compiled = torch.compile(insert_then_gather, fullgraph=True, backend="aot_eager")(compiled_cache, keys, slots)
+    assert torch.equal(eager_cache.buffer, compiled_cache.buffer)
+    for got, want in zip(compiled, eager):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    with pytest.raises(Exception, match="num_tokens must be given"):
+        torch.compile(lambda c: c.gather(table, cu), fullgraph=True, backend="aot_eager")(compiled_cache)
+
+
+def _module_imports(path, package_root):
+    """Modules of the package that ``path`` imports (at any level, ``TYPE_CHECKING`` blocks included)."""
+    import ast
+
+    relative = path.relative_to(package_root.parent).with_suffix("")
+    parts = list(relative.parts)
+    is_package = parts[-1] == "__init__"
+    if is_package:
+        parts = parts[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.startswith("dsa_indexer"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = parts[: len(parts) - node.level + (1 if is_package else 0)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            if not module.startswith("dsa_indexer"):
+                continue
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_package_has_no_import_cycle():
+    from pathlib import Path
+
+    root = Path(dsa.__file__).parent
+    modules = {}
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+    graph = {name: {m for m in _module_imports(path, root) if m in modules and m != name}
+             for name, path in modules.items()}
+    for name in modules:  # a package's submodule imports the package's __init__ first: not an edge we follow
+        graph[name] = {m for m in graph[name] if not name.startswith(m + ".")}
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(nxt):] + [nxt]))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name)
+
+
+def test_import_needs_only_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, dsa_indexer; assert 'triton' not in sys.modules, 'importing dsa_indexer imported triton'"
+    subprocess.run([sys.executable, "-c", code], check=True)

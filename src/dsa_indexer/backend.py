@@ -2,7 +2,8 @@
 
 ``backend="auto"`` picks Triton for CUDA tensors when Triton is importable and the op has a Triton
 kernel, and the PyTorch reference otherwise. The ``DSA_INDEXER_BACKEND`` environment variable
-(``auto`` | ``reference`` | ``triton``) overrides the argument. Nothing here touches CUDA at import.
+(``auto`` | ``reference`` | ``triton``) only changes what ``"auto"`` means: an explicit ``backend=`` wins.
+Nothing here touches CUDA at import.
 """
 
 from __future__ import annotations
@@ -31,12 +32,15 @@ def multiprocessor_count(device: torch.device) -> int:
 
 
 def requested_backend(backend: str) -> str:
-    override = os.environ.get(ENV_VAR)
-    chosen = override if override else backend
-    if chosen not in BACKENDS:
-        source = f"environment variable {ENV_VAR}" if override else "backend"
-        raise ValueError(f"{source} must be one of {BACKENDS}, got {chosen!r}")
-    return chosen
+    """``backend``, or for ``"auto"`` the value of ``DSA_INDEXER_BACKEND`` when set."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    default = os.environ.get(ENV_VAR) or "auto"
+    if default not in BACKENDS:
+        raise ValueError(f"environment variable {ENV_VAR} must be one of {BACKENDS}, got {default!r}")
+    return default
 
 
 def resolve(backend: str, device: torch.device, has_triton_kernel: bool) -> str:

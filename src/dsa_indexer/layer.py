@@ -15,7 +15,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn
 
-from ._validation import check_choice, check_positive_int, check_tensor, value_checks_enabled
+from ._validation import check_choice, check_positive_int, check_tensor, checked_by_caller, value_checks_enabled
 from .cache import IndexerKCache
 from .distributed import (
     DcpMergeWorkspace,
@@ -252,6 +252,11 @@ class SparseAttnIndexer(nn.Module):
             ``topk_indices_buffer[:T, :topk_tokens]``.
         """
         self._validate(q_quant, q_scale, k, weights, metadata)
+        # The step is checked once here; its ops skip their own value checks (each a host synchronisation).
+        with checked_by_caller():
+            return self._run(q_quant, q_scale, k, weights, metadata)
+
+    def _run(self, q_quant, q_scale, k, weights, metadata) -> torch.Tensor:
         num_tokens = metadata.num_tokens
         buffer = self.topk_indices_buffer
         if not self.skip_k_cache_insert:
