@@ -80,3 +80,13 @@ def test_value_checks_can_be_turned_off_but_shape_checks_cannot(monkeypatch):
     assert not value_checks_enabled()
     with pytest.raises(TypeError, match="ends"):
         topk(logits, 2, ends=bad_ends.float())
+
+
+def test_explicit_backend_beats_the_environment_variable(monkeypatch):
+    monkeypatch.setenv(backend.ENV_VAR, "triton")
+    assert backend.requested_backend("reference") == "reference"
+    assert backend.requested_backend("auto") == "triton"
+    monkeypatch.setenv(backend.ENV_VAR, "bogus")
+    assert backend.requested_backend("reference") == "reference"
+    with pytest.raises(ValueError, match="DSA_INDEXER_BACKEND"):
+        backend.requested_backend("auto")

@@ -250,3 +250,15 @@ def test_scale_formats_default_and_unknown_ones_are_refused():
         IndexerKCache(1, block_size=4, scale_fmt="ue8m0")
     with pytest.raises(ValueError, match=r"scale_fmt must be one of \('ue8m0',\) for fmt='mxfp4', got 'mxfp8'"):
         IndexerKCache(1, block_size=4, fmt="mxfp4", scale_fmt="mxfp8")
+
+
+def test_gather_without_num_tokens_is_the_same_with_value_checks_off(monkeypatch):
+    cache = IndexerKCache(3, block_size=4)
+    cache.insert(torch.randn(12, 128), torch.arange(12))
+    table = torch.tensor([[2, 0, 1], [1, 2, 0]], dtype=torch.int32)
+    cu = torch.tensor([0, 5, 8], dtype=torch.int32)
+    checked = cache.gather(table, cu)
+    monkeypatch.setenv("DSA_INDEXER_SKIP_VALUE_CHECKS", "1")
+    unchecked = cache.gather(table, cu)
+    for a, b in zip(checked, unchecked):
+        assert a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))

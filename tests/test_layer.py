@@ -384,3 +384,30 @@ def test_warmup_runs_a_step_without_touching_the_cache():
     layer.warmup(q, q_scale, k, w, meta)
     assert not cache.buffer.any()
     assert (buffer[:41, 0] >= -1).all() and (buffer[41:] == POISON).all()
+
+
+def _compiled_step_equals_eager(device):
+    torch.manual_seed(0)
+    table = torch.arange(8, dtype=torch.int32, device=device).view(2, 4)
+    meta = build_metadata([20, 12], [1, 12], table, block_size=BLOCK)
+    q, q_scale, k, w = (None if t is None else t.to(device) for t in fp8_inputs(13))
+    results = []
+    for compile_forward in (False, True):
+        cache = IndexerKCache(8, block_size=BLOCK, head_dim=DIM, device=device)
+        buffer = torch.full((128, TOPK), POISON, dtype=torch.int32, device=device)
+        layer = SparseAttnIndexer(cache, TOPK, buffer, workspace_tokens=256)
+        forward = torch.compile(layer.forward, backend="aot_eager") if compile_forward else layer.forward
+        forward(q, q_scale, k, w, meta)
+        results.append((buffer.cpu(), cache.buffer.cpu()))
+    (eager_buffer, eager_cache), (compiled_buffer, compiled_cache) = results
+    assert torch.equal(compiled_buffer, eager_buffer)
+    assert torch.equal(compiled_cache, eager_cache)
+
+
+def test_compiled_forward_equals_eager():
+    _compiled_step_equals_eager("cpu")
+
+
+@pytest.mark.gpu
+def test_compiled_forward_equals_eager_on_cuda():
+    _compiled_step_equals_eager("cuda")

@@ -6,7 +6,6 @@ import pytest
 import torch
 from torch.library import opcheck
 
-
 import dsa_indexer as dsa
 
 ops = torch.ops.dsa_indexer

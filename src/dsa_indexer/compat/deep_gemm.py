@@ -28,8 +28,24 @@ from .._validation import (
 from ..cache import IndexerKCache
 from ..formats import FP8_DTYPE
 from ..ops.logits import mqa_logits, paged_mqa_logits
+from ._sparse import (
+    SparseMetadata,
+    fp8_fp4_paged_sparse_mqa_logits,
+    fp8_fp4_sparse_mqa_logits,
+    get_paged_sparse_mqa_logits_metadata,
+    get_sparse_mqa_logits_metadata,
+)
 
-__all__ = ["fp8_fp4_mqa_logits", "fp8_fp4_paged_mqa_logits", "get_paged_mqa_logits_metadata"]
+__all__ = [
+    "SparseMetadata",
+    "fp8_fp4_mqa_logits",
+    "fp8_fp4_paged_mqa_logits",
+    "fp8_fp4_paged_sparse_mqa_logits",
+    "fp8_fp4_sparse_mqa_logits",
+    "get_paged_mqa_logits_metadata",
+    "get_paged_sparse_mqa_logits_metadata",
+    "get_sparse_mqa_logits_metadata",
+]
 
 _ROW_ALIGN = 256
 
@@ -259,4 +275,3 @@ def fp8_fp4_paged_mqa_logits(
     )
 
 
-from ._sparse import *  # noqa: E402, F403  (the DeepGEMM 2.8 sparse entry points, a separate module)
