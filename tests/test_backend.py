@@ -32,9 +32,10 @@ def test_auto_on_cuda_is_triton_when_a_kernel_exists():
     assert backend.dispatch(reference_impl, None, "auto", torch.device("cuda"))() == "reference"
 
 
-def test_environment_overrides_argument(monkeypatch):
+def test_environment_sets_what_auto_means(monkeypatch):
     monkeypatch.setenv(backend.ENV_VAR, "reference")
-    assert backend.dispatch(reference_impl, triton_impl, "triton", torch.device("cuda"))() == "reference"
+    assert backend.dispatch(reference_impl, triton_impl, "auto", torch.device("cuda"))() == "reference"
+    assert backend.dispatch(reference_impl, triton_impl, "triton", torch.device("cuda"))() == "triton"
 
 
 def test_explicit_triton_on_cpu_without_interpreter_raises():
