@@ -75,6 +75,14 @@ def _host_length_stats(lengths: torch.Tensor) -> tuple[int, int, int]:
     return low, high, total
 
 
+def _integral_pad(x, pad_value):
+    """The pad an integer payload takes: the op schema passes ``pad_value`` as a float (an int in eager calls)."""
+    integer_payload = isinstance(x, torch.Tensor) and not x.dtype.is_floating_point
+    if integer_payload and isinstance(pad_value, float) and pad_value.is_integer():
+        return int(pad_value)
+    return pad_value
+
+
 def _compiled_size(name: str, value: int | None) -> int:
     if value is None:
         raise ValueError(f"{name} must be given when the op is compiled (the output size depends on tensor values)")
@@ -121,8 +129,7 @@ def pack_seq(
 def _pack_seq_op(
     x: torch.Tensor, lengths: torch.Tensor, pad_value: float, max_len: int | None, backend: str
 ) -> torch.Tensor:
-    """``pack_seq``; an op passes ``pad_value`` as a float, an integer payload's pad is its int value."""
-    pad = pad_value if x.dtype.is_floating_point or isinstance(pad_value, int) else int(pad_value)
+    pad = _integral_pad(x, pad_value)
     return _pack_seq(x, lengths, pad, max_len, None, backend)
 
 
@@ -130,7 +137,7 @@ def _pack_seq_op(
 def _pack_seq_out_op(
     x: torch.Tensor, lengths: torch.Tensor, pad_value: float, max_len: int | None, out: torch.Tensor, backend: str
 ) -> None:
-    pad = pad_value if x.dtype.is_floating_point or isinstance(pad_value, int) else int(pad_value)
+    pad = _integral_pad(x, pad_value)
     _pack_seq(x, lengths, pad, max_len, out, backend)
 
 
