@@ -1,19 +1,21 @@
-"""Triton kernels of the DCP merge: the pack of a rank's local top-k (as ``(score, global id)`` pairs, or as one
-int64 order key per candidate) and the fused select of the global top-k from the gathered keys; and the local
-block scores of the DCP candidate selection (the MAX-reduce's input)."""
+"""Triton kernels of the DCP merge and of the DCP candidate block scores (derivations: ``README.md``).
+
+The pack of a rank's local top-k (as ``(score, global id)`` pairs, or as one int64 order key per candidate), the
+fused select of the global top-k from the gathered keys, and the local block scores that the MAX-reduce takes.
+"""
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .ops.candidates.triton import _row_bounds
-from .ops.topk.triton import KEY_MAX, NONE, _bit_length, _clear_low_bits, _kth_largest_within, _order_keys
+from ...dcp_positions import MAX_GLOBAL_ID as _MAX_GLOBAL_ID
+from ..candidates.triton import _row_bounds
+from ..common.runtime import interpreting, next_pow2
+from ..topk.triton import KEY_MAX, NONE, _bit_length, _clear_low_bits, _kth_largest_within, _order_keys
 
-MAX_GLOBAL_ID = tl.constexpr(2**31 - 1)
+MAX_GLOBAL_ID = tl.constexpr(_MAX_GLOBAL_ID)
 # Largest select tile searched two bits per round (three 16-bit counts share one int64 reduction).
 TWO_BIT_SEARCH_MAX_SLOTS = 16384
 
@@ -59,7 +61,7 @@ def pack_local_candidates_triton(
     ids = torch.empty((num_rows, k), dtype=torch.int64, device=logits.device)
     if num_rows == 0 or k == 0:
         return scores, ids
-    block = min(1024, triton.next_power_of_2(k))
+    block = min(1024, next_pow2(k))
     topk_rows = local_topk if local_topk.stride(1) == 1 else local_topk.contiguous()
     grid = (num_rows, triton.cdiv(k, block))
     _pack_local_candidates_kernel[grid](
@@ -115,7 +117,7 @@ def pack_candidate_keys_triton(
     num_rows, k = local_topk.shape
     if num_rows == 0 or k == 0:
         return out
-    block = min(1024, triton.next_power_of_2(k))
+    block = min(1024, next_pow2(k))
     grid = (num_rows, triton.cdiv(k, block))
     _pack_candidate_keys_kernel[grid](
         logits, logits.stride(0), logits.stride(1), logits.shape[1],
@@ -124,6 +126,53 @@ def pack_candidate_keys_triton(
         out,
         rank, world_size, interleave,
         HAS_STARTS=starts is not None, BLOCK=block,
+    )
+    return out
+
+
+@triton.jit
+def _pack_scored_keys_kernel(
+    scores_ptr, scores_row_stride, scores_col_stride,
+    positions_ptr, positions_row_stride, positions_col_stride, k,
+    keys_ptr,
+    rank, world_size, interleave,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    in_k = offsets < k
+    local = tl.load(
+        positions_ptr + row * positions_row_stride + offsets * positions_col_stride, mask=in_k, other=-1
+    ).to(tl.int64)
+    span = interleave * world_size
+    global_id = (local // interleave) * span + rank * interleave + local % interleave
+    valid = in_k & (local >= 0) & (global_id <= MAX_GLOBAL_ID)
+    score = tl.load(scores_ptr + row * scores_row_stride + offsets * scores_col_stride, mask=valid, other=float("-inf"))
+    order_key = _order_keys(score, valid)  # int32, NONE where unselectable
+    low = (~global_id.to(tl.int32)).to(tl.uint32, bitcast=True).to(tl.int64)
+    low = tl.where(order_key == NONE, 0, low)
+    tl.store(keys_ptr + row * k + offsets, (order_key.to(tl.int64) << 32) | low, mask=in_k)
+
+
+def pack_scored_keys_triton(
+    scores: torch.Tensor,
+    local_positions: torch.Tensor,
+    rank: int,
+    world_size: int,
+    interleave: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Triton twin of the reference scored pack: writes int64 ``out [R, k]`` (contiguous) and returns it."""
+    num_rows, k = local_positions.shape
+    if num_rows == 0 or k == 0:
+        return out
+    block = min(1024, next_pow2(k))
+    _pack_scored_keys_kernel[(num_rows, triton.cdiv(k, block))](
+        scores, scores.stride(0), scores.stride(1),
+        local_positions, local_positions.stride(0), local_positions.stride(1), k,
+        out,
+        rank, world_size, interleave,
+        BLOCK=block,
     )
     return out
 
@@ -228,7 +277,7 @@ def select_global_topk_keys_triton(keys: torch.Tensor, k: int, out: torch.Tensor
     world_size, num_rows, width = keys.shape
     if num_rows == 0:
         return out
-    wp, kp = triton.next_power_of_2(world_size), triton.next_power_of_2(width)
+    wp, kp = next_pow2(world_size), next_pow2(width)
     block = wp * kp
     warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
     _select_global_topk_keys_kernel[(num_rows,)](
@@ -236,8 +285,8 @@ def select_global_topk_keys_triton(keys: torch.Tensor, k: int, out: torch.Tensor
         out, out.stride(0), out.stride(1),
         scratch,
         width, k, world_size,
-        WP=wp, KP=kp, OUT_BLOCK=triton.next_power_of_2(k), SEARCH_ROUNDS=max(1, width.bit_length()),
-        TWO_BITS=block <= TWO_BIT_SEARCH_MAX_SLOTS, CARRY=int(os.environ.get("TRITON_INTERPRET") != "1"), num_warps=warps,
+        WP=wp, KP=kp, OUT_BLOCK=next_pow2(k), SEARCH_ROUNDS=max(1, width.bit_length()),
+        TWO_BITS=block <= TWO_BIT_SEARCH_MAX_SLOTS, CARRY=int(not interpreting()), num_warps=warps,
     )
     return out
 
@@ -283,11 +332,30 @@ def dcp_block_scores_triton(
     num_rows = logits.shape[0]
     if num_rows == 0 or num_blocks == 0:
         return out
-    block_j = min(64, triton.next_power_of_2(local_block))
-    block_nb = max(1, min(triton.next_power_of_2(num_blocks), 4096 // block_j))
+    block_j = min(64, next_pow2(local_block))
+    block_nb = max(1, min(next_pow2(num_blocks), 4096 // block_j))
     _dcp_block_scores_kernel[(num_rows, triton.cdiv(num_blocks, block_nb))](
         logits, logits.stride(0), logits.stride(1), starts if starts is not None else ends, ends, global_ends, out,
         row_repeat, num_blocks, local_block, global_block, logits.shape[1],
         HAS_STARTS=starts is not None, BLOCK_NB=block_nb, BLOCK_J=block_j, num_warps=4,
     )
     return out
+
+
+def select_global_topk_triton(
+    scores: torch.Tensor, global_ids: torch.Tensor, k: int, out: torch.Tensor | None
+) -> torch.Tensor:
+    """``select_global_topk`` through the Triton top-k: candidates sorted by id become columns, so the top-k's
+    tie rule (lower column) is the merge's (lower id) and its ascending columns are ascending ids. Everything
+    stays on the device (no host reads), so it is graph-capturable."""
+    from ..topk import topk
+
+    num_rows = scores.shape[0]
+    if out is None:
+        out = torch.empty((num_rows, k), dtype=torch.int32, device=scores.device)
+    valid_id = (global_ids >= 0) & (global_ids <= _MAX_GLOBAL_ID)
+    ordered_ids, order = torch.where(valid_id, global_ids, _MAX_GLOBAL_ID + 1).sort(dim=1, stable=True)
+    ordered_scores = torch.where(valid_id, scores, float("-inf")).gather(1, order)
+    columns = topk(ordered_scores.contiguous(), k, backend="triton")
+    picked = ordered_ids.gather(1, columns.clamp_min(0).to(torch.int64))
+    return out.copy_(torch.where(columns >= 0, picked, -1))
