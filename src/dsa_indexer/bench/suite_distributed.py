@@ -1,30 +1,15 @@
-"""Decode context parallelism (issues 7 and 28): the exact global top-k merge and the DCP decode step.
+"""Decode context parallelism: the exact global top-k merge and the DCP decode step (``ops/dcp/README.md``).
 
-The merge is three launches (``merge_topk_global`` with a ``DcpMergeWorkspace``): the key pack (one int64
-order key per candidate), one ``all_gather_into_tensor`` of those keys, the keyed select. Each rank of ``W``
-holds ``1/W`` of every row's columns (interleave 1) and runs the local top-k on its shard first.
-
-With >= 2 GPUs (NCCL, one GPU per rank), for ``W = 2``:
-
-- ``merge_topk_global`` (shape ``world, rows, L, k``): the captured merge, and each stage in its own graph
-  (``pack_us``, ``gather_us``, ``select_us``), beside the local top-k (``local_topk_us``) and the single-GPU
-  top-k of the whole rows; ``bytes_moved`` (what one rank receives) against the NVLink bandwidth measured in
-  the same run (``nvlink_gbs``: a captured all-gather of 32 MiB a rank); the floor is those bytes at that
-  bandwidth. The merged ids are checked bitwise against the single-GPU top-k before timing.
-- ``decode_step`` (shape ``B, L, next_n, k, fmt, world``): one graph of the local paged logits over ``L / W``
-  keys, the local top-k and the merge, beside ``baselines.single_gpu_step`` (the same step over all ``L`` keys
-  on one GPU, same run). The caches hold random keys (the merge's exactness is checked above).
-
-Graphs with collectives are replayed the same number of times on every rank, each replay after a 256 MB
-memset (cold L2) and a small all-reduce that lines the GPUs up (both untimed), timed by events; median,
-maximum over ranks.
-
-On one GPU (what ``scripts/gpu-bench distributed`` runs there) the ranks are
-simulated: every rank's shard, local top-k and pack are computed on the one GPU, and rank 0's step runs with
-the all-gather replaced by device copies into the gathered buffer (``merge_topk_global_1gpu``: ``pack_us``,
-``copy_us``, ``select_us`` and the three in one graph, for ``W`` = 2, 4 and 8; ``decode_step_1gpu``: rank 0's
-step so built, beside the single-GPU step). The merged ids are checked bitwise against the single-GPU top-k.
-The NCCL part needs >= 2 GPUs.
+Each rank of ``W`` holds ``1/W`` of every row's columns (interleave 1) and runs its local top-k first.
+With >= 2 GPUs (NCCL, one GPU per rank, ``W = 2``): ``merge_topk_global`` captured, whole and per stage
+(``pack_us``, ``gather_us``, ``select_us``) beside the local top-k and the single-GPU top-k of the whole rows;
+floor: the bytes one rank receives at the NVLink bandwidth measured in the same run (``nvlink_gbs``); and
+``decode_step``: one graph of the local paged logits over ``L / W`` keys, the local top-k and the merge, beside
+the same step over all ``L`` keys on one GPU. Graphs with collectives replay the same number of times on every
+rank, each after a 256 MB memset and a small all-reduce that lines the GPUs up (untimed); median, maximum
+over ranks. On one GPU the ranks are simulated (every rank's shard, local top-k and pack on the one GPU, the
+all-gather replaced by device copies): ``merge_topk_global_1gpu`` for ``W`` = 2, 4, 8 and ``decode_step_1gpu``.
+Merged ids are checked bitwise against the single-GPU top-k before timing.
 """
 
 from __future__ import annotations
