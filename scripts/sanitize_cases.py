@@ -8,9 +8,10 @@ programs, carry-chain counts on the widest tiles), then the V4.1 candidate block
 program per row; split streaming with the last program selecting) and the mask, then calls with value checks
 off on wild metadata (page ids 10**6, -5, 2**31 - 1, lengths past the width and the table, slots past the cache):
 insert, gather, paged decode logits (Triton, and each Gluon kernel with TMA and with cp.async copies on Hopper),
-slots and candidate blocks. Exits non-zero if a result differs from the reference; the sanitizer reports bad
-accesses. Arguments pick parts (``demo``, ``gluon``, ``topk``, ``candidates``, ``unchecked``; default: all), so
-that a time-capped run can be split.
+slots and candidate blocks; then the DCP kernels (key packs, keyed select, block scores) with the world simulated
+on one GPU. Exits non-zero if a result differs from the reference; the sanitizer reports bad accesses. Arguments
+pick parts (``demo``, ``gluon``, ``topk``, ``candidates``, ``unchecked``, ``dcp``; default: all), so that a
+time-capped run can be split.
 """
 
 from __future__ import annotations
@@ -190,7 +191,34 @@ def unchecked_cases() -> bool:
             os.environ["DSA_INDEXER_SKIP_VALUE_CHECKS"] = previous
 
 
-PARTS = ("demo", "gluon", "topk", "candidates", "unchecked")
+def dcp_cases() -> bool:
+    """The DCP kernels against their references: the key pack (with row starts), the scored pack (strided
+    scores), the keyed select of 3 simulated ranks' packs, and the block scores with the newest block pinned."""
+    from dsa_indexer.ops.dcp import dcp_block_scores, pack_candidate_keys, pack_scored_keys, select_global_topk_keys
+
+    world, rows, width, k = 3, 6, 300, 40
+    ok = True
+    packs = {}
+    for backend in ("reference", "triton"):
+        device = "cuda" if backend == "triton" else "cpu"
+        logits = torch.randn(world, rows, width, generator=torch.Generator().manual_seed(6)).to(device)
+        local = torch.arange(k, dtype=torch.int32).repeat(world, rows, 1).to(device)
+        local[:, ::2, -3:] = -1
+        starts = torch.tensor([0, 3, 7, 0, 250, 1], dtype=torch.int32, device=device)
+        keys = torch.stack([pack_candidate_keys(logits[r], local[r], r, world, 1, starts, backend=backend)
+                            for r in range(world)])
+        scored = pack_scored_keys(logits[0, :, : 2 * k : 2], local[0], 1, world, 2, backend=backend)
+        picks = select_global_topk_keys(keys, k, backend=backend)
+        ends = torch.tensor([300, 120, 0, 299, 5, 64], dtype=torch.int32, device=device)
+        blocks = dcp_block_scores(logits[0], None, ends, 4, 80, 1, ends * world, 4 * world,
+                                  out=torch.empty(rows, 80, device=device), backend=backend)
+        packs[backend] = [t.cpu() for t in (keys, scored, picks, blocks)]
+    for want, got in zip(packs["reference"], packs["triton"]):
+        ok &= torch.equal(want, got)
+    return ok
+
+
+PARTS = ("demo", "gluon", "topk", "candidates", "unchecked", "dcp")
 
 if __name__ == "__main__":
     parts = sys.argv[1:] or list(PARTS)
@@ -205,7 +233,8 @@ if __name__ == "__main__":
     topk_ok = wide_topk_cases() and prefill_topk_case() if "topk" in parts else True
     candidates_ok = candidate_cases() if "candidates" in parts else True
     unchecked_ok = unchecked_cases() if "unchecked" in parts else True
+    dcp_ok = dcp_cases() if "dcp" in parts else True
     print(f"sanitize cases {parts}: demo exit codes {codes}, Gluon decode within the tier: {gluon_ok}, "
           f"top-k equal to the reference: {topk_ok}, candidate blocks equal to the reference: {candidates_ok}, "
-          f"unchecked wild metadata as documented: {unchecked_ok}")
-    sys.exit(0 if not any(codes) and gluon_ok and topk_ok and candidates_ok and unchecked_ok else 1)
+          f"unchecked wild metadata as documented: {unchecked_ok}, DCP kernels equal to the reference: {dcp_ok}")
+    sys.exit(0 if not any(codes) and gluon_ok and topk_ok and candidates_ok and unchecked_ok and dcp_ok else 1)

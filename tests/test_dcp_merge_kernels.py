@@ -8,14 +8,15 @@ import pytest
 import torch
 
 from dsa_indexer import topk_decode
-from dsa_indexer.distributed import (
-    global_to_local,
-    local_lengths,
+from dsa_indexer.dcp_positions import global_to_local, local_lengths, local_to_global
+from dsa_indexer.ops._order import composite_key
+from dsa_indexer.ops.dcp import (
+    dcp_block_scores,
     pack_candidate_keys,
     pack_local_candidates,
+    pack_scored_keys,
     select_global_topk_keys,
 )
-from dsa_indexer.ops._order import composite_key
 from dsa_indexer.testing import few_distinct_rows
 
 
@@ -65,6 +66,22 @@ def test_pack_candidate_keys_is_the_composite_key_of_the_pairs(kernel_device, in
         assert torch.equal(got.cpu(), expected), backend
 
 
+@pytest.mark.parametrize("interleave", [1, 3])
+def test_pack_scored_keys_is_the_composite_key_of_the_pairs(kernel_device, interleave):
+    scores = awkward_rows(5, 12, 4)[:, ::2]  # strided: NaN, -inf, signed zeros, +inf among the picks
+    positions = torch.randint(-1, 40, (5, 6), generator=torch.Generator().manual_seed(5), dtype=torch.int32)
+    positions[4, 2] = 2**30  # its global id is past 2**31 - 1: unselectable
+    ids = local_to_global(positions.to(torch.int64), 2, 3, interleave)
+    valid = (ids >= 0) & (ids < 2**31)
+    expected = composite_key(torch.where(valid, scores, float("-inf")), ids.clamp(0, 2**31 - 1))
+    for backend in ("reference", "triton"):
+        device = kernel_device if backend == "triton" else "cpu"
+        out = torch.full((5, 6), 123, dtype=torch.int64, device=device)
+        got = pack_scored_keys(scores.to(device), positions.to(device), 2, 3, interleave, out=out, backend=backend)
+        assert got is out
+        assert torch.equal(got.cpu(), expected), backend
+
+
 @pytest.mark.parametrize("world, interleave, k", [(2, 1, 16), (3, 2, 5)])  # W 4 and 8: the GPU test below
 def test_simulated_merge_equals_single_rank_topk(kernel_device, world, interleave, k):
     width = 41
@@ -87,9 +104,9 @@ def test_keyed_select_takes_the_lowest_ids_among_ties(kernel_device):
 
 def test_keyed_select_one_bit_search_of_wide_tiles(kernel_device, monkeypatch):
     # Tiles above TWO_BIT_SEARCH_MAX_SLOTS (W * k_in > 16384 at decode sizes) search one bit per round.
-    from dsa_indexer import _distributed_triton
+    from dsa_indexer.ops.dcp import triton as dcp_triton
 
-    monkeypatch.setattr(_distributed_triton, "TWO_BIT_SEARCH_MAX_SLOTS", 0)
+    monkeypatch.setattr(dcp_triton, "TWO_BIT_SEARCH_MAX_SLOTS", 0)
     test_keyed_select_takes_the_lowest_ids_among_ties(kernel_device)
     test_simulated_merge_equals_single_rank_topk(kernel_device, 3, 2, 5)
 
@@ -98,18 +115,16 @@ def test_keyed_select_one_bit_search_of_wide_tiles(kernel_device, monkeypatch):
 def test_dcp_block_scores_kernel_equals_reference(kernel_device, row_repeat, with_starts):
     # Local blocks of 3 (a global block of 6 over 2 ranks), NaN / -inf / +inf / signed zeros, rows shorter than
     # the blocks, and the pinned newest block inside, at the edge of and past the score columns (or absent).
-    from dsa_indexer.distributed import _dcp_block_scores_reference, _dcp_block_scores_triton
-
     logits = awkward_rows(6, 50, 3)
     bounds = 6 // row_repeat
     ends = torch.tensor([50, 37, 0, 5, 49, 1][:bounds], dtype=torch.int32)
     starts = torch.tensor([0, 4, 0, 2, 1, 0][:bounds], dtype=torch.int32) if with_starts else None
     global_ends = torch.tensor([100, 74, 0, 120, 121, 1][:bounds], dtype=torch.int32)
     args = (3, 20, row_repeat)
-    want = _dcp_block_scores_reference(logits, starts, ends, *args, global_ends, 6, torch.empty(6, 20))
+    want = dcp_block_scores(logits, starts, ends, *args, global_ends, 6, out=torch.empty(6, 20), backend="reference")
     out = torch.full((6, 20), 5.0, device=kernel_device)
-    got = _dcp_block_scores_triton(logits.to(kernel_device), None if starts is None else starts.to(kernel_device),
-                                   ends.to(kernel_device), *args, global_ends.to(kernel_device), 6, out)
+    got = dcp_block_scores(logits.to(kernel_device), None if starts is None else starts.to(kernel_device),
+                           ends.to(kernel_device), *args, global_ends.to(kernel_device), 6, out=out, backend="triton")
     assert torch.equal(got.cpu(), want)
     for row, end in enumerate(global_ends.repeat_interleave(row_repeat).tolist()):
         if 0 < end <= 120:  # newest block (end - 1) // 6 is one of the 20 columns

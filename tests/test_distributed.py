@@ -10,14 +10,8 @@ import pytest
 import torch
 
 from dsa_indexer import IndexerKCache, SparseAttnIndexer, build_metadata, rope_quant_q, topk, topk_decode
-from dsa_indexer.distributed import (
-    DcpMergeWorkspace,
-    gather_prefill_k,
-    global_to_local,
-    local_lengths,
-    merge_topk_global,
-    select_candidate_blocks_dcp,
-)
+from dsa_indexer.dcp_positions import global_to_local, local_lengths
+from dsa_indexer.distributed import DcpMergeWorkspace, gather_prefill_k, merge_topk_global, select_candidate_blocks_dcp
 from dsa_indexer.ops.candidates import select_candidate_blocks
 from dsa_indexer.testing import few_distinct_rows, run_distributed
 

@@ -1,4 +1,4 @@
-"""DCP position mapping and the exact merge pieces, against brute force (no process group)."""
+"""DCP position math and the exact merge pieces (``ops.dcp``), against brute force (no process group)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,8 @@ import math
 import pytest
 import torch
 
-from dsa_indexer.distributed import (
-    global_to_local,
-    local_lengths,
-    local_to_global,
-    pack_candidate_keys,
-    pack_local_candidates,
-    select_global_topk,
-    select_global_topk_keys,
-)
+from dsa_indexer.dcp_positions import global_to_local, local_lengths, local_to_global
+from dsa_indexer.ops.dcp import pack_candidate_keys, pack_local_candidates, select_global_topk, select_global_topk_keys
 
 WORLD_SIZES = [1, 2, 3, 4]
 INTERLEAVES = [1, 2, 4, 8]

@@ -75,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
                             "(default: all for the device but train)")
     bench.add_argument("--out", default="dsa-indexer-bench", metavar="DIR", help="folder for <suite>.json and .md")
     bench.add_argument("--plot", metavar="PNG", help="also draw each result as a percentage of its floor")
+    bench.add_argument("--list", action="store_true", help="list the suites and exit")
     commands.add_parser("info", help="versions, devices and available backends")
     return parser
 
@@ -191,6 +192,14 @@ def _run_bench(args, console: Console) -> int:
 
     from . import bench
 
+    if args.list:
+        table = Table(title="dsa-indexer bench suites")
+        for column in ("suite", "runs on", "measures"):
+            table.add_column(column)
+        for name, where, summary in bench.describe_suites():
+            table.add_row(name, where, escape(summary))
+        console.print(table)
+        return 0
     if args.plot:
         bench.require_matplotlib()
     suites = tuple(args.suites) if args.suites else bench.default_suites()

@@ -1,43 +1,29 @@
-"""Decode context parallelism (DCP, DESIGN §8): position mapping and the pieces of the exact merge.
+"""Decode context parallelism's collectives and its public API (DESIGN §8).
 
-The KV of a request is sharded over ``W`` ranks with interleave ``I``: global position ``g`` lives on
-rank ``(g // I) % W`` at local index ``(g // (I * W)) * I + g % I``. Each rank scores and selects
-its own shard, then the exact merge (``merge_topk_global``) turns the local top-k into the global one:
-
-1. ``pack_candidate_keys``: each rank's local top-k as one int64 word per candidate whose integer order
-   is the §5 order (score descending, global id ascending);
-2. one ``all_gather_into_tensor`` gives every rank the ``[W, R, k]`` words;
-3. ``select_global_topk_keys``: the ids of each row's k largest words, ascending.
-
-``pack_local_candidates`` and ``select_global_topk`` are the same steps on ``(score, global id)`` pairs.
-
-A key in the global top-k has fewer than k keys above it globally, hence fewer than k on its own
-rank, so it is in its rank's local top-k: the merge equals a top-k over the whole row. The local
-top-k must break ties toward the lower local index (the §6 order does); since the global id grows
-with the local id on one rank, the tie choices then agree too. Ids travel as integers, never floats.
-
-The collective parts — ``merge_topk_global``, ``select_candidate_blocks_dcp`` and the prefill context
-parallel ``gather_prefill_k`` — run on any ``torch.distributed`` process group (gloo on CPU, NCCL on
-GPUs) using only all-gathers of equal-size tensors and ``all_reduce``. While value checks are enabled, each
-first exchanges a small shape descriptor, so a mismatch between ranks raises the same ``ValueError`` on
-every rank instead of hanging. ``torch.distributed`` is imported only when a collective runs.
+The KV of a request is sharded over the ranks of a ``torch.distributed`` group (position math:
+``dsa_indexer.dcp_positions``); each rank scores and selects its own shard, and the functions here turn the
+local results into global ones: ``merge_topk_global`` (key pack, one ``all_gather_into_tensor``, keyed select:
+``dsa_indexer.ops.dcp``), ``merge_scored_topk_global``, ``select_candidate_blocks_dcp`` (an ``all_reduce``
+MAX of block scores) and the prefill context parallel ``gather_prefill_k``. They run on any process group
+(gloo on CPU, NCCL on GPUs). While value checks are enabled, each first exchanges a small shape descriptor, so
+a mismatch between ranks raises the same ``ValueError`` on every rank instead of hanging.
+``torch.distributed`` is imported only when a collective runs.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import backend as _backend
-from ._validation import (
-    check_index_tensor,
-    check_k,
-    check_positive_int,
-    check_same_device,
-    check_tensor,
-    index_as_int32,
-    value_checks_enabled,
+from ._validation import check_index_tensor, check_positive_int, check_same_device, check_tensor, value_checks_enabled
+from .dcp_positions import global_to_local, local_lengths, local_to_global
+from .ops.dcp import (
+    dcp_block_scores,
+    pack_candidate_keys,
+    pack_local_candidates,
+    pack_scored_keys,
+    select_global_topk,
+    select_global_topk_keys,
 )
-from .ops._order import composite_key, top_ids_ascending
 
 __all__ = [
     "DcpMergeWorkspace",
@@ -53,333 +39,6 @@ __all__ = [
     "select_global_topk",
     "select_global_topk_keys",
 ]
-
-# Merged ids are reported as int32: anything outside this range is not a valid global position.
-_MAX_GLOBAL_ID = torch.iinfo(torch.int32).max
-
-
-def _check_layout(world_size: int, interleave: int, rank: int | None = None) -> None:
-    check_positive_int("world_size", world_size)
-    check_positive_int("interleave", interleave)
-    if rank is not None:
-        check_positive_int("rank", rank, minimum=0)
-        if rank >= world_size:
-            raise ValueError(f"rank must be < world_size = {world_size}, got {rank}")
-
-
-def _local_to_global(local_pos: torch.Tensor, rank: int, world_size: int, interleave: int) -> torch.Tensor:
-    """int64 global ids of int64 local positions; negative positions give -1."""
-    global_pos = (local_pos // interleave) * (interleave * world_size) + rank * interleave + local_pos % interleave
-    return torch.where(local_pos >= 0, global_pos, -1)
-
-
-def global_to_local(
-    global_pos: torch.Tensor, world_size: int, interleave: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Owner and local index of global positions.
-
-    Args:
-        global_pos: int32/int64 tensor of any shape; negative entries are padding.
-        world_size: ranks W (>= 1).
-        interleave: consecutive positions per rank I (>= 1).
-
-    Returns:
-        ``(rank, local_pos)``, both of ``global_pos``'s shape and dtype: ``rank = (g // I) % W``,
-        ``local_pos = (g // (I * W)) * I + g % I``; ``(-1, -1)`` where ``g < 0``.
-    """
-    check_index_tensor("global_pos", global_pos)
-    _check_layout(world_size, interleave)
-    position = global_pos.to(torch.int64)
-    chunk = position // interleave
-    rank = torch.where(position >= 0, chunk % world_size, -1)
-    local_pos = torch.where(position >= 0, (chunk // world_size) * interleave + position % interleave, -1)
-    return rank.to(global_pos.dtype), local_pos.to(global_pos.dtype)
-
-
-def local_to_global(local_pos: torch.Tensor, rank: int, world_size: int, interleave: int) -> torch.Tensor:
-    """Global positions of ``rank``'s local positions (inverse of ``global_to_local``).
-
-    Args:
-        local_pos: int32/int64 tensor of any shape; negative entries are padding.
-        rank: the owning rank, ``0 <= rank < world_size``.
-        world_size, interleave: as for ``global_to_local``.
-
-    Returns:
-        ``(l // I) * (I * W) + rank * I + l % I`` with ``local_pos``'s shape and dtype; ``-1`` where
-        ``l < 0``.
-    """
-    check_index_tensor("local_pos", local_pos)
-    _check_layout(world_size, interleave, rank)
-    return _local_to_global(local_pos.to(torch.int64), rank, world_size, interleave).to(local_pos.dtype)
-
-
-def local_lengths(global_lengths: torch.Tensor, rank: int, world_size: int, interleave: int) -> torch.Tensor:
-    """How many of the positions ``[0, L)`` of each length ``L`` live on ``rank``.
-
-    Args:
-        global_lengths: int32/int64 tensor of any shape (negative lengths count as 0).
-        rank, world_size, interleave: as for ``local_to_global``.
-
-    Returns:
-        Same shape and dtype: ``(L // (I * W)) * I + clamp(L % (I * W) - rank * I, 0, I)``, exact for
-        every ``L >= 0``.
-    """
-    check_index_tensor("global_lengths", global_lengths)
-    _check_layout(world_size, interleave, rank)
-    length = global_lengths.to(torch.int64).clamp_min(0)
-    span = interleave * world_size
-    partial = (length % span - rank * interleave).clamp(0, interleave)
-    return ((length // span) * interleave + partial).to(global_lengths.dtype)
-
-
-def _pack_local_candidates_reference(
-    logits: torch.Tensor,
-    local_topk: torch.Tensor,
-    rank: int,
-    world_size: int,
-    interleave: int,
-    starts: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    num_rows, width = logits.shape
-    local_pos = local_topk.to(torch.int64)
-    column = local_pos if starts is None else local_pos + starts.to(torch.int64)[:, None]
-    valid = (local_pos >= 0) & (column >= 0) & (column < width)
-    if width == 0:
-        scores = torch.full(local_pos.shape, float("-inf"), dtype=torch.float32, device=logits.device)
-    else:
-        scores = logits.gather(1, column.clamp(0, width - 1))
-        scores = torch.where(valid, scores, float("-inf"))
-    global_ids = torch.where(valid, _local_to_global(local_pos, rank, world_size, interleave), -1)
-    return scores, global_ids
-
-
-def _pack_local_candidates_triton(*args):
-    from ._distributed_triton import pack_local_candidates_triton
-
-    return pack_local_candidates_triton(*args)
-
-
-def pack_local_candidates(
-    logits: torch.Tensor,
-    local_topk: torch.Tensor,
-    rank: int,
-    world_size: int,
-    interleave: int,
-    starts: torch.Tensor | None = None,
-    *,
-    backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's local top-k as ``(score, global id)`` candidates for the exact merge.
-
-    Args:
-        logits: ``[R, C]`` float32 local logits (any strides), as given to the local top-k.
-        local_topk: ``[R, k]`` int32 or int64 local positions relative to ``starts`` (``-1`` padding),
-            the output of the local top-k; values within the int32 range.
-        rank, world_size, interleave: this rank's place in the sharding (see ``global_to_local``).
-        starts: ``[R]`` int32 or int64 first column of each row (prefill chunks), or None for 0.
-        backend: ``"auto" | "reference" | "triton"``.
-
-    Returns:
-        ``(scores float32 [R, k], global_ids int64 [R, k])`` with
-        ``scores[r, j] = logits[r, starts[r] + l]`` and ``global_ids[r, j] = local_to_global(l)`` for
-        ``l = local_topk[r, j]``; ``(-inf, -1)`` where ``l < 0`` or the column is outside ``[0, C)``
-        (such entries are padding, not an error: checking them would cost a host synchronisation).
-    """
-    check_tensor("logits", logits, dtype=torch.float32, ndim=2)
-    check_index_tensor("local_topk", local_topk, shape=(logits.shape[0], None))
-    _check_layout(world_size, interleave, rank)
-    if starts is not None:
-        check_index_tensor("starts", starts, shape=(logits.shape[0],))
-    check_same_device(logits=logits, local_topk=local_topk, starts=starts)
-    local_topk = index_as_int32("local_topk", local_topk)
-    starts = None if starts is None else index_as_int32("starts", starts)
-    triton_impl = _pack_local_candidates_triton if _backend.triton_available() else None
-    impl = _backend.dispatch(_pack_local_candidates_reference, triton_impl, backend, logits.device)
-    return impl(logits, local_topk, rank, world_size, interleave, starts)
-
-
-def _select_global_topk_reference(
-    scores: torch.Tensor, global_ids: torch.Tensor, k: int, out: torch.Tensor | None
-) -> torch.Tensor:
-    if out is None:
-        out = torch.empty((scores.shape[0], k), dtype=torch.int32, device=scores.device)
-    valid_id = (global_ids >= 0) & (global_ids <= _MAX_GLOBAL_ID)
-    keys = composite_key(torch.where(valid_id, scores, float("-inf")), global_ids.clamp(0, _MAX_GLOBAL_ID))
-    return out.copy_(top_ids_ascending(keys, global_ids, k))
-
-
-def _select_global_topk_by_id_order(
-    scores: torch.Tensor, global_ids: torch.Tensor, k: int, out: torch.Tensor | None
-) -> torch.Tensor:
-    """The same selection through the Triton top-k: candidates sorted by id become columns, so the
-    top-k's tie rule (lower column) is the merge's (lower id) and its ascending columns are ascending
-    ids. Everything stays on the device (no host reads), so it is graph-capturable."""
-    from .ops.topk import topk
-
-    num_rows = scores.shape[0]
-    if out is None:
-        out = torch.empty((num_rows, k), dtype=torch.int32, device=scores.device)
-    valid_id = (global_ids >= 0) & (global_ids <= _MAX_GLOBAL_ID)
-    ordered_ids, order = torch.where(valid_id, global_ids, _MAX_GLOBAL_ID + 1).sort(dim=1, stable=True)
-    ordered_scores = torch.where(valid_id, scores, float("-inf")).gather(1, order)
-    columns = topk(ordered_scores.contiguous(), k, backend="triton")
-    picked = ordered_ids.gather(1, columns.clamp_min(0).to(torch.int64))
-    return out.copy_(torch.where(columns >= 0, picked, -1))
-
-
-def select_global_topk(
-    scores: torch.Tensor,
-    global_ids: torch.Tensor,
-    k: int,
-    *,
-    out: torch.Tensor | None = None,
-    backend: str = "auto",
-) -> torch.Tensor:
-    """The global top-k from the gathered candidates of all ranks.
-
-    Args:
-        scores: ``[R, M]`` float32 candidate scores (``M = W * k`` after the all-gather).
-        global_ids: ``[R, M]`` int64 (or int32) candidate global ids, unique per row apart from ``-1``.
-        k: positions to select per row, ``1 <= k <= 2**31 - 1``.
-        out: optional int32 ``[R, k]`` destination.
-        backend: ``"auto" | "reference" | "triton"``.
-
-    Returns:
-        int32 ``[R, k]``: the global ids of the first ``min(k, #selectable)`` candidates by (score
-        descending, global id ascending), ascending, then ``-1``. A candidate is selectable unless
-        its score is NaN or ``-inf`` or its id is outside ``[0, 2**31)`` (``-1`` is padding).
-    """
-    check_tensor("scores", scores, dtype=torch.float32, ndim=2)
-    check_index_tensor("global_ids", global_ids, shape=scores.shape)
-    check_k("k", k)
-    if out is not None:
-        check_tensor("out", out, dtype=torch.int32, shape=(scores.shape[0], k))
-    check_same_device(scores=scores, global_ids=global_ids, out=out)
-    # Ids are int64 here (not int32): ids past 2**31 - 1 are valid input that is never selectable.
-    global_ids = global_ids.to(torch.int64)
-    triton_impl = _select_global_topk_by_id_order if _backend.triton_available() else None
-    impl = _backend.dispatch(_select_global_topk_reference, triton_impl, backend, scores.device)
-    return impl(scores, global_ids, k, out)
-
-
-def _pack_candidate_keys_reference(
-    logits: torch.Tensor,
-    local_topk: torch.Tensor,
-    rank: int,
-    world_size: int,
-    interleave: int,
-    starts: torch.Tensor | None,
-    out: torch.Tensor,
-) -> torch.Tensor:
-    scores, global_ids = _pack_local_candidates_reference(logits, local_topk, rank, world_size, interleave, starts)
-    valid_id = (global_ids >= 0) & (global_ids <= _MAX_GLOBAL_ID)
-    return out.copy_(composite_key(torch.where(valid_id, scores, float("-inf")), global_ids.clamp(0, _MAX_GLOBAL_ID)))
-
-
-def _pack_candidate_keys_triton(*args):
-    from ._distributed_triton import pack_candidate_keys_triton
-
-    return pack_candidate_keys_triton(*args)
-
-
-def pack_candidate_keys(
-    logits: torch.Tensor,
-    local_topk: torch.Tensor,
-    rank: int,
-    world_size: int,
-    interleave: int,
-    starts: torch.Tensor | None = None,
-    *,
-    out: torch.Tensor | None = None,
-    backend: str = "auto",
-) -> torch.Tensor:
-    """This rank's local top-k as one int64 order key per candidate (the fused merge's payload).
-
-    Args:
-        logits, local_topk, rank, world_size, interleave, starts: as for ``pack_local_candidates``.
-        out: optional contiguous int64 ``[R, k]`` destination.
-        backend: ``"auto" | "reference" | "triton"``.
-
-    Returns:
-        int64 ``[R, k]``: ``composite_key(score, global id)`` of ``ops/_order.py``, i.e. the score's order
-        key in the high 32 bits and ``2**32 - 1 - id`` in the low ones, so that integer order is the §5
-        order (score descending, then id ascending); ``UNSELECTABLE`` (``-2**63``) where the pair of
-        ``pack_local_candidates`` is unselectable (NaN or ``-inf`` score, padding) or the id is ``>= 2**31``.
-    """
-    check_tensor("logits", logits, dtype=torch.float32, ndim=2)
-    check_tensor("local_topk", local_topk, dtype=torch.int32, shape=(logits.shape[0], None))
-    _check_layout(world_size, interleave, rank)
-    if starts is not None:
-        check_tensor("starts", starts, dtype=torch.int32, shape=(logits.shape[0],))
-    if out is None:
-        out = torch.empty(local_topk.shape, dtype=torch.int64, device=logits.device)
-    check_tensor("out", out, dtype=torch.int64, shape=local_topk.shape)
-    if not out.is_contiguous():
-        raise ValueError("out must be contiguous (it is the all-gather's send buffer)")
-    check_same_device(logits=logits, local_topk=local_topk, starts=starts, out=out)
-    triton_impl = _pack_candidate_keys_triton if _backend.triton_available() else None
-    impl = _backend.dispatch(_pack_candidate_keys_reference, triton_impl, backend, logits.device)
-    return impl(logits, local_topk, rank, world_size, interleave, starts, out)
-
-
-def _select_global_topk_keys_reference(keys: torch.Tensor, k: int, out: torch.Tensor, scratch) -> torch.Tensor:
-    world_size, num_rows, width = keys.shape
-    row_keys = keys.permute(1, 0, 2).reshape(num_rows, world_size * width)
-    ids = 0xFFFFFFFF - (row_keys & 0xFFFFFFFF)
-    return out.copy_(top_ids_ascending(row_keys, ids, k))
-
-
-def _select_global_topk_keys_triton(*args):
-    from ._distributed_triton import select_global_topk_keys_triton
-
-    return select_global_topk_keys_triton(*args)
-
-
-def select_global_topk_keys(
-    keys: torch.Tensor,
-    k: int,
-    *,
-    out: torch.Tensor | None = None,
-    scratch: torch.Tensor | None = None,
-    backend: str = "auto",
-) -> torch.Tensor:
-    """The global top-k from every rank's packed candidate keys (the fused merge's select).
-
-    Args:
-        keys: int64 ``[W, R, k_in]`` (each ``[R, k_in]`` slab row-contiguous), rank ``w``'s
-            ``pack_candidate_keys`` in slab ``w``: the all-gather's output. Within a slab row the
-            selectable candidates must come in ascending id order, as a local top-k's ascending
-            positions give them (the Triton kernel relies on it to emit ids in order without a sort).
-        k: positions to select per row (>= 1, ``<= W * k_in``).
-        out: optional int32 ``[R, k]`` destination (any strides).
-        scratch: optional int32 workspace of at least ``R * W * k_in`` elements (the Triton kernel's
-            per-rank lists; allocated when None).
-        backend: ``"auto" | "reference" | "triton"``.
-
-    Returns:
-        int32 ``[R, k]``: the ids (``2**32 - 1 - low word``) of the ``min(k, #selectable)`` largest
-        selectable keys of each row, ascending, then ``-1``: exactly ``select_global_topk`` of the
-        unpacked pairs.
-    """
-    check_tensor("keys", keys, dtype=torch.int64, ndim=3)
-    check_positive_int("k", k)
-    world_size, num_rows, width = keys.shape
-    if k > world_size * width:
-        raise ValueError(f"k = {k} exceeds the {world_size} x {width} candidates of keys")
-    if keys.stride(2) != 1 or keys.stride(1) != width:
-        raise ValueError("keys must have row-contiguous [R, k_in] slabs")
-    if out is None:
-        out = torch.empty((num_rows, k), dtype=torch.int32, device=keys.device)
-    check_tensor("out", out, dtype=torch.int32, shape=(num_rows, k))
-    if scratch is None:
-        scratch = torch.empty(num_rows * world_size * width, dtype=torch.int32, device=keys.device)
-    check_tensor("scratch", scratch, dtype=torch.int32, ndim=1)
-    if scratch.shape[0] < num_rows * world_size * width:
-        raise ValueError(f"scratch needs >= {num_rows * world_size * width} elements, got {scratch.shape[0]}")
-    check_same_device(keys=keys, out=out, scratch=scratch)
-    triton_impl = _select_global_topk_keys_triton if _backend.triton_available() else None
-    impl = _backend.dispatch(_select_global_topk_keys_reference, triton_impl, backend, keys.device)
-    return impl(keys, k, out, scratch)
 
 
 def _group_layout(group) -> tuple[int, int]:
@@ -566,24 +225,6 @@ def merge_topk_global(
     select_global_topk_keys(gathered.view(world_size, rows, k), k, out=topk_indices, scratch=scratch, backend=backend)
 
 
-def _dcp_block_scores_reference(logits, starts, ends, local_block, num_blocks, row_repeat, global_ends, global_block,
-                                out) -> torch.Tensor:
-    from .ops.candidates.reference import block_scores
-
-    num_rows = logits.shape[0]
-    scores = block_scores(logits, starts, ends, local_block, num_blocks, row_repeat)
-    block_ids = torch.arange(num_blocks, device=logits.device).expand(num_rows, num_blocks)
-    bound_index = torch.arange(num_rows, device=logits.device) // row_repeat
-    newest = torch.div(global_ends.to(torch.int64)[bound_index] - 1, global_block, rounding_mode="floor")
-    return out.copy_(torch.where(block_ids == newest[:, None], float("inf"), scores))
-
-
-def _dcp_block_scores_triton(*args):
-    from ._distributed_triton import dcp_block_scores_triton
-
-    return dcp_block_scores_triton(*args)
-
-
 def merge_scored_topk_global(
     scores: torch.Tensor,
     local_positions: torch.Tensor,
@@ -592,6 +233,7 @@ def merge_scored_topk_global(
     group=None,
     interleave: int = 1,
     out: torch.Tensor,
+    backend: str = "auto",
 ) -> None:
     """``merge_topk_global`` for candidates that come with their scores (a collective).
 
@@ -604,6 +246,7 @@ def merge_scored_topk_global(
         k: positions per row.
         group, interleave: as for ``merge_topk_global``.
         out: int32 ``[R, k]``: receives the global top-k positions (ascending, ``-1``-padded).
+        backend: ``"auto" | "reference" | "triton"`` for the pack and the select.
     """
     rank, world_size = _group_layout(group)
 
@@ -627,13 +270,10 @@ def merge_scored_topk_global(
     import torch.distributed as dist
 
     rows = scores.shape[0]
-    local = local_positions.to(torch.int64)
-    global_ids = _local_to_global(local, rank, world_size, interleave)
-    valid = (local >= 0) & (global_ids <= _MAX_GLOBAL_ID)
-    send = composite_key(torch.where(valid, scores, float("-inf")), global_ids.clamp(0, _MAX_GLOBAL_ID)).contiguous()
-    gathered = torch.empty(world_size * rows * k, dtype=torch.int64, device=scores.device)
-    dist.all_gather_into_tensor(gathered, send.view(-1), group=group)
-    select_global_topk_keys(gathered.view(world_size, rows, k), k, out=out)
+    send, gathered, scratch = _merge_buffers(rows, k, world_size, scores.device)
+    pack_scored_keys(scores, local_positions, rank, world_size, interleave, out=send.view(rows, k), backend=backend)
+    dist.all_gather_into_tensor(gathered, send, group=group)
+    select_global_topk_keys(gathered.view(world_size, rows, k), k, out=out, scratch=scratch, backend=backend)
 
 
 def select_candidate_blocks_dcp(
@@ -694,10 +334,8 @@ def select_candidate_blocks_dcp(
     elif error is not None:
         raise error
     scores = torch.empty((logits.shape[0], max_global_blocks), dtype=torch.float32, device=logits.device)
-    triton_impl = _dcp_block_scores_triton if _backend.triton_available() else None
-    impl = _backend.dispatch(_dcp_block_scores_reference, triton_impl, backend, logits.device)
-    impl(logits, starts, ends, global_block_size // world_size, max_global_blocks, row_repeat, global_ends,
-         global_block_size, scores)
+    dcp_block_scores(logits, starts, ends, global_block_size // world_size, max_global_blocks, row_repeat, global_ends,
+                     global_block_size, out=scores, backend=backend)
     if world_size > 1:
         dist.all_reduce(scores, op=dist.ReduceOp.MAX, group=group)
     return topk(scores, num_blocks_k, out=out, backend=backend)

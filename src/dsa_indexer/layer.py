@@ -422,7 +422,7 @@ class SparseAttnIndexer(nn.Module):
                         logits, chunk.ks, chunk.ke, candidates.shape[1], self.candidate_block_size,
                         global_ends=chunk.global_visible,
                         max_global_blocks=-(-chunk.max_global_visible // self.candidate_block_size),
-                        group=self.dcp_group, out=candidates,
+                        group=self.dcp_group, out=candidates, backend=self.backend,
                     )
                 elif self.candidate_write:
                     select_candidate_blocks(
@@ -480,7 +480,8 @@ class SparseAttnIndexer(nn.Module):
             else:
                 scores = torch.full(columns.shape, float("-inf"), device=logits.device)
             merge_scored_topk_global(
-                scores, positions, self.topk_tokens, group=self.dcp_group, interleave=self.dcp_interleave, out=out
+                scores, positions, self.topk_tokens, group=self.dcp_group, interleave=self.dcp_interleave, out=out,
+                backend=self.backend,
             )
 
     def _local_candidate_block_size(self) -> int:
@@ -576,7 +577,7 @@ class SparseAttnIndexer(nn.Module):
             logits, None, ends, num_blocks_k, self.candidate_block_size,
             global_ends=decode.global_context_lens.reshape(-1),
             max_global_blocks=-(-decode.max_global_context_len // self.candidate_block_size),
-            group=self.dcp_group, out=out,
+            group=self.dcp_group, out=out, backend=self.backend,
         )
 
     def _decode_candidates(self, logits, decode, num_decode_tokens) -> None:

@@ -1,8 +1,9 @@
-"""Benchmarks of every op on the current device: ``dsa-indexer bench`` (or ``scripts/gpu-bench``).
+"""Benchmarks of the shipped ops on the current device: ``dsa-indexer bench`` (or ``scripts/gpu-bench``).
 
 A suite is a module ``suite_<name>.py`` with ``run(ceilings) -> list[record]``; GPU suites time the
 Triton kernels against the torch reference on the shapes of DESIGN.md §12 and check their results
-first. On a machine without CUDA the ``cpu`` suite times the references on small shapes.
+first. On a machine without CUDA the ``cpu`` suite times the references on small shapes. Variant sweeps
+and kernel timelines are development tools and live outside the package, under ``benchmarks/``.
 """
 
 from __future__ import annotations
@@ -35,11 +36,28 @@ def installed_peers() -> list[str]:
     return [name for name in PEER_LIBRARIES if importlib.util.find_spec(name) is not None]
 
 
+def all_suites() -> tuple[str, ...]:
+    return GPU_SUITES + MULTI_GPU_SUITES + OPT_IN_GPU_SUITES + CPU_SUITES
+
+
+def describe_suites() -> list[tuple[str, str, str]]:
+    """``(name, where it runs, first line of its docstring)`` of every suite (each module is imported)."""
+    where = {**dict.fromkeys(GPU_SUITES, "GPU"), **dict.fromkeys(MULTI_GPU_SUITES, "GPU (NCCL with 2+)"),
+             **dict.fromkeys(OPT_IN_GPU_SUITES, "GPU, only when named"), **dict.fromkeys(CPU_SUITES, "CPU")}
+    rows = []
+    for name in all_suites():
+        module = importlib.import_module(f"{__name__}.suite_{name}")
+        if not callable(getattr(module, "run", None)):
+            raise TypeError(f"suite {name} has no run(ceilings)")
+        rows.append((name, where[name], (module.__doc__ or "").strip().splitlines()[0]))
+    return rows
+
+
 def run_suites(
     suites: tuple[str, ...], folder: Path, progress: Callable[[str], None] | None = None
 ) -> tuple[dict[str, float], list[dict]]:
     """Measure the ceilings, run ``suites`` and write their results to ``folder``."""
-    known = GPU_SUITES + MULTI_GPU_SUITES + OPT_IN_GPU_SUITES + CPU_SUITES
+    known = all_suites()
     unknown = [s for s in suites if s not in known]
     if unknown:
         raise ValueError(f"suites must be among {known}, got {unknown}")

@@ -77,7 +77,7 @@ def rotating_graph_us(calls, reps: int = 100) -> float:
     there once the buffers of the other calls exceed the L2, and the lines it evicts are clean reads and the
     previous outputs, not a flush's dirty bytes."""
     graphs = _captured(calls)
-    for graph in graphs:  # one round untimed: every replay then follows the previous call's, as timed
+    for graph in graphs:  # one pass untimed: every replay then follows the previous call's, as timed
         graph.replay()
     return _replays_median_us(graphs, reps, lambda: torch.cuda._sleep(_SPACER_CYCLES))
 

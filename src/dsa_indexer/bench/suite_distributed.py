@@ -1,30 +1,15 @@
-"""Decode context parallelism (issues 7 and 28): the exact global top-k merge and the DCP decode step.
+"""Decode context parallelism: the exact global top-k merge and the DCP decode step (``ops/dcp/README.md``).
 
-The merge is three launches (``merge_topk_global`` with a ``DcpMergeWorkspace``): the key pack (one int64
-order key per candidate), one ``all_gather_into_tensor`` of those keys, the keyed select. Each rank of ``W``
-holds ``1/W`` of every row's columns (interleave 1) and runs the local top-k on its shard first.
-
-With >= 2 GPUs (NCCL, one GPU per rank), for ``W = 2``:
-
-- ``merge_topk_global`` (shape ``world, rows, L, k``): the captured merge, and each stage in its own graph
-  (``pack_us``, ``gather_us``, ``select_us``), beside the local top-k (``local_topk_us``) and the single-GPU
-  top-k of the whole rows; ``bytes_moved`` (what one rank receives) against the NVLink bandwidth measured in
-  the same run (``nvlink_gbs``: a captured all-gather of 32 MiB a rank); the floor is those bytes at that
-  bandwidth. The merged ids are checked bitwise against the single-GPU top-k before timing.
-- ``decode_step`` (shape ``B, L, next_n, k, fmt, world``): one graph of the local paged logits over ``L / W``
-  keys, the local top-k and the merge, beside ``baselines.single_gpu_step`` (the same step over all ``L`` keys
-  on one GPU, same run). The caches hold random keys (the merge's exactness is checked above).
-
-Graphs with collectives are replayed the same number of times on every rank, each replay after a 256 MB
-memset (cold L2) and a small all-reduce that lines the GPUs up (both untimed), timed by events; median,
-maximum over ranks.
-
-On one GPU (the single-GPU timeline; what ``scripts/gpu-bench distributed`` runs there) the ranks are
-simulated: every rank's shard, local top-k and pack are computed on the one GPU, and rank 0's step runs with
-the all-gather replaced by device copies into the gathered buffer (``merge_topk_global_1gpu``: ``pack_us``,
-``copy_us``, ``select_us`` and the three in one graph, for ``W`` = 2, 4 and 8; ``decode_step_1gpu``: rank 0's
-step so built, beside the single-GPU step). The merged ids are checked bitwise against the single-GPU top-k.
-The NCCL part needs >= 2 GPUs.
+Each rank of ``W`` holds ``1/W`` of every row's columns (interleave 1) and runs its local top-k first.
+With >= 2 GPUs (NCCL, one GPU per rank, ``W = 2``): ``merge_topk_global`` captured, whole and per stage
+(``pack_us``, ``gather_us``, ``select_us``) beside the local top-k and the single-GPU top-k of the whole rows;
+floor: the bytes one rank receives at the NVLink bandwidth measured in the same run (``nvlink_gbs``); and
+``decode_step``: one graph of the local paged logits over ``L / W`` keys, the local top-k and the merge, beside
+the same step over all ``L`` keys on one GPU. Graphs with collectives replay the same number of times on every
+rank, each after a 256 MB memset and a small all-reduce that lines the GPUs up (untimed); median, maximum
+over ranks. On one GPU the ranks are simulated (every rank's shard, local top-k and pack on the one GPU, the
+all-gather replaced by device copies): ``merge_topk_global_1gpu`` for ``W`` = 2, 4, 8 and ``decode_step_1gpu``.
+Merged ids are checked bitwise against the single-GPU top-k before timing.
 """
 
 from __future__ import annotations
@@ -54,7 +39,7 @@ def _rows(rows: int, width: int, device: str = "cuda") -> tuple[torch.Tensor, to
 
 
 def _shard(logits: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    from dsa_indexer.distributed import global_to_local
+    from dsa_indexer.dcp_positions import global_to_local
 
     owner, local = global_to_local(torch.arange(logits.shape[1], device=logits.device), world, 1)
     mine = (owner == rank).nonzero().squeeze(1)
@@ -75,7 +60,8 @@ def _local_stage_bytes(world: int, rows: int, k: int) -> int:
 
 def _simulated_merge(world: int, rows: int, width: int, k: int, ceilings: dict[str, float]) -> dict:
     from dsa_indexer import topk_decode
-    from dsa_indexer.distributed import local_lengths, pack_candidate_keys, select_global_topk_keys
+    from dsa_indexer.dcp_positions import local_lengths
+    from dsa_indexer.ops.dcp import pack_candidate_keys, select_global_topk_keys
 
     logits, lengths = _rows(rows, width)
     gathered = torch.empty(world, rows, k, dtype=torch.int64, device="cuda")
@@ -132,7 +118,7 @@ def _simulated_merge(world: int, rows: int, width: int, k: int, ceilings: dict[s
 
 def _step_inputs(batch: int, length: int, next_n: int, fmt: str, world: int, rank: int):
     """Rank ``rank``'s decode inputs: a cache of its ``L / W`` keys per request and its local lengths."""
-    from dsa_indexer.distributed import local_lengths
+    from dsa_indexer.dcp_positions import local_lengths
 
     from .suite_step import _inputs
 
@@ -145,7 +131,7 @@ def _step_inputs(batch: int, length: int, next_n: int, fmt: str, world: int, ran
 
 def _simulated_step(ceilings: dict[str, float]) -> dict:
     import dsa_indexer as dsa
-    from dsa_indexer.distributed import pack_candidate_keys, select_global_topk_keys
+    from dsa_indexer.ops.dcp import pack_candidate_keys, select_global_topk_keys
 
     from .suite_step import _inputs
 
@@ -191,7 +177,7 @@ def _simulated_step(ceilings: dict[str, float]) -> dict:
     )
 
 
-def _single_gpu_timeline(ceilings: dict[str, float]) -> list[dict]:
+def _simulated_ranks(ceilings: dict[str, float]) -> list[dict]:
     rows_out = [_simulated_merge(world, rows, WIDTH, K, ceilings) for rows in ROWS for world in SIMULATED_WORLDS]
     rows_out.append(_simulated_step(ceilings))
     return rows_out
@@ -233,13 +219,9 @@ def _rank_timings(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     import dsa_indexer as dsa
-    from dsa_indexer.distributed import (
-        DcpMergeWorkspace,
-        local_lengths,
-        merge_topk_global,
-        pack_candidate_keys,
-        select_global_topk_keys,
-    )
+    from dsa_indexer.dcp_positions import local_lengths
+    from dsa_indexer.distributed import DcpMergeWorkspace, merge_topk_global
+    from dsa_indexer.ops.dcp import pack_candidate_keys, select_global_topk_keys
 
     from .suite_step import _inputs
 
@@ -320,7 +302,7 @@ def _rank_timings(rank: int, world: int) -> dict:
 def run(ceilings: dict[str, float]) -> list[dict]:
     from dsa_indexer.testing import run_distributed
 
-    rows_out = _single_gpu_timeline(ceilings)
+    rows_out = _simulated_ranks(ceilings)
     torch.cuda.empty_cache()  # the ranks' processes need the memory of GPU 0
     if torch.cuda.device_count() < WORLD:
         print(f"distributed: ranks simulated on 1 GPU only; the NCCL merge and the DCP step need >= {WORLD} GPUs "
