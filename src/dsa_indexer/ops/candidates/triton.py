@@ -80,14 +80,12 @@ the ops are CUDA-graph capturable.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from ... import backend as _backend
-from ..topk.triton import KEY_MAX, LOW_FIELD, NONE, _reaches_unsigned, _stamp, _timeline_args
+from ..common.runtime import interpreting, sm_count
+from ..common.selection import KEY_MAX, LOW_FIELD, NONE, carry_mode, reaches_unsigned, row_bounds, stamp, timeline_args
 
 INF_IMAGE = tl.constexpr(0xFF800000)  # order image of +inf (topk's key of +inf ^ NONE)
 
@@ -137,7 +135,7 @@ _MOMENT_SAMPLE = 256
 _SPLIT_DISCARD = True
 _SELECT_EVICT_FIRST = True
 _PAD_BLOCK = 1024
-# Phase timeline of the split select (topk's ``_stamp``, a timing probe, off by default): global-timer stamps per
+# Phase timeline of the split select (topk's ``stamp``, a timing probe, off by default): global-timer stamps per
 # program at its start and its arrival; the selecting program's also after the bounds pass, at the search's first
 # round (its start, its end), after the search and the emit, and its search's round count (a number, not a time).
 _TL_START = tl.constexpr(0)
@@ -165,20 +163,6 @@ def _pad_after_taken(out_row, out_stride_col, totals, ties, num_blocks_k, PAD_BL
 
 
 @triton.jit
-def _row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS: tl.constexpr):
-    """(first column, length) of ``row`` as int64 scalars, the window clamped into ``[0, width]`` (a no-op on
-    validated bounds; unchecked ones never move a read or a scratch write outside the row)."""
-    bound = row // row_repeat
-    end = tl.load(ends_ptr + bound).to(tl.int64)
-    if HAS_STARTS:
-        start = tl.minimum(tl.maximum(tl.load(starts_ptr + bound).to(tl.int64), 0), width)
-    else:
-        start = end * 0
-    end = tl.minimum(tl.maximum(end, start), width)
-    return start, end - start
-
-
-@triton.jit
 def _pick_bin(hist, bins, remaining):
     """The bin holding the ``remaining``-th largest counted key of ``hist`` [BINS], the count above
     it and the count in it."""
@@ -200,7 +184,7 @@ def _block_keys_kernel(
     of 4 is read unmasked from a base the compiler knows to be 4-aligned, i.e. with 16-byte loads;
     other tiles take the masked scalar path."""
     row = tl.program_id(0).to(tl.int64)
-    start, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS)
+    start, length = row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS)
     num_blocks = (length + BLOCK_SIZE - 1) // BLOCK_SIZE
     first_block = tl.program_id(1).to(tl.int64) * BLOCK_NB
     blocks = first_block + tl.arange(0, BLOCK_NB)  # [BLOCK_NB]
@@ -241,7 +225,7 @@ def _select_kernel(
     HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, RADIX_BITS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    _, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS)
+    _, length = row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS)
     num_blocks = (length + BLOCK_SIZE - 1) // BLOCK_SIZE
     row_keys = keys_ptr + row * keys_stride
     row_cand = cand_ptr + row * keys_stride
@@ -397,20 +381,20 @@ def _probe(value, low, high):
 def _reach_pair(images, first, second, CARRY: tl.constexpr):
     """int32 partial counts ``#(images >= first) + #(images >= second) * 2**16`` of the uint32 ``images``
     (thresholds int64 scalars in ``[1, 2**32)``): summed over ``images`` they are the two packed counts.
-    ``CARRY`` 1 / 4: topk's ``_reaches_unsigned`` carry counts (PTX ``add.cc`` + ``addc``; 4 sums every 4
+    ``CARRY`` 1 / 4: topk's ``reaches_unsigned`` carry counts (PTX ``add.cc`` + ``addc``; 4 sums every 4
     images of a thread in the asm: ~1.5 instructions per image and threshold; needs a multiple of 4 images
     per thread); 0 (Triton's CPU interpreter, which cannot run inline PTX): compare and select of a constant."""
     first = first.to(tl.uint32)
     second = second.to(tl.uint32)
     if CARRY == 0:
         return tl.where(images >= first, 1, 0) + tl.where(images >= second, 65536, 0)
-    return _reaches_unsigned(images, first, CARRY) + (_reaches_unsigned(images, second, CARRY) << 16)
+    return reaches_unsigned(images, first, CARRY) + (reaches_unsigned(images, second, CARRY) << 16)
 
 
 @triton.jit
 def _reach_accumulate(counts, images, threshold):
     """``counts`` (int32, shaped as the uint32 ``images``) plus the carry counts of ``images >= threshold`` (an
-    int64 scalar in ``[1, 2**32)``; PTX ``add.cc`` + ``addc`` as topk's ``_reaches_unsigned``): the 4 carries of
+    int64 scalar in ``[1, 2**32)``; PTX ``add.cc`` + ``addc`` as topk's ``reaches_unsigned``): the 4 carries of
     every 4 images of a thread chained into the first of their 4 counts, the other 3 passed through (zeros from
     the start stay zeros, which ptxas folds away): ~1.5 instructions per image, none to accumulate. Needs a
     multiple of 4 images per thread; summed over all counts it is the count."""
@@ -572,7 +556,7 @@ def _fused_select_kernel(
     separate runs of one id: a warp scan and a cross-warp exchange per run (~3K of the ~8K SASS
     instructions per thread; session 5's one-run-per-thread layout cut that but lost on the loads)."""
     row = tl.program_id(0).to(tl.int64)
-    start, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS)
+    start, length = row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS)
     num_blocks = ((length + BLOCK_SIZE - 1) // BLOCK_SIZE).to(tl.int32)
     readable = num_blocks - 1  # every block but the pinned newest one
     row_ptr = logits_ptr + row * stride_row
@@ -654,7 +638,7 @@ def _kth_largest_in_scratch(keys_row, k, selectable, low, high, finite, total, s
     high_count = selectable * 0
     opening = selectable * 0 + 1
     rounds = selectable * 0
-    _stamp(timeline_ptr, program, _TL_FIRST_ROUND_START, _TL_SLOTS, TIMELINE)
+    stamp(timeline_ptr, program, _TL_FIRST_ROUND_START, _TL_SLOTS, TIMELINE)
     while (low_count > k) & (high - low > 1):
         below, above, middle, halving = _probes(k, selectable, low, low_count, high, high_count, opening, finite,
                                                 total, squares, MOMENTS)
@@ -664,7 +648,7 @@ def _kth_largest_in_scratch(keys_row, k, selectable, low, high, finite, total, s
                                                              low_count, high, high_count)
         if TIMELINE:
             if rounds == 0:
-                _stamp(timeline_ptr, program, _TL_FIRST_ROUND_END, _TL_SLOTS, TIMELINE)
+                stamp(timeline_ptr, program, _TL_FIRST_ROUND_END, _TL_SLOTS, TIMELINE)
         rounds += 1
     if TIMELINE:
         tl.store(timeline_ptr + program.to(tl.int64) * _TL_SLOTS + _TL_ROUNDS, rounds.to(tl.int64))
@@ -742,7 +726,7 @@ def _select_from_scratch(keys_row, num_blocks, num_blocks_k, out_row, out_stride
         highest = tl.maximum(highest, images)
     selectable = tl.sum(present, axis=0)
     k_rest = num_blocks_k - (num_blocks > 0).to(tl.int32)
-    _stamp(timeline_ptr, program, _TL_BOUNDS, _TL_SLOTS, TIMELINE)
+    stamp(timeline_ptr, program, _TL_BOUNDS, _TL_SLOTS, TIMELINE)
     t = tl.zeros([], tl.uint32)
     if selectable > k_rest:
         if k_rest > 0:
@@ -760,9 +744,9 @@ def _select_from_scratch(keys_row, num_blocks, num_blocks_k, out_row, out_stride
                                         CARRY, MOMENTS, timeline_ptr, program, TIMELINE)
         else:
             t = tl.full([], INF_IMAGE, tl.uint32)
-    _stamp(timeline_ptr, program, _TL_SEARCHED, _TL_SLOTS, TIMELINE)
+    stamp(timeline_ptr, program, _TL_SEARCHED, _TL_SLOTS, TIMELINE)
     _emit_prescanned(keys_row, t, num_blocks, num_blocks_k, out_row, out_stride_col, NB, CHUNK, LANES, PAD_BLOCK)
-    _stamp(timeline_ptr, program, _TL_EMITTED, _TL_SLOTS, TIMELINE)
+    stamp(timeline_ptr, program, _TL_EMITTED, _TL_SLOTS, TIMELINE)
 
 
 # ``discard.global.L2``: the 128-byte line at ``$1`` leaves the L2 without a write-back (its bytes become undefined).
@@ -830,10 +814,10 @@ def _split_select_kernel(
     rows of whole 128-byte lines): the selecting program then drops the row's images from the L2 unwritten
     (``_discard_lines``). ``EVICTION``: the logits loads' eviction policy."""
     program = tl.program_id(0)
-    _stamp(timeline_ptr, program, _TL_START, _TL_SLOTS, TIMELINE)
+    stamp(timeline_ptr, program, _TL_START, _TL_SLOTS, TIMELINE)
     row = (program // PIECES).to(tl.int64)
     piece = program % PIECES
-    start, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS)
+    start, length = row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS)
     num_blocks = ((length + BLOCK_SIZE - 1) // BLOCK_SIZE).to(tl.int32)
     readable = num_blocks - 1  # every block but the pinned newest one
     row_ptr = logits_ptr + row * stride_row
@@ -849,7 +833,7 @@ def _split_select_kernel(
                              BLOCK_J, False, EVICTION)
     tl.debug_barrier()  # every thread's image stores precede the CTA's arrival (release)
     arrived = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel", scope="gpu")
-    _stamp(timeline_ptr, program, _TL_ARRIVED, _TL_SLOTS, TIMELINE)
+    stamp(timeline_ptr, program, _TL_ARRIVED, _TL_SLOTS, TIMELINE)
     if arrived == PIECES - 1:
         _select_from_scratch(keys_row, num_blocks, num_blocks_k, out_ptr + row * out_stride_row, out_stride_col, NB,
                              SELECT_CHUNK, LANES, PAD_BLOCK, CARRY, MOMENTS, SAMPLE, timeline_ptr, program, TIMELINE)
@@ -864,7 +848,7 @@ def _candidate_flags_kernel(
     HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    _, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS)
+    _, length = row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS)
     num_blocks = (length + BLOCK_SIZE - 1) // BLOCK_SIZE
     slot = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BLOCK_K]
     ids = tl.load(candidates_ptr + row * cand_stride_row + slot * cand_stride_col, mask=slot < num_candidates,
@@ -902,7 +886,7 @@ def _mask_kernel(
     unwritten (``_discard_lines``).
     """
     row = tl.program_id(0).to(tl.int64)
-    start64, length64 = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS)
+    start64, length64 = row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS)
     start = start64.to(tl.int32)
     end = (start64 + length64).to(tl.int32)
     lowest = -((start + BLOCK_SIZE - 1) // BLOCK_SIZE)
@@ -1019,16 +1003,11 @@ def select_from_keys(keys: torch.Tensor, starts: torch.Tensor | None, ends: torc
     return out
 
 
-def _multiprocessors(device: torch.device) -> int:
-    """SMs of ``device``; tensors on the CPU (Triton's interpreter) count as an H200's 132."""
-    return _backend.multiprocessor_count(device) if device.type == "cuda" else 132
-
-
 def _default_pieces(num_rows: int, device: torch.device) -> int:
     """Programs per row of the default one-launch select: ``_SPLIT_PIECES`` (the split kernel) from
     ``_SPLIT_MIN_ROWS`` rows on and when every row's pieces fit one wave of programs, one per SM (each streams a
     quarter of its row); else 0 (the fused kernel, one program per row)."""
-    if num_rows >= _SPLIT_MIN_ROWS or num_rows * _SPLIT_PIECES <= _multiprocessors(device):
+    if num_rows >= _SPLIT_MIN_ROWS or num_rows * _SPLIT_PIECES <= sm_count(device):
         return _SPLIT_PIECES
     return 0
 
@@ -1037,18 +1016,9 @@ def _discardable_rows(scratch: torch.Tensor) -> bool:
     """Whether each row of ``scratch`` (``[R, N]``, unit column stride: the split select's images, the fused mask's
     flags) starts a 128-byte line and its row stride is whole lines, so that discarding a row's lines leaves the
     other rows' alone; never under Triton's CPU interpreter (no inline PTX)."""
-    if _backend.interpreter_enabled() or scratch.device.type != "cuda":
+    if interpreting() or scratch.device.type != "cuda":
         return False
     return scratch.data_ptr() % 128 == 0 and scratch.stride(0) * scratch.element_size() % 128 == 0
-
-
-def _carry_mode(elements: int, threads: int) -> int:
-    """``CARRY`` of the search's counting for ``elements`` images counted at once by ``threads`` threads: 0
-    (compare) under Triton's CPU interpreter (it cannot run inline PTX; the counts are the same), 4 when every
-    thread holds a multiple of 4 of them, else 1."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return 0
-    return 4 if elements % (4 * threads) == 0 else 1
 
 
 def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.Tensor, num_blocks_k: int,
@@ -1076,7 +1046,7 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
       counters ``[R]`` are allocated per call (the zeroing is a memset in the same stream: CUDA-graph capturable,
       no state across calls). ``timeline`` (a dict; the split kernel only, GPU only): its phase timeline on, the
       stamps in ``timeline["split"]``, int64 ``[R * pieces, _TL_SLOTS]`` (words ``_TL_*``; zeros where a program
-      did not reach the phase), created on the first call and reused (topk's ``_timeline_args``)."""
+      did not reach the phase), created on the first call and reused (topk's ``timeline_args``)."""
     num_rows, width = logits.shape
     moments = _MOMENT_PROBES if moment_probes is None else moment_probes
     sample = _MOMENT_SAMPLE if moment_sample is None else moment_sample
@@ -1111,10 +1081,10 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
             row_repeat, width, num_blocks_k, logits.stride(0), logits.stride(1), out.stride(0), out.stride(1),
             HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_J=block_j, STEPS=piece_blocks // piece_step_blocks,
             STEP_NB=piece_step_blocks, PIECES=pieces, LANES=lanes, VECTOR=vector,
-            PAD_BLOCK=_PAD_BLOCK, SELECT_CHUNK=chunk, CARRY=_carry_mode(chunk, 32 * warps), MOMENTS=moments,
+            PAD_BLOCK=_PAD_BLOCK, SELECT_CHUNK=chunk, CARRY=carry_mode(chunk, 32 * warps), MOMENTS=moments,
             SAMPLE=min(sample, padded_blocks), DISCARD=discard, EVICTION=eviction,
             num_warps=warps, maxnreg=_SPLIT_MAX_REGISTERS,
-            **_timeline_args(timeline, "split", num_rows * pieces, _TL_SLOTS.value, logits.device),
+            **timeline_args(timeline, "split", num_rows * pieces, _TL_SLOTS.value, logits.device),
         )
         return out
     if timeline is not None:
@@ -1125,7 +1095,7 @@ def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.
         row_repeat, width, num_blocks_k, logits.stride(0), logits.stride(1), out.stride(0), out.stride(1),
         HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_J=block_j, STEPS=padded_blocks // step_blocks,
         STEP_NB=step_blocks, VECTOR=vector, PAD_BLOCK=_PAD_BLOCK,
-        CARRY=_carry_mode(padded_blocks, 32 * _FUSED_WARPS), MOMENTS=moments,
+        CARRY=carry_mode(padded_blocks, 32 * _FUSED_WARPS), MOMENTS=moments,
         EVICTION=eviction, num_warps=_FUSED_WARPS,
     )
     return out

@@ -29,7 +29,7 @@ which is cheaper with its many keys per thread. A search may stop early at a ``t
 keys reach: the entries ``> t`` plus the first ``k - #(> t)`` entries ``== t`` are then those k
 entries, the same selection as with ``T``. This holds since every emit reads the keys that were
 searched (whole rows, candidate buffers). Every search counts on the unsigned images with carry chains
-(``_reaches_unsigned``: ≈ 1.5 instead of ≈ 3.3 instructions per key and threshold where a thread holds a
+(``reaches_unsigned``: ≈ 1.5 instead of ≈ 3.3 instructions per key and threshold where a thread holds a
 multiple of 4 keys; under the interpreter, which cannot run inline PTX, the images are compared). The
 candidates' search starts from the bracket its path already knows (``lo`` = the lower bound, ``hi`` = the
 row's largest group maximum, the count = the number of candidates) instead of three block reductions, and
@@ -116,7 +116,7 @@ the row's ids and state are stored; the row programs let the gather launch start
 everything earlier launches wrote (the maxima launch clears the ready words) is complete when a gather piece starts.
 A timing probe, off by default and reached only through the private
 ``_topk_timeline``: with ``TIMELINE`` the row-program paths' kernels store global-timer stamps at the end of each
-phase (``_stamp``). Scratch per row: split path ``4 * (group tile + 2 * min(max(enough, k - 1) * GROUP, width) + 8 +
+phase (``stamp``). Scratch per row: split path ``4 * (group tile + 2 * min(max(enough, k - 1) * GROUP, width) + 8 +
 flags)`` bytes; row programs ``4 * (2 * group tile + 2 * min(max(enough, k - 1) * GROUP, width))`` bytes.
 
 Strides: any logits strides (column stride 0 or > 1 included) and any ``out`` strides are honoured in
@@ -126,7 +126,6 @@ usual tensors). Addresses are computed in int64.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -134,11 +133,20 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-NONE = tl.constexpr(-(2**31))
-KEY_MAX = tl.constexpr(2**31 - 1)
-INF_BITS = tl.constexpr(0x7F800000)
-NEG_INF_BITS = tl.constexpr(-8388608)  # 0xFF800000 as int32
-LOW_FIELD = tl.constexpr(0xFFFF)
+from ..common.runtime import capability, interpreting, next_pow2
+from ..common.selection import (
+    KEY_MAX,
+    LOW_FIELD,
+    NONE,
+    bit_length,
+    carry_mode,
+    clear_low_bits,
+    kth_largest_within,
+    order_keys,
+    reaches_unsigned,
+    stamp,
+    timeline_args,
+)
 
 # Per-row state of the split path: its arrival counter (word 1), then one flag per chunk from word 8 (words 0 and 2
 # to 7 are unused: the layout of the four-launch path, kept so that the session-5 cleanup left the kernels' code
@@ -157,7 +165,7 @@ _PIECE_READY = tl.constexpr(5)
 _PIECE_FLAGS = tl.constexpr(6)
 _PIECE_STATE_WORDS = 6
 
-# Phase timeline (``_stamp``, a timing probe): global-timer stamps per program. Every kernel: its start, the end of
+# Phase timeline (``stamp``, a timing probe): global-timer stamps per program. Every kernel: its start, the end of
 # its wait for the previous grid; programs that emit: after the search of T, after the emit; the maxima launch: its
 # maxima stored; row programs: after the lower bound, after the compaction of the qualifying group ids, after each
 # gather piece (from word _TL_ROW_PIECES); the gather launch: its piece stored, its arrival, the last arriver's
@@ -336,18 +344,6 @@ def _wait_then_release_next_grid(PDL: tl.constexpr):
 
 
 @triton.jit
-def _stamp(timeline_ptr, program, slot, TIMELINE_SLOTS: tl.constexpr, TIMELINE: tl.constexpr):
-    """Phase timeline (a timing probe, off by default): with ``TIMELINE``, once every warp of the program is done
-    with the phase (a barrier), the global timer (ns) goes to ``timeline_ptr[program * TIMELINE_SLOTS + slot]``
-    (one thread stores the scalar)."""
-    if TIMELINE:
-        tl.debug_barrier()
-        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [program], dtype=tl.int64,
-                                        is_pure=False, pack=1)
-        tl.store(timeline_ptr + program.to(tl.int64) * TIMELINE_SLOTS + slot, now)
-
-
-@triton.jit
 def _row_window(row, valid, starts_ptr, ends_ptr, width, next_n, HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr):
     """(start, length) of the windows of ``row`` (scalar or vector; ``valid`` false gives length 0).
 
@@ -368,74 +364,6 @@ def _row_window(row, valid, starts_ptr, ends_ptr, width, next_n, HAS_STARTS: tl.
 
 
 @triton.jit
-def _order_keys(values, inside):
-    """int32 order keys of fp32 (or bf16, widened exactly) ``values``; NaN, -inf and entries not ``inside``
-    give NONE."""
-    bits = values.to(tl.float32).to(tl.int32, bitcast=True)
-    bits = tl.where(bits == NONE, 0, bits)
-    selectable = inside & ((bits & KEY_MAX) <= INF_BITS) & (bits != NEG_INF_BITS)
-    keys = bits ^ ((bits >> 31) & KEY_MAX)
-    return tl.where(selectable, keys, NONE)
-
-
-@triton.jit
-def _bit_length(x):
-    """Bit length of the int32 ``x`` read as unsigned (may exceed the true one by 1: harmless here)."""
-    magnitude = (x & KEY_MAX).to(tl.float32)
-    exponent = ((magnitude.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 126
-    return tl.where(x < 0, 32, tl.where(x == 0, 0, exponent))
-
-
-@triton.jit
-def _clear_low_bits(lo, rounds):
-    """``lo`` with its low ``rounds`` bits cleared in the unsigned image (``rounds`` in ``[0, 32]``)."""
-    low_mask = ((tl.full([], 1, tl.int64) << rounds.to(tl.int64)) - 1).to(tl.int32)
-    return ((lo ^ NONE) & ~low_mask) ^ NONE
-
-
-@triton.jit
-def _image(keys):
-    """uint32 order images of int32 keys (``key ^ NONE``: NONE -> 0, unsigned order = key order)."""
-    return (keys ^ NONE).to(tl.uint32, bitcast=True)
-
-
-@triton.jit
-def _reaching(images, threshold, CARRY: tl.constexpr):
-    """int32 partial counts of ``keys >= threshold`` over a 1-D tile of the keys' uint32 images (``_image``; their
-    sum is the count), ``threshold`` an int32 key above NONE: ``_reaches_unsigned`` with that ``CARRY``."""
-    return _reaches_unsigned(images, _image(threshold), CARRY)
-
-
-@triton.jit
-def _search_step(images, t, count, bit, k, CARRY: tl.constexpr):
-    """Decide bits ``bit + 1`` and ``bit`` of ``t`` (both still clear in the unsigned image): the largest
-    of ``t``, ``t + 2**bit``, ``t + 2 * 2**bit``, ``t + 3 * 2**bit`` that ``>= k`` keys of a 1-D tile reach
-    (counted on their ``images`` as ``_reaching``), with that number (``count`` = ``#(>= t)`` on entry).
-    The three counts of a tile of at most 16384 keys share one int64 (16-bit fields), so a round costs one
-    block reduction."""
-    low = 1 << bit
-    first = t ^ low
-    second = t ^ (low << 1)
-    third = second ^ low
-    # Per 4 keys (CARRY 4): three carry chains, one shift-add; ptxas folds the asm's zero outputs away.
-    near = _reaching(images, first, CARRY) + (_reaching(images, second, CARRY) << 16)
-    packed = tl.sum(near.to(tl.int64) + (_reaching(images, third, CARRY).to(tl.int64) << 32), axis=0)
-    first_count = (packed & LOW_FIELD).to(tl.int32)
-    second_count = ((packed >> 16) & LOW_FIELD).to(tl.int32)
-    third_count = (packed >> 32).to(tl.int32)
-    reaches_first = first_count >= k
-    t = tl.where(reaches_first, first, t)
-    count = tl.where(reaches_first, first_count, count)
-    reaches_second = second_count >= k
-    t = tl.where(reaches_second, second, t)
-    count = tl.where(reaches_second, second_count, count)
-    reaches_third = third_count >= k
-    t = tl.where(reaches_third, third, t)
-    count = tl.where(reaches_third, third_count, count)
-    return t, count
-
-
-@triton.jit
 def _bracket(keys):
     """``(count, lo, hi)`` of a 1-D tile of keys: its number of selectable keys, the smallest and the largest."""
     selectable = keys != NONE
@@ -446,73 +374,29 @@ def _bracket(keys):
 
 
 @triton.jit
-def _kth_largest_within(keys, k, enough, count, lo, hi, CARRY: tl.constexpr):
-    """``(t, #(keys >= t))`` for a 1-D ``keys`` (at most 16384) holding ``count >= k`` selectable keys, all
-    ``>= lo``, whose k-th largest is ``<= hi``: ``t`` is the k-th largest key, or, once the count at the
-    bracket's floor is ``<= enough`` (``>= k``), that floor (so ``enough < k`` always gives the k-th largest).
-    Two bits per round, counted on the keys' images as ``_reaching`` with ``CARRY``."""
-    searched = _image(keys)
-    bit = _bit_length(lo ^ hi)
-    t = _clear_low_bits(lo, bit)
-    if (bit % 2 == 1) & (count > enough):
-        bit -= 1
-        candidate = t ^ (1 << bit)
-        candidate_count = tl.sum(_reaching(searched, candidate, CARRY), axis=0)
-        reaches = candidate_count >= k
-        t = tl.where(reaches, candidate, t)
-        count = tl.where(reaches, candidate_count, count)
-    while (bit > 0) & (count > enough):
-        bit -= 2
-        t, count = _search_step(searched, t, count, bit, k, CARRY)
-    return t, count
-
-
-@triton.jit
-def _reaches_unsigned(images, threshold, CARRY: tl.constexpr):
-    """int32 partial counts of ``images >= threshold`` over uint32 order images (``threshold >= 1``, broadcast to
-    ``images``): their sum along the rows' axis is each row's count. ``CARRY`` 0: compare. 1: each key's flag is
-    the carry out of ``images + (2**32 - threshold)`` (PTX ``add.cc`` + ``addc``: a carry exactly when
-    ``images >= threshold``). 4: the same, and the asm sums every 4 elements of a thread (an ``addc`` chain; the
-    other three outputs are 0, which ptxas folds away): ≈ 1.5 instructions per key against ≈ 3.3 for compare,
-    select and add; only where those 4 always lie in one row (one row per program) and a thread holds a multiple
-    of 4 elements (``_launch_row_tile`` decides)."""
-    if CARRY == 0:
-        return (images >= threshold).to(tl.int32)
-    negated = tl.broadcast_to(0 - threshold, images.shape)  # 2**32 - threshold
-    if CARRY == 4:
-        return tl.inline_asm_elementwise(
-            "{ .reg .u32 d; add.cc.u32 d, $4, $8; addc.u32 $0, 0, 0; add.cc.u32 d, $5, $9; addc.u32 $0, $0, 0; "
-            "add.cc.u32 d, $6, $10; addc.u32 $0, $0, 0; add.cc.u32 d, $7, $11; addc.u32 $0, $0, 0; "
-            "mov.u32 $1, 0; mov.u32 $2, 0; mov.u32 $3, 0; }",
-            "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [images, negated], dtype=tl.int32, is_pure=True, pack=4)
-    return tl.inline_asm_elementwise("{ .reg .u32 d; add.cc.u32 d, $1, $2; addc.u32 $0, 0, 0; }", "=r,r,r",
-                                     [images, negated], dtype=tl.int32, is_pure=True, pack=1)
-
-
-@triton.jit
 def _kth_largest_rows(images, k, active, reaching, CARRY: tl.constexpr, PLATEAU_EVERY: tl.constexpr):
     """Per row of the uint32 order images ``images [ROWS, BLOCK]`` (``key ^ NONE``: NONE -> 0, unsigned order =
     value order) where ``active`` (others: 0): the image of a ``t`` that is the k-th largest or that exactly k
     images reach (``reaching [ROWS]`` = ``#(images != 0)``), 0 where not ``active``. Either selects the same
     entries (those ``> t`` and the first ``k - #(> t)`` equal to it), so the search stops once every row's count
     is exactly k. One bit per round (the whole-row tiles hold many keys per thread: three counts per round would
-    make the rounds arithmetic-bound), counts from ``_reaches_unsigned``; the rows share each round's reduction.
+    make the rounds arithmetic-bound), counts from ``reaches_unsigned``; the rows share each round's reduction.
     ``PLATEAU_EVERY`` > 0: a round whose bit is a multiple of it also counts ``#(images > t)`` in the same
     reduction (16-bit fields; at most 16384 keys per row); fewer than k means ``T = t`` (``#(>= t) >= k``
     always holds), so that row stops: a plateau of ties at ``T`` no longer costs every remaining bit."""
     lo = tl.min(tl.where(images != 0, images, tl.full([], 0xFFFFFFFF, tl.uint32)), axis=1)  # [ROWS]
     hi = tl.max(images, axis=1)  # [ROWS]
-    rounds = tl.where(active, _bit_length((lo ^ hi).to(tl.int32, bitcast=True)), 0)  # [ROWS]
+    rounds = tl.where(active, bit_length((lo ^ hi).to(tl.int32, bitcast=True)), 0)  # [ROWS]
     t = (lo.to(tl.int64) & ~((tl.full([], 1, tl.int64) << rounds.to(tl.int64)) - 1)).to(tl.uint32)  # [ROWS]
     reaching = tl.where(active, reaching, k)  # [ROWS] #(images >= t)
     bit = tl.max(rounds, axis=0)
     while (bit > 0) & (tl.max((reaching > k).to(tl.int32), axis=0) > 0):
         bit -= 1
         candidate = t ^ (tl.full([], 1, tl.uint32) << bit.to(tl.uint32))  # [ROWS]
-        reached = _reaches_unsigned(images, candidate[:, None], CARRY)  # [ROWS, BLOCK]
+        reached = reaches_unsigned(images, candidate[:, None], CARRY)  # [ROWS, BLOCK]
         if PLATEAU_EVERY > 0:
             if bit % PLATEAU_EVERY == 0:
-                packed = tl.sum(reached + (_reaches_unsigned(images, (t + 1)[:, None], CARRY) << 16), axis=1)
+                packed = tl.sum(reached + (reaches_unsigned(images, (t + 1)[:, None], CARRY) << 16), axis=1)
                 count = packed & LOW_FIELD
                 reaching = tl.where((packed >> 16) < k, k, reaching)
             else:
@@ -537,8 +421,8 @@ def _kth_largest_in_memory(ptr, n, k, TILE: tl.constexpr):
         lo = tl.minimum(lo, tl.min(tl.where(keys != NONE, keys, KEY_MAX), axis=0))
         hi = tl.maximum(hi, tl.max(keys, axis=0))
         first += TILE
-    bit = _bit_length(lo ^ hi)
-    t = _clear_low_bits(lo, bit)
+    bit = bit_length(lo ^ hi)
+    t = clear_low_bits(lo, bit)
     while bit > 0:
         bit -= 1
         candidate = t ^ (1 << bit)
@@ -627,7 +511,7 @@ def _select_rows(logits_ptr, stride_row, stride_col, rows, valid, start, length,
     columns = tl.arange(0, BLOCK)[None, :]  # [1, BLOCK] window-relative
     inside = columns < length[:, None]  # [ROWS, BLOCK]
     src = logits_ptr + rows.to(tl.int64)[:, None] * stride_row + (start[:, None] + columns).to(tl.int64) * stride_col
-    keys = _order_keys(tl.load(src, mask=inside, other=0.0), inside)  # [ROWS, BLOCK]
+    keys = order_keys(tl.load(src, mask=inside, other=0.0), inside)  # [ROWS, BLOCK]
     images = (keys ^ NONE).to(tl.uint32, bitcast=True)  # NONE -> 0; unsigned order = value order
     selectable = tl.sum((images != 0).to(tl.int32), axis=1)  # [ROWS]
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * out_stride_row  # [ROWS, 1]
@@ -711,7 +595,7 @@ def _maxima_lower_bound(maxima, k, enough, row, CARRY: tl.constexpr):
     inclusive = row * 0 + 1
     count, lo, row_max = _bracket(maxima)
     if count >= k:
-        bound, reaching = _kth_largest_within(maxima, k, enough, count, lo, row_max, CARRY)
+        bound, reaching = kth_largest_within(maxima, k, enough, count, lo, row_max, CARRY)
         inclusive = (reaching <= enough).to(tl.int32)
     return bound, inclusive, row_max
 
@@ -748,12 +632,12 @@ def _split_group_max_kernel(
     the chunks up to the row's length (one chunk at least); with ``CLEAR_STATE`` (split path), the chunk's flag
     is cleared too, and chunk 0 clears the row's arrival counter. Also the streaming pass of row programs of
     calls with few rows; with ``CLEAR_READY`` (``pieces_ready_max_rows``) chunk 0 clears the row's ``_PIECE_READY``
-    word. ``PDL``: ``_wait_for_previous_grid``. ``TIMELINE``: ``_stamp`` (``_TL_*``)."""
-    _stamp(timeline_ptr, tl.program_id(0), _TL_START, _TL_MAXIMA_SLOTS, TIMELINE)
+    word. ``PDL``: ``_wait_for_previous_grid``. ``TIMELINE``: ``stamp`` (``_TL_*``)."""
+    stamp(timeline_ptr, tl.program_id(0), _TL_START, _TL_MAXIMA_SLOTS, TIMELINE)
     _wait_for_previous_grid(PDL)
     GROUPS_PER_CHUNK: tl.constexpr = CHUNK // GROUP
     pid = tl.program_id(0)
-    _stamp(timeline_ptr, pid, _TL_WAITED, _TL_MAXIMA_SLOTS, TIMELINE)
+    stamp(timeline_ptr, pid, _TL_WAITED, _TL_MAXIMA_SLOTS, TIMELINE)
     row = pid // num_chunks
     chunk = pid % num_chunks
     start, length = _row_window(row, row >= 0, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
@@ -766,7 +650,7 @@ def _split_group_max_kernel(
             values = tl.load(src)
         else:
             values = tl.load(src, mask=inside, other=0.0)
-        keys = _order_keys(values, inside)  # [GROUPS_PER_CHUNK, GROUP]
+        keys = order_keys(values, inside)  # [GROUPS_PER_CHUNK, GROUP]
         group_row = group_max_ptr + row.to(tl.int64) * MAXIMA_STRIDE
         tl.store(group_row + chunk * GROUPS_PER_CHUNK + group_ids, tl.max(keys, axis=1))
         if CLEAR_STATE:
@@ -776,7 +660,7 @@ def _split_group_max_kernel(
         if CLEAR_READY:
             if chunk == 0:
                 tl.store(state_ptr + row.to(tl.int64) * state_stride + _PIECE_READY, 0)
-    _stamp(timeline_ptr, pid, _TL_MAXIMA, _TL_MAXIMA_SLOTS, TIMELINE)
+    stamp(timeline_ptr, pid, _TL_MAXIMA, _TL_MAXIMA_SLOTS, TIMELINE)
 
 
 @triton.jit
@@ -828,7 +712,7 @@ def _split_candidates_kernel(
         slots = tl.arange(0, GROUP_TILE)  # [GROUP_TILE]
         all_maxima = tl.load(maxima_row + slots, mask=slots < row_chunks * GROUPS_PER_CHUNK, other=NONE)
         t_low, inclusive, row_max = _maxima_lower_bound(all_maxima, k, enough, row, CARRY_BOUND)
-        keys = _order_keys(values, inside)  # [GROUPS_PER_CHUNK, GROUP]
+        keys = order_keys(values, inside)  # [GROUPS_PER_CHUNK, GROUP]
         is_candidate = _reaches(keys, t_low, inclusive).to(tl.int32)
         per_group = tl.sum(is_candidate, axis=1)  # [GROUPS_PER_CHUNK]
         chunk_count = tl.sum(per_group, axis=0)
@@ -948,7 +832,7 @@ def _quad_candidates(values, ids, in_piece, length, bound, inclusive, QUAD: tl.c
     per-group candidate counts ``[TILE_GROUPS]`` (in-thread). A quad past the group (``4 * QUAD >= GROUP``) has
     no candidates."""
     columns = ids[:, None] * GROUP + (4 * QUAD) + tl.arange(0, 4)[None, :]  # [TILE_GROUPS, 4]
-    keys = _order_keys(values, in_piece[:, None] & (columns < length))
+    keys = order_keys(values, in_piece[:, None] & (columns < length))
     is_candidate = _reaches(keys, bound, inclusive).to(tl.int32)
     if 4 * QUAD >= GROUP:
         is_candidate = is_candidate * 0
@@ -1006,12 +890,12 @@ def _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusiv
                      TIMELINE: tl.constexpr):
     """The end of a row program (and of the split path): ``T`` among the ``num_candidates`` candidates (keys and
     columns, in column order at buffer slots ``[0, num_candidates)``) of the ``bound``, then the ordered emit of the
-    row's k picks and the padding. The search in registers counts as ``_reaching`` with ``CARRY`` and starts from
+    row's k picks and the padding. The search in registers counts as ``reaching`` with ``CARRY`` and starts from
     the bracket ``[bound, row_max]`` and ``num_candidates`` (no reductions over the candidates); the ties are counted
     only when more than k candidates reach the threshold found. A row emitted from the row itself (strict bound,
     fewer than k candidates) is streamed in tiles of ``STREAM_TILE`` only until its ties are taken (the first ones in
     column order; e.g. the zeros of a row without positive entries lie in its first few tiles), then the remaining
-    candidates are emitted from the buffer (fewer than k: held in registers). ``TIMELINE``: ``_stamp`` of
+    candidates are emitted from the buffer (fewer than k: held in registers). ``TIMELINE``: ``stamp`` of
     ``program`` after the search of T and after the emit."""
     # T and the ties, then the ordered emit: from the candidates, or from the row when T is the bound
     # itself and its ties (not candidates) are taken.
@@ -1027,7 +911,7 @@ def _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusiv
         while (line_first < length) & (ties > 0):
             line_columns = line_first + line
             line_inside = line_columns < length
-            line_keys = _order_keys(tl.load(src_row + (start + line_columns).to(tl.int64) * stride_col,
+            line_keys = order_keys(tl.load(src_row + (start + line_columns).to(tl.int64) * stride_col,
                                             mask=line_inside, other=0.0), line_inside)
             taken, ties = _emit_ordered(line_keys, line_columns, bound, ties, taken, out_row, out_stride_col,
                                         pages, table_stride_col, table_blocks, block_size, SLOTS)
@@ -1049,11 +933,11 @@ def _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusiv
         ties = row * 0
         if num_candidates > k:
             # Every candidate reaches the bound; none exceeds the row's largest key.
-            threshold, reaching = _kth_largest_within(held_keys, k, k, num_candidates, bound, row_max, CARRY)
+            threshold, reaching = kth_largest_within(held_keys, k, k, num_candidates, bound, row_max, CARRY)
             ties = k  # exactly k candidates reach the threshold: every tie is taken
             if reaching > k:
                 ties = k - tl.sum((held_keys > threshold).to(tl.int32), axis=0)
-        _stamp(timeline_ptr, program, _TL_T, TIMELINE_SLOTS, TIMELINE)
+        stamp(timeline_ptr, program, _TL_T, TIMELINE_SLOTS, TIMELINE)
         taken, ties = _emit_ordered(held_keys, held_columns, threshold, ties, taken, out_row, out_stride_col, pages,
                                     table_stride_col, table_blocks, block_size, SLOTS)
     else:
@@ -1062,7 +946,7 @@ def _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusiv
         if num_candidates > k:
             threshold = _kth_largest_in_memory(cand_keys_row, num_candidates, k, CANDIDATE_BLOCK)
             ties = k - _count_above_in_memory(cand_keys_row, num_candidates, threshold, CANDIDATE_BLOCK)
-        _stamp(timeline_ptr, program, _TL_T, TIMELINE_SLOTS, TIMELINE)
+        stamp(timeline_ptr, program, _TL_T, TIMELINE_SLOTS, TIMELINE)
         slot = tl.arange(0, CANDIDATE_BLOCK)
         slot_first = row * 0
         while slot_first < num_candidates:
@@ -1075,7 +959,7 @@ def _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusiv
             slot_first += CANDIDATE_BLOCK
     one = tl.full([1], 0, tl.int32)
     _pad_rows(out_row + tl.zeros([1, 1], tl.int64), out_stride_col, one + taken, one == 0, k, PAD_BLOCK)
-    _stamp(timeline_ptr, program, _TL_EMITTED, TIMELINE_SLOTS, TIMELINE)
+    stamp(timeline_ptr, program, _TL_EMITTED, TIMELINE_SLOTS, TIMELINE)
 
 
 @triton.jit
@@ -1086,7 +970,7 @@ def _compact_tile(values, ids, piece_first, num_qualifying, length, bound, inclu
     width, a group spread over several lanes): per-group sums and in-group ranks across lanes."""
     columns = ids[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [TILE_GROUPS, GROUP]
     inside = (piece_first + tl.arange(0, TILE_GROUPS) < num_qualifying)[:, None] & (columns < length)
-    keys = _order_keys(values, inside)
+    keys = order_keys(values, inside)
     is_candidate = _reaches(keys, bound, inclusive).to(tl.int32)
     per_group = tl.sum(is_candidate, axis=1)  # [TILE_GROUPS]
     position = (tl.cumsum(per_group, axis=0) - per_group)[:, None] + tl.cumsum(is_candidate, axis=1) - 1
@@ -1159,7 +1043,7 @@ def _gather_candidates(src_row, start, stride_col, length, ids, ids_row, num_qua
         num_candidates += _compact_loaded(quad0, quad1, quad2, quad3, ids, piece_first, num_qualifying, length, bound,
                                           inclusive, num_candidates, cand_keys_row, cand_columns_row, None, 0,
                                           TILE_GROUPS, GROUP, 0, LEAN_GATHER)
-        _stamp(timeline_ptr, row, _TL_ROW_PIECES + piece_first // TILE_GROUPS, TIMELINE_SLOTS, TIMELINE)
+        stamp(timeline_ptr, row, _TL_ROW_PIECES + piece_first // TILE_GROUPS, TIMELINE_SLOTS, TIMELINE)
         if PREFETCH_GATHER:
             quad0, quad1, quad2, quad3 = next0, next1, next2, next3
         else:
@@ -1195,18 +1079,18 @@ def _row_program_kernel(
     pieces are cleared; with ``SIGNAL_READY`` (``pieces_ready_max_rows``) the row's ``_PIECE_READY`` word is then set
     (release) for the gather pieces, which wait on it instead of on this grid, and the next launch starts only
     after this grid's wait (``_wait_then_release_next_grid``). ``CARRY_BOUND`` / ``CARRY_SEARCH``: the counts
-    (``_reaching``) of the lower-bound search and of the candidates' search (``_select_and_emit``). ``PDL``:
-    ``_wait_for_previous_grid``. ``TIMELINE``: ``_stamp`` (``_TL_*``; gather piece i at ``_TL_ROW_PIECES + i``).
+    (``reaching``) of the lower-bound search and of the candidates' search (``_select_and_emit``). ``PDL``:
+    ``_wait_for_previous_grid``. ``TIMELINE``: ``stamp`` (``_TL_*``; gather piece i at ``_TL_ROW_PIECES + i``).
     ``LEAN_GATHER`` (``lean_gather``, GROUP 4 to 16): the gather by quads (``_gather_candidates``)."""
     TIMELINE_SLOTS: tl.constexpr = _TL_ROW_PIECES + GROUP_TILE // (STREAM_TILE // GROUP)
-    _stamp(timeline_ptr, tl.program_id(0), _TL_START, TIMELINE_SLOTS, TIMELINE)
+    stamp(timeline_ptr, tl.program_id(0), _TL_START, TIMELINE_SLOTS, TIMELINE)
     if SIGNAL_READY:
         _wait_then_release_next_grid(PDL)
     else:
         _wait_for_previous_grid(PDL)
     TILE_GROUPS: tl.constexpr = STREAM_TILE // GROUP
     row = tl.program_id(0)
-    _stamp(timeline_ptr, row, _TL_WAITED, TIMELINE_SLOTS, TIMELINE)
+    stamp(timeline_ptr, row, _TL_WAITED, TIMELINE_SLOTS, TIMELINE)
     start, length = _row_window(row, row >= 0, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
     src_row = logits_ptr + row.to(tl.int64) * stride_row
     maxima_row = groups_ptr + row.to(tl.int64) * (2 * GROUP_TILE)
@@ -1232,7 +1116,7 @@ def _row_program_kernel(
             if tile * STREAM_TILE == full_end:
                 values = tl.load(src_row + (start + columns).to(tl.int64) * stride_col, mask=columns < length,
                                  other=0.0)
-            keys = _order_keys(values, columns < length)
+            keys = order_keys(values, columns < length)
             tl.store(maxima_row + tile * TILE_GROUPS + group_ids, tl.max(keys, axis=1))
             values = next_values
             tile += 1
@@ -1244,9 +1128,9 @@ def _row_program_kernel(
     num_groups = tl.cdiv(length, GROUP)
     maxima = tl.load(maxima_row + slots, mask=slots < num_groups, other=NONE, cache_modifier=".cg")
     bound, inclusive, row_max = _maxima_lower_bound(maxima, k, enough, row, CARRY_BOUND)
-    _stamp(timeline_ptr, row, _TL_BOUND, TIMELINE_SLOTS, TIMELINE)
+    stamp(timeline_ptr, row, _TL_BOUND, TIMELINE_SLOTS, TIMELINE)
     num_qualifying = _compact_qualifying(maxima, slots, bound, inclusive, ids_row)
-    _stamp(timeline_ptr, row, _TL_COMPACTED, TIMELINE_SLOTS, TIMELINE)
+    stamp(timeline_ptr, row, _TL_COMPACTED, TIMELINE_SLOTS, TIMELINE)
     if STORE_STATE:
         _store_piece_state(state_ptr + row.to(tl.int64) * state_stride, bound, inclusive, row_max, num_qualifying)
         pieces = tl.arange(0, GROUP_TILE // TILE_GROUPS)  # at least the row's pieces
@@ -1297,10 +1181,10 @@ def _row_pieces_kernel(
     buffer in place. A row without qualifying groups still runs piece 0 (nothing gathered), which pads. ``PDL``:
     ``_wait_for_previous_grid``; with ``WAIT_READY`` (``pieces_ready_max_rows``) a program lets the next launch start
     and waits only for its own row's ``_PIECE_READY`` word (acquire), set by its row program, instead of the
-    whole row-program grid: the rows whose programs finish early gather early. ``TIMELINE``: ``_stamp``
+    whole row-program grid: the rows whose programs finish early gather early. ``TIMELINE``: ``stamp``
     (``_TL_*``; "waited" after the row's word). ``LEAN_GATHER`` (``lean_gather``, GROUP 4 to 16): the piece by
     quads (``_gather_quads``, ``_compact_quads``)."""
-    _stamp(timeline_ptr, tl.program_id(0), _TL_START, _TL_PIECE_SLOTS, TIMELINE)
+    stamp(timeline_ptr, tl.program_id(0), _TL_START, _TL_PIECE_SLOTS, TIMELINE)
     TILE_GROUPS: tl.constexpr = STREAM_TILE // GROUP
     pid = tl.program_id(0)
     row = pid // MAX_PIECES
@@ -1316,7 +1200,7 @@ def _row_pieces_kernel(
             ready = tl.atomic_add(state_row + _PIECE_READY, 0, sem="acquire", scope="gpu")
     else:
         _wait_for_previous_grid(PDL)
-    _stamp(timeline_ptr, pid, _TL_WAITED, _TL_PIECE_SLOTS, TIMELINE)
+    stamp(timeline_ptr, pid, _TL_WAITED, _TL_PIECE_SLOTS, TIMELINE)
     start, length = _row_window(row, row >= 0, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
     num_qualifying = tl.load(state_row + _PIECE_QUALIFYING)
     num_pieces = tl.maximum(tl.cdiv(num_qualifying, TILE_GROUPS), 1)
@@ -1336,16 +1220,16 @@ def _row_pieces_kernel(
         _compact_loaded(quad0, quad1, quad2, quad3, ids, piece_first, num_qualifying, length, bound, inclusive,
                         piece * 0, cand_keys_row, cand_columns_row, flags_row, piece, TILE_GROUPS, GROUP,
                         GROUP_TILE // TILE_GROUPS, LEAN_GATHER)
-        _stamp(timeline_ptr, pid, _TL_GATHERED, _TL_PIECE_SLOTS, TIMELINE)
+        stamp(timeline_ptr, pid, _TL_GATHERED, _TL_PIECE_SLOTS, TIMELINE)
         tl.debug_barrier()
         arrived = tl.atomic_add(state_row + _PIECE_ARRIVED, 1, sem="acq_rel", scope="gpu")
-        _stamp(timeline_ptr, pid, _TL_ARRIVED, _TL_PIECE_SLOTS, TIMELINE)
+        stamp(timeline_ptr, pid, _TL_ARRIVED, _TL_PIECE_SLOTS, TIMELINE)
         if arrived == num_pieces - 1:
             # Every piece published its flag before arriving: their sum is the number of candidates, which lie in
             # column order in the row's buffer.
             every = tl.arange(0, GROUP_TILE // TILE_GROUPS)
             flags = tl.load(flags_row + every, mask=every < num_pieces, other=1, volatile=True)
-            _stamp(timeline_ptr, pid, _TL_COUNTED, _TL_PIECE_SLOTS, TIMELINE)
+            stamp(timeline_ptr, pid, _TL_COUNTED, _TL_PIECE_SLOTS, TIMELINE)
             row_max = tl.load(state_row + _PIECE_ROW_MAX)
             _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusive, row_max,
                              tl.sum(flags - 1, axis=0), cand_keys_row, cand_columns_row, out_ptr, out_stride_row,
@@ -1381,10 +1265,6 @@ def _indices_to_slots_kernel(
         tl.store(out_ptr + row * k + position, slot, mask=in_row)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def _bounds_args(starts: torch.Tensor | None, ends: torch.Tensor | None, decode: bool, logits: torch.Tensor):
     has_starts = starts is not None
     ends_mode = 2 if decode else (1 if ends is not None else 0)
@@ -1404,21 +1284,21 @@ def _slot_args(slots, logits):
 def _pdl_args(config, device):
     """Launch arguments of ``config.pdl`` (``_wait_for_previous_grid``) on ``device``; none under the interpreter,
     which cannot run inline PTX, and none before sm_90 or on ROCm (no ``griddepcontrol`` there)."""
-    if not config.pdl or os.environ.get("TRITON_INTERPRET") == "1" or torch.version.hip is not None:
+    if not config.pdl or interpreting() or torch.version.hip is not None:
         return {}
-    if torch.cuda.get_device_capability(device)[0] < 9:
+    if capability(device)[0] < 9:
         return {}
     return dict(PDL=True, launch_pdl=True)
 
 
 def _launch_rows(logits, k, bounds, out, next_n, bounds_flags, slot_args, config):
     num_rows, width = logits.shape
-    block = max(16, _next_pow2(width))
+    block = max(16, next_pow2(width))
     tiles = max(1, min(config.row_tiles, 4 if config.row_tile_launches else 3))
     while tiles > 1 and block >> (tiles - 1) < 16:
         tiles -= 1
     # The interpreter cannot run inline PTX: it takes the plain comparison (same counts).
-    search = dict(CARRY=os.environ.get("TRITON_INTERPRET") != "1", PLATEAU_EVERY=config.row_plateau_every)
+    search = dict(CARRY=not interpreting(), PLATEAU_EVERY=config.row_plateau_every)
     common = dict(PAD_BLOCK=_PAD_BLOCK, COPY_SHORT=config.row_copy_short, **search, **bounds_flags, **slot_args[1],
                   **_pdl_args(config, logits.device))
     if config.row_tile_launches and tiles > 1:
@@ -1454,30 +1334,21 @@ def _launch_row_tile(logits, k, bounds, out, next_n, slot_args, block, elements,
     )
 
 
-def _carry(tile, warps):
-    """``CARRY`` of the two-bit searches over a 1-D tile of ``tile`` keys in ``warps`` warps (``_reaching``): 0
-    under the interpreter (no inline PTX there: the images compared), 4 where each thread holds a multiple of 4 of
-    the tile's keys, else 1."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return 0
-    return 4 if tile % (4 * 32 * warps) == 0 else 1
-
-
 def _launch_split(logits, k, bounds, out, next_n, bounds_flags, slot_args, config):
     num_rows, width = logits.shape
     chunk = config.chunk
     num_chunks = triton.cdiv(width, chunk)
-    group_tile_max = config.group_tile or min(8192, max(1024, _next_pow2(4 * k)))
+    group_tile_max = config.group_tile or min(8192, max(1024, next_pow2(4 * k)))
     group = 1
     while num_chunks * chunk // group > group_tile_max:
         group *= 2
     if group > chunk:
         raise ValueError(f"logits width {width} is too large for the top-k split path (chunk {chunk})")
-    group_tile = _next_pow2(num_chunks * chunk // group)
-    candidate_block = config.candidate_block or min(16384, max(1024, _next_pow2(2 * k)))
+    group_tile = next_pow2(num_chunks * chunk // group)
+    candidate_block = config.candidate_block or min(16384, max(1024, next_pow2(2 * k)))
     enough = k + int(k * config.bound_slack) if config.split_early_bound else k - 1
     capacity = max(1, min(max(enough, k - 1) * group, width))
-    flag_tile = _next_pow2(num_chunks)
+    flag_tile = next_pow2(num_chunks)
     state_stride = _STATE_WORDS + flag_tile
     device = logits.device
     state = torch.empty((num_rows, state_stride), dtype=torch.int32, device=device)
@@ -1495,8 +1366,8 @@ def _launch_split(logits, k, bounds, out, next_n, bounds_flags, slot_args, confi
     _split_candidates_kernel[grid](
         *rows_args, group_max, cand_keys, cand_columns, capacity, state, state_stride, width, k, next_n, num_rows,
         num_chunks, enough, out, out.stride(0), out.stride(1), *slot_args[0], CHUNK=chunk, GROUP=group,
-        GROUP_TILE=group_tile, CANDIDATE_BLOCK=candidate_block, CARRY=_carry(candidate_block, warps),
-        CARRY_BOUND=_carry(group_tile, warps), FLAG_TILE=flag_tile, PAD_BLOCK=_PAD_BLOCK, num_warps=warps,
+        GROUP_TILE=group_tile, CANDIDATE_BLOCK=candidate_block, CARRY=carry_mode(candidate_block, 32 * warps),
+        CARRY_BOUND=carry_mode(group_tile, 32 * warps), FLAG_TILE=flag_tile, PAD_BLOCK=_PAD_BLOCK, num_warps=warps,
         **bounds_flags, **slot_args[1], **pdl,
     )
 
@@ -1511,10 +1382,10 @@ def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args
         group *= 2
     if group > stream_tile:
         raise ValueError(f"logits width {width} is too large for the top-k row programs (stream tile {stream_tile})")
-    group_tile = _next_pow2(columns // group)
+    group_tile = next_pow2(columns // group)
     enough = k + int(k * config.bound_slack)
     capacity = max(1, min(width, max(enough, k - 1) * group))
-    candidate_block = config.candidate_block or min(16384, max(1024, _next_pow2(2 * k)))
+    candidate_block = config.candidate_block or min(16384, max(1024, next_pow2(2 * k)))
     device = logits.device
     groups = torch.empty((num_rows, 2 * group_tile), dtype=torch.int32, device=device)
     stream = not (config.maxima_launch and group <= config.chunk <= stream_tile)
@@ -1536,10 +1407,10 @@ def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args
             logits, logits.stride(0), logits.stride(1), *bounds, groups, *ready_state, width, next_n, num_chunks,
             CHUNK=config.chunk, GROUP=group, MAXIMA_STRIDE=2 * group_tile, CLEAR_STATE=False,
             CLEAR_READY=row_ready, num_warps=config.split_warps, **bounds_flags, **pdl,
-            **_timeline_args(timeline, "maxima", num_rows * num_chunks, _TL_MAXIMA_SLOTS.value, device),
+            **timeline_args(timeline, "maxima", num_rows * num_chunks, _TL_MAXIMA_SLOTS.value, device),
         )
     warps = config.stream_warps
-    carry_search = _carry(candidate_block, warps)
+    carry_search = carry_mode(candidate_block, 32 * warps)
     row_slots = _TL_ROW_PIECES.value + group_tile * group // stream_tile
     _row_program_kernel[(num_rows,)](
         logits, logits.stride(0), logits.stride(1), *bounds, out, out.stride(0), out.stride(1),
@@ -1547,9 +1418,9 @@ def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args
         GROUP=group, GROUP_TILE=group_tile, STREAM_TILE=stream_tile, CANDIDATE_BLOCK=candidate_block,
         PAD_BLOCK=_PAD_BLOCK, STREAM=stream, VECTOR_GATHER=config.vector_gather,
         PREFETCH_GATHER=config.prefetch_gather, STAGES=1 if pieces else config.row_stages, STORE_STATE=pieces,
-        CARRY_BOUND=_carry(group_tile, warps), CARRY_SEARCH=carry_search, SIGNAL_READY=row_ready,
+        CARRY_BOUND=carry_mode(group_tile, 32 * warps), CARRY_SEARCH=carry_search, SIGNAL_READY=row_ready,
         LEAN_GATHER=lean and not pieces, num_warps=warps,
-        **bounds_flags, **slot_args[1], **pdl, **_timeline_args(timeline, "rows", num_rows, row_slots, device),
+        **bounds_flags, **slot_args[1], **pdl, **timeline_args(timeline, "rows", num_rows, row_slots, device),
     )
     if pieces:
         registers = {} if config.pieces_max_registers is None else dict(maxnreg=config.pieces_max_registers)
@@ -1560,19 +1431,8 @@ def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args
             MAX_PIECES=max_pieces, PAD_BLOCK=_PAD_BLOCK, CARRY=carry_search, WAIT_READY=row_ready,
             LEAN_GATHER=lean, num_warps=warps,
             **registers, **bounds_flags, **slot_args[1], **pdl,
-            **_timeline_args(timeline, "pieces", num_rows * max_pieces, _TL_PIECE_SLOTS.value, device),
+            **timeline_args(timeline, "pieces", num_rows * max_pieces, _TL_PIECE_SLOTS.value, device),
         )
-
-
-def _timeline_args(timeline, name, programs, slots, device):
-    """Kernel arguments of the phase timeline (``_stamp``): none when ``timeline`` is None (the kernels then
-    compile as without it), else ``timeline[name]``, an int64 ``[programs, slots]`` buffer of zeros created on the
-    first call (a later call, e.g. under graph capture, reuses it: the caller zeroes it between replays)."""
-    if timeline is None:
-        return {}
-    if name not in timeline:
-        timeline[name] = torch.zeros((programs, slots), dtype=torch.int64, device=device)
-    return dict(timeline_ptr=timeline[name], TIMELINE=True)
 
 
 def _launch(logits, k, starts, ends, out, next_n, decode, config, slots=None, timeline=None):
