@@ -84,8 +84,6 @@ class TopkConfig:
     row_elements: register tile of the widest whole-row launch: ``row_elements // tile width`` rows share a
         program (1 to 16; power of two).
     row_warps: most warps of the widest whole-row launch (fewer for small tiles).
-    row_copy_short: whole-row programs whose rows are all selectable and at most k wide store the columns
-        directly (no search, no prefix sum).
     row_tiles: whole-row launches, one per register tile halving from the widest (1 to 4): the launch of tile
         ``w`` keeps the rows of lengths ``(w / 2, w]`` (the narrowest: ``[0, w]``), so each kernel compiles one
         body with that tile's registers.
@@ -121,7 +119,6 @@ class TopkConfig:
     row_block_max: int = 8192
     row_elements: int = 8192
     row_warps: int = 8
-    row_copy_short: bool = True
     row_tiles: int = 3
     row_narrow_elements: int = 4096
     row_narrow_warps: int = 4
@@ -346,10 +343,11 @@ def _pad_rows(out_ptrs, out_stride_col, first, valid, k, PAD_BLOCK: tl.constexpr
 @triton.jit
 def _select_rows(logits_ptr, stride_row, stride_col, rows, valid, start, length, out_ptr, out_stride_row,
                  out_stride_col, k, table_ptr, table_stride_row, table_stride_col, table_blocks, block_size, rows_per_request,
-                 BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr, COPY_SHORT: tl.constexpr,
-                 CARRY: tl.constexpr, PLATEAU_EVERY: tl.constexpr):
+                 BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr, CARRY: tl.constexpr,
+                 PLATEAU_EVERY: tl.constexpr):
     """Top-k of the windows ``[start, start + length)`` (``length <= BLOCK``) of ``rows`` [ROWS] into ``out``:
-    search (``_kth_largest_rows`` with ``CARRY``, ``PLATEAU_EVERY``) and emit on the uint32 order images."""
+    search (``_kth_largest_rows`` with ``CARRY``, ``PLATEAU_EVERY``) and emit on the uint32 order images; rows all
+    selectable and at most k wide store their columns directly."""
     columns = tl.arange(0, BLOCK)[None, :]  # [1, BLOCK] window-relative
     inside = columns < length[:, None]  # [ROWS, BLOCK]
     src = logits_ptr + rows.to(tl.int64)[:, None] * stride_row + (start[:, None] + columns).to(tl.int64) * stride_col
@@ -358,9 +356,8 @@ def _select_rows(logits_ptr, stride_row, stride_col, rows, valid, start, length,
     selectable = tl.sum((images != 0).to(tl.int32), axis=1)  # [ROWS]
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * out_stride_row  # [ROWS, 1]
     pages = _page_rows(table_ptr, table_stride_row, rows, rows_per_request, SLOTS)[:, None]  # [ROWS, 1]
-    copy = False
-    if COPY_SHORT:  # every row all selectable and at most k wide: the picks are the columns themselves
-        copy = tl.min(((selectable == length) & (length <= k)).to(tl.int32), axis=0) > 0
+    # Every row all selectable and at most k wide: the picks are the columns themselves.
+    copy = tl.min(((selectable == length) & (length <= k)).to(tl.int32), axis=0) > 0
     if copy:
         if SLOTS:
             written = _column_slots(pages, columns, inside, table_stride_col, table_blocks, block_size)
@@ -389,8 +386,8 @@ def _topk_row_kernel(
     num_rows, width, k, next_n,
     table_ptr, table_stride_row, table_stride_col, table_blocks, block_size, rows_per_request, class_above, class_upto,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-    PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr, COPY_SHORT: tl.constexpr,
-    CLASSED: tl.constexpr, CARRY: tl.constexpr, PLATEAU_EVERY: tl.constexpr, PDL: tl.constexpr = False,
+    PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr, CLASSED: tl.constexpr, CARRY: tl.constexpr,
+    PLATEAU_EVERY: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """``ROWS`` whole rows per program in a register tile of ``BLOCK`` columns. ``CLASSED`` (one launch per
     tile): a program keeps only its rows whose window length lies in ``(class_above, class_upto]`` and does
@@ -407,9 +404,9 @@ def _topk_row_kernel(
             out_stride_col, k, table_ptr, table_stride_row, table_stride_col, table_blocks, block_size, rows_per_request)
     if CLASSED:
         if tl.max(valid.to(tl.int32), axis=0) > 0:
-            _select_rows(*args, BLOCK, PAD_BLOCK, SLOTS, COPY_SHORT, CARRY, PLATEAU_EVERY)
+            _select_rows(*args, BLOCK, PAD_BLOCK, SLOTS, CARRY, PLATEAU_EVERY)
     else:
-        _select_rows(*args, BLOCK, PAD_BLOCK, SLOTS, COPY_SHORT, CARRY, PLATEAU_EVERY)
+        _select_rows(*args, BLOCK, PAD_BLOCK, SLOTS, CARRY, PLATEAU_EVERY)
 
 
 @triton.jit
@@ -1109,7 +1106,7 @@ def _launch_rows(logits, k, bounds, out, next_n, bounds_flags, slot_args, config
         tiles -= 1
     # The interpreter cannot run inline PTX: it takes the plain comparison (same counts).
     search = dict(CARRY=not interpreting(), PLATEAU_EVERY=config.row_plateau_every)
-    common = dict(PAD_BLOCK=_PAD_BLOCK, COPY_SHORT=config.row_copy_short, **search, **bounds_flags, **slot_args[1],
+    common = dict(PAD_BLOCK=_PAD_BLOCK, **search, **bounds_flags, **slot_args[1],
                   **_pdl_args(config, logits.device))
     if tiles == 1:
         _launch_row_tile(logits, k, bounds, out, next_n, slot_args, block, config.row_elements, config.row_warps,
