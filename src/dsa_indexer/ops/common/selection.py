@@ -168,7 +168,8 @@ def kth_largest_within(keys, k, enough, count, lo, hi, CARRY: tl.constexpr):
 
 @triton.jit
 def row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS: tl.constexpr):
-    """(first column, length) of ``row`` as int64 scalars, the window clamped into ``[0, width]`` (a no-op on
+    """(first column, length) of ``row`` as int64 scalars from the bounds of entry ``row // row_repeat`` (rows of
+    one request share them), the window clamped into ``[0, width]`` (a no-op on
     validated bounds; unchecked ones never move a read or a scratch write outside the row)."""
     bound = row // row_repeat
     end = tl.load(ends_ptr + bound).to(tl.int64)

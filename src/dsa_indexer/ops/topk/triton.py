@@ -1194,7 +1194,7 @@ def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args
     candidate_block = config.candidate_block or min(16384, max(1024, next_pow2(2 * k)))
     device = logits.device
     groups = torch.empty((num_rows, 2 * group_tile), dtype=torch.int32, device=device)
-    stream = not group <= config.chunk <= stream_tile
+    stream = not (group <= config.chunk <= stream_tile)  # the row program streams the row itself
     row_ready = pieces and num_rows <= config.pieces_ready_max_rows and not stream
     lean = config.lean_gather and 4 <= group <= 16
     pdl = _pdl_args(config, logits.device)
