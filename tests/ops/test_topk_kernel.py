@@ -28,7 +28,8 @@ pytest.importorskip("triton", reason="Triton kernel tests need triton (make test
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from dsa_indexer.ops.topk import triton as triton_impl  # noqa: E402  (after the skip: it imports triton)
+from dsa_indexer.ops.common import selection  # noqa: E402  (after the skip: it imports triton)
+from dsa_indexer.ops.topk import triton as triton_impl  # noqa: E402
 
 TopkConfig = triton_impl.TopkConfig
 
@@ -207,7 +208,7 @@ def test_strict_bound_ties_before_candidates(kernel_device, config):
 def _search_kernel(keys_ptr, out_ptr, k, enough, N: tl.constexpr, CARRY: tl.constexpr):
     keys = tl.load(keys_ptr + tl.arange(0, N))
     count, lo, hi = triton_impl._bracket(keys)
-    t, count = triton_impl._kth_largest_within(keys, k, enough, count, lo, hi, CARRY)
+    t, count = selection.kth_largest_within(keys, k, enough, count, lo, hi, CARRY)
     tl.store(out_ptr, t)
     tl.store(out_ptr + 1, count)
 
