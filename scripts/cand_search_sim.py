@@ -1,4 +1,4 @@
-"""Rounds of the candidate select's threshold search, replayed in numpy (session 8: the case for ``_moment_probes``).
+"""Rounds of the candidate select's threshold search, replayed in numpy: the case for ``_moment_probes``.
 
 Replays ``_kth_largest_interpolated`` (four probes a round: the interpolated position of the k-th image minus and
 plus a width, the bracket's value and image midpoints) on the order images of block maxima (16384 blocks of 8,

@@ -54,7 +54,12 @@ def candidate_cases() -> bool:
     pieces and the default (6 rows: the split select of 4 pieces); both split selects discard their rows' scratch
     images (rows of 4096 blocks: whole 128-byte lines) and load the logits evict-first; the mask by the default path
     (separate flags at 6 rows) and by the fused one (each row builds, then discards, its own flags)."""
-    from dsa_indexer.ops.candidates.triton import apply_candidate_mask_triton, select_candidate_blocks_triton
+    from dsa_indexer.ops.candidates.triton import (
+        MaskConfig,
+        SelectConfig,
+        apply_candidate_mask_triton,
+        select_candidate_blocks_triton,
+    )
 
     gen = torch.Generator().manual_seed(2)
     rows, width, num_blocks_k, block_size = 6, 20000, 300, 8
@@ -62,11 +67,12 @@ def candidate_cases() -> bool:
     starts = torch.randint(0, 3000, (rows,), generator=gen).to(torch.int32).cuda()
     ends = (starts + torch.randint(0, width - 3000, (rows,), generator=gen).to(torch.int32).cuda()).clamp(max=width)
     expected = dsa.select_candidate_blocks(logits, starts, ends, num_blocks_k, block_size, backend="reference")
+    configs = (SelectConfig(split_pieces=0), SelectConfig(split_pieces=8, split_min_rows=0), SelectConfig())
     ok = all(torch.equal(select_candidate_blocks_triton(logits, starts, ends, num_blocks_k, block_size, 1,
-                                                        fused_pieces=pieces), expected) for pieces in (0, 8, None))
+                                                        config=config), expected) for config in configs)
     masked, fused, masked_reference = logits.clone(), logits.clone(), logits.clone()
     dsa.apply_candidate_mask(masked, starts, ends, expected, block_size)
-    apply_candidate_mask_triton(fused, starts, ends, expected, block_size, 1, fused_flags=True)
+    apply_candidate_mask_triton(fused, starts, ends, expected, block_size, 1, config=MaskConfig(fused_flags_min_rows=0))
     dsa.apply_candidate_mask(masked_reference, starts, ends, expected, block_size, backend="reference")
     return ok and all(torch.equal(result.view(torch.int32), masked_reference.view(torch.int32))
                       for result in (masked, fused))

@@ -8,12 +8,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 from dsa_indexer.ops.candidates import apply_candidate_mask, select_candidate_blocks
 from dsa_indexer.ops.candidates import triton as candidates_triton
-from dsa_indexer.ops.candidates.triton import apply_candidate_mask_triton, select_candidate_blocks_triton
+from dsa_indexer.ops.candidates.triton import (
+    MaskConfig,
+    SelectConfig,
+    apply_candidate_mask_triton,
+    select_candidate_blocks_triton,
+)
 from dsa_indexer.ops.topk.reference import indices_to_slots as indices_to_slots_reference
 from dsa_indexer.ops.topk.triton import indices_to_slots_triton
+
+TWO_LAUNCHES = dict(config=SelectConfig(fused_max_blocks=0))  # block keys + radix select, whatever the width
+FUSED_FLAGS = MaskConfig(fused_flags_min_rows=0)  # one mask program per row builds its own flags
 
 NEG_INF = float("-inf")
 GARBAGE = (float("nan"), 1e30, float("inf"), -1e30)
@@ -155,7 +164,7 @@ def test_select_rows_longer_than_one_chunk(kernel_device):
     starts, ends = starts.to(kernel_device), ends.to(kernel_device)
     for num_blocks_k in (1500, 2600):
         expected = select_candidate_blocks(logits, starts, ends, num_blocks_k, 1, backend="reference")
-        assert torch.equal(select_candidate_blocks_triton(logits, starts, ends, num_blocks_k, 1, 1, fused=False),
+        assert torch.equal(select_candidate_blocks_triton(logits, starts, ends, num_blocks_k, 1, 1, **TWO_LAUNCHES),
                            expected)
 
 
@@ -308,7 +317,7 @@ def test_select_split_discard_leaves_other_rows_images(blocks_per_row, data):
     logits = make_logits(num_rows, width, generator, data).cuda()
     starts = torch.randint(0, 16, (num_rows,), generator=generator, dtype=torch.int32).cuda()
     ends = torch.full((num_rows,), width, dtype=torch.int32, device="cuda")
-    variant = dict(fused_pieces=4, fused_piece_discard=True)
+    variant = dict(config=SelectConfig(split_min_rows=0))
     for num_blocks_k in (1, 7, blocks_per_row // 2):
         expected = select_candidate_blocks(logits, starts, ends, num_blocks_k, 8, backend="reference")
         for _ in range(5):
@@ -331,7 +340,7 @@ def test_mask_fused_flags_discard_leaves_other_rows_flags(blocks_per_row):
     apply_candidate_mask(expected, starts, ends, candidate_blocks, 8, backend="reference")
     for _ in range(5):
         masked = logits.clone()
-        apply_candidate_mask_triton(masked, starts, ends, candidate_blocks, 8, 1, fused_flags=True, discard_flags=True)
+        apply_candidate_mask_triton(masked, starts, ends, candidate_blocks, 8, 1, config=FUSED_FLAGS)
         assert torch.equal(masked.view(torch.int32), expected.view(torch.int32))
 
 
@@ -349,10 +358,11 @@ def test_select_split_discard_is_off_under_the_interpreter(monkeypatch):
     assert not candidates_triton._discardable_rows(torch.empty(4, 32, dtype=torch.int32))
 
 
-# The two-launch select (block keys + radix select: rows wider than the fused kernel's limit).
+# The two-launch select (block keys + radix select: rows wider than the fused kernel's limit), with the shipped
+# keys tile and a small one.
 VARIANTS = {
-    "two_launch_scalar_keys": dict(fused=False, vector=False),
-    "two_launch_vector_small_tiles": dict(fused=False, vector=True, keys_tile=64),
+    "two_launch": TWO_LAUNCHES,
+    "two_launch_small_tiles": dict(config=SelectConfig(fused_max_blocks=0, keys_tile=64)),
 }
 
 
@@ -373,9 +383,8 @@ def test_select_variants_match_reference(kernel_device, variant, data):
 
 
 # The fused one-launch select (the default) in tiny streaming steps, so that interpreter rows span several.
-FUSED_SMALL_STEPS = dict(fused=True, fused_pieces=0, fused_step=16)
-FUSED_ALIGNMENT_VARIANTS = {"vector": dict(fused=True, fused_pieces=0, fused_step=128),
-                            "scalar": dict(fused=True, fused_pieces=0, fused_step=128, vector=False)}
+FUSED_SMALL_STEPS = dict(config=SelectConfig(split_pieces=0, fused_step=16))
+FUSED_ALIGNMENT_VARIANTS = {"fused": dict(config=SelectConfig(split_pieces=0, fused_step=128))}
 
 
 @pytest.mark.parametrize("data", ["random", "ties", "close", "relu", "nan_and_neg_inf"])
@@ -422,13 +431,20 @@ def test_select_fused_aligned_starts_ties_pins_and_strides(kernel_device, varian
     assert_views_and_strided_out_match(logits, starts, ends, 5, variant)
 
 
-# Split select (the default from _SPLIT_MIN_ROWS rows): several streaming programs per row, the last to finish
+
+
+def split(**fields) -> dict:
+    """Keyword arguments that force the split select (every call, whatever its rows) with ``fields``."""
+    return dict(config=SelectConfig(split_min_rows=0, **fields))
+
+
+# Split select (the default from split_min_rows rows): several streaming programs per row, the last to finish
 # selects (on a GPU the search counts with carry chains; the interpreter compares: the same counts).
-SPLIT_VARIANTS = {"pieces_4": dict(fused_pieces=4, fused_piece_step=16),
-                  "pieces_8_one_warp": dict(fused_pieces=8, fused_piece_warps=1, fused_piece_step=8),
-                  "pieces_4_chunk_4": dict(fused_pieces=4, fused_piece_step=16, fused_piece_chunk=4),
-                  "pieces_4_chunk_8": dict(fused_pieces=4, fused_piece_step=16, fused_piece_chunk=8),
-                  "pieces_2_one_warp": dict(fused_pieces=2, fused_piece_warps=1, fused_piece_step=16)}
+SPLIT_VARIANTS = {"pieces_4": split(split_pieces=4, split_step=16),
+                  "pieces_8_one_warp": split(split_pieces=8, split_warps=1, split_step=8),
+                  "pieces_4_chunk_4": split(split_pieces=4, split_step=16, split_chunk=4),
+                  "pieces_4_chunk_8": split(split_pieces=4, split_step=16, split_chunk=8),
+                  "pieces_2_one_warp": split(split_pieces=2, split_warps=1, split_step=16)}
 
 
 @pytest.mark.parametrize("variant", SPLIT_VARIANTS.values(), ids=SPLIT_VARIANTS.keys())
@@ -457,7 +473,7 @@ def test_select_split_runs_ties_pins_and_strides(kernel_device, pieces, chunk):
     logits[:, 90] = float("inf")
     starts = torch.tensor([0, 4, 3, 100, 497], dtype=torch.int32, device=kernel_device)
     ends = torch.tensor([500, 500, 499, 101, 497], dtype=torch.int32, device=kernel_device)
-    variant = dict(fused_pieces=pieces, fused_piece_warps=1, fused_piece_step=64, fused_piece_chunk=chunk)
+    variant = split(split_pieces=pieces, split_warps=1, split_step=64, split_chunk=chunk)
     for num_blocks_k in (1, 2, 40, 200):
         expected = select_candidate_blocks(logits, starts, ends, num_blocks_k, 3, backend="reference")
         assert torch.equal(select_candidate_blocks_triton(logits, starts, ends, num_blocks_k, 3, 1, **variant),
@@ -465,14 +481,11 @@ def test_select_split_runs_ties_pins_and_strides(kernel_device, pieces, chunk):
     assert_views_and_strided_out_match(logits, starts, ends, 7, variant)
 
 
-# The first search round placed by the row's moments (``moment_probes``; the split select samples them): rows
+# The first search round placed by the row's moments (the split select samples them): rows
 # whose moments mislead (lognormal tails, huge values whose squares overflow, +inf blocks left out of the moments,
 # one value, negative rows) must still select exactly.
-MOMENT_VARIANTS = {"fused": dict(fused=True, fused_pieces=0, fused_step=16, moment_probes=True),
-                   "fused_off": dict(fused=True, fused_pieces=0, fused_step=16, moment_probes=False),
-                   "split": dict(fused_pieces=4, fused_piece_step=16, moment_probes=True),
-                   "split_off": dict(fused_pieces=4, fused_piece_step=16, moment_probes=False),
-                   "split_sample": dict(fused_pieces=4, fused_piece_step=16, moment_sample=16)}
+MOMENT_VARIANTS = {"fused": FUSED_SMALL_STEPS, "split": split(split_step=16),
+                   "split_sample": split(split_step=16, moment_sample=16)}
 
 
 def moment_rows(width, generator):
@@ -483,11 +496,8 @@ def moment_rows(width, generator):
     return torch.stack(rows)
 
 
-# Every data kind with the moments on; the interpolated opening (off: the search before session 8, still a keyword
-# argument) on the misleading rows, and on the GPU at the V4.1 shapes (*_no_moments).
 MOMENT_CASES = [(variant, data) for variant in ("fused", "split", "split_sample")
                 for data in ("moments", "random", "ties", "close", "relu", "nan_and_neg_inf")]
-MOMENT_CASES += [("fused_off", "moments"), ("split_off", "moments")]
 
 
 @pytest.mark.parametrize("variant,data", [pytest.param(v, d, id=f"{v}-{d}", marks=() if v == "fused" else pytest.mark.slow)
@@ -506,31 +516,27 @@ def test_select_moment_probes_match_reference(kernel_device, variant, data):
         assert torch.equal(actual, expected)
 
 
-class LaunchRecorder:
-    """Stands in for a Triton kernel: records the grids it is launched with, then launches."""
-
-    def __init__(self, kernel):
-        self.kernel, self.grids = kernel, []
-
-    def __getitem__(self, grid):
-        self.grids.append(grid)
-        return self.kernel[grid]
-
-
-@pytest.mark.parametrize("min_rows,multiprocessors,split", [(8, 27, False), (7, 27, True), (8, 28, True),
-                                                             (9, 4 * 7 - 1, False)])
-def test_select_default_path_follows_the_row_count(kernel_device, monkeypatch, min_rows, multiprocessors, split):
-    # The default is the split select (with its defaults) from _SPLIT_MIN_ROWS rows on and when the 7 rows' 4
-    # pieces fit one program per SM (28), the fused kernel otherwise: each bound and one off it.
-    logits, starts, ends, _ = case(7, 60, 8, "ties", device=kernel_device)
-    expected = select_candidate_blocks(logits, starts, ends, 5, 8, backend="reference")
-    recorder = LaunchRecorder(candidates_triton._split_select_kernel)
-    monkeypatch.setattr(candidates_triton, "_split_select_kernel", recorder)
-    monkeypatch.setattr(candidates_triton, "_SPLIT_MIN_ROWS", min_rows)
-    monkeypatch.setattr(candidates_triton, "_SPLIT_PIECES", 4)
-    monkeypatch.setattr(candidates_triton, "_multiprocessors", lambda device: multiprocessors)
-    assert torch.equal(select_candidate_blocks_triton(logits, starts, ends, 5, 8, 1), expected)
-    assert bool(recorder.grids) == split
+@pytest.mark.parametrize("config", [SelectConfig(), SelectConfig(split_min_rows=8, split_pieces=4),
+                                    SelectConfig(split_pieces=0), SelectConfig(fused_max_blocks=64)],
+                         ids=["default", "min_rows_8", "never_split", "narrow_fused"])
+@pytest.mark.parametrize("sms", [1, 27, 28, 132])
+def test_select_plan_rule(config, sms):
+    # Two launches exactly for rows wider than fused_max_blocks blocks (or blocks wider than fused_step); else the
+    # split select from split_min_rows rows on (monotone in the rows from there) and wherever every row's pieces
+    # fit one program per SM, the fused kernel otherwise.
+    for width, block_size in ((60, 8), (131072, 8), (16384 * 8 + 1, 8), (100, 2 * config.fused_step)):
+        padded = triton.next_power_of_2(triton.cdiv(width, block_size))
+        two_launches = padded > config.fused_max_blocks or triton.next_power_of_2(block_size) > config.fused_step
+        plans = [candidates_triton.select_plan(config, rows, width, block_size, sms) for rows in range(1, 600)]
+        for rows, plan in enumerate(plans, start=1):
+            if two_launches:
+                assert plan is None
+            elif rows >= config.split_min_rows or rows * config.split_pieces <= sms:
+                assert plan == config.split_pieces
+            else:
+                assert plan == 0
+        if not two_launches:
+            assert all(plan == config.split_pieces for plan in plans[config.split_min_rows - 1:])
 
 
 def test_select_timeline_covers_the_split_select_only():
@@ -538,31 +544,26 @@ def test_select_timeline_covers_the_split_select_only():
     logits, starts, ends, _ = case(3, 60, 8, "random")
     out = torch.full((3, 5), -777, dtype=torch.int32)
     with pytest.raises(ValueError, match="split select"):
-        candidates_triton.select_fused(logits, starts, ends, 5, 8, 1, out, pieces=0, timeline={})
+        candidates_triton.select_fused(logits, starts, ends, 5, 8, 1, out, 0, timeline={})
     assert bool((out == -777).all())
 
 
 @pytest.mark.parametrize("sample", [3, 0, -8])
 def test_select_moment_sample_must_be_a_power_of_two(sample):
-    # Refused before any launch: the sample is a power-of-two tensor of the selecting program.
-    logits, starts, ends, _ = case(3, 60, 8, "random")
-    out = torch.full((3, 5), -777, dtype=torch.int32)
+    # Refused with the config: the sample is a power-of-two tensor of the selecting program.
     with pytest.raises(ValueError, match="moment_sample"):
-        candidates_triton.select_fused(logits, starts, ends, 5, 8, 1, out, pieces=4, moment_sample=sample)
-    assert bool((out == -777).all())
+        SelectConfig(moment_sample=sample)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("moment_probes", [True, False])
-def test_select_timeline_probe_gpu(moment_probes):
+def test_select_timeline_probe_gpu():
     # The phase timeline (barriers and global-timer stamps) leaves the ids bitwise equal; every program stamps its
     # start and arrival in order, and exactly one program a row (the last to arrive) its selection's phases.
     logits, starts, ends, _ = case(12, 4000, 9, "random", device="cuda")
     expected = select_candidate_blocks(logits, starts, ends, 40, 8, backend="reference")
     out = torch.empty_like(expected)
     timeline = {}
-    candidates_triton.select_fused(logits, starts, ends, 40, 8, 1, out, pieces=4, moment_probes=moment_probes,
-                                   timeline=timeline)
+    candidates_triton.select_fused(logits, starts, ends, 40, 8, 1, out, 4, timeline=timeline)
     assert torch.equal(out, expected)
     stamps = timeline["split"].cpu()
     ct = candidates_triton
@@ -587,22 +588,16 @@ def test_select_fused_all_equal_unselectable_and_too_wide_rows(kernel_device):
     logits, ends = all_equal_and_unselectable_rows(kernel_device)
     for num_blocks_k, block_size in ((5, 2), (700, 2), (2000, 1)):
         expected = select_candidate_blocks(logits, None, ends, num_blocks_k, block_size, backend="reference")
-        actual = select_candidate_blocks_triton(logits, None, ends, num_blocks_k, block_size, 1, fused=True,
-                                                fused_pieces=0, fused_step=1024)
+        actual = select_candidate_blocks_triton(logits, None, ends, num_blocks_k, block_size, 1,
+                                                config=SelectConfig(split_pieces=0, fused_step=1024))
         assert torch.equal(actual, expected)
     wide = torch.randn(2, 2 * candidates_triton._FUSED_MAX_BLOCKS + 3, device=kernel_device)
     wide_ends = torch.tensor([wide.shape[1], 100], dtype=torch.int32, device=kernel_device)
     expected = select_candidate_blocks(wide, None, wide_ends, 3, 1, backend="reference")
-    assert torch.equal(select_candidate_blocks_triton(wide, None, wide_ends, 3, 1, 1, fused=True), expected)
+    assert torch.equal(select_candidate_blocks_triton(wide, None, wide_ends, 3, 1, 1), expected)
 
 
-MASK_VARIANTS = {
-    "scalar": dict(vector=False),
-    "vector": dict(vector=True),
-    "fused_flags": dict(fused_flags=True),
-    "fused_flags_scalar": dict(fused_flags=True, vector=False),
-    "not_streaming": dict(streaming=False),
-}
+MASK_VARIANTS = {"flags_launch": {}, "fused_flags": dict(fused_flags_min_rows=0)}
 
 
 @pytest.mark.parametrize("variant", MASK_VARIANTS.values(), ids=MASK_VARIANTS.keys())
@@ -615,7 +610,8 @@ def test_mask_variants_match_reference(kernel_device, variant, block_size, tile)
     candidate_blocks = candidate_blocks.to(kernel_device)
     expected = logits.clone()
     apply_candidate_mask(expected, starts, ends, candidate_blocks, block_size, backend="reference")
-    apply_candidate_mask_triton(logits, starts, ends, candidate_blocks, block_size, 1, tile=tile, **variant)
+    apply_candidate_mask_triton(logits, starts, ends, candidate_blocks, block_size, 1,
+                                config=MaskConfig(tile=tile, **variant))
     assert torch.equal(logits.view(torch.int32), expected.view(torch.int32))
 
 
@@ -628,13 +624,13 @@ def test_mask_fused_flags_strided_candidates_and_row_repeat(kernel_device, row_r
     candidate_blocks = candidate_blocks.t().contiguous().t().to(kernel_device)
     expected = logits.clone()
     apply_candidate_mask(expected, starts, ends, candidate_blocks, 4, row_repeat=row_repeat, backend="reference")
-    apply_candidate_mask_triton(logits, starts, ends, candidate_blocks, 4, row_repeat, fused_flags=True)
+    apply_candidate_mask_triton(logits, starts, ends, candidate_blocks, 4, row_repeat, config=FUSED_FLAGS)
     assert torch.equal(logits.view(torch.int32), expected.view(torch.int32))
 
 
-@pytest.mark.parametrize("variant", [dict(), dict(aligned_rows=False, block=1024), dict(block=64, num_warps=2)])
-@pytest.mark.parametrize("k", [128, 130, 8])
-def test_indices_to_slots_variants_match_reference(kernel_device, variant, k):
+@pytest.mark.parametrize("k", [2048, 2050, 2051, 130, 8])
+def test_indices_to_slots_match_reference(kernel_device, k):
+    # Rows of whole 2048-position programs (16-byte rows when k % 4 == 0) and partial ones.
     generator = torch.Generator().manual_seed(k)
     num_rows, pages, block_size = 6, 9, 16
     indices = torch.randint(-1, pages * block_size, (num_rows, k), generator=generator, dtype=torch.int32)
@@ -642,11 +638,11 @@ def test_indices_to_slots_variants_match_reference(kernel_device, variant, k):
     row_to_request = torch.tensor([0, 0, 1, 2, 2, 1], dtype=torch.int32)
     expected = indices_to_slots_reference(indices, table, block_size, row_to_request)
     args = [t.to(kernel_device) for t in (indices, table)]
-    actual = indices_to_slots_triton(args[0], args[1], block_size, row_to_request.to(kernel_device), **variant)
+    actual = indices_to_slots_triton(args[0], args[1], block_size, row_to_request.to(kernel_device))
     assert torch.equal(actual.cpu(), expected)
     strided = torch.full((num_rows, k + 3), -5, dtype=torch.int32, device=kernel_device)[:, 3:]
     strided.copy_(args[0])
-    actual = indices_to_slots_triton(strided, args[1], block_size, row_to_request.to(kernel_device), **variant)
+    actual = indices_to_slots_triton(strided, args[1], block_size, row_to_request.to(kernel_device))
     assert torch.equal(actual.cpu(), expected)
 
 
@@ -667,21 +663,15 @@ def v41_case(data):
 @pytest.mark.parametrize("data", ["random", "close"])
 def test_v41_shapes_select_variants(data, variant):
     logits, starts, ends, expected = v41_case(data)
-    keys = candidates_triton.block_keys(logits, starts, ends, 8, 1, vector=variant.get("vector"),
-                                        tile=variant.get("keys_tile", candidates_triton._KEYS_TILE))
+    keys = candidates_triton.block_keys(logits, starts, ends, 8, 1, **variant)
     out = torch.empty_like(expected)
     candidates_triton.select_from_keys(keys, starts, ends, 2048, 8, 1, out)
     assert torch.equal(out, expected)
 
 
-# Bench-sized kernels (the configurations the sweep times).
-V41_FUSED_VARIANTS = {"fused": dict(fused_pieces=0), "fused_step_8192": dict(fused_pieces=0, fused_step=8192),
-                      "split_4": dict(fused_pieces=4), "split_8": dict(fused_pieces=8),
-                      "fused_no_moments": dict(fused_pieces=0, moment_probes=False),
-                      "split_4_no_moments": dict(fused_pieces=4, moment_probes=False),
-                      "split_4_sample_1024": dict(fused_pieces=4, moment_sample=1024),
-                      "split_4_keep_images": dict(fused_pieces=4, fused_piece_discard=False, fused_evict_first=False),
-                      "fused_normal_loads": dict(fused_pieces=0, fused_evict_first=False)}
+# Bench-sized kernels: the fused kernel and the split select forced, and the default's choice.
+V41_FUSED_VARIANTS = {"default": {}, "fused": dict(config=SelectConfig(split_pieces=0)), "split_4": split(),
+                      "split_8": split(split_pieces=8)}
 
 
 @pytest.mark.gpu
@@ -698,9 +688,7 @@ def test_v41_shapes_fused_select(data, variant):
                            expected)
 
 
-V41_MASK_VARIANTS = {**MASK_VARIANTS, "tile_4096": dict(tile=4096), "tile_8192": dict(tile=8192),
-                     "fused_flags_streaming": dict(fused_flags=True, streaming=True),
-                     "fused_flags_kept": dict(fused_flags=True, discard_flags=False)}
+V41_MASK_VARIANTS = {"flags_launch": {}, "fused_flags": dict(config=FUSED_FLAGS)}
 
 
 @pytest.mark.gpu
@@ -720,14 +708,11 @@ def test_indices_to_slots_variants_at_bench_shape():
     table = torch.randperm(8 * 1024, device="cuda", generator=generator).to(torch.int32).view(8, 1024)
     row_to_request = torch.arange(512, device="cuda", dtype=torch.int32) // 64
     expected = indices_to_slots_reference(indices, table, 64, row_to_request)
-    for block, warps, aligned in ((1024, 4, False), (1024, 4, True), (2048, 4, True), (2048, 8, True)):
-        actual = indices_to_slots_triton(indices, table, 64, row_to_request, block=block, num_warps=warps,
-                                         aligned_rows=aligned)
-        assert torch.equal(actual, expected)
+    assert torch.equal(indices_to_slots_triton(indices, table, 64, row_to_request), expected)
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_unchecked_bounds_past_the_row_are_clamped(kernel_device, fused, monkeypatch):
+@pytest.mark.parametrize("config", [SelectConfig(), SelectConfig(fused_max_blocks=0)], ids=["fused", "two_launches"])
+def test_unchecked_bounds_past_the_row_are_clamped(kernel_device, config, monkeypatch):
     # Value checks off: a start below 0, ends past the width and a start past it act as the window clamped into
     # [0, width] (the reference on clamped bounds), with no read or scratch write outside the rows.
     monkeypatch.setenv("DSA_INDEXER_SKIP_VALUE_CHECKS", "1")
@@ -738,7 +723,7 @@ def test_unchecked_bounds_past_the_row_are_clamped(kernel_device, fused, monkeyp
     clamped_starts = starts.clamp(0, 40)
     clamped_ends = torch.maximum(ends, clamped_starts).clamp(max=40)
     expected = select_candidate_blocks(logits, clamped_starts, clamped_ends, 3, 4, backend="reference")
-    got = candidates_triton.select_candidate_blocks_triton(logits, starts, ends, 3, 4, 1, fused=fused)
+    got = candidates_triton.select_candidate_blocks_triton(logits, starts, ends, 3, 4, 1, config=config)
     assert torch.equal(got, expected)
     masked, expected_masked = logits.clone(), logits.clone()
     apply_candidate_mask(expected_masked, clamped_starts, clamped_ends, expected, 4, backend="reference")

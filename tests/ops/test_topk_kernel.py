@@ -28,92 +28,68 @@ pytest.importorskip("triton", reason="Triton kernel tests need triton (make test
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from dsa_indexer.ops.topk import triton as triton_impl  # noqa: E402  (after the skip: it imports triton)
+from dsa_indexer.ops.common import selection  # noqa: E402  (after the skip: it imports triton)
+from dsa_indexer.ops.topk import triton as triton_impl  # noqa: E402
 
 TopkConfig = triton_impl.TopkConfig
 
 POISON = -777
-# Widths above 16 take the split path: 16-column chunks, at most 16 group maxima per row (so groups of
-# 2, 4, 8 columns as rows widen), at most 8 candidates searched in registers.
-SPLIT = TopkConfig(row_block_max=16, row_program_rows=1 << 30, chunk=16, group_tile=16, candidate_block=8)
-# Widths above 16 take row programs: group maxima from 16-column chunk programs, at most 16 of them, 8
-# candidates in registers. STREAM_LOOSE streams the row in the program (16-column steps) and stops the
-# lower-bound search early (up to 4k maxima above it); STREAM_SCALAR streams too, with masked (scalar)
-# gather loads in every piece and no prefetch of the next one.
-STREAM = TopkConfig(row_block_max=16, row_program_rows=1, stream_tile=16, group_tile=16, candidate_block=8, chunk=16)
-STREAM_LOOSE = TopkConfig(row_block_max=16, row_program_rows=1, stream_tile=16, group_tile=16, candidate_block=8,
-                          bound_slack=3.0, maxima_launch=False)
-STREAM_SCALAR = TopkConfig(row_block_max=16, row_program_rows=1, stream_tile=16, group_tile=16, candidate_block=8,
-                           maxima_launch=False, vector_gather=False, prefetch_gather=False)
-# The split path with its lower-bound search stopped early (up to 4k maxima above it) or exact.
-SPLIT_LOOSE = TopkConfig(row_block_max=16, row_program_rows=1 << 30, chunk=16, group_tile=16, candidate_block=8,
-                         bound_slack=3.0)
-SPLIT_EXACT = TopkConfig(row_block_max=16, row_program_rows=1 << 30, chunk=16, group_tile=16, candidate_block=8,
-                         split_early_bound=False)
+# Tiny tiles so that interpreter rows reach every path: widths above 16 take the split path (few rows: 16-column
+# chunks, at most 16 group maxima per row, so groups of 2, 4, 8 columns as rows widen, at most 8 candidates
+# searched in registers) or row programs (``row_program_rows=1``).
+TINY = dict(row_block_max=16, stream_tile=16, group_tile=16, candidate_block=8, chunk=16, pieces_tile=16)
+SPLIT = TopkConfig(**TINY, row_program_rows=1 << 30)
+# Plain row programs (no gather launch) with the maxima launch, and streaming the row in the program (a ``chunk``
+# below the group width: the path of rows wider than 16M columns at the default tiles) with the lower-bound
+# search stopped early (up to 4k maxima above it).
+STREAM = TopkConfig(**TINY, row_program_rows=1, pieces_max_rows=0)
+STREAM_IN_PROGRAM = replace(STREAM, chunk=1)
+STREAM_LOOSE = replace(STREAM_IN_PROGRAM, bound_slack=3.0)
+SPLIT_LOOSE = replace(SPLIT, bound_slack=3.0)
 # Row programs with a gather launch (one program per gather piece of 2 groups, its candidates placed in the row's
-# buffer by a look-back over the piece flags; the last one emits), with the exact and the early-stopped lower bound.
-PIECES = TopkConfig(row_block_max=16, row_program_rows=1, stream_tile=16, group_tile=16, candidate_block=8, chunk=16,
-                    gather_launch=True)
-PIECES_LOOSE = TopkConfig(row_block_max=16, row_program_rows=1, stream_tile=16, group_tile=16, candidate_block=8,
-                          chunk=16, gather_launch=True, bound_slack=3.0)
-# PDL is ignored under the interpreter (the launch arguments are built, the kernels run without it).
-PIECES_PDL = replace(PIECES, pdl=True)
-# Gather pieces waiting on their row's ready word (cleared by the maxima launch, set by the row program).
-PIECES_READY = replace(PIECES, pdl=True, pieces_ready_max_rows=1 << 30)
+# buffer by a look-back over the piece flags; the last one emits), waiting for the whole row-program grid or each
+# piece for its own row (PDL is ignored under the interpreter: the kernels run without it).
+PIECES = TopkConfig(**TINY, row_program_rows=1, pieces_ready_max_rows=0)
+PIECES_LOOSE = replace(PIECES, bound_slack=3.0)
+PIECES_READY = replace(PIECES, pieces_ready_max_rows=1 << 30)
 # The gather by group tiles (``lean_gather=False``; the default gathers by quads of 4 columns where groups hold 4 to
-# 16 columns, as the widths here give, and by group tiles elsewhere): row programs with the maxima launch, streaming
-# in the program with scalar gathers, and the gather launch with its pieces waiting on their rows.
+# 16 columns, as the widths here give, and by group tiles elsewhere).
 STREAM_TILE_GATHER = replace(STREAM, lean_gather=False)
-STREAM_SCALAR_TILE_GATHER = replace(STREAM_SCALAR, lean_gather=False)
+STREAM_IN_PROGRAM_TILE_GATHER = replace(STREAM_IN_PROGRAM, lean_gather=False)
 PIECES_TILE_GATHER = replace(PIECES_READY, lean_gather=False)
-WIDE = [SPLIT, SPLIT_LOOSE, SPLIT_EXACT, STREAM, STREAM_LOOSE, STREAM_SCALAR, PIECES, PIECES_LOOSE, PIECES_PDL,
-        PIECES_READY, STREAM_TILE_GATHER, STREAM_SCALAR_TILE_GATHER, PIECES_TILE_GATHER]
-WIDE_IDS = ["split", "split_loose", "split_exact", "stream", "stream_loose", "stream_scalar", "pieces", "pieces_loose",
-            "pieces_pdl", "pieces_ready", "stream_tile_gather", "stream_scalar_tile_gather", "pieces_tile_gather"]
+WIDE = [SPLIT, SPLIT_LOOSE, STREAM, STREAM_LOOSE, STREAM_IN_PROGRAM, PIECES, PIECES_LOOSE, PIECES_READY,
+        STREAM_TILE_GATHER, STREAM_IN_PROGRAM_TILE_GATHER, PIECES_TILE_GATHER]
+WIDE_IDS = ["split", "split_loose", "stream", "stream_loose", "stream_in_program", "pieces", "pieces_loose",
+            "pieces_ready", "stream_tile_gather", "stream_in_program_tile_gather", "pieces_tile_gather"]
+# Each wide-row path forced at the default tiles.
 GPU_SPLIT = TopkConfig(row_program_rows=1 << 30)
-GPU_STREAM = TopkConfig(row_program_rows=1)
-GPU_STREAM_IN_PROGRAM = TopkConfig(row_program_rows=1, maxima_launch=False)
-GPU_STREAM_V4 = TopkConfig(row_program_rows=1, maxima_launch=False, vector_gather=False, prefetch_gather=False)
-GPU_STREAM_W8 = TopkConfig(row_program_rows=1, stream_warps=8)
-GPU_PIECES = TopkConfig(row_program_rows=1, gather_launch=True)
-GPU_PIECES_W8 = TopkConfig(row_program_rows=1, gather_launch=True, stream_warps=8, stream_tile=4096)
-# The split path and the maxima launch at 4 warps; the default gather launch without its register cap, and with
-# programmatic dependent launch (as the default's 8 to 64 rows).
-GPU_WIDE = [GPU_SPLIT, GPU_STREAM, GPU_STREAM_IN_PROGRAM, GPU_STREAM_V4, GPU_STREAM_W8, GPU_PIECES, GPU_PIECES_W8,
-            replace(GPU_SPLIT, split_warps=4), replace(GPU_STREAM, split_warps=4),
-            replace(GPU_PIECES_W8, pieces_max_registers=None), replace(GPU_PIECES_W8, pdl=True),
-            replace(GPU_PIECES_W8, pdl=True, pieces_ready_max_rows=1 << 30), replace(GPU_STREAM, lean_gather=False),
-            replace(GPU_STREAM_V4, lean_gather=False), replace(GPU_PIECES_W8, pdl=True, lean_gather=False),
-            replace(GPU_PIECES_W8, pdl=True, pieces_ready_max_rows=1 << 30, lean_gather=False)]
-GPU_WIDE_IDS = ["split", "stream", "stream_in_program", "stream_v4", "stream_w8", "pieces", "pieces_w8", "split_w4",
-                "stream_maxima_w4", "pieces_w8_uncapped", "pieces_w8_pdl", "pieces_w8_ready", "stream_tile_gather",
-                "stream_v4_tile_gather", "pieces_w8_tile_gather", "pieces_w8_ready_tile_gather"]
-# The default (its routing, programmatic dependent launch but on the split path), the same without PDL, and with
-# PDL on the split path too (``pdl_split``), with the split path and the gather-piece launches, at 32 to 128 rows
-# of 131072.
+GPU_STREAM = TopkConfig(row_program_rows=1, pieces_max_rows=0)
+GPU_STREAM_IN_PROGRAM = replace(GPU_STREAM, chunk=1)
+GPU_PIECES = TopkConfig(row_program_rows=1, pieces_max_rows=1 << 30, pieces_ready_max_rows=0)
+GPU_PIECES_READY = replace(GPU_PIECES, pieces_ready_max_rows=1 << 30)
+GPU_WIDE = [GPU_SPLIT, GPU_STREAM, GPU_STREAM_IN_PROGRAM, GPU_PIECES, GPU_PIECES_READY,
+            replace(GPU_STREAM, lean_gather=False), replace(GPU_STREAM_IN_PROGRAM, lean_gather=False),
+            replace(GPU_PIECES_READY, lean_gather=False)]
+GPU_WIDE_IDS = ["split", "stream", "stream_in_program", "pieces", "pieces_ready", "stream_tile_gather",
+                "stream_in_program_tile_gather", "pieces_ready_tile_gather"]
+# The default (its routing), the same without PDL, with the gather pieces waiting on their own row program up to
+# 128 rows, and with the gather by group tiles, at 32 to 128 rows of 131072.
 GPU_DEFAULT = triton_impl.DEFAULT_CONFIG
-GPU_NO_PDL = replace(triton_impl.DEFAULT_CONFIG, pdl=False)
-GPU_PDL_SPLIT = replace(triton_impl.DEFAULT_CONFIG, pdl_split=True)
-# The default with the gather launch and its pieces waiting on their own row program up to 128 rows
-# (``pieces_ready_max_rows``), and with the gather by group tiles (``lean_gather=False``).
-GPU_ROW_READY = replace(triton_impl.DEFAULT_CONFIG, pieces_ready_max_rows=128, pieces_max_rows=128)
-GPU_TILE_GATHER = replace(triton_impl.DEFAULT_CONFIG, lean_gather=False)
-GPU_MANY_ROWS = [GPU_SPLIT, GPU_PIECES_W8, GPU_DEFAULT, GPU_NO_PDL, GPU_ROW_READY, GPU_TILE_GATHER]
+GPU_NO_PDL = TopkConfig(pdl=False)
+GPU_ROW_READY = TopkConfig(pieces_ready_max_rows=128, pieces_max_rows=128)
+GPU_TILE_GATHER = TopkConfig(lean_gather=False)
+GPU_MANY_ROWS = [GPU_SPLIT, GPU_PIECES, GPU_DEFAULT, GPU_NO_PDL, GPU_ROW_READY, GPU_TILE_GATHER]
 GPU_MANY_ROWS_IDS = ["split_many_rows", "pieces_many_rows", "default_many_rows", "no_pdl_many_rows",
                      "row_ready_many_rows", "tile_gather_many_rows"]
 ROW = TopkConfig()  # whole rows: carry counts, plateau check every 16 bits
 ONE_ROW = TopkConfig(row_elements=16)  # one row per whole-row program
-# One launch per tile (64/32/16 columns): one row of 64 per program, two rows of 32 / four of 16 (packed),
-# and the v6 kernel (no copy, one tile).
-ROW_LAUNCHES = TopkConfig(row_tile_launches=True, row_elements=64, row_max_registers=128)
-ROW_V6 = TopkConfig(row_copy_short=False, row_tiles=1, row_tile_launches=False, row_warps=4, row_narrow_elements=None,
-                    row_narrow_warps=None, row_max_registers=None)  # one kernel, one tile
-# The whole-row search (the interpreter compares instead of taking carries) without the plateau check, and with it
-# in every round.
-ROW_NO_PLATEAU = TopkConfig(row_plateau_every=0)
+# One launch per tile (64/32/16 columns): one row of 64 per program, two rows of 32 / four of 16 (packed); one
+# unclassed launch (a single tile, as rows of at most 16 columns take); the plateau check in every round.
+ROW_LAUNCHES = TopkConfig(row_elements=64, row_max_registers=128)
+ROW_ONE_TILE = TopkConfig(row_tiles=1)
 ROW_PLATEAU_EVERY_BIT = TopkConfig(row_plateau_every=1, row_elements=64, row_max_registers=128)
-ROWS_FAST = [ROW, ROW_LAUNCHES, ROW_V6, ROW_NO_PLATEAU, ROW_PLATEAU_EVERY_BIT]
-ROWS_FAST_IDS = ["row", "row_launches", "row_v6", "row_p0", "row_p1"]
+ROWS_FAST = [ROW, ROW_LAUNCHES, ROW_ONE_TILE, ROW_PLATEAU_EVERY_BIT]
+ROWS_FAST_IDS = ["row", "row_launches", "row_one_tile", "row_p1"]
 WIDE_CPU = cpu_subset(WIDE, WIDE_IDS, keep={"split", "stream", "pieces"})
 
 
@@ -188,8 +164,9 @@ def test_generators_wide_paths(kernel_device, name, config):
 
 
 @pytest.mark.parametrize("config", cpu_subset(
-    [replace(STREAM, stream_tile=64), replace(STREAM_SCALAR, stream_tile=64), replace(PIECES_READY, stream_tile=64),
-     replace(PIECES_LOOSE, stream_tile=64)], ["stream", "stream_scalar", "pieces", "pieces_loose"], keep={"stream"}))
+    [replace(STREAM, stream_tile=64), replace(STREAM_IN_PROGRAM, stream_tile=64),
+     replace(PIECES_READY, pieces_tile=64), replace(PIECES_LOOSE, pieces_tile=64)],
+    ["stream", "stream_in_program", "pieces", "pieces_loose"], keep={"stream"}))
 @pytest.mark.parametrize("name", ["random", "few_distinct", "one_bin"])
 def test_lean_gather_groups_of_16(kernel_device, name, config):
     # Rows of up to 256 columns: groups of 16 (four quads), gather pieces of 4 groups; lengths inside a quad, at a
@@ -210,11 +187,10 @@ def test_stream_strict_bound(kernel_device, k):
     # strict: k=3 finds T among the 4 candidates above it, k=5 takes ties of the bound from the row.
     groups = [[9.0, 8.0, 7.0, 6.0], [1.0, 0.0, 1.0, 1.0]] + [[1.0, 0.5, 0.0, 1.0]] * 6
     logits = torch.tensor([sum(groups, []), sum(groups[::-1], [])], device=kernel_device)
-    assert_same(logits, k, None, None, TopkConfig(row_block_max=16, row_program_rows=1, stream_tile=16,
-                                                    group_tile=8, candidate_block=8, bound_slack=0.0))
+    assert_same(logits, k, None, None, replace(STREAM_IN_PROGRAM, group_tile=8, bound_slack=0.0))
 
 
-@pytest.mark.parametrize("config", cpu_subset([SPLIT_EXACT, STREAM, PIECES], ["split_exact", "stream", "pieces"], keep={"stream"}))
+@pytest.mark.parametrize("config", cpu_subset([SPLIT, STREAM, PIECES], ["split", "stream", "pieces"], keep={"stream"}))
 def test_strict_bound_ties_before_candidates(kernel_device, config):
     # Rows of zeros (ties at T = 0, the strict exact bound) with a few positives late in the row (fewer than k
     # candidates): the emit from the row stops once the ties are taken, the later candidates come from the buffer.
@@ -232,7 +208,7 @@ def test_strict_bound_ties_before_candidates(kernel_device, config):
 def _search_kernel(keys_ptr, out_ptr, k, enough, N: tl.constexpr, CARRY: tl.constexpr):
     keys = tl.load(keys_ptr + tl.arange(0, N))
     count, lo, hi = triton_impl._bracket(keys)
-    t, count = triton_impl._kth_largest_within(keys, k, enough, count, lo, hi, CARRY)
+    t, count = selection.kth_largest_within(keys, k, enough, count, lo, hi, CARRY)
     tl.store(out_ptr, t)
     tl.store(out_ptr + 1, count)
 
@@ -263,17 +239,34 @@ def test_search_rounds(kernel_device, carry):
                 assert t == kth or (enough >= k and count <= enough and t < kth), (k, enough, t, kth)
 
 
-@pytest.mark.parametrize("num_rows", [2, 3])
-def test_wide_path_rule(kernel_device, monkeypatch, num_rows):
-    # Wide rows take streaming row programs from `row_program_rows` rows on, the split path below.
-    config = TopkConfig(row_block_max=16, row_program_rows=3, stream_tile=16, chunk=16, group_tile=16)
+@pytest.mark.parametrize("config", [triton_impl.DEFAULT_CONFIG, SPLIT, STREAM, PIECES],
+                         ids=["default", "split", "stream", "pieces"])
+def test_path_rule_is_monotone_in_work(config):
+    # Whole rows up to `row_block_max` columns whatever the rows; wider rows move from the split path to gather
+    # pieces to plain row programs as the rows grow, never back.
+    order = [triton_impl.SPLIT, triton_impl.ROW_PIECES, triton_impl.ROW_PROGRAMS]
+    for width in (1, config.row_block_max, config.row_block_max + 1, 131072):
+        paths = [triton_impl.topk_path(config, rows, width) for rows in range(1, 300)]
+        if width <= config.row_block_max:
+            assert set(paths) == {triton_impl.ROWS}
+        else:
+            ranks = [order.index(path) for path in paths]
+            assert ranks == sorted(ranks)
+
+
+@pytest.mark.parametrize("num_rows", [2, 3, 4])
+def test_calls_take_the_path_of_the_rule(kernel_device, monkeypatch, num_rows):
+    config = replace(PIECES, row_program_rows=3, pieces_max_rows=3)
     launched = []
     for name in ("_launch_split", "_launch_row_programs"):
         launch = getattr(triton_impl, name)
-        monkeypatch.setattr(triton_impl, name,
-                            lambda *args, _launch=launch, _name=name: launched.append(_name) or _launch(*args))
+        monkeypatch.setattr(triton_impl, name, lambda *args, _launch=launch, _name=name, **kwargs:
+                            launched.append((_name, kwargs.get("pieces"))) or _launch(*args, **kwargs))
     assert_same(tie_heavy(num_rows, 40, 1, kernel_device), 5, None, None, config)
-    assert launched == ["_launch_split" if num_rows < 3 else "_launch_row_programs"]
+    path = triton_impl.topk_path(config, num_rows, 40)
+    expected = {triton_impl.SPLIT: ("_launch_split", None), triton_impl.ROW_PIECES: ("_launch_row_programs", True),
+                triton_impl.ROW_PROGRAMS: ("_launch_row_programs", False)}[path]
+    assert launched == [expected]
 
 
 @pytest.mark.parametrize("num_rows", [3, 4])
@@ -335,7 +328,8 @@ def test_value_order_details(kernel_device):
     row = [0.0, -0.0, math.inf, -math.inf, math.nan, 1e-45, -1e-45, 3.4e38, -3.4e38, 0.0, -0.0, -math.nan]
     logits = torch.tensor([row, row[::-1]], dtype=torch.float32, device=kernel_device)
     tiny = dict(row_block_max=8, chunk=8, stream_tile=8, group_tile=8, candidate_block=8)
-    for config in (ROW, TopkConfig(row_program_rows=3, **tiny), TopkConfig(row_program_rows=1, **tiny)):
+    for config in (ROW, TopkConfig(row_program_rows=3, **tiny),
+                   TopkConfig(row_program_rows=1, pieces_max_rows=0, **tiny)):
         for k in (1, 2, 3, 5, 8, 12):
             assert_same(logits, k, None, None, config)
 
@@ -396,8 +390,8 @@ def slot_table(num_requests, width, block_size, seed, device):
 
 
 @pytest.mark.parametrize("config", cpu_subset(
-    [ROW, ONE_ROW, SPLIT, SPLIT_EXACT, STREAM, STREAM_LOOSE, PIECES],
-    ["row", "one_row", "split", "split_exact", "stream", "stream_loose", "pieces"], keep={"row", "split", "stream"}))
+    [ROW, ONE_ROW, SPLIT, STREAM, STREAM_LOOSE, PIECES],
+    ["row", "one_row", "split", "stream", "stream_loose", "pieces"], keep={"row", "split", "stream"}))
 def test_decode_slots_equal_positions_mapped(kernel_device, config):
     # Fused slot output = indices_to_slots(topk_decode(...)) on every path, 1-D and 2-D lengths, the
     # output row stride wider than k (columns past k stay poison).
@@ -477,20 +471,9 @@ def test_gpu_generators_long_rows(name, width, num_rows, config):
     assert_same(logits, 2048, None, None, config)
 
 
-ONE_KERNEL = dict(row_tile_launches=False, row_warps=4, row_narrow_elements=None, row_narrow_warps=None,
-                  row_max_registers=None)
-GPU_ROWS = [ROW, ROW_V6, TopkConfig(**ONE_KERNEL)]
-GPU_ROWS_IDS = ["rows_default", "rows_v6", "rows_one_kernel"]
-# One launch per tile with other widest-tile warps and register caps (the default: 8 warps, 80 registers).
-GPU_ROWS += [TopkConfig(row_warps=4, row_narrow_warps=None, row_max_registers=None),
-             TopkConfig(row_warps=4, row_narrow_warps=None, row_max_registers=168), TopkConfig(row_max_registers=128)]
-GPU_ROWS_IDS += ["rows_launch", "rows_launch_r168", "rows_launch_w8_r128"]
-# The plateau check never and every 8 bits (the default: every 16).
-GPU_ROWS += [TopkConfig(row_plateau_every=0), TopkConfig(row_plateau_every=8)]
-GPU_ROWS_IDS += ["rows_p0", "rows_p8"]
-# The default's three launches with programmatic dependent launch.
-GPU_ROWS += [TopkConfig(pdl=True)]
-GPU_ROWS_IDS += ["rows_pdl"]
+# The default, one tile (one unclassed launch), and the default without PDL.
+GPU_ROWS = [ROW, TopkConfig(row_tiles=1), TopkConfig(pdl=False)]
+GPU_ROWS_IDS = ["rows_default", "rows_one_tile", "rows_no_pdl"]
 
 
 @pytest.mark.gpu
@@ -532,7 +515,8 @@ def test_gpu_widths_around_paths(width, config):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [ROW, TopkConfig(row_block_max=16, row_program_rows=1 << 30, chunk=64),
-                                    TopkConfig(row_block_max=16, stream_tile=64)], ids=["row", "split", "stream"])
+                                    TopkConfig(row_block_max=16, stream_tile=64, pieces_max_rows=0)],
+                         ids=["row", "split", "stream"])
 def test_gpu_more_than_65535_rows(config):
     logits = tie_heavy(70000, 100, 5, "cuda")
     starts, ends = random_window(70000, 100, 7, "cuda")
@@ -559,7 +543,7 @@ def test_gpu_reruns_are_bitwise_equal(config):
 def test_pdl_launches_only_where_griddepcontrol_exists(monkeypatch, capability, hip, interpreter, launched):
     """Programmatic dependent launch needs sm_90+ on CUDA (its inline PTX does not exist before, nor on ROCm) and
     a compiled kernel (the interpreter cannot run inline PTX): elsewhere the launch arguments stay empty."""
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(triton_impl, "capability", lambda device: capability)
     monkeypatch.setattr(torch.version, "hip", hip)
     if interpreter:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -572,11 +556,11 @@ def test_pdl_launches_only_where_griddepcontrol_exists(monkeypatch, capability, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_rows", [1, 6, 32, 128])
-@pytest.mark.parametrize("config", [GPU_DEFAULT, GPU_NO_PDL, GPU_PDL_SPLIT, GPU_ROW_READY, GPU_TILE_GATHER],
-                         ids=["default", "no_pdl", "pdl_split", "row_ready", "tile_gather"])
+@pytest.mark.parametrize("config", [GPU_DEFAULT, GPU_NO_PDL, GPU_ROW_READY, GPU_TILE_GATHER],
+                         ids=["default", "no_pdl", "row_ready", "tile_gather"])
 def test_gpu_pdl_eager_reruns_and_graph_replay(num_rows, config):
     # The default (programmatic dependent launch but on the split path, gather pieces waiting on their own row
-    # program up to 32 rows), the same without PDL, with PDL on the split path too, with the gather pieces waiting
+    # program up to 32 rows), the same without PDL, with the gather pieces waiting
     # on their rows up to 128 rows, and with the gather by group tiles, on each routed path
     # (split path, gather launch, row programs), garbage past the ends: 20 eager reruns (with PDL each call's first
     # kernel waits on the last one's) equal the reference bitwise, and a graph of two calls (k 2048 then 512)

@@ -1,143 +1,105 @@
 """Triton kernels of the V4.1 candidate blocks (twins of ``reference.py``).
 
-``select_candidate_blocks`` runs one fused kernel (the default since run 6 of session 4, below) on
-rows of at most ``_FUSED_MAX_BLOCKS`` blocks, and two kernels on wider logits (or with ``fused=False``):
-
-1. ``_block_keys_kernel``, grid ``(R, block tiles)``: each program reduces ``BLOCK_NB`` blocks of
-   one row to their maximum over the selectable logits (NaN and ``-inf`` become ``-inf``; columns
-   outside ``[starts, ends)`` are never read) and stores one 32-bit *block key* per block in a
-   scratch ``[R, ceil(C / block_size)]`` int32 buffer. The key is the unsigned order key of the
-   maximum: for fp32 bits ``x`` (``-0.0`` first turned into ``+0.0``), ``key = x ^ 0xFFFFFFFF``
-   when the sign bit is set, else ``x | 0x80000000``; then ``key(a) < key(b)`` (unsigned) iff
-   ``a < b``. It is ``ops/_order.float_order_key`` plus ``2**31``, so it ranks exactly like the
-   reference. A block without selectable entries gets key 0, below every selectable key (the
-   smallest, ``-FLT_MAX``, has key ``0x00800000``). The newest block of the row gets the key of
-   ``+inf``.
-2. ``_select_kernel``, one program per row: an exact radix select over the row's block keys. A
-   histogram of the keys' top ``RADIX_BITS`` bits gives the bin where the k-th best key falls; the
-   keys of that bin are compacted into a second scratch row, and the next passes histogram the next
-   ``RADIX_BITS`` bits of those candidates only (the ones that agree with the prefix found so far).
-   After the last pass the prefix ``T`` is the key of the k-th best block and ``ties`` the number of
-   blocks with key ``T`` to take. Blocks with equal keys rank by block id ascending, so the chosen
-   set is every key above ``T`` plus the first ``ties`` keys equal to ``T`` in id order: exactly the
-   reference's (score desc, id asc) order. A pass that finds its bin taken whole
-   (``count == remaining``) ends the search early with a shorter prefix; the final compaction then
-   compares the keys' top bits only. The compaction walks the keys in id order, so the ids come out
-   ascending; the rest of the row is -1. ``tl.histogram`` is a ballot histogram (about 65 warp
-   instructions per 32 keys for 8 bits), so this kernel is issue-bound: the candidate compaction
-   keeps the later passes to the keys of one bin.
-
-One-launch paths (``fused``, default ``_SELECT_FUSED``; rows of at most ``_FUSED_MAX_BLOCKS`` blocks and
-``next_power_of_2(block_size) <= step``). Both hold the row's block *images*: topk's order key ``^ NONE``
-(uint32, unsigned order = value order, 0 for a block without selectable entries), never read the newest block
-(pinned), search the threshold over the other blocks for ``k - 1`` places by interpolation (four probes per
-round around the interpolated position of the k-th image, a bracket that at least halves every round; both open
-with four probes placed by the row's moments, ``_moment_probes``: all its images' in the fused kernel, a strided
-sample's in the split kernel) and emit with a prefix sum of
-``greater + equal * 2**16`` in block-id order (as topk's ``_emit_taken``), then ``-1`` padding. ``fused_pieces``
-(default ``_default_pieces``: ``_SPLIT_PIECES`` from ``_SPLIT_MIN_ROWS`` rows on and when all the rows' pieces fit
-one program per SM, else 0) picks:
-
-- 0: ``_fused_select_kernel``, one program of ``_FUSED_WARPS`` warps per row, streams the row in steps of
-  ``step`` logits (16-byte loads on rows whose start is a multiple of 4; the next step's loads are issued
-  before the current one is reduced) with the images in registers. Run 6 of session 4 (R 512, cold CUDA graph):
-  155.5 µs against 207.1 µs for the two launches; session 5: better below ~256 rows (R 64: 45.3 µs).
-- > 0: ``_split_select_kernel``, ``pieces`` programs per row, each streaming its share of the row's blocks into a
-  scratch row of images; the last of them to finish (an acq_rel arrival counter per row, zeroed by the host in
-  the same stream) selects the row, re-reading the images in chunks in every pass, which keeps the kernel's
-  registers to the streaming's (three programs per SM): the selection of one row overlaps the streaming of later
-  rows. Its emit scans the row's run counts once (``_emit_prescanned``), then ranks within each run. Session 5
-  round 2 (R 512, cold CUDA graph): 127.7 µs (4 pieces) against 150.5 for one program per row. Once a row is
-  selected its images are dead: the selecting program drops their lines from the L2 without a write-back
-  (``_discard_lines``), and the pieces load the logits with an evict-first L2 hint, so the images stay in the L2
-  until then (session 10: R 2048 382.6 -> 336.9 µs; the scratch's write-back was 12 % more DRAM traffic than the
-  floor counts).
-
-Both searches count the probes with carry chains (``_reach_pair``, ``_reach_accumulate``: PTX ``add.cc`` +
-``addc``, ~1.5 instead of ~3.7-4.25 SASS instructions per image and probe; session 5 round 2: R 512 -1.3%, R 64
--4.4%); under Triton's CPU interpreter, which cannot run inline PTX, they compare instead (the same counts).
-
-``apply_candidate_mask`` builds one flag byte per block and row (set for every listed id in
-``[0, row blocks)``) and runs ``_mask_kernel``, which walks the row's tiles and stores ``-inf`` on
-every column outside ``[starts, ends)`` or in an unlisted block. It never reads the logits: kept
-entries are untouched, and the masked ones are written without being read. From
-``_MASK_FUSED_MIN_ROWS`` rows on (``fused_flags``) one mask program per row builds its own flags
-first (one launch); below, a memset and ``_candidate_flags_kernel`` fill the flags and the mask
-kernel's programs (about ``_TARGET_PROGRAMS`` in all, a few per row) share the row's tiles. The
-``-inf`` stores are streaming (``.cs``) stores (``streaming``).
-
-``vector`` path of the block-keys and mask kernels (the default since run 4 of session 3): tiles
-wholly inside a row whose start is a multiple of 4 (unit column stride) take a second, unmasked path
-whose addresses the compiler can prove 16-byte aligned (``(start // 4) * 4``), so they load / store
-16 bytes per instruction; other tiles keep the masked scalar path (``vector=False`` everywhere).
-The switches are keyword arguments of the host functions, their defaults the module constants
-``_KEYS_VECTOR``, ``_MASK_VECTOR``, ``_MASK_FUSED_MIN_ROWS`` and ``_MASK_STREAMING``.
-
-Loops whose trip count is a run-time value are ``while`` loops: Triton's CPU interpreter (with
-numpy 2) cannot turn a run-time bound into a Python ``range``. No host synchronisation anywhere:
-the ops are CUDA-graph capturable.
+``select_candidate_blocks`` ranks each row's blocks by their maximum, as uint32 order images (top-k's order keys
+xor ``NONE``, ``ops/common/selection.py``), and keeps the ``num_blocks_k`` best in id order with the newest block
+pinned. ``select_plan`` picks the kernel: one launch for rows of at most ``fused_max_blocks`` blocks (one
+program per row, or ``split_pieces`` streaming programs per row of which the last to finish selects), else a
+block-keys launch and a radix select. The one-launch searches interpolate four counted probes a round, the first
+placed by the row's moments. ``apply_candidate_mask`` writes ``-inf`` outside the listed blocks without reading
+the logits. ``SelectConfig`` / ``MaskConfig`` class defaults are what ships. The derivations and the measured
+choices are in ``README.md`` next to this file.
 """
 
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from ... import backend as _backend
-from ..topk.triton import KEY_MAX, LOW_FIELD, NONE, _reaches_unsigned, _stamp, _timeline_args
+from ..common.runtime import interpreting, sm_count
+from ..common.selection import KEY_MAX, LOW_FIELD, NONE, carry_mode, reaches_unsigned, row_bounds, stamp, timeline_args
 
 INF_IMAGE = tl.constexpr(0xFF800000)  # order image of +inf (topk's key of +inf ^ NONE)
 
-_KEYS_TILE = 8192
 _SELECT_CHUNK = 4096
 _SELECT_WARPS = 8
-_MASK_TILE = 2048  # run 4: 84.8 µs at R 512 against 85.9 for 4096 and 86.0 for 8192
 _RADIX_BITS = 8
-_TARGET_PROGRAMS = 1024
 _SELECT_MAX_REGISTERS = 128  # 8 warps: two selection programs per SM (uncapped, ptxas takes 165: one)
-# Defaults of the switches, each also a keyword argument. Run 4 (session 3) made the 16-byte paths the default.
-_KEYS_VECTOR = True  # 16-byte loads in the block-keys pass on aligned interior tiles (149 -> 81 µs at R 512)
-_MASK_VECTOR = True  # 16-byte stores in the mask kernel on aligned interior tiles (90.6 -> 84.8 µs at R 512)
-_MASK_FUSED_MIN_ROWS = 256  # rows from which one mask kernel also builds the flags (None: never)
-_MASK_STREAMING = True  # streaming (.cs) stores in the mask kernel
-_MASK_DISCARD_FLAGS = True  # the fused mask drops its dead flag rows from the L2 (``_discard_lines``; session 10)
-# Fused one-launch select, the default since run 6 (session 4): R 512 155.5 µs against 207.1 (two launches).
-_SELECT_FUSED = True
 _FUSED_MAX_BLOCKS = 16384  # 32 images per thread of 16 warps; the search packs two counts per int32 (< 2**15 each)
-_FUSED_WARPS = 16  # 128 registers, one program per SM (32 warps, 64 registers, spilled: +27% in run 6)
-_FUSED_STEP = 16384  # logits per streaming step (BLOCK_J x blocks per step); 8192: +4% in run 6
-# Split select from _SPLIT_MIN_ROWS rows on (session 5 rounds 1-2, cold graph, the defaults below: R 512 127.7 µs
-# against 150.5 for one program per row, R 256 85.9 against 89.4; below, one program per row wins: R 128 54.9
-# against 69.2, R 64 43.9 against 49.2), and at few rows, when all the pieces fit one wave on the SMs (session 8:
-# R 1 / 16 / 32 / 33 24.6 / 32.5 / 31.4 / 33.8 µs against 35.7 / 40.2 / 37.1 / 38.3 fused; R 40 43.5 against
-# 38.6): programs per row, their warps, register cap (three programs per SM: a selecting one beside streaming
-# ones), the selection's chunk of images re-read by every pass, and the logits per streaming step.
-_SPLIT_MIN_ROWS = 256
-_SPLIT_PIECES = 4  # round 2: 127.7 µs against 130.9 for 8 pieces at R 512
-_SPLIT_WARPS = 8
-_SPLIT_MAX_REGISTERS = 80
-_SPLIT_CHUNK = 2048
-_SPLIT_STEP = 8192
-# Both one-launch selects open their search with probes placed by the row's moments (``_moment_probes``). Session 8:
-# fused R 128 -5 %, R 64 -2..-9 %. The split select's selecting program takes the moments of _MOMENT_SAMPLE of the
-# row's images at a stride (a power of two; session 9 round 8, µs: R 2048 361.8 against 370.4 for 1024 of them,
-# 365-382 for the pieces summing every image while streaming, 369.0 without moments; R 512 121.4 / 124.7 / 121.8 /
-# 126.0).
-_MOMENT_PROBES = True
-_MOMENT_SAMPLE = 256
-# The split select's scratch images dropped from the L2 unwritten once their row is selected (``_discard_lines``: no
-# write-back of dead lines), and the pieces' logits loads with an evict-first L2 hint (read once: the images and
-# other dirty lines stay in the L2). Session 10 round 1 (cold graph, µs, default / discard / evict-first / both):
-# R 2048 382.6 / 357.9 / 355.2 / 336.9 (event 362.1 -> 337.4), R 512 120.9 / 119.9 / 118.7 / 117.0, R 256 81.2 /
-# 80.7 / 79.5 / 79.7. The fused kernel's loads take the same hint (round 2, cold graph: R 128 48.1 -> 46.2 µs, R 64 40.9 ->
-# 40.7): one switch for both one-launch selects.
-_SPLIT_DISCARD = True
-_SELECT_EVICT_FIRST = True
+_FUSED_WARPS = 16  # 128 registers, one program per SM
+_SPLIT_MAX_REGISTERS = 80  # three split-select programs per SM: a selecting one beside streaming ones
 _PAD_BLOCK = 1024
-# Phase timeline of the split select (topk's ``_stamp``, a timing probe, off by default): global-timer stamps per
+
+
+@dataclass(frozen=True)
+class SelectConfig:
+    """Tuning of ``select_candidate_blocks``; the class defaults are what ships (tests shrink the sizes to reach
+    every path with tiny shapes). ``select_plan`` picks the kernel of a call.
+
+    fused_max_blocks: rows of at most this many blocks (padded to a power of two; at most ``_FUSED_MAX_BLOCKS``)
+        take one launch, wider rows the two launches (``block_keys`` then ``select_from_keys``).
+    fused_step: logits per streaming step of the fused kernel; blocks wider than it take the two launches.
+    split_min_rows: calls of at least this many rows take the split select.
+    split_pieces: programs per row of the split select (a power of two), also taken by calls whose pieces all
+        fit one wave (one program per SM); 0: never.
+    split_warps, split_chunk, split_step: the split select's warps, images re-read per chunk by the selecting
+        program, and logits per streaming step.
+    moment_sample: images (a power of two) whose moments place the split select's first probes.
+    keys_tile: positions per program of ``block_keys``.
+    """
+
+    fused_max_blocks: int = _FUSED_MAX_BLOCKS
+    fused_step: int = 16384
+    split_min_rows: int = 256
+    split_pieces: int = 4
+    split_warps: int = 8
+    split_chunk: int = 2048
+    split_step: int = 8192
+    moment_sample: int = 256
+    keys_tile: int = 8192
+
+    def __post_init__(self):
+        if self.moment_sample < 1 or self.moment_sample & (self.moment_sample - 1):
+            raise ValueError(f"moment_sample must be a power of two, got {self.moment_sample}")
+        if self.fused_max_blocks > _FUSED_MAX_BLOCKS:
+            raise ValueError(f"fused_max_blocks must be at most {_FUSED_MAX_BLOCKS}, got {self.fused_max_blocks}")
+
+
+@dataclass(frozen=True)
+class MaskConfig:
+    """Tuning of ``apply_candidate_mask``; the class defaults are what ships.
+
+    tile: positions per mask tile.
+    fused_flags_min_rows: calls of at least this many rows run one mask program per row that builds its own flags
+        (one launch); below, a memset and ``_candidate_flags_kernel`` fill the flags and the mask programs share
+        each row's tiles.
+    target_programs: about this many mask programs in all on the unfused path (a few per row).
+    """
+
+    tile: int = 2048
+    fused_flags_min_rows: int = 256
+    target_programs: int = 1024
+
+
+DEFAULT_SELECT = SelectConfig()
+DEFAULT_MASK = MaskConfig()
+
+
+def select_plan(config: SelectConfig, num_rows: int, width: int, block_size: int, sms: int) -> int | None:
+    """The select kernel of a call: ``None`` for the two launches (rows wider than ``fused_max_blocks`` blocks or
+    blocks wider than ``fused_step``), else the split select's pieces per row from ``split_min_rows`` rows on and
+    when every row's pieces fit one program per SM (``sms``), else 0 (the fused kernel, one program per row)."""
+    padded_blocks = triton.next_power_of_2(max(triton.cdiv(width, block_size), 1))
+    if padded_blocks > config.fused_max_blocks or triton.next_power_of_2(block_size) > config.fused_step:
+        return None
+    if num_rows >= config.split_min_rows or num_rows * config.split_pieces <= sms:
+        return config.split_pieces
+    return 0
+
+
+# Phase timeline of the split select (topk's ``stamp``, a timing probe, off by default): global-timer stamps per
 # program at its start and its arrival; the selecting program's also after the bounds pass, at the search's first
 # round (its start, its end), after the search and the emit, and its search's round count (a number, not a time).
 _TL_START = tl.constexpr(0)
@@ -165,20 +127,6 @@ def _pad_after_taken(out_row, out_stride_col, totals, ties, num_blocks_k, PAD_BL
 
 
 @triton.jit
-def _row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS: tl.constexpr):
-    """(first column, length) of ``row`` as int64 scalars, the window clamped into ``[0, width]`` (a no-op on
-    validated bounds; unchecked ones never move a read or a scratch write outside the row)."""
-    bound = row // row_repeat
-    end = tl.load(ends_ptr + bound).to(tl.int64)
-    if HAS_STARTS:
-        start = tl.minimum(tl.maximum(tl.load(starts_ptr + bound).to(tl.int64), 0), width)
-    else:
-        start = end * 0
-    end = tl.minimum(tl.maximum(end, start), width)
-    return start, end - start
-
-
-@triton.jit
 def _pick_bin(hist, bins, remaining):
     """The bin holding the ``remaining``-th largest counted key of ``hist`` [BINS], the count above
     it and the count in it."""
@@ -200,7 +148,7 @@ def _block_keys_kernel(
     of 4 is read unmasked from a base the compiler knows to be 4-aligned, i.e. with 16-byte loads;
     other tiles take the masked scalar path."""
     row = tl.program_id(0).to(tl.int64)
-    start, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS)
+    start, length = row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS)
     num_blocks = (length + BLOCK_SIZE - 1) // BLOCK_SIZE
     first_block = tl.program_id(1).to(tl.int64) * BLOCK_NB
     blocks = first_block + tl.arange(0, BLOCK_NB)  # [BLOCK_NB]
@@ -241,7 +189,7 @@ def _select_kernel(
     HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, RADIX_BITS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    _, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS)
+    _, length = row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS)
     num_blocks = (length + BLOCK_SIZE - 1) // BLOCK_SIZE
     row_keys = keys_ptr + row * keys_stride
     row_cand = cand_ptr + row * keys_stride
@@ -314,11 +262,11 @@ def _select_kernel(
 
 @triton.jit
 def _step_values(row_ptr, first_column, stride_col, blocks, readable, BLOCK_SIZE: tl.constexpr,
-                 BLOCK_J: tl.constexpr, UNIT_STRIDE: tl.constexpr, EVICTION: tl.constexpr):
+                 BLOCK_J: tl.constexpr, UNIT_STRIDE: tl.constexpr):
     """fp32 logits ``[STEP_NB, BLOCK_J]`` of ``blocks`` [STEP_NB] (``-inf`` past ``readable`` and past
     the block). With ``UNIT_STRIDE`` and a 4-aligned ``first_column`` the mask is constant over each
-    block's ``BLOCK_SIZE`` (a multiple of 4) columns, so the loads are 16 bytes wide. ``EVICTION``: the loads'
-    eviction policy (``"evict_first"``: an L2 hint, the logits are read once)."""
+    block's ``BLOCK_SIZE`` (a multiple of 4) columns, so the loads are 16 bytes wide. The loads carry an
+    evict-first L2 hint (the logits are read once)."""
     inner = tl.arange(0, BLOCK_J)  # [BLOCK_J]
     pos = blocks[:, None] * BLOCK_SIZE + inner[None, :]  # [STEP_NB, BLOCK_J] row-relative
     if BLOCK_J == BLOCK_SIZE:
@@ -326,9 +274,9 @@ def _step_values(row_ptr, first_column, stride_col, blocks, readable, BLOCK_SIZE
     else:
         ok = (blocks < readable)[:, None] & (inner < BLOCK_SIZE)[None, :]
     if UNIT_STRIDE:
-        return tl.load(row_ptr + first_column + pos, mask=ok, other=float("-inf"), eviction_policy=EVICTION)
+        return tl.load(row_ptr + first_column + pos, mask=ok, other=float("-inf"), eviction_policy="evict_first")
     return tl.load(row_ptr + (first_column + pos) * stride_col, mask=ok, other=float("-inf"),
-                   eviction_policy=EVICTION)
+                   eviction_policy="evict_first")
 
 
 @triton.jit
@@ -336,8 +284,8 @@ def _max_images(values):
     """uint32 order images of the row maxima of ``values`` [STEP_NB, BLOCK_J]: topk's order key ``^ NONE``
     (unsigned order = value order), 0 when no entry is selectable (NaN and ``-inf`` only). ``tl.max`` skips NaN
     operands (PTX ``max.f32`` on the GPU, ``np.nanmax`` in Triton's CPU interpreter), so only a block of NaN alone
-    gives NaN, mapped once per block (session 9: ~2 instructions a logit fewer in the streaming than masking every
-    NaN before the maximum)."""
+    gives NaN, mapped once per block (about 2 instructions a logit fewer than masking every NaN before the
+    maximum)."""
     best = tl.max(values, axis=1)  # [STEP_NB]
     best = tl.where(best != best, float("-inf"), best)
     bits = best.to(tl.int32, bitcast=True)
@@ -349,19 +297,18 @@ def _max_images(values):
 @triton.jit
 def _stream_row_images(images, row_ptr, first_column, stride_col, readable, STEPS: tl.constexpr,
                        STEP_NB: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr,
-                       UNIT_STRIDE: tl.constexpr, EVICTION: tl.constexpr):
+                       UNIT_STRIDE: tl.constexpr):
     """``images [STEPS, STEP_NB]`` (block ``s * STEP_NB + j`` at ``[s, j]``) with the block images of the
     row's readable blocks. The next step's loads are issued before the current step is reduced (two steps
-    of logits in registers), so they are in flight across the step's layout-conversion barrier (run 6: -4%
-    against loading after the reduce)."""
+    of logits in registers), so they are in flight across the step's layout-conversion barrier (4 % faster than
+    loading after the reduce)."""
     step_ids = tl.arange(0, STEPS)  # [STEPS]
     lanes = tl.arange(0, STEP_NB)  # [STEP_NB]
-    values = _step_values(row_ptr, first_column, stride_col, lanes, readable, BLOCK_SIZE, BLOCK_J, UNIT_STRIDE,
-                          EVICTION)
+    values = _step_values(row_ptr, first_column, stride_col, lanes, readable, BLOCK_SIZE, BLOCK_J, UNIT_STRIDE)
     for s in tl.static_range(STEPS):
         if s + 1 < STEPS:
             following = _step_values(row_ptr, first_column, stride_col, (s + 1) * STEP_NB + lanes, readable,
-                                     BLOCK_SIZE, BLOCK_J, UNIT_STRIDE, EVICTION)
+                                     BLOCK_SIZE, BLOCK_J, UNIT_STRIDE)
         images = tl.where(step_ids[:, None] == s, _max_images(values)[None, :], images)
         if s + 1 < STEPS:
             values = following
@@ -397,20 +344,20 @@ def _probe(value, low, high):
 def _reach_pair(images, first, second, CARRY: tl.constexpr):
     """int32 partial counts ``#(images >= first) + #(images >= second) * 2**16`` of the uint32 ``images``
     (thresholds int64 scalars in ``[1, 2**32)``): summed over ``images`` they are the two packed counts.
-    ``CARRY`` 1 / 4: topk's ``_reaches_unsigned`` carry counts (PTX ``add.cc`` + ``addc``; 4 sums every 4
+    ``CARRY`` 1 / 4: topk's ``reaches_unsigned`` carry counts (PTX ``add.cc`` + ``addc``; 4 sums every 4
     images of a thread in the asm: ~1.5 instructions per image and threshold; needs a multiple of 4 images
     per thread); 0 (Triton's CPU interpreter, which cannot run inline PTX): compare and select of a constant."""
     first = first.to(tl.uint32)
     second = second.to(tl.uint32)
     if CARRY == 0:
         return tl.where(images >= first, 1, 0) + tl.where(images >= second, 65536, 0)
-    return _reaches_unsigned(images, first, CARRY) + (_reaches_unsigned(images, second, CARRY) << 16)
+    return reaches_unsigned(images, first, CARRY) + (reaches_unsigned(images, second, CARRY) << 16)
 
 
 @triton.jit
 def _reach_accumulate(counts, images, threshold):
     """``counts`` (int32, shaped as the uint32 ``images``) plus the carry counts of ``images >= threshold`` (an
-    int64 scalar in ``[1, 2**32)``; PTX ``add.cc`` + ``addc`` as topk's ``_reaches_unsigned``): the 4 carries of
+    int64 scalar in ``[1, 2**32)``; PTX ``add.cc`` + ``addc`` as topk's ``reaches_unsigned``): the 4 carries of
     every 4 images of a thread chained into the first of their 4 counts, the other 3 passed through (zeros from
     the start stay zeros, which ptxas folds away): ~1.5 instructions per image, none to accumulate. Needs a
     multiple of 4 images per thread; summed over all counts it is the count."""
@@ -476,8 +423,8 @@ def _moment_probes(k, selectable, finite, total, squares, low, high):
     by the row's moments: ``mean + sd * (z + d)`` for ``d`` in -0.3, -0.1, 0.1, 0.3, with ``z`` the standard
     normal quantile of the k-th largest's place among the ``finite`` values (Tukey's lambda approximation,
     ~0.01 off). On bell-shaped rows (the block maxima of normal or ReLU-weighted logits) they bracket the k-th
-    image within a few hundred images, where the first interpolated round leaves thousands (session 8's
-    simulation: 3.5 rounds against 6.3); elsewhere they are ordinary counted probes (the search stays exact)."""
+    image within a few hundred images, where the first interpolated round leaves thousands (simulated:
+    3.5 rounds against 6.3; ``scripts/cand_search_sim.py``); elsewhere they are ordinary counted probes (the search stays exact)."""
     mean = total / tl.maximum(finite, 1.0)
     sd = tl.sqrt(tl.maximum(squares / tl.maximum(finite, 1.0) - mean * mean, 0.0))
     above = (k - (selectable - finite.to(tl.int32))).to(tl.float32)  # the infinite ones rank first
@@ -488,43 +435,35 @@ def _moment_probes(k, selectable, finite, total, squares, low, high):
 
 
 @triton.jit
-def _probes(k, selectable, low, low_count, high, high_count, opening, finite, total, squares, MOMENTS: tl.constexpr):
-    """The four probes of a search round: ``_round_probes``, or with ``MOMENTS`` in the ``opening`` round
-    ``_moment_probes`` (one copy of the round's counting code serves both)."""
-    if MOMENTS:
-        if opening != 0:
-            below, above, middle, halving = _moment_probes(k, selectable, finite, total, squares, low, high)
-        else:
-            below, above, middle, halving = _round_probes(k, low, low_count, high, high_count)
+def _probes(k, selectable, low, low_count, high, high_count, opening, finite, total, squares):
+    """The four probes of a search round: ``_moment_probes`` in the ``opening`` round, else ``_round_probes`` (one
+    copy of the round's counting code serves both)."""
+    if opening != 0:
+        below, above, middle, halving = _moment_probes(k, selectable, finite, total, squares, low, high)
     else:
         below, above, middle, halving = _round_probes(k, low, low_count, high, high_count)
     return below, above, middle, halving
 
 
 @triton.jit
-def _kth_largest_interpolated(images, k, selectable, CARRY: tl.constexpr, MOMENTS: tl.constexpr):
+def _kth_largest_interpolated(images, k, selectable, CARRY: tl.constexpr):
     """A uint32 ``t`` that is the k-th largest of the 1-D uint32 ``images`` (fewer than 32768, ``selectable >
     k >= 1`` of them other than 0) or that exactly k images reach; either gives the same selection.
 
     Keeps a bracket ``[low, high)`` with ``#(images >= low) >= k > #(images >= high)`` and counts four probes
     inside it per round (``_round_probes``; two packed int32 sums, one block reduction, ``_reach_pair`` with
     ``CARRY``). The image-space midpoint at least halves the bracket every round (at most 32 rounds whatever
-    the data; 4-10 on the bench data against 10-13 for topk's two bits a round, run 6: -12%). Ends when
-    ``#(images >= low) == k`` or the bracket is one image wide (then ``low`` is the k-th largest). ``MOMENTS``:
-    the first round's probes come from the row's moments (``_moment_probes``)."""
+    the data). Ends when ``#(images >= low) == k`` or the bracket is one image wide (then ``low`` is the k-th
+    largest). The first round's probes come from the row's moments (``_moment_probes``)."""
     low = tl.min(tl.where(images != 0, images, tl.full([], 0xFFFFFFFF, tl.uint32)), axis=0).to(tl.int64)
     high = tl.max(images, axis=0).to(tl.int64) + 1
     low_count = selectable
     high_count = selectable * 0
-    finite = 0.0
-    total = 0.0
-    squares = 0.0
-    if MOMENTS:
-        finite, total, squares = tl.reduce(_moment_terms(images), 0, _add_triples)
+    finite, total, squares = tl.reduce(_moment_terms(images), 0, _add_triples)
     opening = selectable * 0 + 1
     while (low_count > k) & (high - low > 1):
         below, above, middle, halving = _probes(k, selectable, low, low_count, high, high_count, opening, finite,
-                                                total, squares, MOMENTS)
+                                                total, squares)
         opening = opening * 0
         first, second = tl.reduce((_reach_pair(images, below, above, CARRY),
                                    _reach_pair(images, middle, halving, CARRY)), 0, _add_pairs)
@@ -534,7 +473,7 @@ def _kth_largest_interpolated(images, k, selectable, CARRY: tl.constexpr, MOMENT
 
 
 @triton.jit
-def _threshold(images, num_blocks, num_blocks_k, CARRY: tl.constexpr, MOMENTS: tl.constexpr):
+def _threshold(images, num_blocks, num_blocks_k, CARRY: tl.constexpr):
     """The uint32 image ``t`` of a row's selection over its (unpinned) ``images``: every block above ``t`` is
     taken, then the first ``k - #(> t)`` equal to it in id order (0: take every selectable block; the image of
     ``+inf``: only the pin, ``k == 1``)."""
@@ -543,7 +482,7 @@ def _threshold(images, num_blocks, num_blocks_k, CARRY: tl.constexpr, MOMENTS: t
     t = tl.zeros([], tl.uint32)
     if selectable > k_rest:
         if k_rest > 0:
-            t = _kth_largest_interpolated(images, k_rest, selectable, CARRY, MOMENTS)
+            t = _kth_largest_interpolated(images, k_rest, selectable, CARRY)
         else:
             t = tl.full([], INF_IMAGE, tl.uint32)
     return t
@@ -555,7 +494,6 @@ def _fused_select_kernel(
     row_repeat, width, num_blocks_k, stride_row, stride_col, out_stride_row, out_stride_col,
     HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr, STEPS: tl.constexpr,
     STEP_NB: tl.constexpr, VECTOR: tl.constexpr, PAD_BLOCK: tl.constexpr, CARRY: tl.constexpr,
-    MOMENTS: tl.constexpr, EVICTION: tl.constexpr,
 ):
     """One program per row: stream the row, hold its ``STEPS * STEP_NB`` block images in registers
     (``[STEPS, STEP_NB]``, block ``s * STEP_NB + j`` at ``[s, j]``), find the threshold and emit.
@@ -565,14 +503,13 @@ def _fused_select_kernel(
     pin holds the largest image, ``+inf``'s; removing one copy of the maximum shifts every rank by one),
     and keeps the pin's image out of the searched range (a narrower starting bracket). ``VECTOR`` (unit
     column stride): rows whose start is a multiple of 4 load from a base the compiler knows to be
-    4-aligned (16-byte loads). ``CARRY``: the search's counting (``_reach_pair``). ``EVICTION``: the logits loads'
-    eviction policy.
+    4-aligned (16-byte loads). ``CARRY``: the search's counting (``_reach_pair``).
 
     The emit's prefix sum runs over the flattened images, in which each thread holds ``NB / threads``
     separate runs of one id: a warp scan and a cross-warp exchange per run (~3K of the ~8K SASS
-    instructions per thread; session 5's one-run-per-thread layout cut that but lost on the loads)."""
+    instructions per thread; a one-run-per-thread layout cut that but lost on the loads)."""
     row = tl.program_id(0).to(tl.int64)
-    start, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS)
+    start, length = row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS)
     num_blocks = ((length + BLOCK_SIZE - 1) // BLOCK_SIZE).to(tl.int32)
     readable = num_blocks - 1  # every block but the pinned newest one
     row_ptr = logits_ptr + row * stride_row
@@ -580,14 +517,14 @@ def _fused_select_kernel(
     if VECTOR and (start % 4 == 0):
         aligned_start = (start // 4) * 4  # == start; the product tells the compiler it is 4-aligned
         images = _stream_row_images(images, row_ptr, aligned_start, 1, readable, STEPS, STEP_NB, BLOCK_SIZE,
-                                    BLOCK_J, True, EVICTION)
+                                    BLOCK_J, True)
     else:
         images = _stream_row_images(images, row_ptr, start, stride_col, readable, STEPS, STEP_NB, BLOCK_SIZE,
-                                    BLOCK_J, False, EVICTION)
+                                    BLOCK_J, False)
     # Row-major flattening (free: [s, j] and s * STEP_NB + j share a thread) keeps block-id order.
     images = tl.reshape(images, [STEPS * STEP_NB])  # [NB]
     block_ids = tl.arange(0, STEPS * STEP_NB)  # [NB]
-    t = _threshold(images, num_blocks, num_blocks_k, CARRY, MOMENTS)
+    t = _threshold(images, num_blocks, num_blocks_k, CARRY)
     images = tl.where(block_ids == num_blocks - 1, INF_IMAGE, images)
     greater = images > t
     equal = (images == t) & (images != 0)
@@ -643,28 +580,28 @@ def _scratch_probe_counts(keys_row, below, above, middle, halving, NB: tl.conste
 
 @triton.jit
 def _kth_largest_in_scratch(keys_row, k, selectable, low, high, finite, total, squares, NB: tl.constexpr,
-                            CHUNK: tl.constexpr, CARRY: tl.constexpr, MOMENTS: tl.constexpr, timeline_ptr=None,
+                            CHUNK: tl.constexpr, CARRY: tl.constexpr, timeline_ptr=None,
                             program=0, TIMELINE: tl.constexpr = False):
     """``_kth_largest_interpolated`` over the NB images at ``keys_row`` (re-read every round, chunk by chunk,
     from L1 after the first round: the images never sit in registers); ``low`` / ``high`` (int64) are the
     smallest image other than 0 and the largest image plus one, ``finite`` / ``total`` / ``squares`` the row's
-    sums of ``_moment_terms`` (the opening round's probes with ``MOMENTS``). Same probes, same result. With
+    sums of ``_moment_terms`` (the opening round's probes). Same probes, same result. With
     ``TIMELINE`` the round count goes to word ``_TL_ROUNDS`` of ``program``'s timeline."""
     low_count = selectable
     high_count = selectable * 0
     opening = selectable * 0 + 1
     rounds = selectable * 0
-    _stamp(timeline_ptr, program, _TL_FIRST_ROUND_START, _TL_SLOTS, TIMELINE)
+    stamp(timeline_ptr, program, _TL_FIRST_ROUND_START, _TL_SLOTS, TIMELINE)
     while (low_count > k) & (high - low > 1):
         below, above, middle, halving = _probes(k, selectable, low, low_count, high, high_count, opening, finite,
-                                                total, squares, MOMENTS)
+                                                total, squares)
         opening = opening * 0
         first, second = _scratch_probe_counts(keys_row, below, above, middle, halving, NB, CHUNK, CARRY)
         low, low_count, high, high_count = _narrow_by_probes(below, above, middle, halving, first, second, k, low,
                                                              low_count, high, high_count)
         if TIMELINE:
             if rounds == 0:
-                _stamp(timeline_ptr, program, _TL_FIRST_ROUND_END, _TL_SLOTS, TIMELINE)
+                stamp(timeline_ptr, program, _TL_FIRST_ROUND_END, _TL_SLOTS, TIMELINE)
         rounds += 1
     if TIMELINE:
         tl.store(timeline_ptr + program.to(tl.int64) * _TL_SLOTS + _TL_ROUNDS, rounds.to(tl.int64))
@@ -688,7 +625,7 @@ def _emit_prescanned(keys_row, t, num_blocks, num_blocks_k, out_row, out_stride_
     ``c`` at ``[lane, c]``) and one scan gives every run's offset; the second pass then ranks within each run and
     stores, with no cross-thread exchange per chunk. sm_90a SASS at the bench shape, per thread: ~220 instructions
     a chunk plus ~1.2K once and ~10 barriers in all, against ~440 a chunk (a totals pass included) and 13 barriers
-    a chunk for the scan per chunk it replaced (session 5 round 2: -3.6% at R 512). Both passes are loops:
+    a chunk for the scan per chunk it replaced (-3.6 % at R 512). Both passes are loops:
     unrolled, the compiler hoists every chunk's loads and spills at 80 registers."""
     RUN: tl.constexpr = CHUNK // LANES
     CHUNKS: tl.constexpr = NB // CHUNK
@@ -722,15 +659,13 @@ def _emit_prescanned(keys_row, t, num_blocks, num_blocks_k, out_row, out_stride_
 @triton.jit
 def _select_from_scratch(keys_row, num_blocks, num_blocks_k, out_row, out_stride_col, NB: tl.constexpr,
                          CHUNK: tl.constexpr, LANES: tl.constexpr, PAD_BLOCK: tl.constexpr, CARRY: tl.constexpr,
-                         MOMENTS: tl.constexpr, SAMPLE: tl.constexpr, timeline_ptr=None, program=0,
+                         SAMPLE: tl.constexpr, timeline_ptr=None, program=0,
                          TIMELINE: tl.constexpr = False):
     """The selection of ``_split_select_kernel``: the row's NB images read in chunks of CHUNK (``[LANES, CHUNK
     // LANES]`` for the emit, one run of ids per row of the tensor) by every pass (bounds, search rounds, totals,
-    emit), so the selecting program needs no more registers than a streaming one. With ``MOMENTS`` the search opens
-    with ``_moment_probes`` from the moments of SAMPLE images at a stride of ``NB / SAMPLE`` (blocks ``0, NB /
-    SAMPLE, ...``), scaled to the row: an estimate is all the probes need (the search counts every probe), and
-    session 9 measured it cheaper than the pieces summing every image while they stream (R 2048 361.8 against
-    365-382 µs; the pieces are the critical resource, the sample is 1 image per thread of the selecting program)."""
+    emit), so the selecting program needs no more registers than a streaming one. The search opens with
+    ``_moment_probes`` from the moments of SAMPLE images at a stride of ``NB / SAMPLE`` (blocks ``0, NB / SAMPLE,
+    ...``), scaled to the row: an estimate is all the probes need (the search counts every probe)."""
     lanes = tl.arange(0, CHUNK)  # [CHUNK]
     present = tl.zeros([CHUNK], tl.int32)
     lowest = tl.full([CHUNK], 0xFFFFFFFF, tl.uint32)
@@ -742,27 +677,23 @@ def _select_from_scratch(keys_row, num_blocks, num_blocks_k, out_row, out_stride
         highest = tl.maximum(highest, images)
     selectable = tl.sum(present, axis=0)
     k_rest = num_blocks_k - (num_blocks > 0).to(tl.int32)
-    _stamp(timeline_ptr, program, _TL_BOUNDS, _TL_SLOTS, TIMELINE)
+    stamp(timeline_ptr, program, _TL_BOUNDS, _TL_SLOTS, TIMELINE)
     t = tl.zeros([], tl.uint32)
     if selectable > k_rest:
         if k_rest > 0:
-            finite = 0.0
-            total = 0.0
-            squares = 0.0
-            if MOMENTS:
-                sampled = _load_images(keys_row, tl.arange(0, SAMPLE) * (NB // SAMPLE))  # [SAMPLE]
-                finite, total, squares = tl.reduce(_moment_terms(sampled), 0, _add_triples)
-                finite *= NB // SAMPLE  # a power of two: the mean and deviation are the sample's exactly
-                total *= NB // SAMPLE
-                squares *= NB // SAMPLE
+            sampled = _load_images(keys_row, tl.arange(0, SAMPLE) * (NB // SAMPLE))  # [SAMPLE]
+            finite, total, squares = tl.reduce(_moment_terms(sampled), 0, _add_triples)
+            finite *= NB // SAMPLE  # a power of two: the mean and deviation are the sample's exactly
+            total *= NB // SAMPLE
+            squares *= NB // SAMPLE
             t = _kth_largest_in_scratch(keys_row, k_rest, selectable, tl.min(lowest, axis=0).to(tl.int64),
                                         tl.max(highest, axis=0).to(tl.int64) + 1, finite, total, squares, NB, CHUNK,
-                                        CARRY, MOMENTS, timeline_ptr, program, TIMELINE)
+                                        CARRY, timeline_ptr, program, TIMELINE)
         else:
             t = tl.full([], INF_IMAGE, tl.uint32)
-    _stamp(timeline_ptr, program, _TL_SEARCHED, _TL_SLOTS, TIMELINE)
+    stamp(timeline_ptr, program, _TL_SEARCHED, _TL_SLOTS, TIMELINE)
     _emit_prescanned(keys_row, t, num_blocks, num_blocks_k, out_row, out_stride_col, NB, CHUNK, LANES, PAD_BLOCK)
-    _stamp(timeline_ptr, program, _TL_EMITTED, _TL_SLOTS, TIMELINE)
+    stamp(timeline_ptr, program, _TL_EMITTED, _TL_SLOTS, TIMELINE)
 
 
 # ``discard.global.L2``: the 128-byte line at ``$1`` leaves the L2 without a write-back (its bytes become undefined).
@@ -788,20 +719,20 @@ def _discard_lines(first, num_lines, LINE: tl.constexpr, CHUNK: tl.constexpr):
 @triton.jit
 def _stream_piece_images(keys_row, row_ptr, first_column, stride_col, readable, first_block, STEPS: tl.constexpr,
                          STEP_NB: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr,
-                         UNIT_STRIDE: tl.constexpr, EVICTION: tl.constexpr):
+                         UNIT_STRIDE: tl.constexpr):
     """Stores the block images of blocks ``[first_block, first_block + STEPS * STEP_NB)`` of one row at
     ``keys_row + block`` (0 past ``readable``), the next step's loads issued before the current step is
     reduced."""
     lanes = tl.arange(0, STEP_NB)  # [STEP_NB]
     values = _step_values(row_ptr, first_column, stride_col, first_block + lanes, readable, BLOCK_SIZE, BLOCK_J,
-                          UNIT_STRIDE, EVICTION)
+                          UNIT_STRIDE)
     for s in tl.static_range(STEPS):
         if s + 1 < STEPS:
             following = _step_values(row_ptr, first_column, stride_col, first_block + (s + 1) * STEP_NB + lanes,
-                                     readable, BLOCK_SIZE, BLOCK_J, UNIT_STRIDE, EVICTION)
+                                     readable, BLOCK_SIZE, BLOCK_J, UNIT_STRIDE)
         images = _max_images(values)
         # Scalar stores (``max_contiguous`` 1): the images still pass through shared memory, as 16-byte accesses
-        # (for 16-byte stores they went as 4-byte ones; session 9 round 12: R 512 121.6 against 122.3 µs).
+        # (for 16-byte stores they went as 4-byte ones: R 512 121.6 against 122.3 µs).
         ids = tl.max_contiguous(first_block + s * STEP_NB + lanes, 1)
         tl.store(keys_row + ids, images.to(tl.int32, bitcast=True))
         if s + 1 < STEPS:
@@ -814,8 +745,8 @@ def _split_select_kernel(
     row_repeat, width, num_blocks_k, stride_row, stride_col, out_stride_row, out_stride_col,
     HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_J: tl.constexpr, STEPS: tl.constexpr,
     STEP_NB: tl.constexpr, PIECES: tl.constexpr, LANES: tl.constexpr, VECTOR: tl.constexpr,
-    PAD_BLOCK: tl.constexpr, SELECT_CHUNK: tl.constexpr, CARRY: tl.constexpr, MOMENTS: tl.constexpr,
-    SAMPLE: tl.constexpr, DISCARD: tl.constexpr, EVICTION: tl.constexpr, timeline_ptr=None,
+    PAD_BLOCK: tl.constexpr, SELECT_CHUNK: tl.constexpr, CARRY: tl.constexpr,
+    SAMPLE: tl.constexpr, DISCARD: tl.constexpr, timeline_ptr=None,
     TIMELINE: tl.constexpr = False,
 ):
     """``PIECES`` programs per row (program ``row * PIECES + piece``): each streams blocks ``[piece * NB /
@@ -826,14 +757,14 @@ def _split_select_kernel(
     selection re-reads the images in chunks of SELECT_CHUNK (L1 hits after the first), so the kernel's
     registers are the streaming's and several programs fit per SM (a selecting one beside streaming ones).
     Why: the selection of one row overlaps the streaming of the later rows on the other SMs, instead of one
-    program per row doing both one after the other (run 6: ~39 µs a row, 4 rows per SM). ``DISCARD`` (GPU only,
+    program per row doing both one after the other (~39 µs a row, 4 rows per SM). ``DISCARD`` (GPU only,
     rows of whole 128-byte lines): the selecting program then drops the row's images from the L2 unwritten
-    (``_discard_lines``). ``EVICTION``: the logits loads' eviction policy."""
+    (``_discard_lines``)."""
     program = tl.program_id(0)
-    _stamp(timeline_ptr, program, _TL_START, _TL_SLOTS, TIMELINE)
+    stamp(timeline_ptr, program, _TL_START, _TL_SLOTS, TIMELINE)
     row = (program // PIECES).to(tl.int64)
     piece = program % PIECES
-    start, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS)
+    start, length = row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS)
     num_blocks = ((length + BLOCK_SIZE - 1) // BLOCK_SIZE).to(tl.int32)
     readable = num_blocks - 1  # every block but the pinned newest one
     row_ptr = logits_ptr + row * stride_row
@@ -843,16 +774,16 @@ def _split_select_kernel(
     if VECTOR and (start % 4 == 0):
         aligned_start = (start // 4) * 4  # == start; the product tells the compiler it is 4-aligned
         _stream_piece_images(keys_row, row_ptr, aligned_start, 1, readable, first_block, STEPS, STEP_NB, BLOCK_SIZE,
-                             BLOCK_J, True, EVICTION)
+                             BLOCK_J, True)
     else:
         _stream_piece_images(keys_row, row_ptr, start, stride_col, readable, first_block, STEPS, STEP_NB, BLOCK_SIZE,
-                             BLOCK_J, False, EVICTION)
+                             BLOCK_J, False)
     tl.debug_barrier()  # every thread's image stores precede the CTA's arrival (release)
     arrived = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel", scope="gpu")
-    _stamp(timeline_ptr, program, _TL_ARRIVED, _TL_SLOTS, TIMELINE)
+    stamp(timeline_ptr, program, _TL_ARRIVED, _TL_SLOTS, TIMELINE)
     if arrived == PIECES - 1:
         _select_from_scratch(keys_row, num_blocks, num_blocks_k, out_ptr + row * out_stride_row, out_stride_col, NB,
-                             SELECT_CHUNK, LANES, PAD_BLOCK, CARRY, MOMENTS, SAMPLE, timeline_ptr, program, TIMELINE)
+                             SELECT_CHUNK, LANES, PAD_BLOCK, CARRY, SAMPLE, timeline_ptr, program, TIMELINE)
         if DISCARD:
             _discard_lines(keys_row, NB // 32, 32, NB // 32)
 
@@ -864,7 +795,7 @@ def _candidate_flags_kernel(
     HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    _, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS)
+    _, length = row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS)
     num_blocks = (length + BLOCK_SIZE - 1) // BLOCK_SIZE
     slot = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BLOCK_K]
     ids = tl.load(candidates_ptr + row * cand_stride_row + slot * cand_stride_col, mask=slot < num_candidates,
@@ -879,7 +810,7 @@ def _mask_kernel(
     row_repeat, width, programs_per_row, span_blocks, stride_row, stride_col, flags_stride,
     num_candidates, cand_stride_row, cand_stride_col,
     HAS_STARTS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_J: tl.constexpr,
-    VECTOR: tl.constexpr, FUSED_FLAGS: tl.constexpr, BLOCK_K: tl.constexpr, STORE_CACHE: tl.constexpr,
+    VECTOR: tl.constexpr, FUSED_FLAGS: tl.constexpr, BLOCK_K: tl.constexpr,
     DISCARD_FLAGS: tl.constexpr,
 ):
     """Blocks are numbered relative to the row start, from ``-ceil(start / BLOCK_SIZE)`` up to
@@ -897,12 +828,12 @@ def _mask_kernel(
     ``FUSED_FLAGS`` (one program per row, ``programs_per_row == 1``): the program builds its row's
     flags itself (clears ``[0, row blocks)``, barrier, sets the listed ids, barrier) instead of the
     memset and ``_candidate_flags_kernel`` launches; the barrier makes the CTA's global stores
-    visible to its own later loads. ``STORE_CACHE`` is the ``-inf`` stores' cache modifier. ``DISCARD_FLAGS`` (with
+    visible to its own later loads. The ``-inf`` stores are streaming (``.cs``). ``DISCARD_FLAGS`` (with
     ``FUSED_FLAGS``; GPU only, flag rows of whole 128-byte lines): the program then drops its row's flags from the L2
     unwritten (``_discard_lines``).
     """
     row = tl.program_id(0).to(tl.int64)
-    start64, length64 = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS)
+    start64, length64 = row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS)
     start = start64.to(tl.int32)
     end = (start64 + length64).to(tl.int32)
     lowest = -((start + BLOCK_SIZE - 1) // BLOCK_SIZE)
@@ -942,10 +873,10 @@ def _mask_kernel(
                 minus_inf = tl.full([BLOCK_NB, BLOCK_J], float("-inf"), tl.float32)
                 if BLOCK_J <= BLOCK_SIZE - j:
                     tl.store(row_ptr + column, minus_inf, mask=unlisted[:, None].broadcast_to(BLOCK_NB, BLOCK_J),
-                             cache_modifier=STORE_CACHE)
+                             cache_modifier=".cs")
                 else:
                     tl.store(row_ptr + column, minus_inf, mask=unlisted[:, None] & (offset < BLOCK_SIZE)[None, :],
-                             cache_modifier=STORE_CACHE)
+                             cache_modifier=".cs")
         else:
             in_row = (blocks >= 0) & (blocks < num_blocks)
             unlisted = tl.load(flags_row + blocks, mask=in_row, other=0) == 0  # [BLOCK_NB]
@@ -957,7 +888,7 @@ def _mask_kernel(
                           & (offset < BLOCK_SIZE)[None, :])
                 tl.store(row_ptr + column.to(tl.int64) * stride_col,
                          tl.full([BLOCK_NB, BLOCK_J], float("-inf"), tl.float32), mask=masked,
-                         cache_modifier=STORE_CACHE)
+                         cache_modifier=".cs")
         tile += programs_per_row
     if FUSED_FLAGS and DISCARD_FLAGS:
         _discard_lines(flags_row, (num_blocks + 127) // 128, 128, 256)
@@ -973,37 +904,35 @@ def _bounds_args(starts: torch.Tensor | None, ends: torch.Tensor) -> tuple[torch
     return (ends, False) if starts is None else (starts, True)
 
 
-def _programs_per_row(num_rows: int, tiles: int) -> int:
-    """Programs sharing one row's tiles, so that about ``_TARGET_PROGRAMS`` programs run in all."""
-    return max(1, min(triton.cdiv(_TARGET_PROGRAMS, max(num_rows, 1)), tiles))
+def _unit_stride(logits: torch.Tensor) -> bool:
+    """The 16-byte paths (``VECTOR``) need a unit column stride."""
+    return logits.stride(1) == 1
 
 
 def block_keys(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.Tensor, block_size: int,
-               row_repeat: int, *, vector: bool | None = None, tile: int = _KEYS_TILE) -> torch.Tensor:
-    """First stage: int32 block keys ``[R, max(ceil(C / block_size), 1)]``. ``vector`` (default
-    ``_KEYS_VECTOR``) enables the 16-byte-load path (used only with a unit column stride); ``tile`` is
-    the positions per program."""
+               row_repeat: int, *, config: SelectConfig = DEFAULT_SELECT) -> torch.Tensor:
+    """First stage of the two-launch select: int32 block keys ``[R, max(ceil(C / block_size), 1)]``,
+    ``config.keys_tile`` positions per program."""
     num_rows, width = logits.shape
     max_blocks = triton.cdiv(width, block_size)
     keys = torch.empty((num_rows, max(max_blocks, 1)), dtype=torch.int32, device=logits.device)
     if num_rows and max_blocks:
-        vector = (_KEYS_VECTOR if vector is None else vector) and logits.stride(1) == 1
         starts_arg, has_starts = _bounds_args(starts, ends)
-        block_nb, block_j = _tiles(block_size, tile)
+        block_nb, block_j = _tiles(block_size, config.keys_tile)
         block_nb = min(block_nb, triton.next_power_of_2(max_blocks))
         _block_keys_kernel[(num_rows, triton.cdiv(max_blocks, block_nb))](
             logits, starts_arg, ends, keys,
             row_repeat, width, logits.stride(0), logits.stride(1), keys.stride(0),
-            HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_NB=block_nb, BLOCK_J=block_j, VECTOR=vector,
-            num_warps=8,
+            HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_NB=block_nb, BLOCK_J=block_j,
+            VECTOR=_unit_stride(logits), num_warps=8,
         )
     return keys
 
 
 def select_from_keys(keys: torch.Tensor, starts: torch.Tensor | None, ends: torch.Tensor, num_blocks_k: int,
                      block_size: int, row_repeat: int, out: torch.Tensor, *, width: int | None = None) -> torch.Tensor:
-    """Second stage: the ``num_blocks_k`` best block ids of each row of ``keys`` into ``out`` (the
-    radix kernel, one program of ``_SELECT_WARPS`` warps per row scanning ``_SELECT_CHUNK`` keys per
+    """Second stage of the two-launch select: the ``num_blocks_k`` best block ids of each row of ``keys`` into
+    ``out`` (the radix kernel, one program of ``_SELECT_WARPS`` warps per row scanning ``_SELECT_CHUNK`` keys per
     step). ``width``: the logits' columns (default: the positions of ``keys``' blocks)."""
     if width is None:
         width = keys.shape[1] * block_size
@@ -1019,114 +948,71 @@ def select_from_keys(keys: torch.Tensor, starts: torch.Tensor | None, ends: torc
     return out
 
 
-def _multiprocessors(device: torch.device) -> int:
-    """SMs of ``device``; tensors on the CPU (Triton's interpreter) count as an H200's 132."""
-    return _backend.multiprocessor_count(device) if device.type == "cuda" else 132
-
-
-def _default_pieces(num_rows: int, device: torch.device) -> int:
-    """Programs per row of the default one-launch select: ``_SPLIT_PIECES`` (the split kernel) from
-    ``_SPLIT_MIN_ROWS`` rows on and when every row's pieces fit one wave of programs, one per SM (each streams a
-    quarter of its row); else 0 (the fused kernel, one program per row)."""
-    if num_rows >= _SPLIT_MIN_ROWS or num_rows * _SPLIT_PIECES <= _multiprocessors(device):
-        return _SPLIT_PIECES
-    return 0
-
-
 def _discardable_rows(scratch: torch.Tensor) -> bool:
     """Whether each row of ``scratch`` (``[R, N]``, unit column stride: the split select's images, the fused mask's
     flags) starts a 128-byte line and its row stride is whole lines, so that discarding a row's lines leaves the
     other rows' alone; never under Triton's CPU interpreter (no inline PTX)."""
-    if _backend.interpreter_enabled() or scratch.device.type != "cuda":
+    if interpreting() or scratch.device.type != "cuda":
         return False
     return scratch.data_ptr() % 128 == 0 and scratch.stride(0) * scratch.element_size() % 128 == 0
 
 
-def _carry_mode(elements: int, threads: int) -> int:
-    """``CARRY`` of the search's counting for ``elements`` images counted at once by ``threads`` threads: 0
-    (compare) under Triton's CPU interpreter (it cannot run inline PTX; the counts are the same), 4 when every
-    thread holds a multiple of 4 of them, else 1."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return 0
-    return 4 if elements % (4 * threads) == 0 else 1
-
-
 def select_fused(logits: torch.Tensor, starts: torch.Tensor | None, ends: torch.Tensor, num_blocks_k: int,
-                 block_size: int, row_repeat: int, out: torch.Tensor, *, vector: bool | None = None,
-                 step: int = _FUSED_STEP, pieces: int | None = None, piece_warps: int | None = None,
-                 piece_chunk: int | None = None, piece_step: int | None = None,
-                 moment_probes: bool | None = None, moment_sample: int | None = None,
-                 piece_discard: bool | None = None, evict_first: bool | None = None,
-                 timeline: dict | None = None) -> torch.Tensor:
-    """Rows of at most ``_FUSED_MAX_BLOCKS`` blocks in one launch. ``moment_probes`` (default ``_MOMENT_PROBES``): the
-    search's first round takes ``_moment_probes``. ``pieces`` (default ``_default_pieces``) picks the kernel:
+                 block_size: int, row_repeat: int, out: torch.Tensor, pieces: int, *,
+                 config: SelectConfig = DEFAULT_SELECT, timeline: dict | None = None) -> torch.Tensor:
+    """Rows of at most ``config.fused_max_blocks`` blocks in one launch; ``pieces`` (``select_plan``) picks the
+    kernel:
 
-    - 0: ``_fused_select_kernel``, one program of ``_FUSED_WARPS`` warps per row, ``step`` logits per streaming
-      step. Needs ``next_power_of_2(block_size) <= step`` (``select_candidate_blocks_triton`` checks it).
-    - > 0: ``_split_select_kernel``, ``pieces`` programs of ``piece_warps`` (default ``_SPLIT_WARPS``) warps per
-      row (at most one per block), the last to finish selecting with the images re-read in chunks of
-      ``piece_chunk`` (default ``_SPLIT_CHUNK``, capped at the row's; the emit's tensor holds runs of 4 ids per
-      row), under ptxas' cap of ``_SPLIT_MAX_REGISTERS`` registers; ``piece_step`` (default ``_SPLIT_STEP``) is
-      the logits per streaming step instead of ``step``; ``moment_sample`` (default ``_MOMENT_SAMPLE``, a power of
-      two, capped at the row's padded blocks) the images whose moments place the first probes; ``piece_discard``
-      (default ``_SPLIT_DISCARD``) drops each selected row's images from the L2 unwritten where its rows are whole
-      lines (``_discardable_rows``). ``evict_first`` (default ``_SELECT_EVICT_FIRST``, either kernel) gives the
-      logits loads an evict-first L2 hint. Scratch images
-      ``[R, next_power_of_2(blocks)]`` and zeroed arrival
-      counters ``[R]`` are allocated per call (the zeroing is a memset in the same stream: CUDA-graph capturable,
-      no state across calls). ``timeline`` (a dict; the split kernel only, GPU only): its phase timeline on, the
-      stamps in ``timeline["split"]``, int64 ``[R * pieces, _TL_SLOTS]`` (words ``_TL_*``; zeros where a program
-      did not reach the phase), created on the first call and reused (topk's ``_timeline_args``)."""
+    - 0: ``_fused_select_kernel``, one program of ``_FUSED_WARPS`` warps per row, ``config.fused_step`` logits
+      per streaming step.
+    - > 0: ``_split_select_kernel``, ``pieces`` programs of ``config.split_warps`` warps per row (at most one per
+      block), the last to finish selecting with the images re-read in chunks of ``config.split_chunk`` (capped at
+      the row's), ``config.split_step`` logits per streaming step, the first probes placed by the moments of
+      ``config.moment_sample`` images; each selected row's images are dropped from the L2 unwritten where its
+      rows are whole lines (``_discardable_rows``). Scratch images ``[R, next_power_of_2(blocks)]`` and zeroed
+      arrival counters ``[R]`` are allocated per call (a memset in the same stream: CUDA-graph capturable).
+
+    ``timeline`` (a dict; the split kernel only, GPU only; a private timing probe): the stamps in
+    ``timeline["split"]``, int64 ``[R * pieces, _TL_SLOTS]`` (words ``_TL_*``), created on the first call."""
     num_rows, width = logits.shape
-    moments = _MOMENT_PROBES if moment_probes is None else moment_probes
-    sample = _MOMENT_SAMPLE if moment_sample is None else moment_sample
-    if sample < 1 or sample & (sample - 1):
-        raise ValueError(f"moment_sample must be a power of two, got {sample}")
     max_blocks = triton.cdiv(width, block_size)
     padded_blocks = triton.next_power_of_2(max(max_blocks, 1))
-    assert padded_blocks <= _FUSED_MAX_BLOCKS, "the fused select holds at most _FUSED_MAX_BLOCKS keys per row"
+    assert padded_blocks <= config.fused_max_blocks, "the fused select holds at most fused_max_blocks keys per row"
     if num_rows == 0:
         return out
     if width == 0:
         return out.fill_(-1)
-    eviction = "evict_first" if (_SELECT_EVICT_FIRST if evict_first is None else evict_first) else ""
-    vector = (_KEYS_VECTOR if vector is None else vector) and logits.stride(1) == 1
     starts_arg, has_starts = _bounds_args(starts, ends)
     block_j = triton.next_power_of_2(block_size)
-    if pieces is None:
-        pieces = _default_pieces(num_rows, logits.device)
     if pieces:
         pieces = min(triton.next_power_of_2(pieces), padded_blocks)
         piece_blocks = padded_blocks // pieces
-        piece_step = _SPLIT_STEP if piece_step is None else piece_step
-        piece_step_blocks = min(max(1, piece_step // block_j), piece_blocks)
-        warps = _SPLIT_WARPS if piece_warps is None else piece_warps
-        chunk = min(_SPLIT_CHUNK if piece_chunk is None else piece_chunk, padded_blocks)
+        piece_step_blocks = min(max(1, config.split_step // block_j), piece_blocks)
+        warps = config.split_warps
+        chunk = min(config.split_chunk, padded_blocks)
         lanes = chunk // min(4, chunk)
         keys = torch.empty((num_rows, padded_blocks), dtype=torch.int32, device=logits.device)
         arrivals = torch.zeros((num_rows,), dtype=torch.int32, device=logits.device)
-        discard = (_SPLIT_DISCARD if piece_discard is None else piece_discard) and _discardable_rows(keys)
         _split_select_kernel[(num_rows * pieces,)](
             logits, starts_arg, ends, out, keys, arrivals,
             row_repeat, width, num_blocks_k, logits.stride(0), logits.stride(1), out.stride(0), out.stride(1),
             HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_J=block_j, STEPS=piece_blocks // piece_step_blocks,
-            STEP_NB=piece_step_blocks, PIECES=pieces, LANES=lanes, VECTOR=vector,
-            PAD_BLOCK=_PAD_BLOCK, SELECT_CHUNK=chunk, CARRY=_carry_mode(chunk, 32 * warps), MOMENTS=moments,
-            SAMPLE=min(sample, padded_blocks), DISCARD=discard, EVICTION=eviction,
+            STEP_NB=piece_step_blocks, PIECES=pieces, LANES=lanes, VECTOR=_unit_stride(logits),
+            PAD_BLOCK=_PAD_BLOCK, SELECT_CHUNK=chunk, CARRY=carry_mode(chunk, 32 * warps),
+            SAMPLE=min(config.moment_sample, padded_blocks), DISCARD=_discardable_rows(keys),
             num_warps=warps, maxnreg=_SPLIT_MAX_REGISTERS,
-            **_timeline_args(timeline, "split", num_rows * pieces, _TL_SLOTS.value, logits.device),
+            **timeline_args(timeline, "split", num_rows * pieces, _TL_SLOTS.value, logits.device),
         )
         return out
     if timeline is not None:
-        raise ValueError("the phase timeline covers the split select only (fused_pieces > 0)")
-    step_blocks = min(max(1, step // block_j), padded_blocks)
+        raise ValueError("the phase timeline covers the split select only (pieces > 0)")
+    step_blocks = min(max(1, config.fused_step // block_j), padded_blocks)
     _fused_select_kernel[(num_rows,)](
         logits, starts_arg, ends, out,
         row_repeat, width, num_blocks_k, logits.stride(0), logits.stride(1), out.stride(0), out.stride(1),
         HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_J=block_j, STEPS=padded_blocks // step_blocks,
-        STEP_NB=step_blocks, VECTOR=vector, PAD_BLOCK=_PAD_BLOCK,
-        CARRY=_carry_mode(padded_blocks, 32 * _FUSED_WARPS), MOMENTS=moments,
-        EVICTION=eviction, num_warps=_FUSED_WARPS,
+        STEP_NB=step_blocks, VECTOR=_unit_stride(logits), PAD_BLOCK=_PAD_BLOCK,
+        CARRY=carry_mode(padded_blocks, 32 * _FUSED_WARPS), num_warps=_FUSED_WARPS,
     )
     return out
 
@@ -1140,38 +1026,17 @@ def select_candidate_blocks_triton(
     row_repeat: int,
     out: torch.Tensor | None = None,
     *,
-    vector: bool | None = None,
-    keys_tile: int = _KEYS_TILE,
-    fused: bool | None = None,
-    fused_step: int = _FUSED_STEP,
-    fused_pieces: int | None = None,
-    fused_piece_warps: int | None = None,
-    fused_piece_chunk: int | None = None,
-    fused_piece_step: int | None = None,
-    moment_probes: bool | None = None,
-    moment_sample: int | None = None,
-    fused_piece_discard: bool | None = None,
-    fused_evict_first: bool | None = None,
+    config: SelectConfig = DEFAULT_SELECT,
 ) -> torch.Tensor:
-    """Triton twin of ``select_candidate_blocks_reference``. ``fused`` (default ``_SELECT_FUSED``; only
-    logits of at most ``_FUSED_MAX_BLOCKS`` blocks per row and blocks of at most ``fused_step``
-    positions, others take the two launches) runs ``select_fused`` with ``fused_step`` and the split select's
-    ``fused_pieces`` (0: one program per row; default by row count), ``fused_piece_warps``, ``fused_piece_chunk``,
-    ``fused_piece_step``, ``moment_probes``, ``moment_sample``, ``fused_piece_discard`` and
-    ``fused_evict_first``;
-    ``vector`` goes to whichever path runs, ``keys_tile`` to ``block_keys`` (two launches)."""
+    """Triton twin of ``select_candidate_blocks_reference``: the path ``select_plan`` picks for the call."""
     if out is None:
         out = torch.empty((logits.shape[0], num_blocks_k), dtype=torch.int32, device=logits.device)
-    fused = _SELECT_FUSED if fused is None else fused
-    padded_blocks = triton.next_power_of_2(max(triton.cdiv(logits.shape[1], block_size), 1))
-    if fused and padded_blocks <= _FUSED_MAX_BLOCKS and triton.next_power_of_2(block_size) <= fused_step:
-        return select_fused(logits, starts, ends, num_blocks_k, block_size, row_repeat, out, vector=vector,
-                            step=fused_step, pieces=fused_pieces, piece_warps=fused_piece_warps,
-                            piece_chunk=fused_piece_chunk, piece_step=fused_piece_step,
-                            moment_probes=moment_probes, moment_sample=moment_sample,
-                            piece_discard=fused_piece_discard, evict_first=fused_evict_first)
-    keys = block_keys(logits, starts, ends, block_size, row_repeat, vector=vector, tile=keys_tile)
-    return select_from_keys(keys, starts, ends, num_blocks_k, block_size, row_repeat, out, width=logits.shape[1])
+    num_rows, width = logits.shape
+    pieces = select_plan(config, num_rows, width, block_size, sm_count(logits.device))
+    if pieces is None:
+        keys = block_keys(logits, starts, ends, block_size, row_repeat, config=config)
+        return select_from_keys(keys, starts, ends, num_blocks_k, block_size, row_repeat, out, width=width)
+    return select_fused(logits, starts, ends, num_blocks_k, block_size, row_repeat, out, pieces, config=config)
 
 
 def apply_candidate_mask_triton(
@@ -1182,41 +1047,31 @@ def apply_candidate_mask_triton(
     block_size: int,
     row_repeat: int,
     *,
-    vector: bool | None = None,
-    tile: int = _MASK_TILE,
-    fused_flags: bool | None = None,
-    streaming: bool | None = None,
-    discard_flags: bool | None = None,
+    config: MaskConfig = DEFAULT_MASK,
 ) -> None:
-    """Triton twin of ``apply_candidate_mask_reference`` (in place). ``vector`` (default
-    ``_MASK_VECTOR``) enables the 16-byte-store path (unit column stride, ``block_size % 4 == 0``);
-    ``tile`` is the positions per mask tile; ``fused_flags`` (default: ``num_rows >=
-    _MASK_FUSED_MIN_ROWS``) runs one mask program per row that builds its own flags (one launch instead
-    of three); ``streaming`` (default ``_MASK_STREAMING``) marks the stores ``.cs``; ``discard_flags`` (default
-    ``_MASK_DISCARD_FLAGS``; with ``fused_flags``) drops each row's flags from the L2 unwritten once the row is masked
-    (their rows padded to whole 128-byte lines)."""
+    """Triton twin of ``apply_candidate_mask_reference`` (in place): ``config.tile`` positions per mask tile;
+    from ``config.fused_flags_min_rows`` rows on one mask program per row builds its own flags (one launch instead
+    of three) and drops them from the L2 unwritten once the row is masked (their rows padded to whole 128-byte
+    lines); 16-byte stores on aligned interior tiles (unit column stride, ``block_size % 4 == 0``)."""
     num_rows, width = logits.shape
     if num_rows == 0 or width == 0:
         return
-    vector = (_MASK_VECTOR if vector is None else vector) and logits.stride(1) == 1 and block_size % 4 == 0
-    if fused_flags is None:
-        fused_flags = _MASK_FUSED_MIN_ROWS is not None and num_rows >= _MASK_FUSED_MIN_ROWS
-    streaming = _MASK_STREAMING if streaming is None else streaming
+    vector = _unit_stride(logits) and block_size % 4 == 0
+    fused_flags = num_rows >= config.fused_flags_min_rows
     starts_arg, has_starts = _bounds_args(starts, ends)
     max_blocks = triton.cdiv(width, block_size)
     num_candidates = candidate_blocks.shape[1]
-    block_nb, block_j = _tiles(block_size, tile)
+    block_nb, block_j = _tiles(block_size, config.tile)
     block_nb = min(block_nb, triton.next_power_of_2(max_blocks + 1))
     discard = False
     if fused_flags:
-        discard = _MASK_DISCARD_FLAGS if discard_flags is None else discard_flags
-        flag_columns = triton.cdiv(max_blocks, 128) * 128 if discard else max_blocks
+        flag_columns = triton.cdiv(max_blocks, 128) * 128
         flags = torch.empty((num_rows, flag_columns), dtype=torch.int8, device=logits.device)[:, :max_blocks]
-        discard = discard and _discardable_rows(flags)
+        discard = _discardable_rows(flags)
         programs = 1
     else:
         flags = torch.zeros((num_rows, max_blocks), dtype=torch.int8, device=logits.device)
-        programs = _programs_per_row(num_rows, triton.cdiv(max_blocks + 1, block_nb))
+        programs = max(1, min(triton.cdiv(config.target_programs, num_rows), triton.cdiv(max_blocks + 1, block_nb)))
     if num_candidates and not fused_flags:
         block_k = min(1024, triton.next_power_of_2(num_candidates))
         _candidate_flags_kernel[(num_rows, triton.cdiv(num_candidates, block_k))](
@@ -1229,6 +1084,5 @@ def apply_candidate_mask_triton(
         row_repeat, width, programs, max_blocks + 1, logits.stride(0), logits.stride(1), flags.stride(0),
         num_candidates, candidate_blocks.stride(0), candidate_blocks.stride(1),
         HAS_STARTS=has_starts, BLOCK_SIZE=block_size, BLOCK_NB=block_nb, BLOCK_J=block_j, VECTOR=vector,
-        FUSED_FLAGS=fused_flags, BLOCK_K=1024, STORE_CACHE=".cs" if streaming else "", DISCARD_FLAGS=discard,
-        num_warps=8,
+        FUSED_FLAGS=fused_flags, BLOCK_K=1024, DISCARD_FLAGS=discard, num_warps=8,
     )

@@ -11,9 +11,8 @@ import triton
 import triton.language as tl
 
 from ...dcp_positions import MAX_GLOBAL_ID as _MAX_GLOBAL_ID
-from ..candidates.triton import _row_bounds
 from ..common.runtime import interpreting, next_pow2
-from ..topk.triton import KEY_MAX, NONE, _bit_length, _clear_low_bits, _kth_largest_within, _order_keys
+from ..common.selection import KEY_MAX, NONE, bit_length, clear_low_bits, kth_largest_within, order_keys, row_bounds
 
 MAX_GLOBAL_ID = tl.constexpr(_MAX_GLOBAL_ID)
 # Largest select tile searched two bits per round (three 16-bit counts share one int64 reduction).
@@ -97,7 +96,7 @@ def _pack_candidate_keys_kernel(
     score = tl.load(
         logits_ptr + row * logits_row_stride + column * logits_col_stride, mask=valid, other=float("-inf")
     )
-    order_key = _order_keys(score, valid)  # int32, NONE where unselectable
+    order_key = order_keys(score, valid)  # int32, NONE where unselectable
     # Low word: the bitwise-inverted id (zero-extended), so that a larger word is a lower id on ties.
     low = (~global_id.to(tl.int32)).to(tl.uint32, bitcast=True).to(tl.int64)
     low = tl.where(order_key == NONE, 0, low)
@@ -148,7 +147,7 @@ def _pack_scored_keys_kernel(
     global_id = (local // interleave) * span + rank * interleave + local % interleave
     valid = in_k & (local >= 0) & (global_id <= MAX_GLOBAL_ID)
     score = tl.load(scores_ptr + row * scores_row_stride + offsets * scores_col_stride, mask=valid, other=float("-inf"))
-    order_key = _order_keys(score, valid)  # int32, NONE where unselectable
+    order_key = order_keys(score, valid)  # int32, NONE where unselectable
     low = (~global_id.to(tl.int32)).to(tl.uint32, bitcast=True).to(tl.int64)
     low = tl.where(order_key == NONE, 0, low)
     tl.store(keys_ptr + row * k + offsets, (order_key.to(tl.int64) << 32) | low, mask=in_k)
@@ -179,10 +178,10 @@ def pack_scored_keys_triton(
 
 @triton.jit
 def _kth_largest_1bit(keys, k, count, lo, hi):
-    """``_kth_largest_within``'s result (``enough = k``) one bit per round: for tiles of more than 16384 keys,
+    """``kth_largest_within``'s result (``enough = k``) one bit per round: for tiles of more than 16384 keys,
     where the two-bit rounds' 16-bit count fields could overflow."""
-    bit = _bit_length(lo ^ hi)
-    t = _clear_low_bits(lo, bit)
+    bit = bit_length(lo ^ hi)
+    t = clear_low_bits(lo, bit)
     while (bit > 0) & (count > k):
         bit -= 1
         candidate = t ^ (1 << bit)
@@ -198,7 +197,7 @@ def _kth_largest(keys, k, count, lo, hi, TWO_BITS: tl.constexpr, CARRY: tl.const
     """``(t, #(keys >= t))`` for 1-D int32 ``keys`` (NONE: unselectable) with ``count > k`` selectable keys in
     ``[lo, hi]``: ``t`` is the k-th largest key or one that exactly k keys reach (the same entries ``>= t``)."""
     if TWO_BITS:
-        t, count = _kth_largest_within(keys, k, k, count, lo, hi, CARRY)
+        t, count = kth_largest_within(keys, k, k, count, lo, hi, CARRY)
     else:
         t, count = _kth_largest_1bit(keys, k, count, lo, hi)
     return t, count
@@ -298,7 +297,7 @@ def _dcp_block_scores_kernel(
     HAS_STARTS: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_J: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    start, length = _row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS)
+    start, length = row_bounds(starts_ptr, ends_ptr, row, row_repeat, width, HAS_STARTS)
     blocks = tl.program_id(1).to(tl.int64) * BLOCK_NB + tl.arange(0, BLOCK_NB)  # [BLOCK_NB]
     best = tl.full([BLOCK_NB], float("-inf"), tl.float32)
     row_ptr = logits_ptr + row * stride_row

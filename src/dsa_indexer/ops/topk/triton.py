@@ -1,148 +1,42 @@
 """Triton kernels of the top-k family (twins of ``reference.py``): exact, deterministic radix selection.
 
-Keys. Every entry becomes an int32 key whose signed order is the order of the fp32 values
-(``ops/_order.py``'s ``float_order_key``): ``-0.0`` is first canonicalised to ``+0.0``, then the bits
-``b`` map to ``b`` when ``b >= 0`` and to ``b ^ 0x7FFFFFFF`` when ``b < 0``. NaN, ``-inf`` and entries
-outside the row window become ``NONE = -2**31``, below every selectable key (the smallest selectable
-key, that of ``-FLT_MAX``, is ``0x80800000 > -2**31``). Keys are compared as integers only, so the
-interpreter and the GPU agree bit for bit.
-
-Selection rule. With ``T`` the ``k``-th largest selectable key of a row and ``G = #(key > T)``, the
-contract's selection is every entry with ``key > T`` plus the first ``k - G`` entries (lowest columns)
-with ``key == T``. When the row has at most ``k`` selectable entries, ``T = NONE`` and no tie is
-taken: every selectable entry, nothing else. Emitting is an ordered compaction. One inclusive prefix
-sum of ``[key > T] + [key == T] * 2**16`` gives, at each column, ``g`` entries above ``T`` and ``e``
-ties so far; a taken entry goes to position ``base + g + min(e, ties) - 1``, so columns come out
-ascending, and positions ``[taken, k)`` are padded with ``-1`` (a segment holds at most 16384
-columns, so the low field never carries and the high one never reaches the sign bit).
-
-Finding ``T`` (``_kth_largest``). ``T = max{t : #(key >= t) >= k}``, found bit by bit over the
-unsigned image ``u = key ^ 0x80000000``: starting from a lower bound ``t``, set bit ``b`` when the
-count of keys ``>= t | 2**b`` is still ``>= k``. Because ``t``'s bits ``<= b`` are zero at that
-moment, setting bit ``b`` of ``u`` is toggling bit ``b`` of the signed key, so the search runs on
-int32 directly. The search starts at the common high bits of ``lo`` (smallest selectable key) and
-``hi`` (largest key): ``T`` lies in ``[lo, hi]`` and shares them, so only ``bit_length(lo ^ hi)``
-bits are searched (10 for rows whose values share 22 high bits). The searches of 1-D tiles decide
-two bits per round from the counts at the three thresholds ``t + {1, 2, 3} * 2**b`` (one block
-reduction of an int64 holding three 16-bit counts); the whole-row kernel decides one bit per round,
-which is cheaper with its many keys per thread. A search may stop early at a ``t`` that exactly k
-keys reach: the entries ``> t`` plus the first ``k - #(> t)`` entries ``== t`` are then those k
-entries, the same selection as with ``T``. This holds since every emit reads the keys that were
-searched (whole rows, candidate buffers). Every search counts on the unsigned images with carry chains
-(``_reaches_unsigned``: ≈ 1.5 instead of ≈ 3.3 instructions per key and threshold where a thread holds a
-multiple of 4 keys; under the interpreter, which cannot run inline PTX, the images are compared). The
-candidates' search starts from the bracket its path already knows (``lo`` = the lower bound, ``hi`` = the
-row's largest group maximum, the count = the number of candidates) instead of three block reductions, and
-skips the count of the ties when exactly k candidates reach the threshold found (every tie is then taken).
-
-Slot output (``topk_decode_slots``): every path emits through one store helper, which can write the
-cache slot ``block_table[row // rows_per_request, p // block_size] * block_size + p % block_size`` of
-each picked position ``p`` instead of ``p`` (a gather from the block table, only for taken entries).
-
-Rows of width ``<= row_block_max``: a program holds ``rows_per_program`` whole windows in registers,
-finds each row's ``T`` (the rows share each round's reduction) and emits: one launch, no scratch.
-Programs whose rows are all selectable and at most k wide store the columns directly, and a program
-whose rows fit in a half (quarter) tile takes that narrower register tile (fewer keys per thread per
-round). The search runs on unsigned order images (``key ^ NONE``: NONE -> 0), where a key's count
-``[u >= t]`` is the carry out of ``u + (2**32 - t)`` (inline PTX, summed by 4 in the asm: ≈ 1.5 instructions
-per key instead of ≈ 3.3 for a compare and sum; the rounds are issue-bound), with a plateau check every 16
-bits (``#(u > t) < k`` means ``T = t``: a tie plateau at ``T``, such as many exact zeros, stops the search
-instead of confirming every remaining bit). Options (``TopkConfig``): one launch per tile, each program
-keeping the rows of its tile's width class (each kernel then holds one tile's body: its own register count,
-so narrow tiles fit more programs per SM, and no code of the other tiles); a register cap; the plateau
-check's period.
-
-Wider rows, calls of at least ``row_program_rows`` rows (row programs, two launches, no atomics):
-chunk programs (step 1 of the split path) store the maximum of each group of ``GROUP`` consecutive
-columns, so that a row's one pass over HBM is spread over many SMs; then one program per row does the
-rest. (``maxima_launch=False``, or ``chunk`` outside ``[GROUP, stream_tile]``: one launch, the row
-program streams the row itself, the next tile's loads in flight while the current one is reduced;
-≈ 18 µs per row of 128K on one SM, measured.) Back in registers, the maxima give a lower bound: the search for
-the k-th largest maximum stops as soon as at most ``enough = k + int(k * bound_slack)`` maxima reach its floor
-``t``; then ``T >= t`` (k groups hold an entry ``>= t``) and the candidates are the entries ``>= t``, at most
-``enough * GROUP``. If
-it never gets there, ``t`` is the exact k-th largest maximum and the candidates are the entries
-``> t`` (fewer than k groups hold one, so at most ``(k - 1) * GROUP``). The program compacts the
-qualifying group ids (one scan), re-reads those groups (L2: the row was just streamed) and appends
-their candidates to a per-row buffer in column order (per piece of ``stream_tile // GROUP`` groups:
-one scan of per-group counts, in-group ranks within a warp; the next piece's loads are in flight
-meanwhile; every piece but the last holds only whole groups inside the row, so its loads need no mask
-and are 16 bytes wide; with ``lean_gather`` a piece is loaded by quads of 4 columns, one group per thread, so
-the counts and ranks within a group are in-thread and the candidates are stored from the layout they were
-loaded in). ``T`` is searched among the candidates (in registers up to
-``candidate_block``, else in memory) and the emit is one ordered compaction of the buffer: every
-entry ``>= T`` is a candidate. One case emits from the row instead: an exact, strict bound reached
-by fewer than k candidates, where ``T`` is the bound and its ties are not candidates.
-With ``gather_launch`` the row program stops after the compaction (its bound, kind and number of
-qualifying groups go to a per-row state) and a third launch runs one program per gather piece: each
-stores its piece's candidates in column order in the row's one candidate buffer, at the offset a decoupled
-look-back over its row's piece flags gives (as the split path's chunks, below), and the row's last piece program
-to finish (an acq_rel arrival counter) searches ``T`` among them in place and emits as above. The pieces of a row
-then run on different SMs instead of one after another.
-The default takes this path for calls of ``row_program_rows`` (8) to ``pieces_max_rows`` (64) rows, with
-8 warps and 4096-column pieces, where the rows alone fill less than a wave of SMs; more rows keep one
-program per row (measured on the H200: benchmarks/NOTES_topk.md).
-
-Wider rows, fewer rows (split path, two launches, one full pass over the logits plus a second one from L2):
-
-1. *Group maxima.* Programs own ``CHUNK`` columns of one row and store the maximum key of each group
-   of ``GROUP`` consecutive columns (and clear their chunk's flag and the row's arrival counter for step 2).
-2. *Candidates, T and emit.* Every program finds the row's lower bound from all the row's group maxima (the
-   same search on each, so the same bound) while its whole chunk loads (L2: step 1 just read it), as in
-   the row programs: the search for the ``k``-th largest group maximum stops once at most ``enough`` maxima
-   reach its floor ``T_low`` (candidates: the entries ``>= T_low``, at most ``enough * GROUP``), else
-   ``T_low`` is that maximum (``NONE`` when fewer than ``k`` groups hold a selectable entry) and the
-   candidates are the entries ``> T_low``: at most ``k - 1`` groups have a maximum ``> T_low``, so at most
-   ``(k - 1) * GROUP`` of them (when ``T_low = NONE`` the candidates are the selectable entries of fewer than
-   ``k`` groups: the same bound). Either way ``T >= T_low`` (``k`` groups hold an entry ``>= T_low``).
-   ``GROUP`` is the smallest power of two that keeps a row's groups within one register tile
-   (``group_tile``); for random data the candidates number about ``1.15 k`` (exact bound) to ``1.3 k``
-   (early stop). ``split_early_bound=False`` always searches the exact maximum. The program stores its
-   chunk's candidates (keys and columns) in column order in the row's buffer: it publishes its count + 1 in
-   its chunk's flag and sums the flags of the lower chunks of its row (decoupled look-back: a program waits
-   only for programs of lower ids, which the hardware dispatches first, as CUB's single-pass scan assumes;
-   under the interpreter programs run in id order). The row's last program to arrive (an acq_rel counter)
-   finds ``T`` among the candidates and emits the row from them (``_select_and_emit``, as a row program
-   does: the first ``k - #candidates`` ties from the row itself when the strict bound left fewer than k).
-
-Step 2 walks the rows in reverse order so that it starts on the rows step 1 left in L2. All scratch comes from
-``torch.empty`` in the wrappers (every word is written before it is read); nothing is read back to the host, so the
-launches are CUDA-graph capturable. With ``pdl`` every kernel of a call (on the split path only with ``pdl_split``)
-is a programmatic dependent launch whose programs first let the next launch start, then wait for the previous grid
-to complete (``_wait_for_previous_grid``) before touching memory: only launch latency and CTA rasterisation overlap,
-so results cannot depend on it. The one exception, ``pieces_ready_max_rows`` (calls of up to 32 rows by default):
-the gather pieces skip that wait and each waits (acquire) for a ready word its own row program sets (release) once
-the row's ids and state are stored; the row programs let the gather launch start only after their own wait, so
-everything earlier launches wrote (the maxima launch clears the ready words) is complete when a gather piece starts.
-A timing probe, off by default and reached only through the private
-``_topk_timeline``: with ``TIMELINE`` the row-program paths' kernels store global-timer stamps at the end of each
-phase (``_stamp``). Scratch per row: split path ``4 * (group tile + 2 * min(max(enough, k - 1) * GROUP, width) + 8 +
-flags)`` bytes; row programs ``4 * (2 * group tile + 2 * min(max(enough, k - 1) * GROUP, width))`` bytes.
-
-Strides: any logits strides (column stride 0 or > 1 included) and any ``out`` strides are honoured in
-the kernels; no copy is made. ``starts``/``ends``/``seq_lens`` are made contiguous (a no-op for the
-usual tensors). Addresses are computed in int64.
+Every entry becomes an int32 order key (``ops/common/selection.py``); a row's selection is every key above the
+k-th largest ``T`` plus its first ties in column order, emitted by one ordered compaction. ``topk_path`` picks
+one of four paths from the call's rows and width: whole rows in registers (one launch per register tile), the
+split path (few wide rows: group-maxima chunks, then candidates and the emit), row programs (one per row, after
+a maxima launch), or row programs that hand the gather to one program per gather piece. Group maxima give a
+lower bound that leaves about ``1.15 k`` to ``1.3 k`` candidates, among which ``T`` is searched two bits a round.
+``TopkConfig``'s class defaults are what ships. No host synchronisation: the launches are CUDA-graph capturable.
+The derivations (order keys, the search, the bounds, scratch sizes) and the measured choices are in
+``README.md`` next to this file.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-NONE = tl.constexpr(-(2**31))
-KEY_MAX = tl.constexpr(2**31 - 1)
-INF_BITS = tl.constexpr(0x7F800000)
-NEG_INF_BITS = tl.constexpr(-8388608)  # 0xFF800000 as int32
-LOW_FIELD = tl.constexpr(0xFFFF)
+from ..common.runtime import capability, interpreting, next_pow2
+from ..common.selection import (
+    KEY_MAX,
+    LOW_FIELD,
+    NONE,
+    bit_length,
+    carry_mode,
+    clear_low_bits,
+    kth_largest_within,
+    order_keys,
+    reaches_unsigned,
+    stamp,
+    timeline_args,
+)
 
 # Per-row state of the split path: its arrival counter (word 1), then one flag per chunk from word 8 (words 0 and 2
-# to 7 are unused: the layout of the four-launch path, kept so that the session-5 cleanup left the kernels' code
-# unchanged).
+# to 7 are unused, kept so that the kernels' code stays as measured).
 _ARRIVED = tl.constexpr(1)
 _FLAGS = tl.constexpr(8)
 _STATE_WORDS = 8
@@ -157,12 +51,11 @@ _PIECE_READY = tl.constexpr(5)
 _PIECE_FLAGS = tl.constexpr(6)
 _PIECE_STATE_WORDS = 6
 
-# Phase timeline (``_stamp``, a timing probe): global-timer stamps per program. Every kernel: its start, the end of
+# Phase timeline (``stamp``, a timing probe): global-timer stamps per program. Every kernel: its start, the end of
 # its wait for the previous grid; programs that emit: after the search of T, after the emit; the maxima launch: its
 # maxima stored; row programs: after the lower bound, after the compaction of the qualifying group ids, after each
 # gather piece (from word _TL_ROW_PIECES); the gather launch: its piece stored, its arrival, the last arriver's
-# read of the pieces' flags (the number of candidates; called "mapped" in the timelines of rounds 3-4, when the
-# candidates were first mapped across per-piece regions).
+# read of the pieces' flags (the number of candidates).
 _TL_START = tl.constexpr(0)
 _TL_WAITED = tl.constexpr(1)
 _TL_T = tl.constexpr(2)
@@ -178,141 +71,95 @@ _TL_MAXIMA_SLOTS = tl.constexpr(5)
 _TL_PIECE_SLOTS = tl.constexpr(7)
 
 _PAD_BLOCK = 1024
-_SLOT_BLOCK = 2048  # indices_to_slots: run 4 (session 3), 82.0 µs with 16-byte rows against 88.3 for 1024
+_SLOT_BLOCK = 2048  # indices_to_slots: positions per program
+_SLOT_WARPS = 4
 
 
 @dataclass(frozen=True)
 class TopkConfig:
-    """Tuning of the Triton top-k (tests shrink the sizes to reach every path with tiny shapes).
+    """Tuning of the Triton top-k; the class defaults are what ships (tests shrink the sizes to reach every path
+    with tiny shapes). ``topk_path`` picks the path of a call from its rows and width.
 
     row_block_max: widths up to this use whole-row programs (power of two, at most 16384).
-    row_elements: register tile of a whole-row program: ``row_elements // tile width`` rows share a
+    row_elements: register tile of the widest whole-row launch: ``row_elements // tile width`` rows share a
         program (1 to 16; power of two).
-    row_warps: most warps of a whole-row program (fewer for small tiles).
-    row_copy_short: whole-row programs whose rows are all selectable and at most k wide store the columns
-        directly (no search, no prefix sum).
-    row_tiles: register tiles a whole-row program may use, halving from the widest: a program whose rows
-        fit in a narrower tile takes it (1 to 3; up to 4 with ``row_tile_launches``).
-    row_tile_launches: one launch per tile instead of one kernel holding every tile's body: each kernel
-        compiles one body (registers, code size of that tile only) and keeps the rows of its width class,
-        ``(tile / 2, tile]`` (the narrowest tile: ``[0, tile]``).
-    row_narrow_elements: register tile of the narrower tiles' programs with ``row_tile_launches``
-        (``None``: ``row_elements``), i.e. ``row_narrow_elements // tile`` short rows packed per program.
-    row_narrow_warps: most warps of the narrower tiles' programs with ``row_tile_launches`` (``None``:
-        ``row_warps``).
-    row_max_registers: register cap (ptxas ``maxnreg``) of whole-row programs (with ``row_tile_launches``: of
-        the widest tile's), for more programs per SM; ``None``: the compiler's choice.
-    row_plateau_every: the whole-row search's rounds whose bit is a multiple of this also count the keys
-        ``> t`` (same reduction, packed), and a row whose count is below k stops there: ``T = t`` (tie plateaus,
-        e.g. relu_sum's zeros, otherwise search every remaining bit); 0: never (measured: 0 is best on random
-        rows, 8 on relu_sum, 16 in between; benchmarks/NOTES_topk.md, v8).
-    row_program_rows: wider rows take one row program per row when the call has at least this many
-        rows, else the split path.
-    pieces_max_rows: calls of row programs with at most this many rows run them with ``gather_launch``,
-        ``pieces_warps`` and ``pieces_tile`` (their gather pieces then spread a row over several SMs, which
-        pays while the rows fill less than a wave); 0: never.
-    pieces_warps, pieces_tile: ``stream_warps`` and ``stream_tile`` of those calls.
-    pieces_max_registers: register cap (ptxas ``maxnreg``) of the gather launch's programs, for more of them per
-        SM (128: two per SM at 8 warps; ``None``: the compiler's choice, 144 at 8 warps and 4096-column pieces for
-        k=2048, one per SM).
-    stream_tile: columns per streaming step of a row program, and per gather piece (power of two, at
-        most 16384).
-    stream_warps: warps of a row program.
-    bound_slack: the lower-bound search of row programs (and of the split path, see
-        ``split_early_bound``) stops once at most ``k + int(k * bound_slack)`` group maxima reach its floor.
-    maxima_launch: row programs take their group maxima from an earlier launch of ``chunk``-column
-        programs (the row's streaming spread over many SMs; needs ``GROUP <= chunk <= stream_tile``);
-        else they stream the row themselves.
-    vector_gather: row programs load the re-read groups without a mask (16-byte loads) in every gather
-        piece but the last.
-    prefetch_gather: row programs issue the next gather piece's loads before scanning the current one.
-    split_early_bound: the split path's lower-bound search stops early as the row programs' does (with
-        ``bound_slack``); else it finds the exact k-th largest group maximum.
-    gather_launch: row programs stop after compacting the qualifying group ids; a launch of one program
-        per gather piece (``stream_tile // GROUP`` groups) appends the candidates, and the row's last piece
-        program to finish finds ``T`` and emits.
-    row_stages: timing probe, 3 in use: 1 stops row programs after the lower bound and the compaction of
-        the qualifying group ids, 2 after the gather (the output is then incomplete).
-    chunk: columns per program on the split path and in the maxima launch (power of two, at most 16384).
-    group_tile: most group maxima per row (at most 16384); ``None`` = ``clamp(4k, 1024, 8192)`` on the
-        split path, 8192 in row programs.
+    row_warps: most warps of the widest whole-row launch (fewer for small tiles).
+    row_tiles: whole-row launches, one per register tile halving from the widest (1 to 4): the launch of tile
+        ``w`` keeps the rows of lengths ``(w / 2, w]`` (the narrowest: ``[0, w]``), so each kernel compiles one
+        body with that tile's registers.
+    row_narrow_elements, row_narrow_warps: ``row_elements`` and ``row_warps`` of the narrower tiles' launches.
+    row_max_registers: register cap (ptxas ``maxnreg``) of the widest whole-row launch; ``None``: the compiler's.
+    row_plateau_every: the whole-row search's rounds whose bit is a multiple of this also count the keys ``> t``
+        (same reduction, packed), and a row whose count is below k stops there (``T = t``: a tie plateau no
+        longer costs every remaining bit); 0: never.
+    row_program_rows: wider rows take one row program per row when the call has at least this many rows, else
+        the split path.
+    pieces_max_rows: calls of row programs with at most this many rows hand the gather to a launch of one
+        program per gather piece (``pieces_warps`` warps, ``pieces_tile`` columns per piece), which spreads a
+        row over several SMs while the rows alone fill less than a wave.
+    pieces_max_registers: register cap of the gather-piece programs (``None``: the compiler's choice).
+    pieces_ready_max_rows: gather-piece calls with at most this many rows: each piece waits for its own row
+        program (a per-row ready word) instead of the whole row-program grid (with ``pdl``).
+    stream_tile: columns per streaming step and per gather piece of a row program (power of two, at most 16384).
+    stream_warps: warps of a row program (calls above ``pieces_max_rows`` rows).
+    bound_slack: the lower-bound searches stop once at most ``k + int(k * bound_slack)`` group maxima reach
+        their floor.
+    chunk: columns per program on the split path and in the row programs' maxima launch (power of two, at most
+        16384); row programs whose ``GROUP`` exceeds it stream the row themselves.
+    group_tile: most group maxima per row (at most 16384); ``None`` = ``clamp(4k, 1024, 8192)`` on the split
+        path, 8192 in row programs.
     candidate_block: candidates searched in registers; ``None`` = ``clamp(2k, 1024, 16384)``.
     split_warps: warps of the split-path programs (both launches) and of the row programs' maxima launch.
-    pdl: programmatic dependent launch: every kernel of the call is launched with ``launch_pdl`` and starts by
-        letting the next launch's programs start (``griddepcontrol.launch_dependents``), then waits for the
-        previous grid to complete (``griddepcontrol.wait``) before any memory access, so only the next kernel's
-        launch and CTA rasterisation overlap the tail of this one. Ignored under the interpreter (inline PTX),
-        before sm_90 and on ROCm (no ``griddepcontrol``).
-    pieces_ready_max_rows: calls of the gather launch (with the maxima launch) with at most this many rows: each
-        gather piece waits for its own row program (a per-row ready word set with release semantics after the
-        row's ids and state, cleared by the maxima launch) instead of the whole row-program grid, and the row
-        programs let the gather launch start only after their own wait for the maxima launch (with ``pdl``; without
-        it the launches run one after the other and the word is already set). It pays while the gather pieces fit
-        in about one wave: the pieces that wait hold their slots (session 7 round 3: R = 32 -1.3 µs, R = 64
-        +0.7); 0: never.
-    pdl_split: with ``pdl``, the split path's two launches take it too (else only the row-program paths and
-        whole rows do; measured at R = 1 in session 6 rounds 2 to 4: with it +1.0 to +1.3 µs at k = 512, -0.2 to
-        -0.5 at k = 2048).
-    lean_gather: the gather pieces (row programs' gather loop and the gather launch) load and compact each group
-        by quads of 4 columns (``[stream_tile // GROUP, 4]`` tensors, one group per thread): per-group counts and
-        in-group ranks stay in-thread, one 1-D scan of the per-group counts places the groups, and the candidates
-        are stored from the layout they were loaded in (no layout conversion before the stores). Rows whose
-        ``GROUP`` is 4 to 16 (row programs of 1K to 256K columns at the default tiles); other rows keep the
-        ``[stream_tile // GROUP, GROUP]`` tile. The candidate buffer is the same, slot for slot.
+    pdl: programmatic dependent launch of the whole-row and row-program kernels (``_wait_for_previous_grid``);
+        ignored under the interpreter, before sm_90 and on ROCm. The split path never takes it.
+    lean_gather: row programs whose ``GROUP`` is 4 to 16 load and compact each gather piece by quads of 4
+        columns, one group per thread (other groups keep the ``[stream_tile // GROUP, GROUP]`` tile).
     """
 
     row_block_max: int = 8192
     row_elements: int = 8192
     row_warps: int = 8
-    row_copy_short: bool = True
     row_tiles: int = 3
-    row_tile_launches: bool = True
-    row_narrow_elements: int | None = 4096
-    row_narrow_warps: int | None = 4
+    row_narrow_elements: int = 4096
+    row_narrow_warps: int = 4
     row_max_registers: int | None = 80
     row_plateau_every: int = 16
-    row_program_rows: int = 32
-    pieces_max_rows: int = 0
+    row_program_rows: int = 8
+    pieces_max_rows: int = 64
     pieces_warps: int = 8
     pieces_tile: int = 4096
     pieces_max_registers: int | None = 128
+    pieces_ready_max_rows: int = 32
     stream_tile: int = 8192
     stream_warps: int = 16
     bound_slack: float = 0.25
-    maxima_launch: bool = True
-    vector_gather: bool = True
-    prefetch_gather: bool = True
-    split_early_bound: bool = True
-    gather_launch: bool = False
-    row_stages: int = 3
     chunk: int = 2048
     group_tile: int | None = None
     candidate_block: int | None = None
     split_warps: int = 8
-    pdl: bool = False
-    pdl_split: bool = True
-    pieces_ready_max_rows: int = 0
+    pdl: bool = True
     lean_gather: bool = True
 
 
-# Measured on the H200 (benchmarks/NOTES_topk.md, v6): the split path below 8 rows, gather-piece launches
-# (8 warps, 4096-column pieces) from 8 to 64 rows, plain row programs above; whole rows (v8): carry counts with
-# the plateau check every 16 bits. Decode (v11, session 5 round 2, random L = 128K, k 2048 / 512): the split path
-# in two launches of 8-warp programs (chunk-local bound, ordered candidates) 12.9 / 12.0 µs at R = 1 (was 17.0 /
-# 16.6); carry-chain, lean searches everywhere and two gather programs per SM: R = 32 35.3 / 25.7, R = 64 43.7 /
-# 32.5 (was 38.6 / 28.1, 45.2 / 34.9), R = 128 62.8 / 47.9 (was 66.2 / 49.8). Everything but the routing is in
-# the class defaults (tests build their configs from them). Session 6 round 2: programmatic dependent launches
-# (``pdl``), −1.8 / −0.6 µs at R = 32, −1.9 / −1.8 at R = 128, −2.0 / −2.2 at R = 64 (k 2048 / 512); rounds 2
-# and 3: on the split path (R = 1) it costs +1.1 to +1.3 µs at k = 512 (four cells) and gains 0.2 to 0.3 at
-# k = 2048, so the split path runs without it (``pdl_split``; round 4, k 2048 / 512: 13.2 / 12.1 µs, with it 12.7 /
-# 13.2). Round 4 (cold-L2 graph replays, k = 2048): gather pieces placing their candidates by a look-back in one
-# buffer per row, R = 8 24.6 (was 26.7), R = 32 32.2 (33.5), relu_sum R = 32 32.9 (35.3), R = 64 42.6 (42.0; k = 512
-# 31.1, 30.7); R = 128 (plain row programs) 61.6; three-bit T search rounds lost everywhere (+0.8 to +2.4 µs).
-# Session 7 round 3 (k 2048 / 512): gather pieces by quads (``lean_gather``, a class default) R = 128 54.9 / 43.4
-# (was 61.5 / 46.8), R = 64 38.8 / 29.5 (42.6 / 31.2); with the gather pieces waiting on their own row program up to
-# 32 rows (``pieces_ready_max_rows``) R = 32 29.1 / 23.6 (32.2 / 25.2), R = 8 23.7 / 19.1 (24.5 / 21.6).
-DEFAULT_CONFIG = TopkConfig(row_program_rows=8, pieces_max_rows=64, pieces_ready_max_rows=32, pdl=True,
-                            pdl_split=False)
+DEFAULT_CONFIG = TopkConfig()
+
+# The paths of a call (``topk_path``), in the order a call of growing rows meets them at a width above
+# ``row_block_max``; whole rows take ``ROWS``.
+ROWS = "rows"
+SPLIT = "split"
+ROW_PIECES = "row_pieces"
+ROW_PROGRAMS = "row_programs"
+
+
+def topk_path(config: TopkConfig, num_rows: int, width: int) -> str:
+    """The path of a call of ``num_rows`` rows of ``width`` columns: whole rows up to ``row_block_max`` columns;
+    wider rows take the split path below ``row_program_rows`` rows, row programs with a gather-piece launch up to
+    ``pieces_max_rows`` rows and plain row programs above."""
+    if width <= config.row_block_max:
+        return ROWS
+    if num_rows < config.row_program_rows:
+        return SPLIT
+    return ROW_PIECES if num_rows <= config.pieces_max_rows else ROW_PROGRAMS
 
 
 @triton.jit
@@ -336,18 +183,6 @@ def _wait_then_release_next_grid(PDL: tl.constexpr):
 
 
 @triton.jit
-def _stamp(timeline_ptr, program, slot, TIMELINE_SLOTS: tl.constexpr, TIMELINE: tl.constexpr):
-    """Phase timeline (a timing probe, off by default): with ``TIMELINE``, once every warp of the program is done
-    with the phase (a barrier), the global timer (ns) goes to ``timeline_ptr[program * TIMELINE_SLOTS + slot]``
-    (one thread stores the scalar)."""
-    if TIMELINE:
-        tl.debug_barrier()
-        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [program], dtype=tl.int64,
-                                        is_pure=False, pack=1)
-        tl.store(timeline_ptr + program.to(tl.int64) * TIMELINE_SLOTS + slot, now)
-
-
-@triton.jit
 def _row_window(row, valid, starts_ptr, ends_ptr, width, next_n, HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr):
     """(start, length) of the windows of ``row`` (scalar or vector; ``valid`` false gives length 0).
 
@@ -368,74 +203,6 @@ def _row_window(row, valid, starts_ptr, ends_ptr, width, next_n, HAS_STARTS: tl.
 
 
 @triton.jit
-def _order_keys(values, inside):
-    """int32 order keys of fp32 (or bf16, widened exactly) ``values``; NaN, -inf and entries not ``inside``
-    give NONE."""
-    bits = values.to(tl.float32).to(tl.int32, bitcast=True)
-    bits = tl.where(bits == NONE, 0, bits)
-    selectable = inside & ((bits & KEY_MAX) <= INF_BITS) & (bits != NEG_INF_BITS)
-    keys = bits ^ ((bits >> 31) & KEY_MAX)
-    return tl.where(selectable, keys, NONE)
-
-
-@triton.jit
-def _bit_length(x):
-    """Bit length of the int32 ``x`` read as unsigned (may exceed the true one by 1: harmless here)."""
-    magnitude = (x & KEY_MAX).to(tl.float32)
-    exponent = ((magnitude.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 126
-    return tl.where(x < 0, 32, tl.where(x == 0, 0, exponent))
-
-
-@triton.jit
-def _clear_low_bits(lo, rounds):
-    """``lo`` with its low ``rounds`` bits cleared in the unsigned image (``rounds`` in ``[0, 32]``)."""
-    low_mask = ((tl.full([], 1, tl.int64) << rounds.to(tl.int64)) - 1).to(tl.int32)
-    return ((lo ^ NONE) & ~low_mask) ^ NONE
-
-
-@triton.jit
-def _image(keys):
-    """uint32 order images of int32 keys (``key ^ NONE``: NONE -> 0, unsigned order = key order)."""
-    return (keys ^ NONE).to(tl.uint32, bitcast=True)
-
-
-@triton.jit
-def _reaching(images, threshold, CARRY: tl.constexpr):
-    """int32 partial counts of ``keys >= threshold`` over a 1-D tile of the keys' uint32 images (``_image``; their
-    sum is the count), ``threshold`` an int32 key above NONE: ``_reaches_unsigned`` with that ``CARRY``."""
-    return _reaches_unsigned(images, _image(threshold), CARRY)
-
-
-@triton.jit
-def _search_step(images, t, count, bit, k, CARRY: tl.constexpr):
-    """Decide bits ``bit + 1`` and ``bit`` of ``t`` (both still clear in the unsigned image): the largest
-    of ``t``, ``t + 2**bit``, ``t + 2 * 2**bit``, ``t + 3 * 2**bit`` that ``>= k`` keys of a 1-D tile reach
-    (counted on their ``images`` as ``_reaching``), with that number (``count`` = ``#(>= t)`` on entry).
-    The three counts of a tile of at most 16384 keys share one int64 (16-bit fields), so a round costs one
-    block reduction."""
-    low = 1 << bit
-    first = t ^ low
-    second = t ^ (low << 1)
-    third = second ^ low
-    # Per 4 keys (CARRY 4): three carry chains, one shift-add; ptxas folds the asm's zero outputs away.
-    near = _reaching(images, first, CARRY) + (_reaching(images, second, CARRY) << 16)
-    packed = tl.sum(near.to(tl.int64) + (_reaching(images, third, CARRY).to(tl.int64) << 32), axis=0)
-    first_count = (packed & LOW_FIELD).to(tl.int32)
-    second_count = ((packed >> 16) & LOW_FIELD).to(tl.int32)
-    third_count = (packed >> 32).to(tl.int32)
-    reaches_first = first_count >= k
-    t = tl.where(reaches_first, first, t)
-    count = tl.where(reaches_first, first_count, count)
-    reaches_second = second_count >= k
-    t = tl.where(reaches_second, second, t)
-    count = tl.where(reaches_second, second_count, count)
-    reaches_third = third_count >= k
-    t = tl.where(reaches_third, third, t)
-    count = tl.where(reaches_third, third_count, count)
-    return t, count
-
-
-@triton.jit
 def _bracket(keys):
     """``(count, lo, hi)`` of a 1-D tile of keys: its number of selectable keys, the smallest and the largest."""
     selectable = keys != NONE
@@ -446,73 +213,29 @@ def _bracket(keys):
 
 
 @triton.jit
-def _kth_largest_within(keys, k, enough, count, lo, hi, CARRY: tl.constexpr):
-    """``(t, #(keys >= t))`` for a 1-D ``keys`` (at most 16384) holding ``count >= k`` selectable keys, all
-    ``>= lo``, whose k-th largest is ``<= hi``: ``t`` is the k-th largest key, or, once the count at the
-    bracket's floor is ``<= enough`` (``>= k``), that floor (so ``enough < k`` always gives the k-th largest).
-    Two bits per round, counted on the keys' images as ``_reaching`` with ``CARRY``."""
-    searched = _image(keys)
-    bit = _bit_length(lo ^ hi)
-    t = _clear_low_bits(lo, bit)
-    if (bit % 2 == 1) & (count > enough):
-        bit -= 1
-        candidate = t ^ (1 << bit)
-        candidate_count = tl.sum(_reaching(searched, candidate, CARRY), axis=0)
-        reaches = candidate_count >= k
-        t = tl.where(reaches, candidate, t)
-        count = tl.where(reaches, candidate_count, count)
-    while (bit > 0) & (count > enough):
-        bit -= 2
-        t, count = _search_step(searched, t, count, bit, k, CARRY)
-    return t, count
-
-
-@triton.jit
-def _reaches_unsigned(images, threshold, CARRY: tl.constexpr):
-    """int32 partial counts of ``images >= threshold`` over uint32 order images (``threshold >= 1``, broadcast to
-    ``images``): their sum along the rows' axis is each row's count. ``CARRY`` 0: compare. 1: each key's flag is
-    the carry out of ``images + (2**32 - threshold)`` (PTX ``add.cc`` + ``addc``: a carry exactly when
-    ``images >= threshold``). 4: the same, and the asm sums every 4 elements of a thread (an ``addc`` chain; the
-    other three outputs are 0, which ptxas folds away): ≈ 1.5 instructions per key against ≈ 3.3 for compare,
-    select and add; only where those 4 always lie in one row (one row per program) and a thread holds a multiple
-    of 4 elements (``_launch_row_tile`` decides)."""
-    if CARRY == 0:
-        return (images >= threshold).to(tl.int32)
-    negated = tl.broadcast_to(0 - threshold, images.shape)  # 2**32 - threshold
-    if CARRY == 4:
-        return tl.inline_asm_elementwise(
-            "{ .reg .u32 d; add.cc.u32 d, $4, $8; addc.u32 $0, 0, 0; add.cc.u32 d, $5, $9; addc.u32 $0, $0, 0; "
-            "add.cc.u32 d, $6, $10; addc.u32 $0, $0, 0; add.cc.u32 d, $7, $11; addc.u32 $0, $0, 0; "
-            "mov.u32 $1, 0; mov.u32 $2, 0; mov.u32 $3, 0; }",
-            "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [images, negated], dtype=tl.int32, is_pure=True, pack=4)
-    return tl.inline_asm_elementwise("{ .reg .u32 d; add.cc.u32 d, $1, $2; addc.u32 $0, 0, 0; }", "=r,r,r",
-                                     [images, negated], dtype=tl.int32, is_pure=True, pack=1)
-
-
-@triton.jit
 def _kth_largest_rows(images, k, active, reaching, CARRY: tl.constexpr, PLATEAU_EVERY: tl.constexpr):
     """Per row of the uint32 order images ``images [ROWS, BLOCK]`` (``key ^ NONE``: NONE -> 0, unsigned order =
     value order) where ``active`` (others: 0): the image of a ``t`` that is the k-th largest or that exactly k
     images reach (``reaching [ROWS]`` = ``#(images != 0)``), 0 where not ``active``. Either selects the same
     entries (those ``> t`` and the first ``k - #(> t)`` equal to it), so the search stops once every row's count
     is exactly k. One bit per round (the whole-row tiles hold many keys per thread: three counts per round would
-    make the rounds arithmetic-bound), counts from ``_reaches_unsigned``; the rows share each round's reduction.
+    make the rounds arithmetic-bound), counts from ``reaches_unsigned``; the rows share each round's reduction.
     ``PLATEAU_EVERY`` > 0: a round whose bit is a multiple of it also counts ``#(images > t)`` in the same
     reduction (16-bit fields; at most 16384 keys per row); fewer than k means ``T = t`` (``#(>= t) >= k``
     always holds), so that row stops: a plateau of ties at ``T`` no longer costs every remaining bit."""
     lo = tl.min(tl.where(images != 0, images, tl.full([], 0xFFFFFFFF, tl.uint32)), axis=1)  # [ROWS]
     hi = tl.max(images, axis=1)  # [ROWS]
-    rounds = tl.where(active, _bit_length((lo ^ hi).to(tl.int32, bitcast=True)), 0)  # [ROWS]
+    rounds = tl.where(active, bit_length((lo ^ hi).to(tl.int32, bitcast=True)), 0)  # [ROWS]
     t = (lo.to(tl.int64) & ~((tl.full([], 1, tl.int64) << rounds.to(tl.int64)) - 1)).to(tl.uint32)  # [ROWS]
     reaching = tl.where(active, reaching, k)  # [ROWS] #(images >= t)
     bit = tl.max(rounds, axis=0)
     while (bit > 0) & (tl.max((reaching > k).to(tl.int32), axis=0) > 0):
         bit -= 1
         candidate = t ^ (tl.full([], 1, tl.uint32) << bit.to(tl.uint32))  # [ROWS]
-        reached = _reaches_unsigned(images, candidate[:, None], CARRY)  # [ROWS, BLOCK]
+        reached = reaches_unsigned(images, candidate[:, None], CARRY)  # [ROWS, BLOCK]
         if PLATEAU_EVERY > 0:
             if bit % PLATEAU_EVERY == 0:
-                packed = tl.sum(reached + (_reaches_unsigned(images, (t + 1)[:, None], CARRY) << 16), axis=1)
+                packed = tl.sum(reached + (reaches_unsigned(images, (t + 1)[:, None], CARRY) << 16), axis=1)
                 count = packed & LOW_FIELD
                 reaching = tl.where((packed >> 16) < k, k, reaching)
             else:
@@ -527,7 +250,7 @@ def _kth_largest_rows(images, k, active, reaching, CARRY: tl.constexpr, PLATEAU_
 
 @triton.jit
 def _kth_largest_in_memory(ptr, n, k, TILE: tl.constexpr):
-    """``_kth_largest`` over the ``n`` keys at ``ptr`` (written by other programs of this launch)."""
+    """The k-th largest of the ``n`` keys at ``ptr`` (written by other programs of this launch)."""
     offsets = tl.arange(0, TILE)
     lo = n * 0 + KEY_MAX
     hi = n * 0 + NONE
@@ -537,8 +260,8 @@ def _kth_largest_in_memory(ptr, n, k, TILE: tl.constexpr):
         lo = tl.minimum(lo, tl.min(tl.where(keys != NONE, keys, KEY_MAX), axis=0))
         hi = tl.maximum(hi, tl.max(keys, axis=0))
         first += TILE
-    bit = _bit_length(lo ^ hi)
-    t = _clear_low_bits(lo, bit)
+    bit = bit_length(lo ^ hi)
+    t = clear_low_bits(lo, bit)
     while bit > 0:
         bit -= 1
         candidate = t ^ (1 << bit)
@@ -620,21 +343,21 @@ def _pad_rows(out_ptrs, out_stride_col, first, valid, k, PAD_BLOCK: tl.constexpr
 @triton.jit
 def _select_rows(logits_ptr, stride_row, stride_col, rows, valid, start, length, out_ptr, out_stride_row,
                  out_stride_col, k, table_ptr, table_stride_row, table_stride_col, table_blocks, block_size, rows_per_request,
-                 BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr, COPY_SHORT: tl.constexpr,
-                 CARRY: tl.constexpr, PLATEAU_EVERY: tl.constexpr):
+                 BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr, CARRY: tl.constexpr,
+                 PLATEAU_EVERY: tl.constexpr):
     """Top-k of the windows ``[start, start + length)`` (``length <= BLOCK``) of ``rows`` [ROWS] into ``out``:
-    search (``_kth_largest_rows`` with ``CARRY``, ``PLATEAU_EVERY``) and emit on the uint32 order images."""
+    search (``_kth_largest_rows`` with ``CARRY``, ``PLATEAU_EVERY``) and emit on the uint32 order images; rows all
+    selectable and at most k wide store their columns directly."""
     columns = tl.arange(0, BLOCK)[None, :]  # [1, BLOCK] window-relative
     inside = columns < length[:, None]  # [ROWS, BLOCK]
     src = logits_ptr + rows.to(tl.int64)[:, None] * stride_row + (start[:, None] + columns).to(tl.int64) * stride_col
-    keys = _order_keys(tl.load(src, mask=inside, other=0.0), inside)  # [ROWS, BLOCK]
+    keys = order_keys(tl.load(src, mask=inside, other=0.0), inside)  # [ROWS, BLOCK]
     images = (keys ^ NONE).to(tl.uint32, bitcast=True)  # NONE -> 0; unsigned order = value order
     selectable = tl.sum((images != 0).to(tl.int32), axis=1)  # [ROWS]
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * out_stride_row  # [ROWS, 1]
     pages = _page_rows(table_ptr, table_stride_row, rows, rows_per_request, SLOTS)[:, None]  # [ROWS, 1]
-    copy = False
-    if COPY_SHORT:  # every row all selectable and at most k wide: the picks are the columns themselves
-        copy = tl.min(((selectable == length) & (length <= k)).to(tl.int32), axis=0) > 0
+    # Every row all selectable and at most k wide: the picks are the columns themselves.
+    copy = tl.min(((selectable == length) & (length <= k)).to(tl.int32), axis=0) > 0
     if copy:
         if SLOTS:
             written = _column_slots(pages, columns, inside, table_stride_col, table_blocks, block_size)
@@ -663,13 +386,12 @@ def _topk_row_kernel(
     num_rows, width, k, next_n,
     table_ptr, table_stride_row, table_stride_col, table_blocks, block_size, rows_per_request, class_above, class_upto,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-    PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr, COPY_SHORT: tl.constexpr, TILES: tl.constexpr,
-    CLASSED: tl.constexpr, CARRY: tl.constexpr, PLATEAU_EVERY: tl.constexpr, PDL: tl.constexpr = False,
+    PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr, CLASSED: tl.constexpr, CARRY: tl.constexpr,
+    PLATEAU_EVERY: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """``ROWS`` whole rows per program. ``TILES`` > 1: a program whose windows all fit in ``BLOCK // 2``
-    (``TILES`` = 3: ``BLOCK // 4``) takes that narrower register tile (fewer keys per thread per round).
-    ``CLASSED`` (one launch per tile, ``TILES`` = 1): a program keeps only its rows whose window length lies
-    in ``(class_above, class_upto]`` and does nothing when none does; the other launches own the others.
+    """``ROWS`` whole rows per program in a register tile of ``BLOCK`` columns. ``CLASSED`` (one launch per
+    tile): a program keeps only its rows whose window length lies in ``(class_above, class_upto]`` and does
+    nothing when none does; the other launches own the others.
     ``CARRY``, ``PLATEAU_EVERY``: the search (``_select_rows``). ``PDL``: ``_wait_for_previous_grid``."""
     _wait_for_previous_grid(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
@@ -680,24 +402,11 @@ def _topk_row_kernel(
         length = tl.where(valid, length, 0)
     args = (logits_ptr, stride_row, stride_col, rows, valid, start, length, out_ptr, out_stride_row,
             out_stride_col, k, table_ptr, table_stride_row, table_stride_col, table_blocks, block_size, rows_per_request)
-    widest = tl.max(length, axis=0)
     if CLASSED:
         if tl.max(valid.to(tl.int32), axis=0) > 0:
-            _select_rows(*args, BLOCK, PAD_BLOCK, SLOTS, COPY_SHORT, CARRY, PLATEAU_EVERY)
-    elif TILES == 1:
-        _select_rows(*args, BLOCK, PAD_BLOCK, SLOTS, COPY_SHORT, CARRY, PLATEAU_EVERY)
-    elif TILES == 2:
-        if widest <= BLOCK // 2:
-            _select_rows(*args, BLOCK // 2, PAD_BLOCK, SLOTS, COPY_SHORT, CARRY, PLATEAU_EVERY)
-        else:
-            _select_rows(*args, BLOCK, PAD_BLOCK, SLOTS, COPY_SHORT, CARRY, PLATEAU_EVERY)
+            _select_rows(*args, BLOCK, PAD_BLOCK, SLOTS, CARRY, PLATEAU_EVERY)
     else:
-        if widest <= BLOCK // 4:
-            _select_rows(*args, BLOCK // 4, PAD_BLOCK, SLOTS, COPY_SHORT, CARRY, PLATEAU_EVERY)
-        elif widest <= BLOCK // 2:
-            _select_rows(*args, BLOCK // 2, PAD_BLOCK, SLOTS, COPY_SHORT, CARRY, PLATEAU_EVERY)
-        else:
-            _select_rows(*args, BLOCK, PAD_BLOCK, SLOTS, COPY_SHORT, CARRY, PLATEAU_EVERY)
+        _select_rows(*args, BLOCK, PAD_BLOCK, SLOTS, CARRY, PLATEAU_EVERY)
 
 
 @triton.jit
@@ -711,7 +420,7 @@ def _maxima_lower_bound(maxima, k, enough, row, CARRY: tl.constexpr):
     inclusive = row * 0 + 1
     count, lo, row_max = _bracket(maxima)
     if count >= k:
-        bound, reaching = _kth_largest_within(maxima, k, enough, count, lo, row_max, CARRY)
+        bound, reaching = kth_largest_within(maxima, k, enough, count, lo, row_max, CARRY)
         inclusive = (reaching <= enough).to(tl.int32)
     return bound, inclusive, row_max
 
@@ -748,12 +457,12 @@ def _split_group_max_kernel(
     the chunks up to the row's length (one chunk at least); with ``CLEAR_STATE`` (split path), the chunk's flag
     is cleared too, and chunk 0 clears the row's arrival counter. Also the streaming pass of row programs of
     calls with few rows; with ``CLEAR_READY`` (``pieces_ready_max_rows``) chunk 0 clears the row's ``_PIECE_READY``
-    word. ``PDL``: ``_wait_for_previous_grid``. ``TIMELINE``: ``_stamp`` (``_TL_*``)."""
-    _stamp(timeline_ptr, tl.program_id(0), _TL_START, _TL_MAXIMA_SLOTS, TIMELINE)
+    word. ``PDL``: ``_wait_for_previous_grid``. ``TIMELINE``: ``stamp`` (``_TL_*``)."""
+    stamp(timeline_ptr, tl.program_id(0), _TL_START, _TL_MAXIMA_SLOTS, TIMELINE)
     _wait_for_previous_grid(PDL)
     GROUPS_PER_CHUNK: tl.constexpr = CHUNK // GROUP
     pid = tl.program_id(0)
-    _stamp(timeline_ptr, pid, _TL_WAITED, _TL_MAXIMA_SLOTS, TIMELINE)
+    stamp(timeline_ptr, pid, _TL_WAITED, _TL_MAXIMA_SLOTS, TIMELINE)
     row = pid // num_chunks
     chunk = pid % num_chunks
     start, length = _row_window(row, row >= 0, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
@@ -766,7 +475,7 @@ def _split_group_max_kernel(
             values = tl.load(src)
         else:
             values = tl.load(src, mask=inside, other=0.0)
-        keys = _order_keys(values, inside)  # [GROUPS_PER_CHUNK, GROUP]
+        keys = order_keys(values, inside)  # [GROUPS_PER_CHUNK, GROUP]
         group_row = group_max_ptr + row.to(tl.int64) * MAXIMA_STRIDE
         tl.store(group_row + chunk * GROUPS_PER_CHUNK + group_ids, tl.max(keys, axis=1))
         if CLEAR_STATE:
@@ -776,7 +485,7 @@ def _split_group_max_kernel(
         if CLEAR_READY:
             if chunk == 0:
                 tl.store(state_ptr + row.to(tl.int64) * state_stride + _PIECE_READY, 0)
-    _stamp(timeline_ptr, pid, _TL_MAXIMA, _TL_MAXIMA_SLOTS, TIMELINE)
+    stamp(timeline_ptr, pid, _TL_MAXIMA, _TL_MAXIMA_SLOTS, TIMELINE)
 
 
 @triton.jit
@@ -799,15 +508,13 @@ def _split_candidates_kernel(
     out_stride_col, table_ptr, table_stride_row, table_stride_col, table_blocks, block_size, rows_per_request,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr,
     GROUP_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, CARRY: tl.constexpr, CARRY_BOUND: tl.constexpr,
-    FLAG_TILE: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr, PDL: tl.constexpr = False,
+    FLAG_TILE: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr,
 ):
     """Step 2 of the split path (module docstring): every program finds the row's lower bound from all its group
     maxima (the same on each; ``enough``, counts with ``CARRY_BOUND``) while its whole chunk loads (L2: step 1
     just read it), stores the chunk's candidates (keys and columns) in column order (its offset from a look-back
     over the row's chunk flags, which hold count + 1), and the row's last program to arrive finds ``T`` and emits
-    the row from them (``_select_and_emit``, its search in registers counted with ``CARRY``). ``PDL``:
-    ``_wait_for_previous_grid``."""
-    _wait_for_previous_grid(PDL)
+    the row from them (``_select_and_emit``, its search in registers counted with ``CARRY``)."""
     GROUPS_PER_CHUNK: tl.constexpr = CHUNK // GROUP
     pid = tl.program_id(0)
     row = num_rows - 1 - pid // num_chunks
@@ -828,7 +535,7 @@ def _split_candidates_kernel(
         slots = tl.arange(0, GROUP_TILE)  # [GROUP_TILE]
         all_maxima = tl.load(maxima_row + slots, mask=slots < row_chunks * GROUPS_PER_CHUNK, other=NONE)
         t_low, inclusive, row_max = _maxima_lower_bound(all_maxima, k, enough, row, CARRY_BOUND)
-        keys = _order_keys(values, inside)  # [GROUPS_PER_CHUNK, GROUP]
+        keys = order_keys(values, inside)  # [GROUPS_PER_CHUNK, GROUP]
         is_candidate = _reaches(keys, t_low, inclusive).to(tl.int32)
         per_group = tl.sum(is_candidate, axis=1)  # [GROUPS_PER_CHUNK]
         chunk_count = tl.sum(per_group, axis=0)
@@ -876,20 +583,17 @@ def _emit_ordered(keys, columns, threshold, ties, base, out_row, out_stride_col,
 
 @triton.jit
 def _gather_piece(src_row, start, stride_col, ids, piece_first, num_qualifying, length, TILE_GROUPS: tl.constexpr,
-                  GROUP: tl.constexpr, VECTOR_GATHER: tl.constexpr):
+                  GROUP: tl.constexpr):
     """Logits ``[TILE_GROUPS, GROUP]`` of the groups ``ids`` (qualifying ids ``piece_first, ...``; slots
-    past ``num_qualifying`` read nothing and give 0). With ``VECTOR_GATHER``, a piece before the last
+    past ``num_qualifying`` read nothing and give 0). A piece before the last
     is loaded without a mask (16-byte loads): it holds only groups below the last qualifying one, so
     every column of it lies inside the row (a qualifying group has a selectable entry)."""
     columns = ids[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [TILE_GROUPS, GROUP]
     pointers = src_row + (start + columns).to(tl.int64) * stride_col
     in_piece = piece_first + tl.arange(0, TILE_GROUPS) < num_qualifying  # [TILE_GROUPS]
     inside = in_piece[:, None] & (columns < length)
-    if VECTOR_GATHER:
-        if piece_first + TILE_GROUPS < num_qualifying:
-            values = tl.load(pointers)
-        else:
-            values = tl.load(pointers, mask=inside, other=0.0)
+    if piece_first + TILE_GROUPS < num_qualifying:
+        values = tl.load(pointers)
     else:
         values = tl.load(pointers, mask=inside, other=0.0)
     return values
@@ -923,19 +627,15 @@ def _load_quads(pointers, columns, in_piece, length, stride_col, GROUP: tl.const
 
 @triton.jit
 def _gather_quads(src_row, start, stride_col, ids, piece_first, num_qualifying, length, TILE_GROUPS: tl.constexpr,
-                  GROUP: tl.constexpr, VECTOR_GATHER: tl.constexpr):
+                  GROUP: tl.constexpr):
     """``_gather_piece`` by quads: four ``[TILE_GROUPS, 4]`` logits, quad ``q`` the columns ``4q .. 4q + 3`` of
     each group (one thread holds a whole group). ``GROUP`` 4 to 16; the quads past the group (``4q >= GROUP``)
-    repeat quad 0 (no loads; the callers ignore them). ``VECTOR_GATHER``: a piece before the last is loaded
-    without a mask."""
+    repeat quad 0 (no loads; the callers ignore them). A piece before the last is loaded without a mask."""
     in_piece = (piece_first + tl.arange(0, TILE_GROUPS) < num_qualifying)[:, None]  # [TILE_GROUPS, 1]
     columns = ids[:, None] * GROUP + tl.arange(0, 4)[None, :]  # [TILE_GROUPS, 4] of quad 0
     pointers = src_row + (start + columns).to(tl.int64) * stride_col
-    if VECTOR_GATHER:
-        if piece_first + TILE_GROUPS < num_qualifying:
-            quad0, quad1, quad2, quad3 = _load_quads(pointers, columns, in_piece, length, stride_col, GROUP, False)
-        else:
-            quad0, quad1, quad2, quad3 = _load_quads(pointers, columns, in_piece, length, stride_col, GROUP, True)
+    if piece_first + TILE_GROUPS < num_qualifying:
+        quad0, quad1, quad2, quad3 = _load_quads(pointers, columns, in_piece, length, stride_col, GROUP, False)
     else:
         quad0, quad1, quad2, quad3 = _load_quads(pointers, columns, in_piece, length, stride_col, GROUP, True)
     return quad0, quad1, quad2, quad3
@@ -948,7 +648,7 @@ def _quad_candidates(values, ids, in_piece, length, bound, inclusive, QUAD: tl.c
     per-group candidate counts ``[TILE_GROUPS]`` (in-thread). A quad past the group (``4 * QUAD >= GROUP``) has
     no candidates."""
     columns = ids[:, None] * GROUP + (4 * QUAD) + tl.arange(0, 4)[None, :]  # [TILE_GROUPS, 4]
-    keys = _order_keys(values, in_piece[:, None] & (columns < length))
+    keys = order_keys(values, in_piece[:, None] & (columns < length))
     is_candidate = _reaches(keys, bound, inclusive).to(tl.int32)
     if 4 * QUAD >= GROUP:
         is_candidate = is_candidate * 0
@@ -1006,12 +706,12 @@ def _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusiv
                      TIMELINE: tl.constexpr):
     """The end of a row program (and of the split path): ``T`` among the ``num_candidates`` candidates (keys and
     columns, in column order at buffer slots ``[0, num_candidates)``) of the ``bound``, then the ordered emit of the
-    row's k picks and the padding. The search in registers counts as ``_reaching`` with ``CARRY`` and starts from
+    row's k picks and the padding. The search in registers counts as ``reaching`` with ``CARRY`` and starts from
     the bracket ``[bound, row_max]`` and ``num_candidates`` (no reductions over the candidates); the ties are counted
     only when more than k candidates reach the threshold found. A row emitted from the row itself (strict bound,
     fewer than k candidates) is streamed in tiles of ``STREAM_TILE`` only until its ties are taken (the first ones in
     column order; e.g. the zeros of a row without positive entries lie in its first few tiles), then the remaining
-    candidates are emitted from the buffer (fewer than k: held in registers). ``TIMELINE``: ``_stamp`` of
+    candidates are emitted from the buffer (fewer than k: held in registers). ``TIMELINE``: ``stamp`` of
     ``program`` after the search of T and after the emit."""
     # T and the ties, then the ordered emit: from the candidates, or from the row when T is the bound
     # itself and its ties (not candidates) are taken.
@@ -1027,7 +727,7 @@ def _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusiv
         while (line_first < length) & (ties > 0):
             line_columns = line_first + line
             line_inside = line_columns < length
-            line_keys = _order_keys(tl.load(src_row + (start + line_columns).to(tl.int64) * stride_col,
+            line_keys = order_keys(tl.load(src_row + (start + line_columns).to(tl.int64) * stride_col,
                                             mask=line_inside, other=0.0), line_inside)
             taken, ties = _emit_ordered(line_keys, line_columns, bound, ties, taken, out_row, out_stride_col,
                                         pages, table_stride_col, table_blocks, block_size, SLOTS)
@@ -1049,11 +749,11 @@ def _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusiv
         ties = row * 0
         if num_candidates > k:
             # Every candidate reaches the bound; none exceeds the row's largest key.
-            threshold, reaching = _kth_largest_within(held_keys, k, k, num_candidates, bound, row_max, CARRY)
+            threshold, reaching = kth_largest_within(held_keys, k, k, num_candidates, bound, row_max, CARRY)
             ties = k  # exactly k candidates reach the threshold: every tie is taken
             if reaching > k:
                 ties = k - tl.sum((held_keys > threshold).to(tl.int32), axis=0)
-        _stamp(timeline_ptr, program, _TL_T, TIMELINE_SLOTS, TIMELINE)
+        stamp(timeline_ptr, program, _TL_T, TIMELINE_SLOTS, TIMELINE)
         taken, ties = _emit_ordered(held_keys, held_columns, threshold, ties, taken, out_row, out_stride_col, pages,
                                     table_stride_col, table_blocks, block_size, SLOTS)
     else:
@@ -1062,7 +762,7 @@ def _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusiv
         if num_candidates > k:
             threshold = _kth_largest_in_memory(cand_keys_row, num_candidates, k, CANDIDATE_BLOCK)
             ties = k - _count_above_in_memory(cand_keys_row, num_candidates, threshold, CANDIDATE_BLOCK)
-        _stamp(timeline_ptr, program, _TL_T, TIMELINE_SLOTS, TIMELINE)
+        stamp(timeline_ptr, program, _TL_T, TIMELINE_SLOTS, TIMELINE)
         slot = tl.arange(0, CANDIDATE_BLOCK)
         slot_first = row * 0
         while slot_first < num_candidates:
@@ -1075,7 +775,7 @@ def _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusiv
             slot_first += CANDIDATE_BLOCK
     one = tl.full([1], 0, tl.int32)
     _pad_rows(out_row + tl.zeros([1, 1], tl.int64), out_stride_col, one + taken, one == 0, k, PAD_BLOCK)
-    _stamp(timeline_ptr, program, _TL_EMITTED, TIMELINE_SLOTS, TIMELINE)
+    stamp(timeline_ptr, program, _TL_EMITTED, TIMELINE_SLOTS, TIMELINE)
 
 
 @triton.jit
@@ -1086,7 +786,7 @@ def _compact_tile(values, ids, piece_first, num_qualifying, length, bound, inclu
     width, a group spread over several lanes): per-group sums and in-group ranks across lanes."""
     columns = ids[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [TILE_GROUPS, GROUP]
     inside = (piece_first + tl.arange(0, TILE_GROUPS) < num_qualifying)[:, None] & (columns < length)
-    keys = _order_keys(values, inside)
+    keys = order_keys(values, inside)
     is_candidate = _reaches(keys, bound, inclusive).to(tl.int32)
     per_group = tl.sum(is_candidate, axis=1)  # [TILE_GROUPS]
     position = (tl.cumsum(per_group, axis=0) - per_group)[:, None] + tl.cumsum(is_candidate, axis=1) - 1
@@ -1102,15 +802,15 @@ def _compact_tile(values, ids, piece_first, num_qualifying, length, bound, inclu
 
 @triton.jit
 def _gather_loaded(src_row, start, stride_col, ids, piece_first, num_qualifying, length, TILE_GROUPS: tl.constexpr,
-                   GROUP: tl.constexpr, VECTOR_GATHER: tl.constexpr, LEAN_GATHER: tl.constexpr):
+                   GROUP: tl.constexpr, LEAN_GATHER: tl.constexpr):
     """A gather piece's logits as four tensors: the quads of ``_gather_quads`` with ``LEAN_GATHER``, else the
     ``_gather_piece`` tile four times (``_compact_tile`` reads the first only)."""
     if LEAN_GATHER:
         quad0, quad1, quad2, quad3 = _gather_quads(src_row, start, stride_col, ids, piece_first, num_qualifying,
-                                                   length, TILE_GROUPS, GROUP, VECTOR_GATHER)
+                                                   length, TILE_GROUPS, GROUP)
     else:
         quad0 = _gather_piece(src_row, start, stride_col, ids, piece_first, num_qualifying, length, TILE_GROUPS,
-                              GROUP, VECTOR_GATHER)
+                              GROUP)
         quad1 = quad0
         quad2 = quad0
         quad3 = quad0
@@ -1135,37 +835,30 @@ def _compact_loaded(quad0, quad1, quad2, quad3, ids, piece_first, num_qualifying
 @triton.jit
 def _gather_candidates(src_row, start, stride_col, length, ids, ids_row, num_qualifying, bound, inclusive,
                        cand_keys_row, cand_columns_row, row, timeline_ptr, TIMELINE_SLOTS: tl.constexpr,
-                       TILE_GROUPS: tl.constexpr, GROUP: tl.constexpr, VECTOR_GATHER: tl.constexpr,
-                       PREFETCH_GATHER: tl.constexpr, LEAN_GATHER: tl.constexpr, TIMELINE: tl.constexpr):
+                       TILE_GROUPS: tl.constexpr, GROUP: tl.constexpr, LEAN_GATHER: tl.constexpr,
+                       TIMELINE: tl.constexpr):
     """A row program's gather loop: the candidates of the ``num_qualifying`` groups listed at ``ids_row`` (``ids``:
     the first piece's, already loaded) in column order at buffer slots ``0, ...``, piece by piece
     (``_gather_loaded``, ``_compact_loaded``: by quads with ``LEAN_GATHER``, else by group tiles; the next piece's
-    logits in flight with ``PREFETCH_GATHER``, the ids a piece further ahead). Returns the number of candidates."""
+    logits in flight while this one is compacted, the ids a piece further ahead). Returns the number of candidates."""
     group_ids = tl.arange(0, TILE_GROUPS)  # [TILE_GROUPS]
     num_candidates = num_qualifying * 0
     piece_first = num_qualifying * 0
     quad0, quad1, quad2, quad3 = _gather_loaded(src_row, start, stride_col, ids, piece_first, num_qualifying, length,
-                                                TILE_GROUPS, GROUP, VECTOR_GATHER, LEAN_GATHER)
+                                                TILE_GROUPS, GROUP, LEAN_GATHER)
     next_ids = tl.load(ids_row + TILE_GROUPS + group_ids, mask=TILE_GROUPS + group_ids < num_qualifying, other=0,
                        cache_modifier=".cg")
     while piece_first < num_qualifying:
         next_first = piece_first + TILE_GROUPS
-        if PREFETCH_GATHER:
-            next0, next1, next2, next3 = _gather_loaded(src_row, start, stride_col, next_ids, next_first,
-                                                        num_qualifying, length, TILE_GROUPS, GROUP, VECTOR_GATHER,
-                                                        LEAN_GATHER)
+        next0, next1, next2, next3 = _gather_loaded(src_row, start, stride_col, next_ids, next_first, num_qualifying,
+                                                    length, TILE_GROUPS, GROUP, LEAN_GATHER)
         later = next_first + TILE_GROUPS + group_ids
         later_ids = tl.load(ids_row + later, mask=later < num_qualifying, other=0, cache_modifier=".cg")
         num_candidates += _compact_loaded(quad0, quad1, quad2, quad3, ids, piece_first, num_qualifying, length, bound,
                                           inclusive, num_candidates, cand_keys_row, cand_columns_row, None, 0,
                                           TILE_GROUPS, GROUP, 0, LEAN_GATHER)
-        _stamp(timeline_ptr, row, _TL_ROW_PIECES + piece_first // TILE_GROUPS, TIMELINE_SLOTS, TIMELINE)
-        if PREFETCH_GATHER:
-            quad0, quad1, quad2, quad3 = next0, next1, next2, next3
-        else:
-            quad0, quad1, quad2, quad3 = _gather_loaded(src_row, start, stride_col, next_ids, next_first,
-                                                        num_qualifying, length, TILE_GROUPS, GROUP, VECTOR_GATHER,
-                                                        LEAN_GATHER)
+        stamp(timeline_ptr, row, _TL_ROW_PIECES + piece_first // TILE_GROUPS, TIMELINE_SLOTS, TIMELINE)
+        quad0, quad1, quad2, quad3 = next0, next1, next2, next3
         ids = next_ids
         next_ids = later_ids
         piece_first = next_first
@@ -1180,33 +873,31 @@ def _row_program_kernel(
     table_ptr, table_stride_row, table_stride_col, table_blocks, block_size, rows_per_request,
     HAS_STARTS: tl.constexpr, ENDS_MODE: tl.constexpr, GROUP: tl.constexpr, GROUP_TILE: tl.constexpr,
     STREAM_TILE: tl.constexpr, CANDIDATE_BLOCK: tl.constexpr, PAD_BLOCK: tl.constexpr, SLOTS: tl.constexpr,
-    STREAM: tl.constexpr, VECTOR_GATHER: tl.constexpr, PREFETCH_GATHER: tl.constexpr, STAGES: tl.constexpr,
-    STORE_STATE: tl.constexpr, CARRY_BOUND: tl.constexpr, CARRY_SEARCH: tl.constexpr, PDL: tl.constexpr = False,
+    STREAM: tl.constexpr, STORE_STATE: tl.constexpr, CARRY_BOUND: tl.constexpr, CARRY_SEARCH: tl.constexpr,
+    PDL: tl.constexpr = False,
     timeline_ptr=None, TIMELINE: tl.constexpr = False, SIGNAL_READY: tl.constexpr = False,
     LEAN_GATHER: tl.constexpr = False,
 ):
     """One program per row. ``STREAM``: the program computes the group maxima itself (else an earlier
-    launch of ``_split_group_max_kernel`` stored them). ``VECTOR_GATHER``: unmasked group loads in every
-    gather piece but the last. ``PREFETCH_GATHER``: the next gather piece's loads are in flight while
-    this one is scanned and stored. ``STAGES`` (``TopkConfig.row_stages``): 1 stops after the compaction
-    of the qualifying group ids, 2 after the gather, 3 runs everything. ``STORE_STATE`` (gather launch):
+    launch of ``_split_group_max_kernel`` stored them). The program gathers the candidates and emits the row,
+    or, with ``STORE_STATE`` (gather launch), stops after the compaction of the qualifying group ids:
     the bound, its kind, the row's largest key and the number of qualifying groups go to the row's state words
     at ``state_ptr + row * state_stride`` for ``_row_pieces_kernel``, and the look-back flags of the row's gather
     pieces are cleared; with ``SIGNAL_READY`` (``pieces_ready_max_rows``) the row's ``_PIECE_READY`` word is then set
     (release) for the gather pieces, which wait on it instead of on this grid, and the next launch starts only
     after this grid's wait (``_wait_then_release_next_grid``). ``CARRY_BOUND`` / ``CARRY_SEARCH``: the counts
-    (``_reaching``) of the lower-bound search and of the candidates' search (``_select_and_emit``). ``PDL``:
-    ``_wait_for_previous_grid``. ``TIMELINE``: ``_stamp`` (``_TL_*``; gather piece i at ``_TL_ROW_PIECES + i``).
+    (``reaching``) of the lower-bound search and of the candidates' search (``_select_and_emit``). ``PDL``:
+    ``_wait_for_previous_grid``. ``TIMELINE``: ``stamp`` (``_TL_*``; gather piece i at ``_TL_ROW_PIECES + i``).
     ``LEAN_GATHER`` (``lean_gather``, GROUP 4 to 16): the gather by quads (``_gather_candidates``)."""
     TIMELINE_SLOTS: tl.constexpr = _TL_ROW_PIECES + GROUP_TILE // (STREAM_TILE // GROUP)
-    _stamp(timeline_ptr, tl.program_id(0), _TL_START, TIMELINE_SLOTS, TIMELINE)
+    stamp(timeline_ptr, tl.program_id(0), _TL_START, TIMELINE_SLOTS, TIMELINE)
     if SIGNAL_READY:
         _wait_then_release_next_grid(PDL)
     else:
         _wait_for_previous_grid(PDL)
     TILE_GROUPS: tl.constexpr = STREAM_TILE // GROUP
     row = tl.program_id(0)
-    _stamp(timeline_ptr, row, _TL_WAITED, TIMELINE_SLOTS, TIMELINE)
+    stamp(timeline_ptr, row, _TL_WAITED, TIMELINE_SLOTS, TIMELINE)
     start, length = _row_window(row, row >= 0, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
     src_row = logits_ptr + row.to(tl.int64) * stride_row
     maxima_row = groups_ptr + row.to(tl.int64) * (2 * GROUP_TILE)
@@ -1232,7 +923,7 @@ def _row_program_kernel(
             if tile * STREAM_TILE == full_end:
                 values = tl.load(src_row + (start + columns).to(tl.int64) * stride_col, mask=columns < length,
                                  other=0.0)
-            keys = _order_keys(values, columns < length)
+            keys = order_keys(values, columns < length)
             tl.store(maxima_row + tile * TILE_GROUPS + group_ids, tl.max(keys, axis=1))
             values = next_values
             tile += 1
@@ -1244,9 +935,9 @@ def _row_program_kernel(
     num_groups = tl.cdiv(length, GROUP)
     maxima = tl.load(maxima_row + slots, mask=slots < num_groups, other=NONE, cache_modifier=".cg")
     bound, inclusive, row_max = _maxima_lower_bound(maxima, k, enough, row, CARRY_BOUND)
-    _stamp(timeline_ptr, row, _TL_BOUND, TIMELINE_SLOTS, TIMELINE)
+    stamp(timeline_ptr, row, _TL_BOUND, TIMELINE_SLOTS, TIMELINE)
     num_qualifying = _compact_qualifying(maxima, slots, bound, inclusive, ids_row)
-    _stamp(timeline_ptr, row, _TL_COMPACTED, TIMELINE_SLOTS, TIMELINE)
+    stamp(timeline_ptr, row, _TL_COMPACTED, TIMELINE_SLOTS, TIMELINE)
     if STORE_STATE:
         _store_piece_state(state_ptr + row.to(tl.int64) * state_stride, bound, inclusive, row_max, num_qualifying)
         pieces = tl.arange(0, GROUP_TILE // TILE_GROUPS)  # at least the row's pieces
@@ -1257,7 +948,7 @@ def _row_program_kernel(
             tl.debug_barrier()  # every thread's id and state stores precede the release
             tl.atomic_xchg(state_ptr + row.to(tl.int64) * state_stride + _PIECE_READY, 1, sem="release",
                            scope="gpu")
-    if STAGES >= 2:
+    if not STORE_STATE:
         tl.debug_barrier()
 
         # Candidates of the qualifying groups, in column order (groups ascending, then columns in a group).
@@ -1266,11 +957,9 @@ def _row_program_kernel(
         ids = tl.load(ids_row + group_ids, mask=group_ids < num_qualifying, other=0, cache_modifier=".cg")
         num_candidates = _gather_candidates(src_row, start, stride_col, length, ids, ids_row, num_qualifying, bound,
                                             inclusive, cand_keys_row, cand_columns_row, row, timeline_ptr,
-                                            TIMELINE_SLOTS, TILE_GROUPS, GROUP, VECTOR_GATHER, PREFETCH_GATHER,
-                                            LEAN_GATHER, TIMELINE)
+                                            TIMELINE_SLOTS, TILE_GROUPS, GROUP, LEAN_GATHER, TIMELINE)
         tl.debug_barrier()
 
-    if STAGES >= 3:
         _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusive, row_max, num_candidates,
                          cand_keys_row, cand_columns_row, out_ptr, out_stride_row, out_stride_col, table_ptr,
                          table_stride_row, table_stride_col, table_blocks, block_size, rows_per_request, STREAM_TILE,
@@ -1297,10 +986,10 @@ def _row_pieces_kernel(
     buffer in place. A row without qualifying groups still runs piece 0 (nothing gathered), which pads. ``PDL``:
     ``_wait_for_previous_grid``; with ``WAIT_READY`` (``pieces_ready_max_rows``) a program lets the next launch start
     and waits only for its own row's ``_PIECE_READY`` word (acquire), set by its row program, instead of the
-    whole row-program grid: the rows whose programs finish early gather early. ``TIMELINE``: ``_stamp``
+    whole row-program grid: the rows whose programs finish early gather early. ``TIMELINE``: ``stamp``
     (``_TL_*``; "waited" after the row's word). ``LEAN_GATHER`` (``lean_gather``, GROUP 4 to 16): the piece by
     quads (``_gather_quads``, ``_compact_quads``)."""
-    _stamp(timeline_ptr, tl.program_id(0), _TL_START, _TL_PIECE_SLOTS, TIMELINE)
+    stamp(timeline_ptr, tl.program_id(0), _TL_START, _TL_PIECE_SLOTS, TIMELINE)
     TILE_GROUPS: tl.constexpr = STREAM_TILE // GROUP
     pid = tl.program_id(0)
     row = pid // MAX_PIECES
@@ -1316,7 +1005,7 @@ def _row_pieces_kernel(
             ready = tl.atomic_add(state_row + _PIECE_READY, 0, sem="acquire", scope="gpu")
     else:
         _wait_for_previous_grid(PDL)
-    _stamp(timeline_ptr, pid, _TL_WAITED, _TL_PIECE_SLOTS, TIMELINE)
+    stamp(timeline_ptr, pid, _TL_WAITED, _TL_PIECE_SLOTS, TIMELINE)
     start, length = _row_window(row, row >= 0, starts_ptr, ends_ptr, width, next_n, HAS_STARTS, ENDS_MODE)
     num_qualifying = tl.load(state_row + _PIECE_QUALIFYING)
     num_pieces = tl.maximum(tl.cdiv(num_qualifying, TILE_GROUPS), 1)
@@ -1332,20 +1021,20 @@ def _row_pieces_kernel(
         cand_keys_row = cand_keys_ptr + row.to(tl.int64) * capacity
         cand_columns_row = cand_columns_ptr + row.to(tl.int64) * capacity
         quad0, quad1, quad2, quad3 = _gather_loaded(src_row, start, stride_col, ids, piece_first, num_qualifying,
-                                                    length, TILE_GROUPS, GROUP, True, LEAN_GATHER)
+                                                    length, TILE_GROUPS, GROUP, LEAN_GATHER)
         _compact_loaded(quad0, quad1, quad2, quad3, ids, piece_first, num_qualifying, length, bound, inclusive,
                         piece * 0, cand_keys_row, cand_columns_row, flags_row, piece, TILE_GROUPS, GROUP,
                         GROUP_TILE // TILE_GROUPS, LEAN_GATHER)
-        _stamp(timeline_ptr, pid, _TL_GATHERED, _TL_PIECE_SLOTS, TIMELINE)
+        stamp(timeline_ptr, pid, _TL_GATHERED, _TL_PIECE_SLOTS, TIMELINE)
         tl.debug_barrier()
         arrived = tl.atomic_add(state_row + _PIECE_ARRIVED, 1, sem="acq_rel", scope="gpu")
-        _stamp(timeline_ptr, pid, _TL_ARRIVED, _TL_PIECE_SLOTS, TIMELINE)
+        stamp(timeline_ptr, pid, _TL_ARRIVED, _TL_PIECE_SLOTS, TIMELINE)
         if arrived == num_pieces - 1:
             # Every piece published its flag before arriving: their sum is the number of candidates, which lie in
             # column order in the row's buffer.
             every = tl.arange(0, GROUP_TILE // TILE_GROUPS)
             flags = tl.load(flags_row + every, mask=every < num_pieces, other=1, volatile=True)
-            _stamp(timeline_ptr, pid, _TL_COUNTED, _TL_PIECE_SLOTS, TIMELINE)
+            stamp(timeline_ptr, pid, _TL_COUNTED, _TL_PIECE_SLOTS, TIMELINE)
             row_max = tl.load(state_row + _PIECE_ROW_MAX)
             _select_and_emit(row, src_row, start, stride_col, length, k, bound, inclusive, row_max,
                              tl.sum(flags - 1, axis=0), cand_keys_row, cand_columns_row, out_ptr, out_stride_row,
@@ -1381,10 +1070,6 @@ def _indices_to_slots_kernel(
         tl.store(out_ptr + row * k + position, slot, mask=in_row)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def _bounds_args(starts: torch.Tensor | None, ends: torch.Tensor | None, decode: bool, logits: torch.Tensor):
     has_starts = starts is not None
     ends_mode = 2 if decode else (1 if ends is not None else 0)
@@ -1404,37 +1089,38 @@ def _slot_args(slots, logits):
 def _pdl_args(config, device):
     """Launch arguments of ``config.pdl`` (``_wait_for_previous_grid``) on ``device``; none under the interpreter,
     which cannot run inline PTX, and none before sm_90 or on ROCm (no ``griddepcontrol`` there)."""
-    if not config.pdl or os.environ.get("TRITON_INTERPRET") == "1" or torch.version.hip is not None:
+    if not config.pdl or interpreting() or torch.version.hip is not None:
         return {}
-    if torch.cuda.get_device_capability(device)[0] < 9:
+    if capability(device)[0] < 9:
         return {}
     return dict(PDL=True, launch_pdl=True)
 
 
 def _launch_rows(logits, k, bounds, out, next_n, bounds_flags, slot_args, config):
+    """Whole rows: one launch per register tile, widest first (``row_tiles``), each keeping the rows of its width
+    class; a single tile takes one unclassed launch."""
     num_rows, width = logits.shape
-    block = max(16, _next_pow2(width))
-    tiles = max(1, min(config.row_tiles, 4 if config.row_tile_launches else 3))
+    block = max(16, next_pow2(width))
+    tiles = max(1, min(config.row_tiles, 4))
     while tiles > 1 and block >> (tiles - 1) < 16:
         tiles -= 1
     # The interpreter cannot run inline PTX: it takes the plain comparison (same counts).
-    search = dict(CARRY=os.environ.get("TRITON_INTERPRET") != "1", PLATEAU_EVERY=config.row_plateau_every)
-    common = dict(PAD_BLOCK=_PAD_BLOCK, COPY_SHORT=config.row_copy_short, **search, **bounds_flags, **slot_args[1],
+    search = dict(CARRY=not interpreting(), PLATEAU_EVERY=config.row_plateau_every)
+    common = dict(PAD_BLOCK=_PAD_BLOCK, **search, **bounds_flags, **slot_args[1],
                   **_pdl_args(config, logits.device))
-    if config.row_tile_launches and tiles > 1:
-        # One kernel per tile, widest first: each compiles one body, so narrow tiles keep fewer registers.
-        for tile_index in range(tiles):
-            tile = block >> tile_index
-            narrow = tile_index > 0
-            elements = (config.row_narrow_elements or config.row_elements) if narrow else config.row_elements
-            warps_max = (config.row_narrow_warps or config.row_warps) if narrow else config.row_warps
-            class_above = -1 if tile_index == tiles - 1 else tile // 2
-            registers = None if narrow else config.row_max_registers
-            _launch_row_tile(logits, k, bounds, out, next_n, slot_args, tile, elements, warps_max, registers,
-                             class_above, tile, dict(TILES=1, CLASSED=True, **common))
+    if tiles == 1:
+        _launch_row_tile(logits, k, bounds, out, next_n, slot_args, block, config.row_elements, config.row_warps,
+                         config.row_max_registers, -1, width, dict(CLASSED=False, **common))
         return
-    _launch_row_tile(logits, k, bounds, out, next_n, slot_args, block, config.row_elements, config.row_warps,
-                     config.row_max_registers, -1, width, dict(TILES=tiles, CLASSED=False, **common))
+    for tile_index in range(tiles):
+        tile = block >> tile_index
+        narrow = tile_index > 0
+        elements = config.row_narrow_elements if narrow else config.row_elements
+        warps_max = config.row_narrow_warps if narrow else config.row_warps
+        class_above = -1 if tile_index == tiles - 1 else tile // 2
+        registers = None if narrow else config.row_max_registers
+        _launch_row_tile(logits, k, bounds, out, next_n, slot_args, tile, elements, warps_max, registers,
+                         class_above, tile, dict(CLASSED=True, **common))
 
 
 def _launch_row_tile(logits, k, bounds, out, next_n, slot_args, block, elements, warps_max, max_registers,
@@ -1444,9 +1130,8 @@ def _launch_row_tile(logits, k, bounds, out, next_n, slot_args, block, elements,
     rows = min(16, max(1, elements // block))
     warps = max(1, min(warps_max, rows * block // 256))
     registers = {} if max_registers is None else dict(maxnreg=max_registers)
-    # Carry counts summed by 4 in the asm need one row per program and 4k elements per thread (narrowest body).
-    narrowest = block >> (flags["TILES"] - 1)
-    carry = 0 if not flags["CARRY"] else (4 if rows == 1 and narrowest >= 4 * 32 * warps else 1)
+    # Carry counts summed by 4 in the asm need one row per program and 4k elements per thread.
+    carry = 0 if not flags["CARRY"] else (carry_mode(block, 32 * warps) if rows == 1 else 1)
     _topk_row_kernel[(triton.cdiv(num_rows, rows),)](
         logits, logits.stride(0), logits.stride(1), *bounds, out, out.stride(0), out.stride(1),
         num_rows, width, k, next_n, *slot_args[0], class_above, class_upto, ROWS=rows, BLOCK=block,
@@ -1454,30 +1139,21 @@ def _launch_row_tile(logits, k, bounds, out, next_n, slot_args, block, elements,
     )
 
 
-def _carry(tile, warps):
-    """``CARRY`` of the two-bit searches over a 1-D tile of ``tile`` keys in ``warps`` warps (``_reaching``): 0
-    under the interpreter (no inline PTX there: the images compared), 4 where each thread holds a multiple of 4 of
-    the tile's keys, else 1."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return 0
-    return 4 if tile % (4 * 32 * warps) == 0 else 1
-
-
 def _launch_split(logits, k, bounds, out, next_n, bounds_flags, slot_args, config):
     num_rows, width = logits.shape
     chunk = config.chunk
     num_chunks = triton.cdiv(width, chunk)
-    group_tile_max = config.group_tile or min(8192, max(1024, _next_pow2(4 * k)))
+    group_tile_max = config.group_tile or min(8192, max(1024, next_pow2(4 * k)))
     group = 1
     while num_chunks * chunk // group > group_tile_max:
         group *= 2
     if group > chunk:
         raise ValueError(f"logits width {width} is too large for the top-k split path (chunk {chunk})")
-    group_tile = _next_pow2(num_chunks * chunk // group)
-    candidate_block = config.candidate_block or min(16384, max(1024, _next_pow2(2 * k)))
-    enough = k + int(k * config.bound_slack) if config.split_early_bound else k - 1
+    group_tile = next_pow2(num_chunks * chunk // group)
+    candidate_block = config.candidate_block or min(16384, max(1024, next_pow2(2 * k)))
+    enough = k + int(k * config.bound_slack)
     capacity = max(1, min(max(enough, k - 1) * group, width))
-    flag_tile = _next_pow2(num_chunks)
+    flag_tile = next_pow2(num_chunks)
     state_stride = _STATE_WORDS + flag_tile
     device = logits.device
     state = torch.empty((num_rows, state_stride), dtype=torch.int32, device=device)
@@ -1487,23 +1163,24 @@ def _launch_split(logits, k, bounds, out, next_n, bounds_flags, slot_args, confi
     grid = (num_rows * num_chunks,)
     rows_args = (logits, logits.stride(0), logits.stride(1), *bounds)
     warps = config.split_warps
-    pdl = _pdl_args(config, logits.device) if config.pdl_split else {}
     _split_group_max_kernel[grid](
         *rows_args, group_max, state, state_stride, width, next_n, num_chunks, CHUNK=chunk, GROUP=group,
-        MAXIMA_STRIDE=group_tile, CLEAR_STATE=True, num_warps=warps, **bounds_flags, **pdl,
+        MAXIMA_STRIDE=group_tile, CLEAR_STATE=True, num_warps=warps, **bounds_flags,
     )
     _split_candidates_kernel[grid](
         *rows_args, group_max, cand_keys, cand_columns, capacity, state, state_stride, width, k, next_n, num_rows,
         num_chunks, enough, out, out.stride(0), out.stride(1), *slot_args[0], CHUNK=chunk, GROUP=group,
-        GROUP_TILE=group_tile, CANDIDATE_BLOCK=candidate_block, CARRY=_carry(candidate_block, warps),
-        CARRY_BOUND=_carry(group_tile, warps), FLAG_TILE=flag_tile, PAD_BLOCK=_PAD_BLOCK, num_warps=warps,
-        **bounds_flags, **slot_args[1], **pdl,
+        GROUP_TILE=group_tile, CANDIDATE_BLOCK=candidate_block, CARRY=carry_mode(candidate_block, 32 * warps),
+        CARRY_BOUND=carry_mode(group_tile, 32 * warps), FLAG_TILE=flag_tile, PAD_BLOCK=_PAD_BLOCK, num_warps=warps,
+        **bounds_flags, **slot_args[1],
     )
 
 
-def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args, config, timeline=None):
+def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args, config, pieces, timeline=None):
+    """One program per row (``stream_warps`` warps, ``stream_tile``-column steps), after a maxima launch; with
+    ``pieces`` the gather goes to a launch of one program per gather piece (``pieces_warps``, ``pieces_tile``)."""
     num_rows, width = logits.shape
-    stream_tile = config.stream_tile
+    stream_tile = config.pieces_tile if pieces else config.stream_tile
     columns = triton.cdiv(width, stream_tile) * stream_tile
     group_tile_max = config.group_tile or 8192
     group = 1
@@ -1511,14 +1188,13 @@ def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args
         group *= 2
     if group > stream_tile:
         raise ValueError(f"logits width {width} is too large for the top-k row programs (stream tile {stream_tile})")
-    group_tile = _next_pow2(columns // group)
+    group_tile = next_pow2(columns // group)
     enough = k + int(k * config.bound_slack)
     capacity = max(1, min(width, max(enough, k - 1) * group))
-    candidate_block = config.candidate_block or min(16384, max(1024, _next_pow2(2 * k)))
+    candidate_block = config.candidate_block or min(16384, max(1024, next_pow2(2 * k)))
     device = logits.device
     groups = torch.empty((num_rows, 2 * group_tile), dtype=torch.int32, device=device)
-    stream = not (config.maxima_launch and group <= config.chunk <= stream_tile)
-    pieces = config.gather_launch and config.row_stages >= 2
+    stream = not (group <= config.chunk <= stream_tile)  # the row program streams the row itself
     row_ready = pieces and num_rows <= config.pieces_ready_max_rows and not stream
     lean = config.lean_gather and 4 <= group <= 16
     pdl = _pdl_args(config, logits.device)
@@ -1536,20 +1212,19 @@ def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args
             logits, logits.stride(0), logits.stride(1), *bounds, groups, *ready_state, width, next_n, num_chunks,
             CHUNK=config.chunk, GROUP=group, MAXIMA_STRIDE=2 * group_tile, CLEAR_STATE=False,
             CLEAR_READY=row_ready, num_warps=config.split_warps, **bounds_flags, **pdl,
-            **_timeline_args(timeline, "maxima", num_rows * num_chunks, _TL_MAXIMA_SLOTS.value, device),
+            **timeline_args(timeline, "maxima", num_rows * num_chunks, _TL_MAXIMA_SLOTS.value, device),
         )
-    warps = config.stream_warps
-    carry_search = _carry(candidate_block, warps)
+    warps = config.pieces_warps if pieces else config.stream_warps
+    carry_search = carry_mode(candidate_block, 32 * warps)
     row_slots = _TL_ROW_PIECES.value + group_tile * group // stream_tile
     _row_program_kernel[(num_rows,)](
         logits, logits.stride(0), logits.stride(1), *bounds, out, out.stride(0), out.stride(1),
         groups, cand_keys, cand_columns, capacity, state, state.stride(0), width, k, next_n, enough, *slot_args[0],
         GROUP=group, GROUP_TILE=group_tile, STREAM_TILE=stream_tile, CANDIDATE_BLOCK=candidate_block,
-        PAD_BLOCK=_PAD_BLOCK, STREAM=stream, VECTOR_GATHER=config.vector_gather,
-        PREFETCH_GATHER=config.prefetch_gather, STAGES=1 if pieces else config.row_stages, STORE_STATE=pieces,
-        CARRY_BOUND=_carry(group_tile, warps), CARRY_SEARCH=carry_search, SIGNAL_READY=row_ready,
+        PAD_BLOCK=_PAD_BLOCK, STREAM=stream, STORE_STATE=pieces,
+        CARRY_BOUND=carry_mode(group_tile, 32 * warps), CARRY_SEARCH=carry_search, SIGNAL_READY=row_ready,
         LEAN_GATHER=lean and not pieces, num_warps=warps,
-        **bounds_flags, **slot_args[1], **pdl, **_timeline_args(timeline, "rows", num_rows, row_slots, device),
+        **bounds_flags, **slot_args[1], **pdl, **timeline_args(timeline, "rows", num_rows, row_slots, device),
     )
     if pieces:
         registers = {} if config.pieces_max_registers is None else dict(maxnreg=config.pieces_max_registers)
@@ -1560,19 +1235,8 @@ def _launch_row_programs(logits, k, bounds, out, next_n, bounds_flags, slot_args
             MAX_PIECES=max_pieces, PAD_BLOCK=_PAD_BLOCK, CARRY=carry_search, WAIT_READY=row_ready,
             LEAN_GATHER=lean, num_warps=warps,
             **registers, **bounds_flags, **slot_args[1], **pdl,
-            **_timeline_args(timeline, "pieces", num_rows * max_pieces, _TL_PIECE_SLOTS.value, device),
+            **timeline_args(timeline, "pieces", num_rows * max_pieces, _TL_PIECE_SLOTS.value, device),
         )
-
-
-def _timeline_args(timeline, name, programs, slots, device):
-    """Kernel arguments of the phase timeline (``_stamp``): none when ``timeline`` is None (the kernels then
-    compile as without it), else ``timeline[name]``, an int64 ``[programs, slots]`` buffer of zeros created on the
-    first call (a later call, e.g. under graph capture, reuses it: the caller zeroes it between replays)."""
-    if timeline is None:
-        return {}
-    if name not in timeline:
-        timeline[name] = torch.zeros((programs, slots), dtype=torch.int64, device=device)
-    return dict(timeline_ptr=timeline[name], TIMELINE=True)
 
 
 def _launch(logits, k, starts, ends, out, next_n, decode, config, slots=None, timeline=None):
@@ -1580,17 +1244,14 @@ def _launch(logits, k, starts, ends, out, next_n, decode, config, slots=None, ti
     if num_rows == 0:
         return out
     starts_arg, ends_arg, bounds_flags = _bounds_args(starts, ends, decode, logits)
-    if width <= config.row_block_max:
-        launch = _launch_rows
-    elif num_rows >= config.row_program_rows:
-        launch = _launch_row_programs
-        if num_rows <= config.pieces_max_rows:
-            config = replace(config, gather_launch=True, stream_warps=config.pieces_warps,
-                             stream_tile=config.pieces_tile)
+    args = (logits, k, (starts_arg, ends_arg), out, next_n, bounds_flags, _slot_args(slots, logits), config)
+    path = topk_path(config, num_rows, width)
+    if path == ROWS:
+        _launch_rows(*args)
+    elif path == SPLIT:
+        _launch_split(*args)
     else:
-        launch = _launch_split
-    extra = {} if timeline is None else dict(timeline=timeline)
-    launch(logits, k, (starts_arg, ends_arg), out, next_n, bounds_flags, _slot_args(slots, logits), config, **extra)
+        _launch_row_programs(*args, pieces=path == ROW_PIECES, timeline=timeline)
     return out
 
 
@@ -1600,8 +1261,7 @@ def _topk_timeline(logits, k, ends, out, timeline, *, config=DEFAULT_CONFIG):
     timer stamps (ns), ``"maxima"`` ``[programs, _TL_MAXIMA_SLOTS]``, ``"rows"`` ``[rows, _TL_ROW_PIECES + pieces]``
     and, with the gather launch, ``"pieces"`` ``[programs, _TL_PIECE_SLOTS]`` (words ``_TL_*``; 0 where a program
     did not reach the phase). Other paths are refused."""
-    num_rows, width = logits.shape
-    if width <= config.row_block_max or num_rows < config.row_program_rows:
+    if topk_path(config, *logits.shape) not in (ROW_PIECES, ROW_PROGRAMS):
         raise ValueError("the phase timeline covers the row-program paths only")
     return _launch(logits, k, None, ends, out, 1, False, config, timeline=timeline)
 
@@ -1639,20 +1299,17 @@ def topk_decode_triton(
 
 
 def indices_to_slots_triton(
-    indices: torch.Tensor, block_table: torch.Tensor, block_size: int, row_to_request: torch.Tensor, *,
-    block: int = _SLOT_BLOCK, num_warps: int = 4, aligned_rows: bool = True,
+    indices: torch.Tensor, block_table: torch.Tensor, block_size: int, row_to_request: torch.Tensor,
 ) -> torch.Tensor:
     """Twin of ``reference.indices_to_slots``: ``block_table[request, p // bs] * bs + p % bs``, ``-1`` kept.
-    Variants: ``block`` positions per program, ``num_warps``, ``aligned_rows`` (16-byte slot stores
-    when ``k % 4 == 0``; ``False`` with ``block=1024`` is the pre-run-4 kernel)."""
+    ``_SLOT_BLOCK`` positions per program of ``_SLOT_WARPS`` warps; 16-byte slot stores when ``k % 4 == 0``."""
     num_rows, k = indices.shape
     slots = torch.empty((num_rows, k), dtype=torch.int32, device=indices.device)
     if num_rows == 0 or k == 0:
         return slots
-    _indices_to_slots_kernel[(num_rows, triton.cdiv(k, block))](
+    _indices_to_slots_kernel[(num_rows, triton.cdiv(k, _SLOT_BLOCK))](
         indices, indices.stride(0), indices.stride(1), block_table, block_table.stride(0), block_table.stride(1),
-        block_table.shape[0], block_table.shape[1], row_to_request.contiguous(), slots, k, block_size, BLOCK=block,
-        ALIGNED_ROWS=aligned_rows and k % 4 == 0,
-        num_warps=num_warps,
+        block_table.shape[0], block_table.shape[1], row_to_request.contiguous(), slots, k, block_size, BLOCK=_SLOT_BLOCK,
+        ALIGNED_ROWS=k % 4 == 0, num_warps=_SLOT_WARPS,
     )
     return slots
