@@ -18,7 +18,6 @@ import torch
 from ragged_ranges import causal_ranges, varied_ranges
 
 from dsa_indexer.backend import ENV_VAR
-from dsa_indexer.bench.suite_logits import SWEEP_VARIANTS
 from dsa_indexer.cache import IndexerKCache, bytes_per_token
 from dsa_indexer.formats import quantize_fp8, quantize_mxfp4
 from dsa_indexer.ops.logits import mqa_logits, paged_mqa_logits
@@ -461,23 +460,22 @@ def test_decode_mxfp4_ptx_expansion_matches_triton_expansion_gpu(kernel_device, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt, variant", [(fmt, name) for fmt, variants in SWEEP_VARIANTS.items()
-                                          for name, kwargs in variants.items() if kwargs])
-def test_decode_kernel_sweep_variants_gpu(kernel_device, fmt, variant):
-    """Every variant the benchmark sweep times (schedules, expansions) matches the reference, and gives
-    the default's bits wherever it keeps the default's per-program rows (the rows set the head-sum tile)."""
-    from dsa_indexer.ops.logits.triton import DECODE_CONFIG, paged_mqa_logits_triton
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shipped", ["fp8", "mxfp4"])
+def test_decode_kernel_shipped_configs_gpu(kernel_device, fmt, shipped):
+    """Each shipped decode launch (``decode_config`` of either key format) matches the reference on keys of
+    either format, and the one the call picks gives the default call's bits."""
+    from dsa_indexer.ops.logits.triton import decode_config, paged_mqa_logits_triton
 
     lengths = [[max(0, n - 7 * t) for t in range(2)] for n in (0, 1, 63, 64, 65, 4999, 12345)]
     inputs = decode_inputs(fmt, lengths, 2, kernel_device, heads=64, block_size=64, seed=23)
     outs = []
-    for kwargs in (SWEEP_VARIANTS[fmt][variant], {}):
+    for config in (decode_config(shipped), None):
         out = torch.full((14, inputs.max_context_len), POISON, device=kernel_device)
-        paged_mqa_logits_triton(*inputs.args(), True, out, **kwargs)
+        paged_mqa_logits_triton(*inputs.args(), True, out, config=config)
         outs.append(out)
     assert calc_diff(outs[0], run_decode(inputs, "reference", True, 0)) < TIER
-    config = SWEEP_VARIANTS[fmt][variant].get("config", DECODE_CONFIG[fmt])
-    if config[0] == DECODE_CONFIG[fmt][0] and config[7] == DECODE_CONFIG[fmt][7]:
+    if shipped == fmt:
         assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32))
 
 

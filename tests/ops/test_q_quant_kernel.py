@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from dsa_indexer.backend import ENV_VAR, interpreter_enabled
+from dsa_indexer.backend import ENV_VAR
 from dsa_indexer.formats import e2m1_codes, fp8_scales, mxfp4_exponents
 from dsa_indexer.ops.q_quant import rope_quant_q
 from dsa_indexer.ops.q_quant.reference import rope_quant_q_reference
@@ -20,6 +20,8 @@ from dsa_indexer.ops.q_quant.reference import rope_quant_q_reference
 triton = pytest.importorskip("triton", reason="Triton kernel tests need triton (make test installs it)")
 tl = triton.language
 
+from dsa_indexer.ops.common import codecs  # noqa: E402  (needs triton)
+from dsa_indexer.ops.common.runtime import interpreting  # noqa: E402
 from dsa_indexer.ops.q_quant import triton as q_kernels  # noqa: E402  (needs triton)
 
 CONFIGS = [(fmt, style, position) for fmt in ("fp8", "mxfp4") for style in ("neox", "interleaved")
@@ -243,22 +245,22 @@ def _helper_kernel(x_ptr, out_ptr, n, WHICH: tl.constexpr, BLOCK: tl.constexpr, 
     mask = offsets < n
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
     if WHICH == "e4m3":
-        tl.store(out_ptr + offsets, q_kernels.e4m3_bytes(x, INTERPRETER).to(tl.int32), mask=mask)
+        tl.store(out_ptr + offsets, codecs.e4m3_bytes(x, INTERPRETER).to(tl.int32), mask=mask)
     elif WHICH == "bf16":
-        tl.store(out_ptr + offsets, q_kernels.round_to_bf16(x, INTERPRETER).to(tl.int32, bitcast=True), mask=mask)
+        tl.store(out_ptr + offsets, codecs.round_to_bf16(x, INTERPRETER).to(tl.int32, bitcast=True), mask=mask)
     elif WHICH == "fp8_exponent":
-        tl.store(out_ptr + offsets, q_kernels.fp8_scale_exponent(x), mask=mask)
+        tl.store(out_ptr + offsets, codecs.fp8_scale_exponent(x), mask=mask)
     elif WHICH == "mxfp4_exponent":
-        tl.store(out_ptr + offsets, q_kernels.mxfp4_exponents(x), mask=mask)
+        tl.store(out_ptr + offsets, codecs.mxfp4_exponents(x), mask=mask)
     else:
-        tl.store(out_ptr + offsets, q_kernels.e2m1_codes(x, INTERPRETER), mask=mask)
+        tl.store(out_ptr + offsets, codecs.e2m1_codes(x, INTERPRETER), mask=mask)
 
 
 def apply_helper(which: str, x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=torch.int32, device=x.device)
     block = 1024
     _helper_kernel[(triton.cdiv(x.numel(), block),)](x, out, x.numel(), WHICH=which, BLOCK=block,
-                                                     INTERPRETER=interpreter_enabled())
+                                                     INTERPRETER=interpreting())
     return out
 
 

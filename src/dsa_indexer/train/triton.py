@@ -45,8 +45,8 @@ from .._validation import (
     first_true,
     value_checks_enabled,
 )
-from ..backend import interpreter_enabled
-from ..ops.q_quant.triton import round_to_bf16
+from ..ops.common.codecs import round_to_bf16
+from ..ops.common.runtime import interpreting
 
 _LOG2E = 1.4426950408889634
 _ROWS = 128  # rows (token, head) of one tile: the M dimension of the tensor-core products
@@ -552,7 +552,7 @@ def indexer_kl_triton(q, k, weights, attn_q, attn_k, attn_lse, *, softmax_scale:
         tile_start, tickets, dk_sum = cu_k, torch.empty(1, dtype=torch.int32, device=device), gbuf
     ieee_i = q.dtype == torch.float32
     ieee_a = attn_q.dtype == torch.float32
-    upcast = interpreter_enabled()
+    upcast = interpreting()
     common = (q, weights, k, attn_q, attn_k, attn_lse, cu, cu_k, block_seq, block_start, sel,
               lse_i, denom, scale, kl, dq, dw, gbuf, dk_sum, tickets, tile_start,
               q.stride(0), q.stride(1), weights.stride(0), k.stride(0), attn_q.stride(0), attn_q.stride(1),

@@ -25,10 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ...backend import interpreter_enabled
 from ...cache import IndexerKCache
 from ...formats import FP8_MAX
-from ..q_quant.triton import (
+from ..common.codecs import (
     bf16x2_block_amax,
     e4m3_bytes,
     finite_amax,
@@ -41,6 +40,7 @@ from ..q_quant.triton import (
     store_mxfp4_rows,
     store_scale_padding,
 )
+from ..common.runtime import interpreting
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 
@@ -210,7 +210,7 @@ def insert_k_triton(
         BLOCK_SIZE=cache.block_size, HEAD_DIM=cache.head_dim, BLOCK_D=triton.next_power_of_2(cache.head_dim),
         MXFP4=mxfp4, MXFP8=cache.scale_fmt == "mxfp8", UE8M0=scale_fmt == "ue8m0", BLOCK_T=block_tokens,
         BF16X2=mxfp4 and bf16x2 and words_ok,
-        INTERPRETER=interpreter_enabled(),
+        INTERPRETER=interpreting(),
         num_warps=num_warps, enable_fp_fusion=False,
     )
 
