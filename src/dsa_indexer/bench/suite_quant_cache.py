@@ -23,7 +23,7 @@ from . import harness
 
 # Launch variants per format; the first of each list is the wrapper's default (for MXFP4 the encode on bf16 pairs,
 # ``ROPE_MXFP4_BF16X2`` / ``INSERT_MXFP4_BF16X2``), then for MXFP4 the fp32 path (what fp16 / fp32 inputs run) and,
-# for insert, the other launch that measured close (run 6). Variants measured slower in earlier runs
+# for insert, the other launch that measured close (H200). Variants measured slower in earlier runs
 # (benchmarks/NOTES_quant_cache.md) are left out.
 ROPE_VARIANTS = {
     "fp8": [dict(block_heads=64, num_warps=8), dict(block_heads=32, num_warps=4)],

@@ -232,7 +232,7 @@ def store_mxfp4_rows(value_rows, scale_rows, rows_ok, packed, scales, WIDTH: tl.
     bytes in a thread and consecutive threads on consecutive runs: one ``STG.128`` per 16 bytes, every
     32-byte sector written whole by one instruction (the compiler converts the layout through shared memory:
     one ``STS.128`` and one ``LDS.128``). Stored from the block-per-thread layout they are computed in, a
-    warp's 4-byte stores would write 32 sectors partly: 16% slower (run 4).
+    warp's 4-byte stores would write 32 sectors partly: 16% slower on an H200.
     """
     rows: tl.constexpr = packed.shape[0]
     nb: tl.constexpr = packed.shape[1]
@@ -281,7 +281,7 @@ def load_bf16_words(row_words, first_word, rows_ok, WORDS: tl.constexpr, NB: tl.
     Loaded as a ``[ROWS, NB * 16]`` tile, whose coalesced layout puts 4 words in a thread and consecutive
     threads on consecutive words (whole sectors per load); the tiles keep that layout, so a block spans 4
     threads (two shuffles for its amax) and each thread encodes one packed word. (Loaded one block per thread,
-    as ``load_pairs`` does, a warp's 16-byte loads touch 32 rows: 12-15% slower, run 6.)
+    as ``load_pairs`` does, a warp's 16-byte loads touch 32 rows: 12-15% slower on an H200.)
     """
     rows: tl.constexpr = row_words.shape[0]
     word = tl.arange(0, NB * 16)  # [NB * 16]
@@ -389,7 +389,7 @@ def store_mxfp4_words(value_rows, scale_rows, rows_ok, packed, scales, WIDTH: tl
     """``store_mxfp4_rows`` for ``mxfp4_encode_bf16x2``'s ``packed [ROWS, NB, 4]`` words (``value_rows`` 4-byte
     aligned), from the layout they were computed in: from ``load_bf16_words``' tiles, one word per thread and
     consecutive threads on consecutive words, already coalesced (a row-major tile through shared memory was
-    not faster, run 6)."""
+    not faster on an H200)."""
     nb: tl.constexpr = packed.shape[1]
     value_words = value_rows.to(tl.pointer_type(tl.uint32), bitcast=True)
     word = tl.arange(0, nb)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]  # [1, NB, 4]

@@ -2,21 +2,10 @@
 
 Both honour the cache's byte layout (``dsa_indexer.cache``): page ``p`` starts ``p * page_stride`` bytes
 after the buffer's first byte; inside it come ``block_size`` value rows, then ``block_size`` scale rows.
-Quantisation uses the exact helpers of ``ops.q_quant.triton`` (bit-exact with ``dsa_indexer.formats``).
-The cache's block size and head dim are compile-time constants (one compile per cache configuration),
-so slot arithmetic is shifts and multiplies rather than 64-bit division. MXFP4 of bf16 keys (the default
-``bf16x2`` path) loads rows as bf16 pair words in row-major tiles (``load_bf16_words``: whole sectors per
-load), encodes them on packed bf16 instructions and stores each thread's packed word
-(``ops.q_quant.triton.quantize_store_bf16_words``): 91.1 us against 118.6 for the fp32 path on an H200
-(run 6). Other keys (fp16, fp32, strided dims; every key under the interpreter) take the fp32 path: rows
-loaded as ``load_pairs`` tiles (each thread one whole 32-dim block of one row, so the block amax needs no
-shuffles), packed bytes stored through row-major tiles (``store_mxfp4_rows``).
-
-``gather_k`` runs one program per ``BLOCK_ROWS`` destination rows, over the destination's whole row
-capacity; a program whose first row is at or past ``cu_seq_lens[-1]`` does nothing, so the grid needs
-no host read. Each row finds its request by a binary search of ``cu_seq_lens``: the request of row
-``r`` is the largest ``b`` with ``cu[b] <= r``, which skips empty requests, and ``bit_length(B)`` halvings
-of ``[0, B)`` reach it.
+Quantisation uses the encode helpers of ``ops/common/codecs`` (bit-exact with ``dsa_indexer.formats``); MXFP4
+of bf16 keys with unit dim stride encodes on bf16 pairs, other keys on fp32 values. The block size and head dim
+are compile-time constants. ``gather_k`` needs no host read: each row finds its request by a binary search of
+``cu_seq_lens``. Details: ``README.md``.
 """
 
 from __future__ import annotations

@@ -300,11 +300,9 @@ def _build_page_descriptors(cache: IndexerKCache) -> tuple[TensorDescriptor, Ten
 
 
 def gluon_decode_preferred(batch: int, next_n: int, max_context_len: int) -> bool:
-    """Whether the Gluon kernel beats the Triton one for this call (host integers only). Measured (H200,
-    cold-L2 graph replays, NOTES_logits.md run 6 and session 5 round 2): draft rows (``next_n >= 2``) win
-    from B = 1, L = 128K up (1.25-1.37x with cp.async; 1.45x with TMA in the session 5 suite: 14.4 vs
-    21.0 µs); one row wins from B = 32, L = 32K (1M keys, 49.1 vs 51.7 µs) up, loses at B = 1, L = 128K
-    (13.44 with TMA vs 13.25 µs)."""
+    """Whether the Gluon kernel beats the Triton one for this call (host integers only): draft rows
+    (``next_n >= 2``) from ``GLUON_MIN_KEYS_DRAFT_ROWS`` keys (``batch * max_context_len``) up, one row from
+    ``GLUON_MIN_KEYS_ONE_ROW`` up (measurements: README.md)."""
     keys = batch * max_context_len
     return keys >= (GLUON_MIN_KEYS_ONE_ROW if next_n == 1 else GLUON_MIN_KEYS_DRAFT_ROWS)
 

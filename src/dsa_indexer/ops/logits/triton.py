@@ -327,7 +327,9 @@ class DecodeConfig:
 
 # MXFP4 keys: 64-key tiles and five stages (README.md, "Decode configuration").
 MXFP4_DECODE_CONFIG = DecodeConfig(block_k=64, num_stages=5, min_split_tiles=4, max_split_tiles=32)
-DECODE_INTERPRETER_CONFIG = DecodeConfig(block_k=16, num_stages=1, programs_per_sm=2, min_split_tiles=1,
+# The interpreter plans for INTERPRETER_SMS (132) SMs; two tiles a split keep its small test shapes running the
+# multi-tile loop and several splits a request.
+DECODE_INTERPRETER_CONFIG = DecodeConfig(block_k=16, num_stages=1, programs_per_sm=2, min_split_tiles=2,
                                          max_split_tiles=2)
 
 

@@ -31,6 +31,7 @@ interpreter (with numpy 2) cannot turn a run-time bound into a Python ``range``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -40,10 +41,35 @@ import triton.language as tl
 from .reference import as_bits
 
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_TILE_BYTES = 32768
-_PREFIX_BLOCK = 1024
-_MAX_PROGRAMS = 1024
-_MAX_TILE_ROWS = 1024
+_PREFIX_BLOCK = 1024  # lengths summed per step of a program's first prefix
+
+
+@dataclasses.dataclass(frozen=True)
+class SeqCopyConfig:
+    """Launch rule of the copy kernel: tiles of at most ``tile_bytes`` (``BLOCK_R`` grid rows, at most
+    ``max_tile_rows``, x ``BLOCK_W`` words) and at most ``max_programs`` programs along the rows (each then walks
+    several tiles), ``num_warps`` a program."""
+
+    tile_bytes: int = 32768
+    max_programs: int = 1024
+    max_tile_rows: int = 1024
+    num_warps: int = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class SeqCopyLaunch:
+    """One call's launch: tile shape (``block_r`` grid rows x ``block_w`` words), tiles a program walks, and the
+    grid (``row_programs`` x ``width_programs``)."""
+
+    block_r: int
+    block_w: int
+    tiles_per_program: int
+    row_programs: int
+    width_programs: int
+
+
+# The rule the launchers use (the tests swap in small tiles and few programs).
+SEQ_COPY_CONFIG = SeqCopyConfig()
 
 
 @triton.jit
@@ -160,14 +186,16 @@ def _pad_word(pad_value: int | float, dtype: torch.dtype, word_dtype: torch.dtyp
     return int(torch.full((repeats,), pad_value, dtype=dtype).view(word_dtype).item())
 
 
-def _launch_shape(grid_rows: int, width: int, word_bytes: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_R, BLOCK_W, tiles per program, programs along rows, programs along the width)."""
-    block_w = min(triton.next_power_of_2(width), max(1, _TILE_BYTES // word_bytes))
-    block_r = min(triton.next_power_of_2(grid_rows), max(1, _TILE_BYTES // (block_w * word_bytes)), _MAX_TILE_ROWS)
+def seq_copy_launch(grid_rows: int, width: int, word_bytes: int) -> SeqCopyLaunch:
+    """The launch of a copy of ``grid_rows`` rows of ``width`` words of ``word_bytes`` (host integers only)."""
+    config = SEQ_COPY_CONFIG
+    block_w = min(triton.next_power_of_2(width), max(1, config.tile_bytes // word_bytes))
+    block_r = min(triton.next_power_of_2(grid_rows), max(1, config.tile_bytes // (block_w * word_bytes)),
+                  config.max_tile_rows)
     width_programs = triton.cdiv(width, block_w)
     tiles = triton.cdiv(grid_rows, block_r)
-    tiles_per_program = triton.cdiv(tiles, max(1, _MAX_PROGRAMS // width_programs))
-    return block_r, block_w, tiles_per_program, triton.cdiv(tiles, tiles_per_program), width_programs
+    tiles_per_program = triton.cdiv(tiles, max(1, config.max_programs // width_programs))
+    return SeqCopyLaunch(block_r, block_w, tiles_per_program, triton.cdiv(tiles, tiles_per_program), width_programs)
 
 
 def pack_seq_triton(
@@ -191,14 +219,14 @@ def pack_seq_triton(
         src = as_bits(x).reshape(x.shape[0], -1) if x.shape[0] else target[0]
     src, target = _as_words([src, target])
     width = target.shape[-1]
-    block_r, block_w, tiles_per_program, row_programs, width_programs = _launch_shape(
-        num_seqs * max_len, width, target.element_size())
-    _seq_copy_kernel[(row_programs, width_programs)](
+    launch = seq_copy_launch(num_seqs * max_len, width, target.element_size())
+    _seq_copy_kernel[(launch.row_programs, launch.width_programs)](
         src, lengths, target, _pad_word(pad_value, x.dtype, target.dtype),
-        x.shape[0], num_seqs, max_len, width, tiles_per_program,
+        x.shape[0], num_seqs, max_len, width, launch.tiles_per_program,
         src.stride(0), src.stride(1),
         target.stride(0), target.stride(1), target.stride(2),
-        BLOCK_R=block_r, BLOCK_W=block_w, PREFIX_BLOCK=_PREFIX_BLOCK, PACK=True, num_warps=8,
+        BLOCK_R=launch.block_r, BLOCK_W=launch.block_w, PREFIX_BLOCK=_PREFIX_BLOCK, PACK=True,
+        num_warps=SEQ_COPY_CONFIG.num_warps,
     )
     if dst is None:
         as_bits(out).copy_(target.view(as_bits(out).dtype).view(out.shape))
@@ -224,14 +252,14 @@ def unpack_seq_triton(
         src = as_bits(packed).reshape(num_seqs, max_len, -1)
     src, target = _as_words([src, target])
     width = target.shape[-1]
-    block_r, block_w, tiles_per_program, row_programs, width_programs = _launch_shape(
-        num_seqs * max_len, width, target.element_size())
-    _seq_copy_kernel[(row_programs, width_programs)](
+    launch = seq_copy_launch(num_seqs * max_len, width, target.element_size())
+    _seq_copy_kernel[(launch.row_programs, launch.width_programs)](
         target, lengths, src, 0,
-        total, num_seqs, max_len, width, tiles_per_program,
+        total, num_seqs, max_len, width, launch.tiles_per_program,
         target.stride(0), target.stride(1),
         src.stride(0), src.stride(1), src.stride(2),
-        BLOCK_R=block_r, BLOCK_W=block_w, PREFIX_BLOCK=_PREFIX_BLOCK, PACK=False, num_warps=8,
+        BLOCK_R=launch.block_r, BLOCK_W=launch.block_w, PREFIX_BLOCK=_PREFIX_BLOCK, PACK=False,
+        num_warps=SEQ_COPY_CONFIG.num_warps,
     )
     if dst is None:
         as_bits(out).copy_(target.view(as_bits(out).dtype).view(out.shape))

@@ -1,18 +1,10 @@
 """Triton kernel of the sparse logits family: the logits of each row's candidate blocks only.
 
-One kernel serves prefill (gathered keys ``[N, ...]``, row ``i`` reads key ``ks[i] + position``) and
-paged decode (position ``p`` of request ``b`` at token ``p % page`` of page ``block_table[b, p // page]``).
-Programs cover (row, split of ``TILES * BLOCK_K`` sparse columns). A tile of ``BLOCK_K`` columns spans
-``BLOCK_K / block`` candidate blocks: the program loads their ids (and each one's predecessor, the
-padding rule), gathers the keys of the live columns (a candidate block is ``block`` consecutive slots of
-one page, so each block is one contiguous run of key bytes), and scores them with the dense decode
-kernel's tile arithmetic at one draft row (``logits.triton``): one tensor-core dot ``[BLOCK_K, D] x
-[D, H]``, the relu-weighted head sum as a reduction over the head axis of the ``[BLOCK_K, H]`` scores,
-then the key multiplier. MXFP4 keys are expanded in registers exactly as the dense decode kernel does
-(inline PTX on GPUs, Triton operations in the interpreter and on the upcast path: the same bits), and
-MXFP4 queries are the de-interleaved rows ``mxfp4_rows`` writes for the dense kernels. Dead columns
-(padding, outside the row's range) read nothing and store ``-inf``. The output may be fp32 or bf16 (the
-fp32 logit rounded to nearest once, at the store).
+One kernel serves prefill (gathered keys) and paged decode (keys in the cache's pages). Programs cover (row,
+split of ``TILES * BLOCK_K`` sparse columns); a tile gathers the keys of its live candidate blocks and scores
+them with the dense decode kernel's tile arithmetic at one draft row (``ops/logits``: one tensor-core dot, the
+relu-weighted head sum, the key multiplier), MXFP4 expanded by the codecs of ``ops/common/codecs``. Dead
+columns read nothing and store ``-inf``. Details: ``README.md``.
 """
 
 from __future__ import annotations
@@ -58,7 +50,9 @@ class SparseLogitsConfig:
 
 
 MXFP4_SPARSE_CONFIG = SparseLogitsConfig(block_k=64, max_split_tiles=32)
-SPARSE_INTERPRETER_CONFIG = SparseLogitsConfig(block_k=16, num_stages=1, programs_per_sm=2, max_split_tiles=2)
+# Two tiles a split keep the interpreter's small test shapes running the multi-tile loop (it plans for 132 SMs).
+SPARSE_INTERPRETER_CONFIG = SparseLogitsConfig(block_k=16, num_stages=1, programs_per_sm=2, min_split_tiles=2,
+                                               max_split_tiles=2)
 
 
 def sparse_logits_config(fmt: str) -> SparseLogitsConfig:
