@@ -217,7 +217,7 @@ def test_insert_launch_knobs_do_not_change_results(kernel_device, block_tokens, 
 
 
 
-# Both MXFP4 encodes of bf16 keys, explicitly whatever the default (``INSERT_MXFP4_BF16X2``): on bf16 pairs (also
+# Both MXFP4 encodes of bf16 keys, explicitly whatever the default: on bf16 pairs (also
 # with the sweep's other launch, 64 tokens / 4 warps), and the fp32 path that other dtypes and strides take.
 MXFP4_LAYOUTS = {
     "bf16x2": dict(bf16x2=True),

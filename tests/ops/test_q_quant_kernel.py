@@ -190,7 +190,7 @@ def test_launch_knobs_do_not_change_results(kernel_device, fmt, block_heads, num
     assert_same_results(got, rope_quant_q_reference(q, positions, cos_sin, weights, 0.1, 0.3, **options))
 
 
-# Both MXFP4 encodes of a bf16 ``q``, explicitly whatever the default (``ROPE_MXFP4_BF16X2``): on bf16 pairs, and
+# Both MXFP4 encodes of a bf16 ``q``, explicitly whatever the default: on bf16 pairs, and
 # the fp32 path that other dtypes and strides take.
 MXFP4_VARIANTS = {"bf16x2": dict(bf16x2=True), "fp32_path": dict(bf16x2=False)}
 BF16X2_VARIANTS = ["bf16x2"]

@@ -22,7 +22,7 @@ from dsa_indexer.ops.q_quant.triton import rope_quant_q_triton
 from . import harness
 
 # Launch variants per format; the first of each list is the wrapper's default (for MXFP4 the encode on bf16 pairs,
-# ``ROPE_MXFP4_BF16X2`` / ``INSERT_MXFP4_BF16X2``), then for MXFP4 the fp32 path (what fp16 / fp32 inputs run) and,
+# ``bf16x2=True``), then for MXFP4 the fp32 path (what fp16 / fp32 inputs run) and,
 # for insert, the other launch that measured close (H200). Variants measured slower in earlier runs
 # (benchmarks/NOTES_quant_cache.md) are left out.
 ROPE_VARIANTS = {

@@ -33,12 +33,9 @@ from ..common.runtime import interpreting
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 
-# MXFP4 choices the insert wrapper makes unless told: the launch (32 tokens, 2 warps: fastest on an H200), and
-# for bf16 keys (unit dim stride) the encode on bf16 pairs (``quantize_store_bf16_words``) rather than on fp32
-# values.
+# The MXFP4 insert launch unless told (32 tokens, 2 warps: fastest on an H200).
 INSERT_MXFP4_BLOCK_TOKENS = 32
 INSERT_MXFP4_NUM_WARPS = 2
-INSERT_MXFP4_BF16X2 = True
 
 __all__ = ["gather_k_triton", "insert_k_triton"]
 
@@ -170,11 +167,11 @@ def insert_k_triton(
     amax_floor: float,
     block_tokens: int | None = None,
     num_warps: int | None = None,
-    bf16x2: bool | None = None,
+    bf16x2: bool = True,
 ) -> None:
     """Triton twin of ``insert_k_reference``; ``block_tokens`` (a power of two) and ``num_warps`` tune the launch
     (defaults: 32 tokens, 4 warps for FP8; ``INSERT_MXFP4_BLOCK_TOKENS`` / ``_NUM_WARPS`` for MXFP4). ``bf16x2``
-    (MXFP4 only; default ``INSERT_MXFP4_BF16X2``; results identical) encodes on bf16 pairs; it applies to bf16
+    (MXFP4 only; results identical; False forces the fp32 path, for tests and benchmarks) encodes on bf16 pairs; it applies to bf16
     ``k`` with unit dim stride, even row stride, 4-byte aligned, and a cache whose buffer and page stride are
     4-byte aligned (other ``k`` take the fp32 path).
 
@@ -188,8 +185,6 @@ def insert_k_triton(
         block_tokens = INSERT_MXFP4_BLOCK_TOKENS if mxfp4 else 32
     if num_warps is None:
         num_warps = INSERT_MXFP4_NUM_WARPS if mxfp4 else 4
-    if bf16x2 is None:
-        bf16x2 = INSERT_MXFP4_BF16X2
     words_ok = (k.dtype == torch.bfloat16 and k.stride(1) == 1 and k.stride(0) % 2 == 0 and k.data_ptr() % 4 == 0
                 and cache.buffer.data_ptr() % 4 == 0 and cache.page_stride % 4 == 0)  # 4-byte loads and stores
     _insert_k_kernel[(triton.cdiv(num_tokens, block_tokens),)](

@@ -37,10 +37,6 @@ from .reference import rope_quant_q_reference
 _MXFP4_BLOCK = tl.constexpr(MXFP4_BLOCK)
 _Q_AMAX_FLOOR = tl.constexpr(Q_AMAX_FLOOR)
 
-# MXFP4 of bf16 ``q`` (unit dim stride) unless told otherwise: encode on bf16 pairs (``quantize_store_bf16_words``)
-# rather than on fp32 values (94.8 against 123.4 us on an H200, README.md).
-ROPE_MXFP4_BF16X2 = True
-
 __all__ = ["rope_quant_q_triton"]
 
 
@@ -259,15 +255,15 @@ def rope_quant_q_triton(
     fmt: str,
     block_heads: int | None = None,
     num_warps: int | None = None,
-    bf16x2: bool | None = None,
+    bf16x2: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Triton twin of ``rope_quant_q_reference`` (same arguments and results, bit for bit).
 
     MXFP4 with a rope dim that ``mxfp4_kernel_supports`` refuses (not a multiple of 64 for NeoX, of 32
     for interleaved; no DeepSeek model has one) runs the reference instead, with the same results.
     ``block_heads`` (a power of two; default all heads, at most 64) and ``num_warps`` (default 8 for FP8,
-    4 for MXFP4: the fastest measured on an H200) tune the launch. ``bf16x2`` (MXFP4 only; default
-    ``ROPE_MXFP4_BF16X2``; results identical) encodes on bf16 pairs; it applies to bf16 ``q`` with unit dim
+    4 for MXFP4: the fastest measured on an H200) tune the launch. ``bf16x2`` (MXFP4 only; results
+    identical; False forces the fp32 path, for tests and benchmarks) encodes on bf16 pairs; it applies to bf16 ``q`` with unit dim
     stride, even token and head strides, 4-byte aligned (other ``q`` take the fp32 path).
     No host synchronisation.
     """
@@ -294,8 +290,6 @@ def rope_quant_q_triton(
     if num_warps is None:
         num_warps = 4 if mxfp4 else 8
     first = rope_position == "first"
-    if bf16x2 is None:
-        bf16x2 = ROPE_MXFP4_BF16X2
     words_ok = (q.dtype == torch.bfloat16 and q.stride(2) == 1 and q.stride(0) % 2 == 0 and q.stride(1) % 2 == 0
                 and q.data_ptr() % 4 == 0)
     grid = (num_tokens, triton.cdiv(num_heads, block_heads))
