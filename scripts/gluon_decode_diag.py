@@ -20,7 +20,7 @@ sets of pages, queries and outputs larger than three L2s (``harness.rotating_gra
 configs part takes it with ``--flush rotating``). ``bits``: bitwise equal to ``auto`` at the same shape.
 
   OUT=/tmp/diag python scripts/gluon_decode_diag.py --part configs --table
-  OUT=/tmp/diag python scripts/gluon_decode_diag.py --part configs --large --next-n 2 --variants auto cta3 cta3-tma
+  OUT=/tmp/diag python scripts/gluon_decode_diag.py --part configs --large --next-n 2 --variants auto cta3 cta3-copies
 """
 
 import argparse

@@ -1,32 +1,10 @@
-"""Triton kernels of ``pack_seq`` / ``unpack_seq`` (twins of ``reference.py``).
+"""Triton kernels of ``pack_seq`` / ``unpack_seq`` (twins of ``reference.py``): byte copies.
 
-Both ops are byte copies. The payload's trailing dims are flattened into one row of ``width``
-elements, and the rows are moved as same-width integers, widened to 2-, 4- or 8-byte words when the
-row bytes, every stride and the storage offsets allow it (an fp8 row of 8192 bytes moves as 1024
-int64 words, so each thread issues 16-byte accesses). A pad value is replicated into a word the same
-way, so the bytes written are exactly those of the reference.
-
-Work decomposition. The padded grid ``[B, L]`` is flattened to ``B * L`` rows ``o = b * L + t``.
-A program owns ``tiles_per_program`` consecutive tiles of ``BLOCK_R`` grid rows (and one chunk of
-``BLOCK_W`` words of each row, the second grid axis). Sequence ``b`` starts at row
-``start[b] = sum(lengths[:b])`` of the ragged side. A program sums ``lengths[:b0]`` for the first
-sequence ``b0`` of its first tile once, then keeps that running prefix while it walks its tiles: a
-tile spans at most ``BLOCK_R`` sequences (``L >= 1``), so the starts of its sequences are the prefix
-plus an exclusive cumulative sum over ``BLOCK_R`` lengths, and moving to the next tile adds the
-lengths of the sequences left behind. The lengths are read on the device only: no host
-synchronisation, CUDA-graph capturable.
-
-One kernel (``_seq_copy_kernel``, direction a compile-time flag) does both:
-
-- pack: grid row ``(b, t)`` takes ragged row ``start[b] + t`` when ``t < lengths[b]`` and that row
-  lies in ``[0, N)``, else the pad word (the reference's rule, so invalid lengths never read outside
-  ``x``). Every grid row is written.
-- unpack: grid row ``(b, t)`` with ``t < lengths[b]`` goes to ragged row ``start[b] + t`` when that
-  row lies in ``[0, total)``; nothing else is read or written.
-
-Payloads whose trailing dims cannot be viewed as one row (or an ``out`` that cannot) go through a
-contiguous copy. Loops whose trip count is a run-time value are ``while`` loops: Triton's CPU
-interpreter (with numpy 2) cannot turn a run-time bound into a Python ``range``.
+The payload's trailing dims are flattened into one row of ``width`` elements, moved as same-width integers
+(widened to 2-, 4- or 8-byte words where the row bytes, strides and offsets allow; a pad value is replicated
+into a word the same way). One kernel (``_seq_copy_kernel``, the direction a compile-time flag) walks the
+padded grid ``[B, L]`` as ``B * L`` rows in tiles; each program keeps a running prefix sum of the lengths, read
+on the device only: no host synchronisation, CUDA-graph capturable. Details: ``README.md``.
 """
 
 from __future__ import annotations
