@@ -63,6 +63,8 @@ SWEEP_VARIANTS = {
         "stages9": {"config": dataclasses.replace(_MXFP4, num_stages=9)},
     },
 }
+
+
 def _baseline_kernel():
     try:
         from dsa_indexer.ops.logits import _baseline

@@ -36,8 +36,6 @@ _E2M1_TO_SUBNORMAL = tl.constexpr(2.0**-126)
 _LOW_NIBBLE = tl.constexpr(2**10 + 2**4)  # umulhi: (b >> 22) + (b >> 28)
 _HIGH_NIBBLE = tl.constexpr(2**14 + 2**8)  # umulhi: (b >> 18) + (b >> 24)
 
-# Encode.
-
 
 @triton.jit
 def round_to_bf16(x, INTERPRETER: tl.constexpr):
@@ -243,6 +241,7 @@ def store_mxfp4_rows(value_rows, scale_rows, rows_ok, packed, scales, WIDTH: tl.
     tl.store(scale_rows[:, None] + block[None, :], scales,
              mask=rows_ok[:, None] & (block < WIDTH // _MXFP4_BLOCK)[None, :])
 
+
 # Packed bf16x2 encode of four words (eight bf16 values) into four MXFP4 bytes; see ``mxfp4_encode_bf16x2``.
 # Inputs ``$1..$4`` the words, ``$5`` the scale ``2**-e`` in both halves; output ``$0``. ``{clamp}``: nothing, or
 # (saturating variant) ``v = copysign(min(max(|v|, 0), 6), v)``, which sends inf to 6 and NaN to ±0.
@@ -431,9 +430,6 @@ def round_pair_to_bf16(x0, x1):
         "=r,=r,f,f", [x0, x1], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
 
 
-# Decode.
-
-
 @triton.jit
 def e4m3_bits_to_fp16(x):
     """uint8 e4m3 bit patterns -> fp16 values (exact; ``0x7F``/``0xFF`` -> NaN)."""
@@ -578,7 +574,6 @@ def _mxfp4_rows_kernel(
     tl.store(out_rows, even, mask=half_ok)
     tl.store(out_rows + DIM // 2, odd, mask=half_ok)
     tl.store(mul_ptr + rows, row_mul, mask=row_ok)
-
 
 
 @triton.jit

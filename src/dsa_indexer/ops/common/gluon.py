@@ -257,7 +257,6 @@ def store_tail(out_row0, out_row1, present0, present1, split_start, split_end, r
             gl.store(out_row1 + positions, masked, mask=(positions < split_end) & present1)
 
 
-
 # Per cache object: (the buffer's address, shape and page stride, its descriptors by builder). The
 # descriptors reference the buffer, not the cache, so an entry goes when its cache does.
 _PAGE_DESCRIPTORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

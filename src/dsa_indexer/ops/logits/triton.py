@@ -284,8 +284,6 @@ def _paged_mqa_logits_kernel(
             first += BLOCK_K
 
 
-
-
 @dataclasses.dataclass(frozen=True)
 class PrefillConfig:
     """Launch of the prefill kernel: ``[block_q, block_k]`` tiles. The register cap lets three programs share an
@@ -338,6 +336,7 @@ def decode_config(fmt: str) -> DecodeConfig:
     if interpreting():
         return DECODE_INTERPRETER_CONFIG
     return MXFP4_DECODE_CONFIG if fmt == "mxfp4" else DecodeConfig()
+
 
 def _round_bf16(out: torch.Tensor) -> bool:
     """Whether the kernel rounds bf16 logits itself (the interpreter only; see ``_output``)."""

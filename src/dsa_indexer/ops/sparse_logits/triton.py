@@ -34,7 +34,6 @@ from ..common.splits import split_tiles
 __all__ = ["sparse_mqa_logits_triton", "sparse_paged_mqa_logits_triton"]
 
 
-
 @dataclasses.dataclass(frozen=True)
 class SparseLogitsConfig:
     """Launch of the sparse logits kernel (defaults: FP8 keys on GPUs): ``block_k`` columns a tile,
