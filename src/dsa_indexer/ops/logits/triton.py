@@ -297,7 +297,7 @@ class PrefillConfig:
     maxnreg: int | None = 168
 
 
-# Small tiles for Triton's CPU interpreter (its cost grows with the tile, not with the grid).
+# Small tiles for Triton's CPU interpreter, which runs the tests' tiny shapes.
 PREFILL_INTERPRETER_CONFIG = PrefillConfig(block_q=16, block_k=32, num_stages=1, maxnreg=None)
 
 
@@ -323,7 +323,7 @@ class DecodeConfig:
     max_rows: int = 4
 
 
-# MXFP4 keys: 64-key tiles and five stages (README.md, "Decode configuration").
+# MXFP4 keys: 64-key tiles and five stages (README.md, "Triton decode schedule").
 MXFP4_DECODE_CONFIG = DecodeConfig(block_k=64, num_stages=5, min_split_tiles=4, max_split_tiles=32)
 # The interpreter plans for INTERPRETER_SMS (132) SMs; two tiles a split keep its small test shapes running the
 # multi-tile loop and several splits a request.
