@@ -461,22 +461,21 @@ def test_decode_mxfp4_ptx_expansion_matches_triton_expansion_gpu(kernel_device, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("shipped", ["fp8", "mxfp4"])
-def test_decode_kernel_shipped_configs_gpu(kernel_device, fmt, shipped):
-    """Each shipped decode launch (``decode_config`` of either key format) matches the reference on keys of
-    either format, and the one the call picks gives the default call's bits."""
+@pytest.mark.parametrize("next_n", [1, 2, 5])
+def test_decode_kernel_shipped_config_gpu(kernel_device, fmt, next_n):
+    """The shipped decode launch of each key format (``decode_config``), passed explicitly, matches the reference
+    and gives the default call's bits (one and several row groups a request)."""
     from dsa_indexer.ops.logits.triton import decode_config, paged_mqa_logits_triton
 
-    lengths = [[max(0, n - 7 * t) for t in range(2)] for n in (0, 1, 63, 64, 65, 4999, 12345)]
-    inputs = decode_inputs(fmt, lengths, 2, kernel_device, heads=64, block_size=64, seed=23)
+    lengths = [[max(0, n - 7 * t) for t in range(next_n)] for n in (0, 1, 63, 64, 65, 4999, 12345)]
+    inputs = decode_inputs(fmt, lengths, next_n, kernel_device, heads=64, block_size=64, seed=23)
     outs = []
-    for config in (decode_config(shipped), None):
-        out = torch.full((14, inputs.max_context_len), POISON, device=kernel_device)
+    for config in (decode_config(fmt), None):
+        out = torch.full((7 * next_n, inputs.max_context_len), POISON, device=kernel_device)
         paged_mqa_logits_triton(*inputs.args(), True, out, config=config)
         outs.append(out)
     assert calc_diff(outs[0], run_decode(inputs, "reference", True, 0)) < TIER
-    if shipped == fmt:
-        assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32))
+    assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32))
 
 
 @pytest.mark.gpu
