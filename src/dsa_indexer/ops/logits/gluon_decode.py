@@ -17,7 +17,6 @@ import functools
 import types
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -47,7 +46,7 @@ from ..common.gluon import (
     wave_fills,
     work_item,
 )
-from ..common.runtime import sm_count
+from ..common.runtime import next_pow2, sm_count
 
 __all__ = ["paged_mqa_logits_gluon", "gluon_decode_preferred", "gluon_decode_config", "GLUON_DECODE_CONFIG"]
 
@@ -261,7 +260,7 @@ def kernel_constants(heads: int, dim: int, block_size: int, rows: int, clean: bo
         raise ValueError(f"the Gluon decode kernel takes at most 128 heads, got {heads}")
     lanes_per_row = dim // 16
     return types.MappingProxyType(dict(
-        HEADS=heads, BLOCK_H=max(16, triton.next_power_of_2(heads)), DIM=dim, BLOCK_SIZE=block_size, ROWS=rows,
+        HEADS=heads, BLOCK_H=next_pow2(heads, 16), DIM=dim, BLOCK_SIZE=block_size, ROWS=rows,
         NUM_STAGES=num_stages, QUERY_SLOTS=query_slots, CLEAN=clean, PRODUCER_WARPS=producer_warps,
         PRODUCER_REGS=producer_regs, COPY_ALIGN=copy_align,
         KEY_SMEM_LAYOUT=gl.NVMMASharedLayout(swizzle_byte_width=min(128, dim), element_bitwidth=8, rank=2),

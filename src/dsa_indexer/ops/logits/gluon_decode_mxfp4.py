@@ -18,7 +18,6 @@ import functools
 import types
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -47,7 +46,7 @@ from ..common.gluon import (
     wave_fills,
     work_item,
 )
-from ..common.runtime import sm_count
+from ..common.runtime import next_pow2, sm_count
 
 __all__ = ["paged_mqa_logits_gluon_mxfp4", "gluon_mxfp4_decode_preferred", "gluon_mxfp4_decode_config",
            "GLUON_MXFP4_DECODE_CONFIG"]
@@ -248,7 +247,7 @@ def kernel_constants(heads: int, block_size: int, rows: int, clean: bool, copy_a
         raise ValueError(f"the Gluon MXFP4 decode kernel takes at most 128 heads, got {heads}")
     lanes_per_row = (DIM.value // 2) // copy_align  # copy_align bytes a thread, a packed row is D/2 bytes
     return types.MappingProxyType(dict(
-        HEADS=heads, BLOCK_H=max(16, triton.next_power_of_2(heads)), BLOCK_SIZE=block_size, ROWS=rows,
+        HEADS=heads, BLOCK_H=next_pow2(heads, 16), BLOCK_SIZE=block_size, ROWS=rows,
         NUM_STAGES=num_stages, CLEAN=clean, TMA_PAGES=int(tma_pages), PRODUCER_WARPS=producer_warps,
         PRODUCER_REGS=producer_regs, COPY_ALIGN=copy_align,
         QUERY_SMEM_LAYOUT=gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2),
