@@ -8,6 +8,7 @@ reference itself produces differently on CPU and GPU).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -185,14 +186,15 @@ def test_edge_values(kernel_device, fmt, rope_style, rope_position, q_dtype):
 def test_launch_knobs_do_not_change_results(kernel_device, fmt, block_heads, num_warps):
     q, positions, cos_sin, weights = make_inputs(3, 11, 128, 64, device=kernel_device, seed=8)
     options = dict(rope_style="neox", rope_position="first", fmt=fmt)
-    got = q_kernels.rope_quant_q_triton(q, positions, cos_sin, weights, 0.1, 0.3, block_heads=block_heads,
-                                        num_warps=num_warps, **options)
+    config = q_kernels.RopeQuantConfig(block_heads=block_heads, num_warps=num_warps)
+    got = q_kernels.rope_quant_q_triton(q, positions, cos_sin, weights, 0.1, 0.3, config=config, **options)
     assert_same_results(got, rope_quant_q_reference(q, positions, cos_sin, weights, 0.1, 0.3, **options))
 
 
 # Both MXFP4 encodes of a bf16 ``q``, explicitly whatever the default: on bf16 pairs, and
 # the fp32 path that other dtypes and strides take.
-MXFP4_VARIANTS = {"bf16x2": dict(bf16x2=True), "fp32_path": dict(bf16x2=False)}
+MXFP4_VARIANTS = {"bf16x2": dict(config=q_kernels.MXFP4_ROPE_QUANT_CONFIG),
+                  "fp32_path": dict(config=replace(q_kernels.MXFP4_ROPE_QUANT_CONFIG, bf16x2=False))}
 BF16X2_VARIANTS = ["bf16x2"]
 ROPE_LAYOUTS = [(style, position) for style in ("neox", "interleaved") for position in ("first", "trailing")]
 
@@ -235,8 +237,6 @@ def test_no_tokens(kernel_device, fmt):
     q, positions, cos_sin, weights = make_inputs(0, 4, 128, 64, device=kernel_device, seed=0)
     got = run_both(q, positions, cos_sin, weights, rope_style="neox", rope_position="first", fmt=fmt)
     assert got[0].shape[0] == 0
-
-
 
 
 @triton.jit
@@ -336,8 +336,6 @@ def test_e2m1_codes_match_formats(kernel_device):
                    torch.tensor([-0.0, NAN, -NAN, INF, -INF, 1e-45, -1e-45])))
     got = apply_helper("e2m1", x.to(kernel_device)).cpu()
     assert torch.equal(got, e2m1_codes(x).to(torch.int32))
-
-
 
 
 @pytest.mark.gpu

@@ -9,6 +9,8 @@ inputs take the fp32 path (``load_pairs``, ``mxfp4_pack_pairs``). Derivations: `
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -37,7 +39,28 @@ from .reference import rope_quant_q_reference
 _MXFP4_BLOCK = tl.constexpr(MXFP4_BLOCK)
 _Q_AMAX_FLOOR = tl.constexpr(Q_AMAX_FLOOR)
 
-__all__ = ["rope_quant_q_triton"]
+
+@dataclasses.dataclass(frozen=True)
+class RopeQuantConfig:
+    """Launch of the RoPE + quantisation kernel (defaults: FP8). ``block_heads``: heads a program, a power of
+    two (None: all heads, at most 64). ``bf16x2`` (MXFP4): a bf16 ``q`` whose layout allows it is encoded on
+    bf16 pairs; False runs the fp32 path (tests, benchmarks); the results are the same."""
+
+    block_heads: int | None = None
+    num_warps: int = 8
+    bf16x2: bool = True
+
+
+# MXFP4: 4 warps, the fastest measured on an H200.
+MXFP4_ROPE_QUANT_CONFIG = RopeQuantConfig(num_warps=4)
+
+
+def rope_quant_config(fmt: str) -> RopeQuantConfig:
+    """The launch the wrapper uses for ``fmt`` (``"fp8"`` or ``"mxfp4"``)."""
+    return MXFP4_ROPE_QUANT_CONFIG if fmt == "mxfp4" else RopeQuantConfig()
+
+
+__all__ = ["rope_quant_q_triton", "RopeQuantConfig", "rope_quant_config"]
 
 
 @triton.jit
@@ -253,18 +276,14 @@ def rope_quant_q_triton(
     rope_style: str,
     rope_position: str,
     fmt: str,
-    block_heads: int | None = None,
-    num_warps: int | None = None,
-    bf16x2: bool = True,
+    config: RopeQuantConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Triton twin of ``rope_quant_q_reference`` (same arguments and results, bit for bit).
 
     MXFP4 with a rope dim that ``mxfp4_kernel_supports`` refuses (not a multiple of 64 for NeoX, of 32
     for interleaved; no DeepSeek model has one) runs the reference instead, with the same results.
-    ``block_heads`` (a power of two; default all heads, at most 64) and ``num_warps`` (default 8 for FP8,
-    4 for MXFP4: the fastest measured on an H200) tune the launch. ``bf16x2`` (MXFP4 only; results
-    identical; False forces the fp32 path, for tests and benchmarks) encodes on bf16 pairs; it applies to bf16 ``q`` with unit dim
-    stride, even token and head strides, 4-byte aligned (other ``q`` take the fp32 path).
+    ``config`` overrides ``rope_quant_config(fmt)`` (tests, benchmarks). The bf16-pair encode applies to bf16
+    ``q`` with unit dim stride, even token and head strides, 4-byte aligned (other ``q`` take the fp32 path).
     No host synchronisation.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -285,10 +304,8 @@ def rope_quant_q_triton(
         scales = None
     if num_tokens == 0 or num_heads == 0:
         return values, scales, weights_out
-    if block_heads is None:
-        block_heads = min(64, triton.next_power_of_2(num_heads))
-    if num_warps is None:
-        num_warps = 4 if mxfp4 else 8
+    config = config or rope_quant_config(fmt)
+    block_heads = config.block_heads or min(64, triton.next_power_of_2(num_heads))
     first = rope_position == "first"
     words_ok = (q.dtype == torch.bfloat16 and q.stride(2) == 1 and q.stride(0) % 2 == 0 and q.stride(1) % 2 == 0
                 and q.data_ptr() % 4 == 0)
@@ -304,8 +321,8 @@ def rope_quant_q_triton(
         INTERLEAVED=rope_style == "interleaved", HALF_BLOCK=triton.next_power_of_2(rope_dim // 2),
         PASS_START=rope_dim if first else 0, PASS_BLOCK=triton.next_power_of_2(max(head_dim - rope_dim, 1)),
         MXFP4=mxfp4, BLOCK_H=block_heads,
-        BF16X2=mxfp4 and bf16x2 and words_ok,
+        BF16X2=mxfp4 and config.bf16x2 and words_ok,
         INTERPRETER=interpreting(),
-        num_warps=num_warps, enable_fp_fusion=False,
+        num_warps=config.num_warps, enable_fp_fusion=False,
     )
     return values, scales, weights_out
