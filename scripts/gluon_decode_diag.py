@@ -20,21 +20,44 @@ sets of pages, queries and outputs larger than three L2s (``harness.rotating_gra
 configs part takes it with ``--flush rotating``). ``bits``: bitwise equal to ``auto`` at the same shape.
 
   OUT=/tmp/diag python scripts/gluon_decode_diag.py --part configs --table
-  OUT=/tmp/diag python scripts/gluon_decode_diag.py --part configs --large --next-n 2 --variants auto cta3 cta3-tma
+  OUT=/tmp/diag python scripts/gluon_decode_diag.py --part configs --large --next-n 2 --variants auto cta3 cta3-copies
 """
 
 import argparse
+import dataclasses
 import json
 import os
 
 import torch
 
-from dsa_indexer.backend import multiprocessor_count
 from dsa_indexer.bench import harness
 from dsa_indexer.bench.suite_logits import _decode_case, _decode_pool, _rotation, decode_floor
 from dsa_indexer.ops import logits as logits_ops
+from dsa_indexer.ops.common.gluon import cp_async_fallback
+from dsa_indexer.ops.common.runtime import sm_count
 from dsa_indexer.ops.logits import gluon_decode
-from dsa_indexer.ops.logits.gluon_decode import GLUON_SWEEP_CONFIGS, paged_mqa_logits_gluon
+from dsa_indexer.ops.logits.gluon_decode import paged_mqa_logits_gluon
+
+_LARGE, _SMALL = gluon_decode.GLUON_DECODE_CONFIG, gluon_decode.GLUON_DECODE_CONFIG_SMALL
+# The configurations compared with the library's choice: the shipped ones, their cp.async forms and the steps
+# from an earlier small-shape default to the shipped one (the variants that lost are in NOTES_logits.md).
+GLUON_SWEEP_CONFIGS = {
+    "cta3": _LARGE,
+    "persist4-one-row": gluon_decode.GLUON_DECODE_CONFIG_ONE_ROW,
+    "persist2-coarse-early": _SMALL,
+    "cta3-copies": dataclasses.replace(cp_async_fallback(_LARGE), producer_regs=32),
+    "persist4-one-row-copies": cp_async_fallback(gluon_decode.GLUON_DECODE_CONFIG_ONE_ROW),
+    # 8 items per SM aimed at, the first table entry after the lengths.
+    "persist2": dataclasses.replace(cp_async_fallback(_SMALL), programs_per_sm=8, producer_regs=40,
+                                    early_table=False),
+    # The first table entry beside the lengths: one cold read less in the chain before the first keys.
+    "persist2-early": dataclasses.replace(cp_async_fallback(_SMALL), programs_per_sm=8, producer_regs=40),
+    # Twice the tiles a split (4 items per SM aimed at): half the items, so half the per-item query copies.
+    "persist2-coarse-early-copies": dataclasses.replace(cp_async_fallback(_SMALL), producer_regs=40),
+    "wave3-early": gluon_decode.GLUON_DECODE_CONFIG_WAVE,
+    # The one-wave default without the early table entry.
+    "wave3": dataclasses.replace(gluon_decode.GLUON_DECODE_CONFIG_WAVE, early_table=False),
+}
 
 K = 1024
 POOL_KEYS = 128 * 128 * K  # the suite's pool: its largest case (B = 128, L = 128K)
@@ -56,10 +79,10 @@ FLUSH_CASES = [
 
 def applies(name, next_n, any_rows=False):
     """Whether variant ``name`` is timed at ``next_n``: a sweep configuration at the row count it is built for
-    (field 4: draft rows per program at most), or at every row count with ``any_rows``."""
+    (one draft row per program or more), or at every row count with ``any_rows``."""
     if name not in GLUON_SWEEP_CONFIGS or any_rows:
         return True
-    return (GLUON_SWEEP_CONFIGS[name][4] == 1) == (next_n == 1)
+    return (GLUON_SWEEP_CONFIGS[name].max_rows == 1) == (next_n == 1)
 
 
 def config_cases(large, variants=None, only_next_n=None, only_shapes=None, flush="dirty", any_rows=False):
@@ -154,12 +177,12 @@ def run_part(part, cases, out_dir):
                     print(f"{name} B={batch} L={length} n={next_n}: {type(error).__name__}: {error}"[:300], flush=True)
                     continue
                 if name in GLUON_SWEEP_CONFIGS:
-                    config = list(GLUON_SWEEP_CONFIGS[name])
+                    config = dataclasses.asdict(GLUON_SWEEP_CONFIGS[name])
                 elif name.startswith("auto"):
                     kernel = logits_ops.decode_kernel(args[0], cache, length)
                     config = (kernel if kernel == "triton"
-                              else list(gluon_decode.gluon_decode_config(
-                                  batch, next_n, length, multiprocessor_count(args[0].device))))
+                              else dataclasses.asdict(gluon_decode.gluon_decode_config(
+                                  batch, next_n, length, sm_count(args[0].device))))
                 else:
                     config = None
                 floor_us = decode_floor("fp8", batch, length, next_n, ceilings)["floor_us"]

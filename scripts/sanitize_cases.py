@@ -135,13 +135,12 @@ def _unchecked_decode_ok(fmt: str, gen: torch.Generator) -> bool:
     valid = expected != float("-inf")
     outputs = [paged_mqa_logits_triton(*args, True, torch.full_like(expected, 7.0))]
     if torch.cuda.get_device_capability()[0] == 9:
-        gluon, configs = ((gluon_decode.paged_mqa_logits_gluon, (gluon_decode.GLUON_DECODE_CONFIG,
-                                                                  gluon_decode.GLUON_SWEEP_CONFIGS["cta3-copies"]))
-                          if fmt == "fp8" else
-                          (gluon_decode_mxfp4.paged_mqa_logits_gluon_mxfp4,
-                           (gluon_decode_mxfp4.GLUON_MXFP4_DECODE_CONFIG,
-                            gluon_decode_mxfp4.GLUON_MXFP4_DECODE_CONFIG[:5] + (4,)
-                            + gluon_decode_mxfp4.GLUON_MXFP4_DECODE_CONFIG[6:8] + (0,))))
+        from dsa_indexer.ops.common.gluon import cp_async_fallback
+
+        gluon, config = ((gluon_decode.paged_mqa_logits_gluon, gluon_decode.GLUON_DECODE_CONFIG) if fmt == "fp8"
+                         else (gluon_decode_mxfp4.paged_mqa_logits_gluon_mxfp4,
+                               gluon_decode_mxfp4.GLUON_MXFP4_DECODE_CONFIG))
+        configs = (config, cp_async_fallback(config))
         outputs += [gluon(*args, True, torch.full_like(expected, 7.0), config=config) for config in configs]
     return all(calc_diff(out[valid], expected[valid]) < REFERENCE_BOUND
                and bool((out[~valid] == float("-inf")).all()) for out in outputs)

@@ -9,6 +9,8 @@ CPU interpreter (``TRITON_INTERPRET=1``).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -210,19 +212,17 @@ def test_insert_launch_knobs_do_not_change_results(kernel_device, block_tokens, 
         slots = random_slots(poisoned, 29, seed=12).to(kernel_device)
         k = random_k(29, seed=13).to(kernel_device)
         k_kernels.insert_k_triton(k, poisoned.cache, slots, scale_fmt="ue8m0", amax_floor=1e-4,
-                                  block_tokens=block_tokens, num_warps=num_warps)
+                                  config=k_kernels.InsertConfig(block_tokens=block_tokens, num_warps=num_warps))
         insert_k(k, twin.cache, slots, backend="reference")
         assert torch.equal(poisoned.storage, twin.storage)
 
 
-
-
-# Both MXFP4 encodes of bf16 keys, explicitly whatever the default (``INSERT_MXFP4_BF16X2``): on bf16 pairs (also
+# Both MXFP4 encodes of bf16 keys, explicitly whatever the default: on bf16 pairs (also
 # with the sweep's other launch, 64 tokens / 4 warps), and the fp32 path that other dtypes and strides take.
 MXFP4_LAYOUTS = {
-    "bf16x2": dict(bf16x2=True),
-    "bf16x2_64_tokens_4_warps": dict(bf16x2=True, block_tokens=64, num_warps=4),
-    "fp32_path": dict(bf16x2=False),
+    "bf16x2": dict(config=k_kernels.MXFP4_INSERT_CONFIG),
+    "bf16x2_64_tokens_4_warps": dict(config=k_kernels.InsertConfig(block_tokens=64, num_warps=4)),
+    "fp32_path": dict(config=replace(k_kernels.MXFP4_INSERT_CONFIG, bf16x2=False)),
 }
 BF16X2_LAYOUTS = [name for name in MXFP4_LAYOUTS if name.startswith("bf16x2")]
 
@@ -404,7 +404,8 @@ def test_gather_launch_knobs_do_not_change_results(kernel_device, block_rows, nu
         poisoned = random_filled_cache(30, 16, fmt, device=kernel_device, seed=5)
         table, cu = (t.to(kernel_device) for t in gather_tables(lengths, 16, 30, seed=6))
         got = poisoned_outputs(poisoned.cache, sum(lengths) + 3, kernel_device)
-        k_kernels.gather_k_triton(poisoned.cache, table, cu, *got, block_rows=block_rows, num_warps=num_warps)
+        k_kernels.gather_k_triton(poisoned.cache, table, cu, *got,
+                                  config=k_kernels.GatherConfig(block_rows=block_rows, num_warps=num_warps))
         expected = gather_k(poisoned.cache, table, cu, out=poisoned_outputs(poisoned.cache, sum(lengths) + 3,
                                                                              kernel_device), backend="reference")
         assert_same_bytes(got, expected)
@@ -421,8 +422,6 @@ def test_public_cache_methods_use_the_kernels(kernel_device):
     table, cu = (t.to(kernel_device) for t in gather_tables([20, 0, 31], 16, 4, seed=9))
     assert_same_bytes(poisoned.cache.gather(table, cu, backend="triton"),
                       twin.cache.gather(table, cu, backend="reference"))
-
-
 
 
 @pytest.mark.gpu

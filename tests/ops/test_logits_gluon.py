@@ -11,6 +11,8 @@ dispatch rule's tests run everywhere.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from test_logits_kernel import (
@@ -24,18 +26,26 @@ from test_logits_kernel import (
     run_decode,
 )
 
-from dsa_indexer import backend
+from dsa_indexer.ops.common.runtime import interpreting
 from dsa_indexer.ops.logits import _gluon_available
 from dsa_indexer.testing import calc_diff
 
 if _gluon_available():
+    from dsa_indexer.ops.common.gluon import cp_async_fallback, wave_fills
+    from dsa_indexer.ops.common.splits import wave_split
     from dsa_indexer.ops.logits import gluon_decode, gluon_decode_mxfp4
-    from dsa_indexer.ops.logits.gluon_decode import GLUON_SWEEP_CONFIGS
+
+    # The shipped launches (``gluon_decode_config``), their cp.async forms (what caches TMA cannot take run) and
+    # one persistent program per SM (many work items, empty ones too, through one ring and its query slots).
+    SHIPPED = {"large": gluon_decode.GLUON_DECODE_CONFIG, "small": gluon_decode.GLUON_DECODE_CONFIG_SMALL,
+               "wave": gluon_decode.GLUON_DECODE_CONFIG_WAVE, "one-row": gluon_decode.GLUON_DECODE_CONFIG_ONE_ROW}
+    CONFIGS = {**SHIPPED, **{f"{name}-copies": cp_async_fallback(config) for name, config in SHIPPED.items()},
+               "persist1": replace(cp_async_fallback(gluon_decode.GLUON_DECODE_CONFIG), persistent_per_sm=1)}
 else:  # a Triton without Gluon: these tests skip, the dispatch takes Triton
-    GLUON_SWEEP_CONFIGS = {}
+    SHIPPED = CONFIGS = {}
 needs_gluon = pytest.mark.skipif(not _gluon_available(), reason="this Triton has no Gluon (triton.experimental.gluon)")
 
-_HOPPER = (not backend.interpreter_enabled() and torch.cuda.is_available()
+_HOPPER = (not interpreting() and torch.cuda.is_available()
            and torch.cuda.get_device_capability()[0] == 9)
 needs_hopper = pytest.mark.skipif(
     not _HOPPER, reason="Gluon kernels cannot run under the Triton interpreter; they need a CUDA GPU with wgmma "
@@ -118,10 +128,10 @@ def test_gluon_decode_small_pages_heads_and_dim_gpu(kernel_device):
 @pytest.mark.gpu
 @needs_hopper
 def test_gluon_decode_one_row_per_program_gpu(kernel_device):
-    """The benchmark's ``gluon-rows1`` configuration (one draft row per program) matches the reference."""
+    """One draft row per program at next_n = 2 (two row groups a request) matches the reference."""
     from dsa_indexer.ops.logits.gluon_decode import GLUON_DECODE_CONFIG
 
-    config = GLUON_DECODE_CONFIG[:4] + (1,) + GLUON_DECODE_CONFIG[5:]
+    config = replace(GLUON_DECODE_CONFIG, max_rows=1)
     lengths = [[max(0, n - 7 * t) for t in range(2)] for n in REQUEST_LENGTHS]
     inputs = decode_inputs("fp8", lengths, 2, kernel_device, heads=64, block_size=64, seed=43)
     check_gluon(inputs, clean=True, config=config)
@@ -138,13 +148,12 @@ def test_gluon_decode_empty_rows_write_minus_inf_gpu(kernel_device):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("variant", ["persist1", *sorted(GLUON_SWEEP_CONFIGS)])
+@pytest.mark.parametrize("variant", sorted(CONFIGS))
 @pytest.mark.parametrize("next_n", [1, 2])
-def test_gluon_decode_sweep_configs_give_the_default_bits_gpu(kernel_device, variant, next_n):
-    """Every configuration the benchmark sweep times matches the reference and gives the default's bits
-    (each draft row has its own accumulator whatever the schedule). ``persist1``: one persistent program
-    per SM, so each program runs many work items (empty ones too) through the same ring and query slots."""
-    config = GLUON_SWEEP_CONFIGS.get(variant, GLUON_SWEEP_CONFIGS["cta3-copies"][:8] + (1,))
+def test_gluon_decode_configs_give_the_default_bits_gpu(kernel_device, variant, next_n):
+    """Every shipped configuration, its cp.async form and ``persist1`` match the reference and give the
+    default's bits (each draft row has its own accumulator whatever the schedule)."""
+    config = CONFIGS[variant]
     lengths = [[max(0, n - 7 * t) for t in range(next_n)] for n in REQUEST_LENGTHS + [0, 3000, 64 * 50]]
     inputs = decode_inputs("fp8", lengths, next_n, kernel_device, heads=64, block_size=64, seed=45)
     result = check_gluon(inputs, clean=True, config=config)
@@ -155,9 +164,8 @@ def test_gluon_decode_sweep_configs_give_the_default_bits_gpu(kernel_device, var
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("variant, next_n", [("persist2-early", 2), ("persist2-coarse-early-copies", 1),
-                                             ("persist2-coarse-early-copies", 2), ("persist2-coarse-early-copies", 3),
-                                             ("persist2-coarse-early", 2)])
+@pytest.mark.parametrize("variant, next_n", [("small-copies", 1), ("small-copies", 2), ("small-copies", 3),
+                                             ("small", 2), ("wave", 2)])
 def test_gluon_decode_early_table_reads_stay_inside_the_table_gpu(kernel_device, variant, next_n):
     """An output wider than the block table (splits that start past its last column) and short requests
     beside a long one (first entries past a request's length are garbage ids): the early first-entry read
@@ -165,14 +173,10 @@ def test_gluon_decode_early_table_reads_stay_inside_the_table_gpu(kernel_device,
     lengths = [[max(0, n - 7 * t) for t in range(next_n)] for n in (40001, 0, 65, 3000)]
     inputs = decode_inputs("fp8", lengths, next_n, kernel_device, heads=64, block_size=64, extra_width=5000,
                            seed=49)
-    if _asks_tma(GLUON_SWEEP_CONFIGS[variant]):
+    if CONFIGS[variant].tma_pages:
         inputs = _aligned(inputs)
-    check_gluon(inputs, clean=True, config=GLUON_SWEEP_CONFIGS[variant])
-    check_gluon(inputs, clean=False, config=GLUON_SWEEP_CONFIGS[variant])
-
-
-def _asks_tma(config: tuple) -> bool:
-    return len(config) > 10 and bool(config[10])
+    check_gluon(inputs, clean=True, config=CONFIGS[variant])
+    check_gluon(inputs, clean=False, config=CONFIGS[variant])
 
 
 def _aligned(inputs: DecodeInputs) -> DecodeInputs:
@@ -187,15 +191,12 @@ def _aligned(inputs: DecodeInputs) -> DecodeInputs:
                         inputs.max_context_len)
 
 
-TMA_VARIANTS = ["cta3", "persist2-coarse-early", "wave3-early", "persist4-one-row"]  # the defaults
-
-
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("case", ["mixed", "dim64", "long"])
-@pytest.mark.parametrize("variant", TMA_VARIANTS)
+@pytest.mark.parametrize("variant", sorted(SHIPPED))
 def test_gluon_decode_tma_pages_give_the_copies_bits_gpu(kernel_device, variant, case):
-    """Keys, scales and queries copied by TMA (config field 10) on aligned caches: the reference's tier and
+    """Keys, scales and queries copied by TMA (``tma_pages``) on aligned caches: the reference's tier and
     the bits of the same configuration with cp.async copies. ``mixed``: 64 heads, odd and even tile counts,
     empty splits, rows of different lengths (one row for the one-row configuration, two otherwise), clean or
     not, and the default's bits; ``dim64``: D = 64 (64-byte swizzle, four scale rows a tile), 3 heads (the
@@ -203,9 +204,9 @@ def test_gluon_decode_tma_pages_give_the_copies_bits_gpu(kernel_device, variant,
     one long request. The padded caches of the other tests fall back to cp.async (the sweep test runs them)."""
     from dsa_indexer.ops.logits.gluon_decode import _tma_pages
 
-    config = GLUON_SWEEP_CONFIGS[variant]
-    copies = config[:5] + (4,) + config[6:10] + (0,) + config[11:]  # four cp.async warps, as where TMA cannot run
-    next_n = 1 if config[4] == 1 else 2
+    config = SHIPPED[variant]
+    copies = cp_async_fallback(config)  # four cp.async warps, as where TMA cannot run
+    next_n = 1 if config.max_rows == 1 else 2
     if case == "mixed":
         lengths = [[max(0, n - 7 * t) for t in range(next_n)] for n in REQUEST_LENGTHS + [128, 129, 191, 192, 3200]]
         inputs = decode_inputs("fp8", lengths, next_n, kernel_device, heads=64, block_size=64, seed=81)
@@ -226,11 +227,11 @@ def test_gluon_decode_tma_pages_give_the_copies_bits_gpu(kernel_device, variant,
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("variant", ["cta3", "persist4-one-row"])
+@pytest.mark.parametrize("variant", ["large", "one-row"])
 def test_gluon_decode_tma_falls_back_to_copies_gpu(kernel_device, variant):
     """A TMA configuration on caches the descriptors cannot take (padded page stride; 16-key pages with 3
     heads) runs four cp.async warps: the reference's tier, and the default's bits."""
-    config = GLUON_SWEEP_CONFIGS[variant]
+    config = SHIPPED[variant]
     lengths = [[max(0, n - 7 * t) for t in range(2)] for n in REQUEST_LENGTHS]
     padded = decode_inputs("fp8", lengths, 2, kernel_device, heads=64, block_size=64, seed=87)
     result = check_gluon(padded, True, config=config)
@@ -242,15 +243,15 @@ def test_gluon_decode_tma_falls_back_to_copies_gpu(kernel_device, variant):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("variant", ["cta3", "cta3-copies", "persist2-coarse-early", "wave3-early", "persist4-one-row"])
+@pytest.mark.parametrize("variant", ["large", "large-copies", "small", "wave", "one-row"])
 @pytest.mark.parametrize("block_size", [64, 16])
 def test_gluon_decode_unchecked_wild_pages_and_lengths_gpu(kernel_device, variant, block_size, monkeypatch):
     """Value checks off: the TMA page copies (aligned cache, 64-key pages), the cp.async tile copies and the
     per-key copies (16-key pages) read nothing outside the cache (scripts/gpu-sanitize runs such a call under
     compute-sanitizer) and give the documented logits: a page outside the cache reads as zeros, a length past
     the width or the table stops there."""
-    config = GLUON_SWEEP_CONFIGS[variant]
-    aligned = _aligned if _asks_tma(config) and block_size == 64 else None
+    config = CONFIGS[variant]
+    aligned = _aligned if config.tma_pages and block_size == 64 else None
     monkeypatch.setenv("DSA_INDEXER_SKIP_VALUE_CHECKS", "1")
     check_unchecked_call("fp8", lambda inputs, clean: run_gluon(inputs, clean, 8, config=config), kernel_device,
                          block_size, aligned)
@@ -264,9 +265,9 @@ def test_gluon_decode_tma_pages_only_where_the_cache_allows():
     from dsa_indexer.cache import IndexerKCache
     from dsa_indexer.ops.logits.gluon_decode import _tma_pages
 
-    config = GLUON_SWEEP_CONFIGS["cta3"]
+    config = CONFIGS["large"]
     assert _tma_pages(IndexerKCache(4, block_size=64, head_dim=128, fmt="fp8"), config) is not None
-    copies = GLUON_SWEEP_CONFIGS["cta3-copies"]
+    copies = CONFIGS["large-copies"]
     assert _tma_pages(IndexerKCache(4, block_size=64, head_dim=128, fmt="fp8"), copies) is None
     assert _tma_pages(IndexerKCache(4, block_size=64, head_dim=64, fmt="fp8"), config) is not None
     assert _tma_pages(IndexerKCache(4, block_size=16, head_dim=128, fmt="fp8"), config) is None
@@ -283,9 +284,10 @@ def test_gluon_page_descriptors_are_built_once_per_cache_and_buffer():
     import gc
 
     from dsa_indexer.cache import IndexerKCache
-    from dsa_indexer.ops.logits.gluon_decode import _PAGE_DESCRIPTORS, _tma_pages, kernel_constants
+    from dsa_indexer.ops.common.gluon import _PAGE_DESCRIPTORS
+    from dsa_indexer.ops.logits.gluon_decode import _tma_pages, kernel_constants
 
-    config = GLUON_SWEEP_CONFIGS["cta3"]
+    config = CONFIGS["large"]
     cache = IndexerKCache(4, block_size=64, head_dim=128, fmt="fp8")
     first = _tma_pages(cache, config)
     assert _tma_pages(cache, config) is first
@@ -317,7 +319,7 @@ def test_gluon_decode_replays_in_a_cuda_graph_with_changed_lengths_gpu(kernel_de
     place, it matches the reference on the new values."""
     from dsa_indexer.ops.logits.gluon_decode import paged_mqa_logits_gluon
 
-    config = GLUON_SWEEP_CONFIGS["cta3-copies"][:8] + (1 if persistent else 0,)
+    config = replace(CONFIGS["large-copies"], persistent_per_sm=1 if persistent else 0)
     inputs = decode_inputs("fp8", [[900, 901], [0, 64], [300, 17]], 2, kernel_device, heads=64, block_size=64,
                            seed=46)
     out = torch.full((6, inputs.max_context_len), POISON, device=kernel_device)
@@ -369,15 +371,14 @@ def test_gluon_decode_rule_is_monotone_in_work_size(fmt):
 
 @needs_gluon
 @pytest.mark.parametrize("sms", SM_COUNTS)
-def test_gluon_decode_configs_are_swept_ones_and_one_wave_only_where_it_fills(sms):
-    """Whatever the SM count, each launcher's default configuration is one of the swept configurations (each
+def test_gluon_decode_configs_are_shipped_ones_and_one_wave_only_where_it_fills(sms):
+    """Whatever the SM count, each launcher's default configuration is one of its shipped configurations (each
     tested against the reference on the GPU), and a one-wave configuration is picked only where its wave is
     filled."""
-    from dsa_indexer.bench.suite_logits import GLUON_SWEEP_VARIANTS
-
     mxfp4 = gluon_decode_mxfp4
-    fp8_swept = set(GLUON_SWEEP_CONFIGS.values())
-    mxfp4_swept = {spec["config"] for spec in GLUON_SWEEP_VARIANTS["mxfp4"].values()}
+    fp8_swept = set(SHIPPED.values())
+    mxfp4_swept = {mxfp4.GLUON_MXFP4_DECODE_CONFIG, mxfp4.GLUON_MXFP4_DECODE_CONFIG_WAVE,
+                   mxfp4.GLUON_MXFP4_DECODE_CONFIG_ONE_ROW}
     for b in BATCHES:
         for n in NEXT_NS:
             for length in LENGTHS:
@@ -387,7 +388,7 @@ def test_gluon_decode_configs_are_swept_ones_and_one_wave_only_where_it_fills(sm
                 for config, wave in ((fp8_config, gluon_decode.GLUON_DECODE_CONFIG_WAVE),
                                      (mxfp4_config, mxfp4.GLUON_MXFP4_DECODE_CONFIG_WAVE)):
                     if config == wave:
-                        assert gluon_decode.wave_fills(config, b, n, length, sms), (b, n, length)
+                        assert wave_fills(config, b, n, length, sms), (b, n, length)
 
 
 @needs_gluon
@@ -399,7 +400,7 @@ def test_wave_split_covers_every_key_tile_within_one_wave_where_it_can(sms):
         slots = per_sm * sms
         for groups in (1, 2, 3, 7, 50, 100, slots - 1, slots, slots + 1, 3 * slots + 5):
             for key_tiles in (1, 2, 63, 64, 512, 2048, 4097):
-                tiles, fill = gluon_decode._wave_split(groups, key_tiles, per_sm, sms)
+                tiles, fill = wave_split(groups, key_tiles, per_sm, sms)
                 splits = -(-key_tiles // tiles)
                 assert tiles >= 1 and (splits - 1) * tiles < key_tiles <= splits * tiles
                 assert splits <= max(1, slots // groups)

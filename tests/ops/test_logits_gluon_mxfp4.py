@@ -19,11 +19,11 @@ import pytest
 import torch
 from test_logits_kernel import NEG_INF, POISON, TIER, DecodeInputs, check_unchecked_call, decode_inputs, run_decode
 
-from dsa_indexer import backend
 from dsa_indexer.cache import IndexerKCache
+from dsa_indexer.ops.common.runtime import interpreting
 from dsa_indexer.testing import calc_diff
 
-_HOPPER = (not backend.interpreter_enabled() and torch.cuda.is_available()
+_HOPPER = (not interpreting() and torch.cuda.is_available()
            and torch.cuda.get_device_capability()[0] >= 9)
 pytestmark = [
     pytest.mark.gpu,
@@ -99,6 +99,7 @@ def test_gluon_mxfp4_decode_block_exponent_spreads_gpu(kernel_device, next_n):
 def test_gluon_mxfp4_decode_aligned_cache_uses_16_byte_copies_gpu(kernel_device, next_n):
     """The cp.async producer on a 16-byte aligned cache with an unpadded page stride (16-byte copies) gives the
     bits of the same pages in the poisoned, padded cache (4-byte copies) and of the TMA page copies."""
+    from dsa_indexer.ops.common.gluon import cp_async_fallback
     from dsa_indexer.ops.logits.gluon_decode_mxfp4 import GLUON_MXFP4_DECODE_CONFIG, GLUON_MXFP4_DECODE_CONFIG_ONE_ROW
 
     lengths = [[max(0, n - 5 * t) for t in range(next_n)] for n in REQUEST_LENGTHS]
@@ -107,7 +108,7 @@ def test_gluon_mxfp4_decode_aligned_cache_uses_16_byte_copies_gpu(kernel_device,
     cache = aligned_inputs.cache
     assert cache.buffer.data_ptr() % 16 == 0 and cache.page_stride % 16 == 0 and inputs.cache.page_stride % 16
     default = GLUON_MXFP4_DECODE_CONFIG_ONE_ROW if next_n == 1 else GLUON_MXFP4_DECODE_CONFIG
-    copies = default[:5] + (4,) + default[6:8] + (0,)  # four cp.async warps, as where TMA cannot run
+    copies = cp_async_fallback(default)  # four cp.async warps, as where TMA cannot run
     result = check_gluon(aligned_inputs, True, same_bits_as_triton=True, config=copies)
     assert torch.equal(result.view(torch.int32), run_gluon(inputs, True, 8).view(torch.int32))
     assert torch.equal(result.view(torch.int32), run_gluon(aligned_inputs, True, 8).view(torch.int32))
@@ -127,22 +128,21 @@ def test_gluon_mxfp4_decode_small_pages_and_heads_gpu(kernel_device):
     check_gluon(inputs, False, same_bits_as_triton=False)
 
 
-def _sweep_configs() -> list[str]:
-    from dsa_indexer.bench.suite_logits import GLUON_SWEEP_VARIANTS
-
-    return sorted(GLUON_SWEEP_VARIANTS["mxfp4"])
-
-
 @pytest.mark.parametrize("next_n", [1, 2])
-@pytest.mark.parametrize("variant", _sweep_configs())
-def test_gluon_mxfp4_decode_sweep_variants_gpu(kernel_device, variant, next_n):
-    """Every configuration the benchmark sweep times matches the reference and the Triton kernel's bits
-    (next_n = 2: one program per row gives the same per-row sums)."""
-    from dsa_indexer.bench.suite_logits import GLUON_SWEEP_VARIANTS
+@pytest.mark.parametrize("variant", ["draft-rows", "wave", "one-row"])
+@pytest.mark.parametrize("copies", [False, True])
+def test_gluon_mxfp4_decode_shipped_configs_gpu(kernel_device, variant, copies, next_n):
+    """Every shipped configuration, and its cp.async form (what caches TMA cannot take run), matches the
+    reference and the Triton kernel's bits on an aligned cache (next_n = 2: one program per row gives the
+    same per-row sums)."""
+    from dsa_indexer.ops.common.gluon import cp_async_fallback
+    from dsa_indexer.ops.logits import gluon_decode_mxfp4 as mxfp4
 
+    config = {"draft-rows": mxfp4.GLUON_MXFP4_DECODE_CONFIG, "wave": mxfp4.GLUON_MXFP4_DECODE_CONFIG_WAVE,
+              "one-row": mxfp4.GLUON_MXFP4_DECODE_CONFIG_ONE_ROW}[variant]
     lengths = [[max(0, n - 7 * t) for t in range(next_n)] for n in REQUEST_LENGTHS]
-    inputs = decode_inputs("mxfp4", lengths, next_n, kernel_device, heads=64, block_size=64, seed=66)
-    check_gluon(inputs, True, same_bits_as_triton=True, config=GLUON_SWEEP_VARIANTS["mxfp4"][variant]["config"])
+    inputs = _aligned(decode_inputs("mxfp4", lengths, next_n, kernel_device, heads=64, block_size=64, seed=66))
+    check_gluon(inputs, True, same_bits_as_triton=True, config=cp_async_fallback(config) if copies else config)
 
 
 def _aligned(inputs: DecodeInputs) -> DecodeInputs:
@@ -162,9 +162,10 @@ def test_gluon_mxfp4_decode_unchecked_wild_pages_and_lengths_gpu(kernel_device, 
     (aligned cache, 64-key pages), the cp.async tile copies and the per-key copies (16-key pages) read nothing
     outside the cache and give the documented logits (unreadable pages read as zeros, lengths stop at the
     width and the table)."""
+    from dsa_indexer.ops.common.gluon import cp_async_fallback
     from dsa_indexer.ops.logits.gluon_decode_mxfp4 import GLUON_MXFP4_DECODE_CONFIG
 
-    config = GLUON_MXFP4_DECODE_CONFIG if tma else GLUON_MXFP4_DECODE_CONFIG[:5] + (4,) + GLUON_MXFP4_DECODE_CONFIG[6:8] + (0,)
+    config = GLUON_MXFP4_DECODE_CONFIG if tma else cp_async_fallback(GLUON_MXFP4_DECODE_CONFIG)
     monkeypatch.setenv("DSA_INDEXER_SKIP_VALUE_CHECKS", "1")
     check_unchecked_call("mxfp4", lambda inputs, clean: run_gluon(inputs, clean, 8, config=config), kernel_device,
                          block_size, _aligned if tma and block_size == 64 else None)

@@ -18,7 +18,6 @@ import torch
 from ragged_ranges import causal_ranges, varied_ranges
 
 from dsa_indexer.backend import ENV_VAR
-from dsa_indexer.bench.suite_logits import SWEEP_VARIANTS
 from dsa_indexer.cache import IndexerKCache, bytes_per_token
 from dsa_indexer.formats import quantize_fp8, quantize_mxfp4
 from dsa_indexer.ops.logits import mqa_logits, paged_mqa_logits
@@ -461,24 +460,22 @@ def test_decode_mxfp4_ptx_expansion_matches_triton_expansion_gpu(kernel_device, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt, variant", [(fmt, name) for fmt, variants in SWEEP_VARIANTS.items()
-                                          for name, kwargs in variants.items() if kwargs])
-def test_decode_kernel_sweep_variants_gpu(kernel_device, fmt, variant):
-    """Every variant the benchmark sweep times (schedules, expansions) matches the reference, and gives
-    the default's bits wherever it keeps the default's per-program rows (the rows set the head-sum tile)."""
-    from dsa_indexer.ops.logits.triton import DECODE_CONFIG, paged_mqa_logits_triton
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("next_n", [1, 2, 5])
+def test_decode_kernel_shipped_config_gpu(kernel_device, fmt, next_n):
+    """The shipped decode launch of each key format (``decode_config``), passed explicitly, matches the reference
+    and gives the default call's bits (one and several row groups a request)."""
+    from dsa_indexer.ops.logits.triton import decode_config, paged_mqa_logits_triton
 
-    lengths = [[max(0, n - 7 * t) for t in range(2)] for n in (0, 1, 63, 64, 65, 4999, 12345)]
-    inputs = decode_inputs(fmt, lengths, 2, kernel_device, heads=64, block_size=64, seed=23)
+    lengths = [[max(0, n - 7 * t) for t in range(next_n)] for n in (0, 1, 63, 64, 65, 4999, 12345)]
+    inputs = decode_inputs(fmt, lengths, next_n, kernel_device, heads=64, block_size=64, seed=23)
     outs = []
-    for kwargs in (SWEEP_VARIANTS[fmt][variant], {}):
-        out = torch.full((14, inputs.max_context_len), POISON, device=kernel_device)
-        paged_mqa_logits_triton(*inputs.args(), True, out, **kwargs)
+    for config in (decode_config(fmt), None):
+        out = torch.full((7 * next_n, inputs.max_context_len), POISON, device=kernel_device)
+        paged_mqa_logits_triton(*inputs.args(), True, out, config=config)
         outs.append(out)
     assert calc_diff(outs[0], run_decode(inputs, "reference", True, 0)) < TIER
-    config = SWEEP_VARIANTS[fmt][variant].get("config", DECODE_CONFIG[fmt])
-    if config[0] == DECODE_CONFIG[fmt][0] and config[7] == DECODE_CONFIG[fmt][7]:
-        assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32))
+    assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32))
 
 
 @pytest.mark.gpu

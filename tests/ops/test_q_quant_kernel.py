@@ -8,11 +8,12 @@ reference itself produces differently on CPU and GPU).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
-from dsa_indexer.backend import ENV_VAR, interpreter_enabled
+from dsa_indexer.backend import ENV_VAR
 from dsa_indexer.formats import e2m1_codes, fp8_scales, mxfp4_exponents
 from dsa_indexer.ops.q_quant import rope_quant_q
 from dsa_indexer.ops.q_quant.reference import rope_quant_q_reference
@@ -20,6 +21,8 @@ from dsa_indexer.ops.q_quant.reference import rope_quant_q_reference
 triton = pytest.importorskip("triton", reason="Triton kernel tests need triton (make test installs it)")
 tl = triton.language
 
+from dsa_indexer.ops.common import codecs  # noqa: E402  (needs triton)
+from dsa_indexer.ops.common.runtime import interpreting  # noqa: E402
 from dsa_indexer.ops.q_quant import triton as q_kernels  # noqa: E402  (needs triton)
 
 CONFIGS = [(fmt, style, position) for fmt in ("fp8", "mxfp4") for style in ("neox", "interleaved")
@@ -183,14 +186,15 @@ def test_edge_values(kernel_device, fmt, rope_style, rope_position, q_dtype):
 def test_launch_knobs_do_not_change_results(kernel_device, fmt, block_heads, num_warps):
     q, positions, cos_sin, weights = make_inputs(3, 11, 128, 64, device=kernel_device, seed=8)
     options = dict(rope_style="neox", rope_position="first", fmt=fmt)
-    got = q_kernels.rope_quant_q_triton(q, positions, cos_sin, weights, 0.1, 0.3, block_heads=block_heads,
-                                        num_warps=num_warps, **options)
+    config = q_kernels.RopeQuantConfig(block_heads=block_heads, num_warps=num_warps)
+    got = q_kernels.rope_quant_q_triton(q, positions, cos_sin, weights, 0.1, 0.3, config=config, **options)
     assert_same_results(got, rope_quant_q_reference(q, positions, cos_sin, weights, 0.1, 0.3, **options))
 
 
-# Both MXFP4 encodes of a bf16 ``q``, explicitly whatever the default (``ROPE_MXFP4_BF16X2``): on bf16 pairs, and
+# Both MXFP4 encodes of a bf16 ``q``, explicitly whatever the default: on bf16 pairs, and
 # the fp32 path that other dtypes and strides take.
-MXFP4_VARIANTS = {"bf16x2": dict(bf16x2=True), "fp32_path": dict(bf16x2=False)}
+MXFP4_VARIANTS = {"bf16x2": dict(config=q_kernels.MXFP4_ROPE_QUANT_CONFIG),
+                  "fp32_path": dict(config=replace(q_kernels.MXFP4_ROPE_QUANT_CONFIG, bf16x2=False))}
 BF16X2_VARIANTS = ["bf16x2"]
 ROPE_LAYOUTS = [(style, position) for style in ("neox", "interleaved") for position in ("first", "trailing")]
 
@@ -235,30 +239,28 @@ def test_no_tokens(kernel_device, fmt):
     assert got[0].shape[0] == 0
 
 
-
-
 @triton.jit
 def _helper_kernel(x_ptr, out_ptr, n, WHICH: tl.constexpr, BLOCK: tl.constexpr, INTERPRETER: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
     if WHICH == "e4m3":
-        tl.store(out_ptr + offsets, q_kernels.e4m3_bytes(x, INTERPRETER).to(tl.int32), mask=mask)
+        tl.store(out_ptr + offsets, codecs.e4m3_bytes(x, INTERPRETER).to(tl.int32), mask=mask)
     elif WHICH == "bf16":
-        tl.store(out_ptr + offsets, q_kernels.round_to_bf16(x, INTERPRETER).to(tl.int32, bitcast=True), mask=mask)
+        tl.store(out_ptr + offsets, codecs.round_to_bf16(x, INTERPRETER).to(tl.int32, bitcast=True), mask=mask)
     elif WHICH == "fp8_exponent":
-        tl.store(out_ptr + offsets, q_kernels.fp8_scale_exponent(x), mask=mask)
+        tl.store(out_ptr + offsets, codecs.fp8_scale_exponent(x), mask=mask)
     elif WHICH == "mxfp4_exponent":
-        tl.store(out_ptr + offsets, q_kernels.mxfp4_exponents(x), mask=mask)
+        tl.store(out_ptr + offsets, codecs.mxfp4_exponents(x), mask=mask)
     else:
-        tl.store(out_ptr + offsets, q_kernels.e2m1_codes(x, INTERPRETER), mask=mask)
+        tl.store(out_ptr + offsets, codecs.e2m1_codes(x, INTERPRETER), mask=mask)
 
 
 def apply_helper(which: str, x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=torch.int32, device=x.device)
     block = 1024
     _helper_kernel[(triton.cdiv(x.numel(), block),)](x, out, x.numel(), WHICH=which, BLOCK=block,
-                                                     INTERPRETER=interpreter_enabled())
+                                                     INTERPRETER=interpreting())
     return out
 
 
@@ -334,8 +336,6 @@ def test_e2m1_codes_match_formats(kernel_device):
                    torch.tensor([-0.0, NAN, -NAN, INF, -INF, 1e-45, -1e-45])))
     got = apply_helper("e2m1", x.to(kernel_device)).cpu()
     assert torch.equal(got, e2m1_codes(x).to(torch.int32))
-
-
 
 
 @pytest.mark.gpu

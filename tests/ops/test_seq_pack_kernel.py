@@ -174,8 +174,7 @@ def test_empty_inputs(kernel_device):
 def test_many_sequences_and_many_tiles_per_program(kernel_device, monkeypatch, num_seqs, width, programs):
     # Small tiles and few programs: each program walks several tiles; with 1500 sequences the later
     # programs start past the first 1024 lengths of their prefix sum.
-    monkeypatch.setattr(seq_triton, "_TILE_BYTES", 64)
-    monkeypatch.setattr(seq_triton, "_MAX_PROGRAMS", programs)
+    monkeypatch.setattr(seq_triton, "SEQ_COPY_CONFIG", seq_triton.SeqCopyConfig(tile_bytes=64, max_programs=programs))
     generator = torch.Generator().manual_seed(width)
     lengths = torch.randint(0, 3, (num_seqs,), generator=generator).to(kernel_device)
     total = int(lengths.sum())

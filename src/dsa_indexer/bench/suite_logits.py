@@ -13,7 +13,7 @@ Shapes: H=64 heads, D=128, 64-token pages.
   graph replays (an engine replays decode as a graph): ``us`` cycles through sets of pages, queries and
   outputs whose other sets exceed three L2s (DESIGN.md §12: rotating buffers; ``harness.rotating_graph_us``);
   ``memset_us`` replays after a 256 MB memset, as the anchors' ``do_bench`` does (an L2 full of dirty
-  lines, whose write-back the kernel pays: 1-7 µs at B <= 32, NOTES_logits.md session 7), with its own %
+  lines, whose write-back the kernel pays: 1-7 µs at B <= 32, benchmarks/NOTES_logits.md), with its own %
   (``memset_pct_of_floor``): compare with the anchors' table by ``memset_us``. The eager ``do_bench``
   median (memset, host launch included) is recorded beside them (``eager_us``).
 - Prefill: S=2048 queries over SKV in {8K, 32K, 64K} with ks=0, ke=i+SKV-S+1, and a causal 8K prompt
@@ -31,13 +31,13 @@ weights (FP8 on randn data: median 8e-4, 17-21 % of rows above 1e-3; 32 rows: at
 samples), and DeepGEMM's test likewise takes one calc_diff over a batch of 64-128 requests. The baseline
 ``torch`` is that reference (dequantise, matmul, relu, weighted head sum; chunked to bound memory).
 
-``python -m dsa_indexer.bench.suite_logits sweep [OUT_DIR]`` times the decode kernel's variants on a few shapes.
+``benchmarks/sweeps/logits_decode.py`` times launch variants of the decode kernels on a few shapes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import sys
 
 import torch
 
@@ -178,22 +178,22 @@ def decode_floor(fmt: str, batch: int, length: int, next_n: int, ceilings: dict[
             "bound": "memory" if byte_us >= tensor_us else "tensor", "moved": moved}
 
 
-def _dispatched_decode(args) -> tuple[str, list]:
+def _dispatched_decode(args) -> tuple[str, dict]:
     """The kernel the library runs for these decode arguments (``"gluon"`` or ``"triton"``) and its
-    configuration tuple."""
+    launch configuration's fields."""
     from dsa_indexer.ops.logits import decode_kernel
 
     q, cache, length = args[0], args[2], args[6]
     batch, next_n = q.shape[:2]
     kernel = decode_kernel(q, cache, length)
     if kernel == "triton":
-        return kernel, list(kernels.DECODE_CONFIG[cache.fmt])
-    from dsa_indexer.backend import multiprocessor_count
+        return kernel, dataclasses.asdict(kernels.decode_config(cache.fmt))
+    from dsa_indexer.ops.common.runtime import sm_count
     from dsa_indexer.ops.logits.gluon_decode import gluon_decode_config
     from dsa_indexer.ops.logits.gluon_decode_mxfp4 import gluon_mxfp4_decode_config
 
     choose = gluon_decode_config if cache.fmt == "fp8" else gluon_mxfp4_decode_config
-    return kernel, list(choose(batch, next_n, length, multiprocessor_count(q.device)))
+    return kernel, dataclasses.asdict(choose(batch, next_n, length, sm_count(q.device)))
 
 
 def _rotation(args, out: torch.Tensor, count: int) -> list[tuple]:
@@ -288,7 +288,7 @@ def _prefill_rows(fmt: str, ceilings: dict[str, float], gen: torch.Generator) ->
         rows.append(harness.record(
             "mqa_logits", {"S": num_rows, "SKV": num_keys, "causal": causal, "fmt": fmt}, us,
             flops / (ceilings["fp8_tflops"] * 1e6), tflops=flops / us / 1e6, baselines={"torch": torch_us},
-            eager_us=round(eager_us, 2), config=list(kernels.PREFILL_CONFIG), **checks,
+            eager_us=round(eager_us, 2), config=dataclasses.asdict(kernels.prefill_config()), **checks,
         ))
     return rows
 
@@ -301,160 +301,3 @@ def run(ceilings: dict[str, float]) -> list[dict]:
     for fmt in ("fp8", "mxfp4"):
         rows += _prefill_rows(fmt, ceilings, gen)
     return rows
-
-
-# Decode tuning sweep: shapes (fmt, B, L, next_n) and variants (name -> keyword arguments of
-# ``paged_mqa_logits_triton``; "baseline" is the previous kernel when ``dsa_indexer.ops.logits._baseline``
-# exists, a snapshot kept only for a measuring run).
-SWEEP_CASES = [
-    ("mxfp4", 32, 131072, 1), ("mxfp4", 128, 32768, 2), ("mxfp4", 32, 32768, 1), ("mxfp4", 32, 32768, 2),
-    ("mxfp4", 32, 131072, 2),
-    ("mxfp4", 1, 131072, 1), ("mxfp4", 1, 131072, 2), ("mxfp4", 128, 131072, 1), ("mxfp4", 128, 131072, 2),
-    ("fp8", 32, 131072, 2), ("fp8", 128, 32768, 2), ("fp8", 1, 131072, 2), ("fp8", 32, 32768, 1),
-]
-SWEEP_VARIANTS = {
-    "fp8": {
-        "baseline": None,
-        "default": {},
-        "rows1": {"config": (128, 4, 3, 8, 2, 16, None, 1)},
-        "stages5": {"config": (128, 4, 5, 8, 2, 16, None, 4)},
-        "stages7": {"config": (128, 4, 7, 8, 2, 16, None, 4)},
-        "k64-stages7": {"config": (64, 4, 7, 8, 4, 32, None, 4)},
-        "k64-stages9": {"config": (64, 4, 9, 8, 4, 32, None, 4)},
-    },
-    "mxfp4": {
-        "baseline": None,
-        "default": {},
-        "stages3": {"config": (64, 4, 3, 8, 4, 32, None, 4)},
-        "stages9": {"config": (64, 4, 9, 8, 4, 32, None, 4)},
-    },
-}
-# Gluon warp-specialised MXFP4 decode (``paged_mqa_logits_gluon_mxfp4``): name -> its ``config`` (fields of
-# ``GLUON_MXFP4_DECODE_CONFIG``: stages, programs/SM aimed at, tiles/split min/max, rows/program, producer
-# warps, producer registers, launch register cap, TMA page copies, one wave) and the draft-row counts it is timed
-# at: the defaults (TMA) and the cp.async producer they replaced (what caches TMA cannot take still run).
-GLUON_SWEEP_VARIANTS = {
-    "mxfp4": {
-        "gluon": {"config": (4, 8, 2, 32, 2, 1, 24, 80, 1), "next_n": (2,)},
-        "gluon-wave": {"config": (4, 3, 2, 32, 2, 1, 24, 80, 1, 1), "next_n": (2,)},
-        "gluon-one-row": {"config": (4, 8, 2, 32, 2, 1, 24, 64, 1), "next_n": (1,)},
-        "gluon-copies": {"config": (4, 8, 2, 32, 2, 4, 40, 80, 0), "next_n": (2,)},
-        "gluon-copies-one-row": {"config": (4, 8, 2, 32, 2, 4, 24, 64, 0), "next_n": (1,)},
-    },
-}
-
-
-def _baseline_kernel():
-    try:
-        from dsa_indexer.ops.logits import _baseline
-    except ImportError:
-        return None
-    return _baseline.paged_mqa_logits_triton
-
-
-def _sweep_calls(fmt: str, next_n: int, baseline):
-    """(name, function of ``(args, out)`` running the variant on a case, or None when unavailable)
-    for the Triton variants, then the Gluon ones that apply to ``next_n``."""
-    calls = []
-    for name, kwargs in SWEEP_VARIANTS[fmt].items():
-        if kwargs is None:
-            calls.append((name, None if baseline is None else lambda args, out: baseline(*args, True, out)))
-        else:
-            calls.append((name, functools.partial(_triton_variant, kwargs=kwargs)))
-    for name, spec in GLUON_SWEEP_VARIANTS.get(fmt, {}).items():
-        if next_n in spec["next_n"]:
-            calls.append((name, functools.partial(_gluon_variant, config=spec["config"])))
-    return calls
-
-
-def _triton_variant(args, out, *, kwargs):
-    return kernels.paged_mqa_logits_triton(*args, True, out, **kwargs)
-
-
-def _gluon_variant(args, out, *, config):
-    from dsa_indexer.ops.logits.gluon_decode_mxfp4 import paged_mqa_logits_gluon_mxfp4
-
-    return paged_mqa_logits_gluon_mxfp4(*args, True, out, config=config)
-
-
-def sweep(out_dir: str | None = None, formats=("mxfp4", "fp8"), variants=None, compile_only: bool = False) -> None:
-    """Cold-L2 graph-replay µs (rotating buffers, as the suite's ``us``) of each decode variant on each sweep
-    shape, with its calc_diff against
-    the default variant's output (checked against the reference by ``run`` and the tests); prints a table
-    last and writes ``logits_sweep.json`` to ``out_dir`` when given. ``variants`` (names) restricts the
-    variants; ``compile_only`` runs each once and times nothing (fills Triton's cache, e.g. in parallel
-    processes ahead of the timing one)."""
-    import json
-    import os
-
-    ceilings = None if compile_only else harness.measure_ceilings()
-    baseline = _baseline_kernel()
-    gen = torch.Generator().manual_seed(1)
-    rows = []
-    for fmt in formats:
-        cache = _decode_pool(fmt, max(b * n for f, b, n, _ in SWEEP_CASES if f == fmt) // PAGE + 64)
-        for case_fmt, batch, length, next_n in SWEEP_CASES:
-            if case_fmt != fmt:
-                continue
-            _, _, _, _, args = _decode_case(cache, batch, length, next_n, gen)
-            floor_us = None if compile_only else decode_floor(fmt, batch, length, next_n, ceilings)["floor_us"]
-            expected = torch.empty((batch * next_n, length), device="cuda")
-            kernels.paged_mqa_logits_triton(*args, True, expected)
-            others = [] if compile_only else _rotation(args, expected, harness.rotation_count(
-                decode_floor(fmt, batch, length, next_n, ceilings)["moved"]))[1:]
-            for name, call_with in _sweep_calls(fmt, next_n, baseline):
-                if variants is not None and name not in variants:
-                    continue
-                if compile_only:
-                    if name != "baseline":
-                        call_with(args, torch.empty_like(expected))
-                    continue
-                if call_with is None:
-                    continue
-                out = torch.empty_like(expected)
-                us = harness.rotating_graph_us(
-                    [functools.partial(call_with, a, o) for a, o in [(args, out), *others]], reps=50)
-                try:
-                    diff = calc_diff(out, expected)
-                except AssertionError as error:  # -inf masks differ
-                    diff = str(error)
-                row = {"fmt": fmt, "B": batch, "L": length, "next_n": next_n, "variant": name, "us": round(us, 2),
-                       "pct_of_floor": round(100 * floor_us / us, 1), "calc_diff_vs_default": diff,
-                       "bits_equal_default": torch.equal(out.view(torch.int32), expected.view(torch.int32))}
-                rows.append(row)
-                print(row, flush=True)
-        del cache
-        torch.cuda.empty_cache()
-    if compile_only:
-        return
-    if out_dir:
-        with open(os.path.join(out_dir, "logits_sweep.json"), "w") as f:
-            json.dump({"ceilings": ceilings, "environment": harness.environment(), "rows": rows}, f, indent=1)
-    print(f"read {ceilings['read_tbs']:.2f} TB/s")
-    print(f"{'fmt':6} {'B':>4} {'L':>7} {'n':>2} {'variant':15} {'us':>9} {'% floor':>8} same bits")
-    for row in rows:
-        print(f"{row['fmt']:6} {row['B']:4} {row['L']:7} {row['next_n']:2} {row['variant']:15} {row['us']:9.1f} "
-              f"{row['pct_of_floor']:8.1f} {row['bits_equal_default']}")
-
-
-def _main(argv: list[str]) -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m dsa_indexer.bench.suite_logits",
-                                     description="decode variant sweep (the full suite runs through dsa-indexer bench)")
-    parser.add_argument("command", choices=["sweep"])
-    parser.add_argument("out_dir", nargs="?")
-    parser.add_argument("--fmt", choices=["mxfp4", "fp8"], action="append", help="key formats (default: both)")
-    parser.add_argument("--variants", help="comma-separated variant names (default: all)")
-    parser.add_argument("--compile-only", action="store_true", help="run each variant once, time nothing")
-    args = parser.parse_args(argv)
-    variants = args.variants.split(",") if args.variants else None
-    known = {name for tables in (SWEEP_VARIANTS, GLUON_SWEEP_VARIANTS) for table in tables.values() for name in table}
-    unknown = set(variants or ()) - known
-    if unknown:
-        parser.error(f"unknown variants: {sorted(unknown)}")
-    sweep(args.out_dir, tuple(args.fmt or ("mxfp4", "fp8")), variants, args.compile_only)
-
-
-if __name__ == "__main__":
-    _main(sys.argv[1:])

@@ -15,15 +15,15 @@ import torch
 
 from dsa_indexer.cache import IndexerKCache
 from dsa_indexer.ops.k_cache.reference import gather_k_reference, insert_k_reference
-from dsa_indexer.ops.k_cache.triton import gather_k_triton, insert_k_triton
+from dsa_indexer.ops.k_cache.triton import GatherConfig, InsertConfig, gather_k_triton, insert_k_triton
 from dsa_indexer.ops.q_quant.reference import rope_quant_q_reference
-from dsa_indexer.ops.q_quant.triton import rope_quant_q_triton
+from dsa_indexer.ops.q_quant.triton import RopeQuantConfig, rope_quant_q_triton
 
 from . import harness
 
-# Launch variants per format; the first of each list is the wrapper's default (for MXFP4 the encode on bf16 pairs,
-# ``ROPE_MXFP4_BF16X2`` / ``INSERT_MXFP4_BF16X2``), then for MXFP4 the fp32 path (what fp16 / fp32 inputs run) and,
-# for insert, the other launch that measured close (run 6). Variants measured slower in earlier runs
+# Launch variants per format (fields of RopeQuantConfig, InsertConfig, GatherConfig); the first of each list is the
+# wrapper's default (for MXFP4 the encode on bf16 pairs), then for MXFP4 the fp32 path (what fp16 / fp32 inputs
+# run) and, for insert, the other launch that measured close (H200). Variants measured slower in earlier runs
 # (benchmarks/NOTES_quant_cache.md) are left out.
 ROPE_VARIANTS = {
     "fp8": [dict(block_heads=64, num_warps=8), dict(block_heads=32, num_warps=4)],
@@ -90,7 +90,8 @@ def _rope_quant_q(copy_tbs) -> list[dict]:
         reference_us = harness.median_us(lambda: rope_quant_q_reference(*args, **options))
         shape = dict(T=num_tokens, H=num_heads, D=head_dim, fmt=fmt, style=rope_style, position=rope_position)
         rows += _rows("rope_quant_q", shape, moved, ROPE_VARIANTS[fmt],
-                      lambda **knobs: rope_quant_q_triton(*args, **options, **knobs), reference_us, copy_tbs,
+                      lambda **knobs: rope_quant_q_triton(*args, **options, config=RopeQuantConfig(**knobs)),
+                      reference_us, copy_tbs,
                       lambda result: _bytes_equal(result, expected))
         del expected
     return rows
@@ -118,7 +119,8 @@ def _insert_k(copy_tbs) -> list[dict]:
         reference_us = harness.median_us(lambda: insert_k_reference(k, twin, slots, **options))
         shape = dict(T=num_tokens, D=head_dim, block_size=block_size, fmt=fmt)
         rows += _rows("insert_k", shape, moved, INSERT_VARIANTS[fmt],
-                      lambda **knobs: insert_k_triton(k, cache, slots, **options, **knobs), reference_us, copy_tbs,
+                      lambda **knobs: insert_k_triton(k, cache, slots, **options, config=InsertConfig(**knobs)),
+                      reference_us, copy_tbs,
                       lambda _: torch.equal(cache.buffer, twin.buffer))
         del cache, twin
     return rows
@@ -155,7 +157,7 @@ def _gather_k(copy_tbs) -> list[dict]:
         reference_us = harness.median_us(lambda: gather_k_reference(cache, table, cu, *expected))
         shape = dict(N=num_tokens, B=num_requests, D=head_dim, block_size=block_size, fmt=fmt)
         rows += _rows("gather_k", shape, moved, GATHER_VARIANTS,
-                      lambda **knobs: gather_k_triton(cache, table, cu, *out, **knobs), reference_us, copy_tbs,
+                      lambda **knobs: gather_k_triton(cache, table, cu, *out, config=GatherConfig(**knobs)), reference_us, copy_tbs,
                       lambda _: _bytes_equal(out, expected))
         del cache, out, expected
     return rows

@@ -36,8 +36,9 @@ from dsa_indexer.ops.sparse_logits import sparse_paged_mqa_logits, topk_sparse
 from dsa_indexer.testing import calc_diff
 
 from . import harness
+from .suite_step import PAGE, decode_inputs
 
-PAGE, HEADS, DIM = 64, 32, 128
+HEADS = 32
 NUM_BLOCKS, BLOCK, TOPK = 2048, 8, 512
 SHAPES = [(b, length, fmt, n) for b in (1, 32) for length in (65536, 524288) for fmt in ("fp8", "mxfp4") for n in (1, 2)]
 BYTES_PER_KEY = {"fp8": 132, "mxfp4": 68}
@@ -45,35 +46,14 @@ TIER = 5e-6
 
 
 def _inputs(batch: int, length: int, next_n: int, fmt: str, gen: torch.Generator):
-    pages = length // PAGE
-    cache = dsa.IndexerKCache(batch * pages, block_size=PAGE, head_dim=DIM, fmt=fmt, device="cuda")
-    values, scales = cache.values_view(), cache.scales_view()
-    raw = torch.randint(0, 254, values.shape, dtype=torch.uint8, device="cuda")
-    if fmt == "fp8":
-        values.copy_(raw + (raw >= 0x7F).to(torch.uint8))
-        scale = torch.rand(scales.shape[:2], device="cuda") * 1e-2 + 1e-3
-        scales.copy_(scale.view(torch.uint8).view(scales.shape))
-    else:
-        values.copy_(raw)
-        scales.copy_(torch.randint(125, 130, scales.shape, dtype=torch.uint8, device="cuda"))
-    del raw
-    table = torch.randperm(batch * pages, generator=gen).view(batch, pages).int().cuda()
-    lens = torch.tensor([length - next_n + 1 + t for t in range(next_n)], dtype=torch.int32).repeat(batch, 1).cuda()
-    q = torch.randn(batch * next_n, HEADS, DIM, generator=gen).cuda()
-    weights = torch.randn(batch * next_n, HEADS, generator=gen).cuda()
-    if fmt == "fp8":
-        q_stored, q_scale = dsa.quantize_fp8(q.view(-1, DIM), scale_fmt="ue8m0")
-        weights = weights * q_scale.view(batch * next_n, HEADS)
-        q_stored, q_scale = q_stored.view(batch, next_n, HEADS, DIM), None
-    else:
-        q_stored, q_scale = dsa.quantize_mxfp4(q.view(-1, DIM))
-        q_stored = q_stored.view(batch, next_n, HEADS, DIM // 2)
-        q_scale = q_scale.view(batch, next_n, HEADS, DIM // 32)
+    """The decode step's inputs at ``HEADS`` heads (``suite_step.decode_inputs``) and each row's candidate
+    blocks."""
+    q_stored, q_scale, cache, weights, lens, table = decode_inputs(batch, length, next_n, fmt, gen, heads=HEADS)
     total_blocks = length // BLOCK
     draws = torch.rand(batch, total_blocks - 1, generator=gen).argsort(dim=1)[:, : NUM_BLOCKS - 1]
     blocks = torch.cat([draws, torch.full((batch, 1), total_blocks - 1)], dim=1).sort(dim=1).values
     blocks = blocks.repeat_interleave(next_n, dim=0).to(torch.int32).cuda()  # [B * next_n, NUM_BLOCKS]
-    return q_stored, q_scale, cache, weights.contiguous(), lens, table, blocks
+    return q_stored, q_scale, cache, weights, lens, table, blocks
 
 
 def _check(sparse_logits, dense_logits, blocks, sparse_picks, dense_picks, label: str) -> bool:

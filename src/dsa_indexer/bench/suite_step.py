@@ -25,7 +25,11 @@ BYTES_PER_KEY = {"fp8": 132, "mxfp4": 68}
 LOGITS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _inputs(batch: int, length: int, next_n: int, fmt: str, gen: torch.Generator):
+def decode_inputs(batch: int, length: int, next_n: int, fmt: str, gen: torch.Generator, heads: int = HEADS):
+    """(q, q_scale, cache, weights, context_lens, block_table) of a decode step on the GPU: ``batch`` requests at
+    the full context ``length`` (row ``t`` sees ``length - next_n + 1 + t`` positions) on randomly permuted
+    64-token pages, keys random finite bytes of ``fmt``, queries (``heads`` x 128, quantised) and weights
+    Gaussian from ``gen``."""
     pages = length // PAGE
     cache = dsa.IndexerKCache(batch * pages, block_size=PAGE, head_dim=DIM, fmt=fmt, device="cuda")
     values, scales = cache.values_view(), cache.scales_view()
@@ -40,16 +44,16 @@ def _inputs(batch: int, length: int, next_n: int, fmt: str, gen: torch.Generator
     del raw
     table = torch.randperm(batch * pages, generator=gen).view(batch, pages).int().cuda()
     lens = torch.tensor([length - next_n + 1 + t for t in range(next_n)], dtype=torch.int32).repeat(batch, 1).cuda()
-    q = torch.randn(batch * next_n, HEADS, DIM, generator=gen).cuda()
-    weights = torch.randn(batch * next_n, HEADS, generator=gen).cuda()
+    q = torch.randn(batch * next_n, heads, DIM, generator=gen).cuda()
+    weights = torch.randn(batch * next_n, heads, generator=gen).cuda()
     if fmt == "fp8":
         q_stored, q_scale = dsa.quantize_fp8(q.view(-1, DIM), scale_fmt="ue8m0")
-        weights = weights * q_scale.view(batch * next_n, HEADS)
-        q_stored, q_scale = q_stored.view(batch, next_n, HEADS, DIM), None
+        weights = weights * q_scale.view(batch * next_n, heads)
+        q_stored, q_scale = q_stored.view(batch, next_n, heads, DIM), None
     else:
         q_stored, q_scale = dsa.quantize_mxfp4(q.view(-1, DIM))
-        q_stored = q_stored.view(batch, next_n, HEADS, DIM // 2)
-        q_scale = q_scale.view(batch, next_n, HEADS, mxfp4_scale_bytes(DIM))
+        q_stored = q_stored.view(batch, next_n, heads, DIM // 2)
+        q_scale = q_scale.view(batch, next_n, heads, mxfp4_scale_bytes(DIM))
     return q_stored, q_scale, cache, weights.contiguous(), lens, table
 
 
@@ -57,7 +61,7 @@ def run(ceilings: dict[str, float]) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     rows = []
     for batch, length, next_n, k, fmt in SHAPES:
-        q, q_scale, cache, weights, lens, table = _inputs(batch, length, next_n, fmt, gen)
+        q, q_scale, cache, weights, lens, table = decode_inputs(batch, length, next_n, fmt, gen)
         for name, dtype in LOGITS_DTYPES.items():
             rows.append(_step_row(q, q_scale, cache, weights, lens, table, batch, length, next_n, k, fmt, name, dtype,
                                   ceilings))

@@ -1,32 +1,14 @@
-"""Triton kernels of the indexer's KL loss (issue 27): the loss and its gradients in one call.
+"""Triton kernels of the indexer's KL loss: the loss and its gradients in one call.
 
-``indexer_kl_triton`` returns ``(loss, dq, dk, dweights)`` for the math of ``docs/contract.md`` (the
-training section) with memory linear in T: no ``T x T_k`` tensor is ever formed. Scores are recomputed
-tile by tile instead:
-
-1. ``_query_kernel`` with ``STATS``: one program per block of ``BT`` query tokens of one sequence sweeps
-   the visible keys and keeps, per query row, the online max and sum of ``exp(I)`` (so ``LSE_I``) and,
-   for ``target_norm="l1"``, the denominator ``D_t = sum_{s in V_t} sum_h P_h`` (a pass over the
-   attention scores that ``"heads"`` skips: there ``D_t = H``).
-2. ``_query_kernel`` (gradient mode): the same sweep recomputes ``I`` and the target
-   ``p = sum_h exp2(log2(e) (tau z_h - lse_h)) / D_t``, forms ``G = (coeff/N)(pi - p)`` directly and
-   accumulates ``dq`` and ``dw`` in registers, plus the row's KL term. Sparse stage: the program also
-   writes ``G`` of its selected keys (``[T, K]`` fp32, the size of the index input) for step 3.
-3. ``dk`` without float atomics. Dense: ``_dk_dense_kernel``, one program per block of ``BS`` keys and
-   run of the queries that see them, sweeps its run in token order recomputing ``I`` and the target,
-   and writes an fp32 part; the parts (at most 16, so O(T D_I) memory) are summed in a fixed order. Sparse:
-   ``_dk_sparse_kernel`` walks a by-key CSR of the selected (query, slot) pairs (built with a stable
-   device sort, so each key's queries come in ascending token order). Every sum has a fixed order:
-   reruns are bitwise equal.
-
-Rows of a tile are ``(token, head)`` pairs: the indexer product is one ``[BT*H_I, D_I] x [D_I, BS]``
-``tl.dot`` and the attention product ``[BT*HC, 64] x [64, BS]`` over head chunks ``HC`` and ``D_a``
-chunks of 64, accumulated in fp32; sums over heads are reshapes. The causal sweeps skip key blocks no
-query of the block sees. Varlen batches map programs to (sequence, block) with a device-side
-``searchsorted``; the grid is an upper bound (``T // BT + B``) so nothing is read back to the host.
-
-Loops whose trip count is a run-time value are ``while`` loops (Triton's CPU interpreter cannot turn a
-run-time bound into a Python ``range``).
+``indexer_kl_triton`` returns ``(loss, dq, dk, dweights)`` for the math of ``docs/contract.md`` (the training
+section) with memory linear in T: no ``T x T_k`` tensor is formed; scores are recomputed tile by tile. Pass 1
+(``_query_kernel`` with ``STATS``) keeps each query row's online ``LSE_I`` (and the ``"l1"`` target
+denominator); pass 2 recomputes the indexer scores and the target, forms ``G = (coeff/N)(pi - p)`` and
+accumulates ``dq``, ``dw`` and the KL terms; pass 3 forms ``dk`` without float atomics (dense: fp32 parts over
+at most 16 runs of the queries, summed in a fixed order; sparse: a by-key CSR of the selected pairs). Every
+sum has a fixed order, so reruns are bitwise equal. Rows of a tile are ``(token, head)`` pairs; varlen batches
+map programs to (sequence, block) on the device, so nothing is read back to the host. Loops with a run-time
+trip count are ``while`` loops (the CPU interpreter cannot ``range`` over one). Details: ``README.md``.
 """
 
 from __future__ import annotations
@@ -45,8 +27,8 @@ from .._validation import (
     first_true,
     value_checks_enabled,
 )
-from ..backend import interpreter_enabled
-from ..ops.q_quant.triton import round_to_bf16
+from ..ops.common.codecs import round_to_bf16
+from ..ops.common.runtime import interpreting
 
 _LOG2E = 1.4426950408889634
 _ROWS = 128  # rows (token, head) of one tile: the M dimension of the tensor-core products
@@ -552,7 +534,7 @@ def indexer_kl_triton(q, k, weights, attn_q, attn_k, attn_lse, *, softmax_scale:
         tile_start, tickets, dk_sum = cu_k, torch.empty(1, dtype=torch.int32, device=device), gbuf
     ieee_i = q.dtype == torch.float32
     ieee_a = attn_q.dtype == torch.float32
-    upcast = interpreter_enabled()
+    upcast = interpreting()
     common = (q, weights, k, attn_q, attn_k, attn_lse, cu, cu_k, block_seq, block_start, sel,
               lse_i, denom, scale, kl, dq, dw, gbuf, dk_sum, tickets, tile_start,
               q.stride(0), q.stride(1), weights.stride(0), k.stride(0), attn_q.stride(0), attn_q.stride(1),

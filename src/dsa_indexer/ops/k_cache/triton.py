@@ -2,33 +2,23 @@
 
 Both honour the cache's byte layout (``dsa_indexer.cache``): page ``p`` starts ``p * page_stride`` bytes
 after the buffer's first byte; inside it come ``block_size`` value rows, then ``block_size`` scale rows.
-Quantisation uses the exact helpers of ``ops.q_quant.triton`` (bit-exact with ``dsa_indexer.formats``).
-The cache's block size and head dim are compile-time constants (one compile per cache configuration),
-so slot arithmetic is shifts and multiplies rather than 64-bit division. MXFP4 of bf16 keys (the default
-``bf16x2`` path) loads rows as bf16 pair words in row-major tiles (``load_bf16_words``: whole sectors per
-load), encodes them on packed bf16 instructions and stores each thread's packed word
-(``ops.q_quant.triton.quantize_store_bf16_words``): 91.1 us against 118.6 for the fp32 path on an H200
-(run 6). Other keys (fp16, fp32, strided dims; every key under the interpreter) take the fp32 path: rows
-loaded as ``load_pairs`` tiles (each thread one whole 32-dim block of one row, so the block amax needs no
-shuffles), packed bytes stored through row-major tiles (``store_mxfp4_rows``).
-
-``gather_k`` runs one program per ``BLOCK_ROWS`` destination rows, over the destination's whole row
-capacity; a program whose first row is at or past ``cu_seq_lens[-1]`` does nothing, so the grid needs
-no host read. Each row finds its request by a binary search of ``cu_seq_lens``: the request of row
-``r`` is the largest ``b`` with ``cu[b] <= r``, which skips empty requests, and ``bit_length(B)`` halvings
-of ``[0, B)`` reach it.
+Quantisation uses the encode helpers of ``ops/common/codecs`` (bit-exact with ``dsa_indexer.formats``); MXFP4
+of bf16 keys with unit dim stride encodes on bf16 pairs, other keys on fp32 values. The block size and head dim
+are compile-time constants. ``gather_k`` needs no host read: each row finds its request by a binary search of
+``cu_seq_lens``. Details: ``README.md``.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
 import triton.language as tl
 
-from ...backend import interpreter_enabled
 from ...cache_layout import KCacheLayout
 from ...formats import FP8_MAX
-from ..q_quant.triton import (
+from ..common.codecs import (
     bf16x2_block_amax,
     e4m3_bytes,
     finite_amax,
@@ -41,17 +31,39 @@ from ..q_quant.triton import (
     store_mxfp4_rows,
     store_scale_padding,
 )
+from ..common.runtime import interpreting
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 
-# MXFP4 choices the insert wrapper makes unless told: the launch (32 tokens, 2 warps: fastest on an H200), and
-# for bf16 keys (unit dim stride) the encode on bf16 pairs (``quantize_store_bf16_words``) rather than on fp32
-# values.
-INSERT_MXFP4_BLOCK_TOKENS = 32
-INSERT_MXFP4_NUM_WARPS = 2
-INSERT_MXFP4_BF16X2 = True
+__all__ = ["gather_k_triton", "insert_k_triton", "InsertConfig", "GatherConfig", "insert_config"]
 
-__all__ = ["gather_k_triton", "insert_k_triton"]
+
+@dataclasses.dataclass(frozen=True)
+class InsertConfig:
+    """Launch of the insert kernel (defaults: FP8): ``block_tokens`` rows a program (a power of two).
+    ``bf16x2`` (MXFP4): bf16 keys whose layout allows it are encoded on bf16 pairs; False runs the fp32 path
+    (tests, benchmarks); the results are the same."""
+
+    block_tokens: int = 32
+    num_warps: int = 4
+    bf16x2: bool = True
+
+
+# MXFP4: 32 tokens with 2 warps, the fastest measured on an H200.
+MXFP4_INSERT_CONFIG = InsertConfig(num_warps=2)
+
+
+def insert_config(fmt: str) -> InsertConfig:
+    """The insert launch the wrapper uses for a cache in ``fmt`` (``"fp8"`` or ``"mxfp4"``)."""
+    return MXFP4_INSERT_CONFIG if fmt == "mxfp4" else InsertConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherConfig:
+    """Launch of the gather kernel: ``block_rows`` destination rows a program."""
+
+    block_rows: int = 64
+    num_warps: int = 4
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_slots"])
@@ -179,15 +191,11 @@ def insert_k_triton(
     *,
     scale_fmt: str,
     amax_floor: float,
-    block_tokens: int | None = None,
-    num_warps: int | None = None,
-    bf16x2: bool | None = None,
+    config: InsertConfig | None = None,
 ) -> None:
-    """Triton twin of ``insert_k_reference``; ``block_tokens`` (a power of two) and ``num_warps`` tune the launch
-    (defaults: 32 tokens, 4 warps for FP8; ``INSERT_MXFP4_BLOCK_TOKENS`` / ``_NUM_WARPS`` for MXFP4). ``bf16x2``
-    (MXFP4 only; default ``INSERT_MXFP4_BF16X2``; results identical) encodes on bf16 pairs; it applies to bf16
-    ``k`` with unit dim stride, even row stride, 4-byte aligned, and a cache whose buffer and page stride are
-    4-byte aligned (other ``k`` take the fp32 path).
+    """Triton twin of ``insert_k_reference``; ``config`` overrides ``insert_config(cache.fmt)`` (tests,
+    benchmarks). The bf16-pair encode applies to bf16 ``k`` with unit dim stride, even row stride, 4-byte
+    aligned, and a cache whose buffer and page stride are 4-byte aligned (other ``k`` take the fp32 path).
 
     Rows sharing a slot are written in no promised order. No host synchronisation.
     """
@@ -195,23 +203,18 @@ def insert_k_triton(
     if num_tokens == 0:
         return
     mxfp4 = cache.fmt == "mxfp4"
-    if block_tokens is None:
-        block_tokens = INSERT_MXFP4_BLOCK_TOKENS if mxfp4 else 32
-    if num_warps is None:
-        num_warps = INSERT_MXFP4_NUM_WARPS if mxfp4 else 4
-    if bf16x2 is None:
-        bf16x2 = INSERT_MXFP4_BF16X2
+    config = config or insert_config(cache.fmt)
     words_ok = (k.dtype == torch.bfloat16 and k.stride(1) == 1 and k.stride(0) % 2 == 0 and k.data_ptr() % 4 == 0
                 and cache.buffer.data_ptr() % 4 == 0 and cache.page_stride % 4 == 0)  # 4-byte loads and stores
-    _insert_k_kernel[(triton.cdiv(num_tokens, block_tokens),)](
+    _insert_k_kernel[(triton.cdiv(num_tokens, config.block_tokens),)](
         k, slot_mapping, cache.buffer,
         num_tokens, cache.num_slots, k.stride(0), k.stride(1), slot_mapping.stride(0),
         cache.page_stride, amax_floor,
         BLOCK_SIZE=cache.block_size, HEAD_DIM=cache.head_dim, BLOCK_D=triton.next_power_of_2(cache.head_dim),
-        MXFP4=mxfp4, MXFP8=cache.scale_fmt == "mxfp8", UE8M0=scale_fmt == "ue8m0", BLOCK_T=block_tokens,
-        BF16X2=mxfp4 and bf16x2 and words_ok,
-        INTERPRETER=interpreter_enabled(),
-        num_warps=num_warps, enable_fp_fusion=False,
+        MXFP4=mxfp4, MXFP8=cache.scale_fmt == "mxfp8", UE8M0=scale_fmt == "ue8m0", BLOCK_T=config.block_tokens,
+        BF16X2=mxfp4 and config.bf16x2 and words_ok,
+        INTERPRETER=interpreting(),
+        num_warps=config.num_warps, enable_fp_fusion=False,
     )
 
 
@@ -222,10 +225,9 @@ def gather_k_triton(
     values_out: torch.Tensor,
     scales_out: torch.Tensor,
     *,
-    block_rows: int = 64,
-    num_warps: int = 4,
+    config: GatherConfig | None = None,
 ) -> None:
-    """Triton twin of ``gather_k_reference``; ``block_rows`` (a power of two) and ``num_warps`` tune the launch.
+    """Triton twin of ``gather_k_reference``; ``config`` overrides ``GatherConfig()`` (tests, benchmarks).
 
     Any destination strides. No host synchronisation: the grid covers ``values_out``'s rows.
     """
@@ -237,13 +239,14 @@ def gather_k_triton(
         stride_scales_row, stride_scales_byte = scales_out.stride(0) * scales_out.element_size(), 1
     else:
         stride_scales_row, stride_scales_byte = scales_out.stride(0), scales_out.stride(1)
-    _gather_k_kernel[(triton.cdiv(num_rows, block_rows),)](
+    config = config or GatherConfig()
+    _gather_k_kernel[(triton.cdiv(num_rows, config.block_rows),)](
         cache.buffer, block_table, cu_seq_lens, values_out, scales_out,
         num_requests, num_requests.bit_length(), cu_seq_lens.stride(0), num_rows, block_table.shape[1], cache.num_blocks,
         block_table.stride(0), block_table.stride(1), cache.page_stride,
         values_out.stride(0), values_out.stride(1), stride_scales_row, stride_scales_byte,
         BLOCK_SIZE=cache.block_size, VALUE_BYTES=cache.value_bytes, SCALE_BYTES=cache.scale_bytes,
         BLOCK_V=triton.next_power_of_2(cache.value_bytes), BLOCK_S=triton.next_power_of_2(cache.scale_bytes),
-        BLOCK_ROWS=block_rows,
-        num_warps=num_warps,
+        BLOCK_ROWS=config.block_rows,
+        num_warps=config.num_warps,
     )

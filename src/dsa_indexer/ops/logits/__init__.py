@@ -35,6 +35,7 @@ from ...cache_layout import KCacheLayout
 from ...formats import FP8_DTYPE, MXFP4_BLOCK, mxfp4_scale_bytes, ue8m0_to_fp32
 from ..common.logits_checks import check_decode_lengths, check_q_scale, key_format
 from ..common.registration import registered_op
+from ..common.runtime import capability, interpreting
 from . import reference
 
 __all__ = ["mqa_logits", "paged_mqa_logits", "decode_kernel", "DECODE_KERNEL_ENV"]
@@ -88,11 +89,11 @@ def decode_kernel(q: torch.Tensor, cache: KCacheLayout, max_context_len: int) ->
     choice = os.environ.get(DECODE_KERNEL_ENV) or "auto"
     if choice not in DECODE_KERNELS:
         raise ValueError(f"environment variable {DECODE_KERNEL_ENV} must be one of {DECODE_KERNELS}, got {choice!r}")
-    if choice == "triton" or q.device.type != "cuda" or _backend.interpreter_enabled():
+    if choice == "triton" or q.device.type != "cuda" or interpreting():
         return "triton"
-    from .triton import _capability, _device_index, use_upcast
+    from ..common.codecs import use_upcast  # imports Triton
 
-    if (_capability(_device_index(q.device))[0] != 9 or use_upcast(q.device)
+    if (capability(q.device)[0] != 9 or use_upcast(q.device)
             or not _gluon_takes_shape(cache, q.shape[2]) or not _gluon_available()):
         return "triton"
     if choice == "gluon":

@@ -1,37 +1,15 @@
 """Gluon (warp-specialised) MXFP4 paged decode logits: the twin of ``paged_mqa_logits_triton`` for fmt mxfp4.
 
-Same contract, grid and arithmetic as the Triton kernel (``triton.py``, module docstring: MXFP4, the PTX
-expansion and ``_dot_order``): programs over (request, group of ``ROWS`` draft rows, split of
-``split_tiles * BLOCK_K`` positions), one key tile of ``BLOCK_K = 64`` positions at a time. What changes is who
-waits for what:
-
-- A producer partition (one warp, few registers) copies, per key tile, the block-table entry (one tile
-  ahead, in a register), the ``[64, D/2]`` packed e2m1 bytes and the 64 ue8m0 scale words (``D/32 = 4``
-  bytes a key, one 32-bit word) into a ``NUM_STAGES`` shared-memory ring: two TMA copies a tile on the
-  per-stage ``ready`` mbarrier's transaction count (``_fill_tiles_tma``; the cache is viewed as rows of 64
-  bytes). Caches TMA cannot take (unaligned, a page stride that is not a multiple of 64 bytes, pages smaller
-  than a tile: ``_tma_pages``) get the cp.async producer instead (``_fill_tiles``: per-thread copies by four
-  warps, slower, same bytes in shared memory). The consumer hands each stage back through an ``empty``
-  mbarrier.
-- The consumer (one warpgroup, the default partition) loads the group's de-interleaved e4m3 queries
-  once into shared memory in ``_dot_order`` (the wgmma B operand, heads on N), then per tile reads the
-  stage into registers and releases it at once (the keys never go back to shared memory), builds each
-  (key, block) 8-entry e4m3 table and expands the packed words with the Triton kernel's inline PTX
-  (same instructions, same bits), and feeds the expanded ``[64 keys, D]`` tile to wgmma as the register
-  A operand. The packed bytes are read in a layout where each thread holds, for its two accumulator rows,
-  the 16 bytes of scale block ``lane % 4``: after the expansion that is exactly the thread's share of
-  the A operand in ``_dot_order`` (the layout conversion is a register renaming, asserted at compile
-  time). One async wgmma chain per draft row (K = 128: the even half then the odd half, the Triton
-  kernel's two half-depth dots in the same order), row 0's epilogue under row 1's wgmma.
-- Several programs share an SM (the register cap decides how many), so one program's expansion and
-  epilogue overlap another's wgmma, and the copies run ahead in the ring.
-
-The head sum of a row is the reduction over axis 1 of its own ``[64, BLOCK_H]`` accumulator, with the
-per-key ``2**e_max`` applied after it, as in the FP8 Gluon kernel (``gluon_decode._store_row``); results
-agree with the reference to fp32 rounding (DESIGN.md §11) and one kernel always returns the same bits.
-
-Gluon does not run under the Triton interpreter: this path needs a CUDA GPU with wgmma (sm_90+), and
-``head_dim == 128`` (four scale blocks: one per lane of a quad in the wgmma register operand).
+Same contract, grid and arithmetic as the Triton kernel: programs over (request, group of ``ROWS`` draft rows,
+split of ``split_tiles * BLOCK_K`` positions), one key tile of ``BLOCK_K = 64`` positions at a time. A producer
+partition (one warp) copies the packed e2m1 bytes and the ue8m0 scale words of each tile into a shared-memory
+ring by TMA (``ops/common/gluon``; the cp.async producer where TMA cannot take the cache). The consumer (one
+warpgroup) reads a stage into registers, expands it with the Triton kernel's inline PTX
+(``ops/common/codecs``: same instructions, same bits) in a layout that is the wgmma register A operand in
+``mxfp4_dot_order`` (asserted at compile time), and runs one async wgmma chain per draft row, row 0's epilogue
+under row 1's wgmma. Design and measurements: ``README.md``. Needs a CUDA GPU with wgmma (sm_90+) and
+``head_dim == 128`` (four scale blocks: one per lane of a quad in the wgmma register operand); Gluon does not
+run under the interpreter.
 """
 
 from __future__ import annotations
@@ -40,7 +18,6 @@ import functools
 import types
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -51,45 +28,38 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ... import backend as _backend
 from ...cache import IndexerKCache
 from ...formats import FP8_DTYPE
-from .gluon_decode import (
-    _fill_tiles,
-    _fill_tiles_tma,
-    _launch_shape,
-    _nothing_to_read,
-    _row_outputs,
-    _store_row,
-    _store_tail,
-    _work_item,
+from ..common.codecs import E2M1_EXPAND_ASM, E4M3_TABLE_ASM, mxfp4_rows
+from ..common.gluon import (
+    BLOCK_K,
+    GluonDecodeConfig,
+    cp_async_fallback,
+    fill_tiles,
+    fill_tiles_tma,
+    launch_shape,
+    nothing_to_read,
     page_descriptors,
+    row_outputs,
+    store_row,
+    store_tail,
     wave_fills,
+    work_item,
 )
-from .triton import _E2M1_EXPAND_ASM, _E4M3_TABLE_ASM, _mxfp4_rows
+from ..common.runtime import next_pow2, sm_count
 
 __all__ = ["paged_mqa_logits_gluon_mxfp4", "gluon_mxfp4_decode_preferred", "gluon_mxfp4_decode_config",
            "GLUON_MXFP4_DECODE_CONFIG"]
 
-BLOCK_K = gl.constexpr(64)  # positions per key tile: one wgmma M tile
 DIM = gl.constexpr(128)  # head_dim this kernel takes: D/32 = 4 scale blocks, one per lane of a quad
-# (ring stages, programs per SM aimed at, key tiles per split min/max, draft rows per program at most (1 or
-# 2), producer warps, producer registers per thread, register cap per thread at launch, TMA page copies 0/1:
-# ``_fill_tiles_tma`` where the cache allows, else the cp.async producer, and optionally one wave 0/1: splits
-# of any size, ``_wave_split``, instead of the power-of-two split between the min and max). Warp
-# specialisation rounds the warps up to whole warpgroups (4 consumer + 1 producer warp = 256 threads), so the
-# cap decides the programs per SM: 128 gives two, 80 three (consumer 136 registers with 24 producer
-# registers), 64 four (consumer 104).
-# Draft rows: three programs per SM, TMA (NOTES_logits.md, session 5 round 1: 204.7 vs 220.5 µs with cp.async
-# at B = 32, L = 128K, next_n = 2).
-GLUON_MXFP4_DECODE_CONFIG = (4, 8, 2, 32, 2, 1, 24, 80, 1)
+# The launches that ship, picked per call by ``gluon_mxfp4_decode_config`` (measurements: README.md). Draft
+# rows: three programs per SM (register cap 80: consumer 136 registers with 24 producer registers), TMA.
+GLUON_MXFP4_DECODE_CONFIG = GluonDecodeConfig()
 # Draft rows where one wave fills its slots (``wave_fills``): the same programs, each row group's tiles in even
-# splits of any size that give one wave of three programs a SM (field 9; the FP8 kernel's
-# ``GLUON_DECODE_CONFIG_WAVE``). Session 12, rotating: 61.7 against 66.5 µs at B = 32, L = 32K, next_n = 2;
-# 204.2-204.8 against 208.3-208.6 at 4M keys, 746.6 against 750.6 at B = 128, L = 128K.
-GLUON_MXFP4_DECODE_CONFIG_WAVE = (4, 3, 2, 32, 2, 1, 24, 80, 1, 1)
-# next_n = 1: four programs per SM, TMA (session 5 round 1: 131.6 vs 150.7 µs with cp.async at B = 32, L = 128K).
-GLUON_MXFP4_DECODE_CONFIG_ONE_ROW = (4, 8, 2, 32, 2, 1, 24, 64, 1)
+# splits of any size that give one wave of three programs a SM.
+GLUON_MXFP4_DECODE_CONFIG_WAVE = GluonDecodeConfig(programs_per_sm=3, one_wave=True)
+# next_n = 1: four programs per SM (cap 64: consumer 104 registers), TMA.
+GLUON_MXFP4_DECODE_CONFIG_ONE_ROW = GluonDecodeConfig(maxnreg=64)
 # Smallest ``batch * max_context_len`` the dispatch sends to this kernel (``gluon_mxfp4_decode_preferred``), and
 # for draft rows of requests of at least GLUON_MXFP4_MIN_LEN_WAVE keys (whose one wave fills its slots).
 GLUON_MXFP4_MIN_KEYS = 1 << 20
@@ -103,17 +73,17 @@ def _producer(values_ptr, cache_ptr, page_units, num_blocks, key_desc, scale_des
               BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr, TMA_PAGES: gl.constexpr, COPY_ALIGN: gl.constexpr,
               COPY_LAYOUT: gl.constexpr, SCALE_LAYOUT: gl.constexpr):
     """Per tile ``[BLOCK_K, D/2]`` packed bytes and ``[BLOCK_K]`` scale words into the ring, ``num_fills``
-    tiles: two TMA copies a tile with ``TMA_PAGES`` (``_fill_tiles_tma``: the cache as rows of ``D/2`` bytes,
-    ``page_rows`` a page), else cp.async (``_fill_tiles``; positions ``>= read_end`` are zero-filled: code 0
+    tiles: two TMA copies a tile with ``TMA_PAGES`` (``fill_tiles_tma``: the cache as rows of ``D/2`` bytes,
+    ``page_rows`` a page), else cp.async (``fill_tiles``; positions ``>= read_end`` are zero-filled: code 0
     in a block of exponent 0 expands to +0). A page id outside ``[0, num_blocks)`` reads as zeros too."""
     if TMA_PAGES:
-        _fill_tiles_tma(key_desc, scale_desc, page_rows, num_blocks, table_row, key_ring, scale_ring, ready, empty,
+        fill_tiles_tma(key_desc, scale_desc, page_rows, num_blocks, table_row, key_ring, scale_ring, ready, empty,
                         split_start, read_end, 0, num_fills, 0, DIM // 2, BLOCK_SIZE, NUM_STAGES, False)
     else:
         key = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, COPY_LAYOUT))
         byte = gl.arange(0, DIM // 2, layout=gl.SliceLayout(0, COPY_LAYOUT))
         scale_key = gl.arange(0, BLOCK_K, layout=SCALE_LAYOUT)
-        _fill_tiles(values_ptr, cache_ptr, page_units, num_blocks, table_row, key_ring, scale_ring, ready, empty,
+        fill_tiles(values_ptr, cache_ptr, page_units, num_blocks, table_row, key_ring, scale_ring, ready, empty,
                     split_start, read_end, 0, num_fills, 0, key, byte, scale_key, DIM // 2, BLOCK_SIZE, NUM_STAGES,
                     COPY_ALIGN, False)
 
@@ -121,7 +91,7 @@ def _producer(values_ptr, cache_ptr, page_units, num_blocks, key_desc, scale_des
 @gluon.jit
 def _load_queries(q_ptr, stride_qb, stride_qt, stride_qh, query_smem, request, t0, next_n,
                   HEADS: gl.constexpr, BLOCK_H: gl.constexpr, ROWS: gl.constexpr, QUERY_LAYOUT: gl.constexpr):
-    """De-interleaved e4m3 queries ``[ROWS, BLOCK_H, D]`` -> shared memory in ``_dot_order`` (position
+    """De-interleaved e4m3 queries ``[ROWS, BLOCK_H, D]`` -> shared memory in ``mxfp4_dot_order`` (position
     ``16i + 4b + j`` of each half holds half element ``16b + 4i + j``), zero for absent heads and rows."""
     head = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, QUERY_LAYOUT))
     position = gl.arange(0, DIM, layout=gl.SliceLayout(0, QUERY_LAYOUT))
@@ -138,7 +108,7 @@ def _load_queries(q_ptr, stride_qb, stride_qt, stride_qh, query_smem, request, t
 def _expand_tile(key_ring, scale_ring, stage, ROW_BYTES_LAYOUT: gl.constexpr, PACKED_LAYOUT: gl.constexpr,
                  A_LAYOUT: gl.constexpr, ROW_LAYOUT: gl.constexpr):
     """One stage's packed keys -> (e4m3 ``[BLOCK_K, D]`` in the wgmma A register layout, contraction in
-    ``_dot_order``: even half then odd half; fp32 ``[BLOCK_K]`` ``2**e_max`` per key in ``ROW_LAYOUT``;
+    ``mxfp4_dot_order``: even half then odd half; fp32 ``[BLOCK_K]`` ``2**e_max`` per key in ``ROW_LAYOUT``;
     ``e_max``: the max over the quad's four blocks, two shuffles)."""
     block_layout: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, PACKED_LAYOUT))  # [BLOCK_K, 4 blocks]
     # Byte 16q + 4k + j of a key row (block q, word k, byte j) read as [key, k, q, j]: a thread's 16 bytes
@@ -153,9 +123,9 @@ def _expand_tile(key_ring, scale_ring, stage, ROW_BYTES_LAYOUT: gl.constexpr, PA
     # The Triton path's block multiplier 2**(14 + e_b - e_max) as fp16 exponent field (0: block dropped).
     scale_pair = gl.maximum(29 - (top[:, None] - exponents), 0) * 0x04000400  # fp16x2 bits
     table_low, table_high = gl.inline_asm_elementwise(
-        _E4M3_TABLE_ASM, "=r,=r,r", [scale_pair], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+        E4M3_TABLE_ASM, "=r,=r,r", [scale_pair], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
     even, odd = gl.inline_asm_elementwise(
-        _E2M1_EXPAND_ASM, "=r,=r,r,r,r,r,r,r,r,r,r",
+        E2M1_EXPAND_ASM, "=r,=r,r,r,r,r,r,r,r,r,r",
         [packed, gl.expand_dims(gl.expand_dims(table_low, 1), 3), gl.expand_dims(gl.expand_dims(table_high, 1), 3)],
         dtype=(gl.float8e4nv, gl.float8e4nv), is_pure=True, pack=4)  # [BLOCK_K, 4 k, 4 q, 4 j] each
     # Column 64h + 16k + 4q + j of the A operand: half h, word k of block q, byte j.
@@ -196,7 +166,7 @@ def _consumer(q_ptr, stride_qb, stride_qt, stride_qh, w_ptr, stride_wr, stride_w
     gl.thread_barrier()
     head = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, mma_layout))
     key = gl.arange(0, BLOCK_K, layout=row_layout)
-    present0, present1, half_w0, half_w1, out_row0, out_row1 = _row_outputs(
+    present0, present1, half_w0, half_w1, out_row0, out_row1 = row_outputs(
         w_ptr, stride_wr, stride_wh, out_ptr, stride_or, request, t0, next_n, head, HEADS, ROWS)
     zero = gl.zeros([BLOCK_K, BLOCK_H], gl.float32, layout=mma_layout)
     for tile in range(num_tiles):
@@ -209,14 +179,14 @@ def _consumer(q_ptr, stride_qb, stride_qt, stride_qh, w_ptr, stride_wr, stride_w
         live = positions < read_end
         if ROWS == 2:
             acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
-            _store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
+            store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
             acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
-            _store_row(acc1, half_w1, key_mul, out_row1, positions, live, length1, present1, CLEAN)
+            store_row(acc1, half_w1, key_mul, out_row1, positions, live, length1, present1, CLEAN)
         else:
             acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, ))
-            _store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
+            store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
     if CLEAN:
-        _store_tail(out_row0, out_row1, present0, present1, split_start, split_end, read_end, key, ROWS)
+        store_tail(out_row0, out_row1, present0, present1, split_start, split_end, read_end, key, ROWS)
 
 
 @gluon.jit(do_not_specialize=["num_blocks", "table_columns", "next_n", "one_d", "max_context_len", "num_splits",
@@ -239,8 +209,8 @@ def _paged_mqa_logits_mxfp4_ws_kernel(
     """Draft rows ``[t0, t0 + ROWS)`` of one request over one split of ``split_tiles * BLOCK_K`` positions
     (program ids: request, split, row group fastest, as in the Triton kernel; ``split_tiles`` is a runtime
     value, so a one-wave split of any size compiles once). ``key_desc``, ``scale_desc``,
-    ``page_rows``: ``_fill_tiles_tma``'s arguments with ``TMA_PAGES``, None otherwise."""
-    request, t0, length0, length1, split_start, split_end, read_end, num_tiles = _work_item(
+    ``page_rows``: ``fill_tiles_tma``'s arguments with ``TMA_PAGES``, None otherwise."""
+    request, t0, length0, length1, split_start, split_end, read_end, num_tiles = work_item(
         lens_ptr, stride_lb, stride_lt, gl.program_id(0), next_n, one_d, max_context_len, num_splits, num_groups, ROWS,
         split_tiles, table_columns * BLOCK_SIZE)
     table_row = table_ptr + request.to(gl.int64) * stride_tb
@@ -268,16 +238,16 @@ def _paged_mqa_logits_mxfp4_ws_kernel(
 
 @functools.lru_cache(maxsize=256)
 def kernel_constants(heads: int, block_size: int, rows: int, clean: bool, copy_align: int,
-                     config: tuple[int, ...], tma_pages: bool = False) -> types.MappingProxyType:
+                     config: GluonDecodeConfig, tma_pages: bool = False) -> types.MappingProxyType:
     """The kernel's compile-time arguments (launcher and ahead-of-time compilation share them); ``tma_pages``:
     whether the launch takes the TMA producer (``_tma_pages``). Cached, read-only: building the layouts
     costs more host time than the launch."""
-    num_stages, producer_warps, producer_regs = config[0], config[5], config[6]
+    num_stages, producer_warps, producer_regs = config.num_stages, config.producer_warps, config.producer_regs
     if heads > 128:
         raise ValueError(f"the Gluon MXFP4 decode kernel takes at most 128 heads, got {heads}")
     lanes_per_row = (DIM.value // 2) // copy_align  # copy_align bytes a thread, a packed row is D/2 bytes
     return types.MappingProxyType(dict(
-        HEADS=heads, BLOCK_H=max(16, triton.next_power_of_2(heads)), BLOCK_SIZE=block_size, ROWS=rows,
+        HEADS=heads, BLOCK_H=next_pow2(heads, 16), BLOCK_SIZE=block_size, ROWS=rows,
         NUM_STAGES=num_stages, CLEAN=clean, TMA_PAGES=int(tma_pages), PRODUCER_WARPS=producer_warps,
         PRODUCER_REGS=producer_regs, COPY_ALIGN=copy_align,
         QUERY_SMEM_LAYOUT=gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2),
@@ -299,11 +269,11 @@ def kernel_constants(heads: int, block_size: int, rows: int, clean: bool, copy_a
     ))
 
 
-def _tma_pages(cache: IndexerKCache, config: tuple[int, ...]) -> tuple[TensorDescriptor, TensorDescriptor] | None:
-    """The key and scale descriptors of ``_fill_tiles_tma`` when ``config`` asks for TMA page copies and the
+def _tma_pages(cache: IndexerKCache, config: GluonDecodeConfig) -> tuple[TensorDescriptor, TensorDescriptor] | None:
+    """The key and scale descriptors of ``fill_tiles_tma`` when ``config`` asks for TMA page copies and the
     cache allows them (16-byte aligned base, 64-byte multiple page stride, pages of whole 64-key tiles);
     None otherwise (the cp.async producer runs)."""
-    if (len(config) < 9 or not config[8] or cache.buffer.data_ptr() % 16 or cache.page_stride % 64
+    if (not config.tma_pages or cache.buffer.data_ptr() % 16 or cache.page_stride % 64
             or cache.block_size % BLOCK_K.value):
         return None
     return page_descriptors(cache, _build_page_descriptors)
@@ -336,7 +306,7 @@ def gluon_mxfp4_decode_preferred(batch: int, next_n: int, max_context_len: int) 
     return next_n > 1 and keys >= GLUON_MXFP4_MIN_KEYS_WAVE and max_context_len >= GLUON_MXFP4_MIN_LEN_WAVE
 
 
-def gluon_mxfp4_decode_config(batch: int, next_n: int, max_context_len: int, sms: int) -> tuple[int, ...]:
+def gluon_mxfp4_decode_config(batch: int, next_n: int, max_context_len: int, sms: int) -> GluonDecodeConfig:
     """The launcher's default configuration for this call (host integers only; ``sms``: the GPU's SM count):
     ``GLUON_MXFP4_DECODE_CONFIG_ONE_ROW`` at next_n = 1; with draft rows ``GLUON_MXFP4_DECODE_CONFIG_WAVE``
     where its one wave is well filled (``wave_fills``), else ``GLUON_MXFP4_DECODE_CONFIG``."""
@@ -358,7 +328,7 @@ def paged_mqa_logits_gluon_mxfp4(
     clean: bool,
     out: torch.Tensor,
     *,
-    config: tuple[int, ...] | None = None,
+    config: GluonDecodeConfig | None = None,
 ) -> torch.Tensor:
     """Gluon twin of ``paged_mqa_logits_triton`` for MXFP4 caches with ``head_dim == 128`` (same arguments,
     validated by the public wrapper; CUDA with sm_90+ only). ``config`` overrides
@@ -369,21 +339,20 @@ def paged_mqa_logits_gluon_mxfp4(
         raise ValueError(f"the Gluon MXFP4 decode kernel needs head_dim {DIM.value}, got {cache.head_dim}")
     batch, next_n = q.shape[:2]
     heads = weights.shape[1]
-    if _nothing_to_read(cache, block_table, batch, max_context_len, clean, out):
+    if nothing_to_read(cache, block_table, batch, max_context_len, clean, out):
         return out
-    q_values, q_mul = _mxfp4_rows(q, q_scale, FP8_DTYPE)  # [B, next_n, H, D] de-interleaved e4m3
+    q_values, q_mul = mxfp4_rows(q, q_scale, FP8_DTYPE)  # [B, next_n, H, D] de-interleaved e4m3
     w = weights * q_mul.view(batch * next_n, heads)
     config = config or gluon_mxfp4_decode_config(batch, next_n, max_context_len,
-                                                 _backend.multiprocessor_count(q.device))
-    maxnreg = config[7]
-    rows, num_groups, num_splits, tiles, copy_align = _launch_shape(q, cache, max_context_len, config,
-                                                                    len(config) > 9 and bool(config[9]))
+                                                 sm_count(q.device))
+    if config.persistent_per_sm or config.early_table:
+        raise ValueError("the Gluon MXFP4 decode kernel runs one work item per program, its first table entry "
+                         "after the lengths (persistent_per_sm = 0, early_table = False)")
+    rows, num_groups, num_splits, tiles, copy_align = launch_shape(q, cache, max_context_len, config)
     buffer = cache.buffer
     descriptors = _tma_pages(cache, config)
-    if descriptors is None and len(config) > 8 and config[8]:
-        # The cp.async producer instead: four warps' copies, in the same registers (the producer partition is
-        # a whole warpgroup either way).
-        config = config[:5] + (4,) + config[6:]
+    if descriptors is None and config.tma_pages:
+        config = cp_async_fallback(config)
     constants = kernel_constants(heads, cache.block_size, rows, clean, copy_align, config,
                                  tma_pages=descriptors is not None)
     key_desc, scale_desc = descriptors or (None, None)
@@ -397,6 +366,6 @@ def paged_mqa_logits_gluon_mxfp4(
         out, out.stride(0),
         next_n, int(one_d), max_context_len, num_splits, num_groups, tiles, key_desc, scale_desc,
         cache.page_stride // (DIM.value // 2) if descriptors else None,
-        **constants, num_warps=4, maxnreg=maxnreg,
+        **constants, num_warps=4, maxnreg=config.maxnreg,
     )
     return out

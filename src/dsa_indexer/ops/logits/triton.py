@@ -4,101 +4,47 @@ Both compute, for a query row ``i`` and a key ``j`` (DESIGN.md §5)::
 
     logits[i, j] = (sum_h w[i, h] * relu(q[i, h, :] . k[j, :])) * key_mul[j]
 
-with the dot products on tensor cores (e4m3 x e4m3, fp32 accumulation) and the head sum in fp32.
-
-Epilogue. ``relu(s) * w == (s + |s|) * (w / 2)`` exactly: ``s + |s|`` is ``2 * relu(s)`` (no rounding, a
-power-of-two scaling), and halving ``w`` is exact for normal ``w``, so the product is the same fp32
-number. The right-hand side is one add (with an absolute-value operand) and one fused multiply-add into
-the accumulator per (row, key, head), both full-rate on the FP32 pipe, where ``max`` runs at half rate.
-The head sum is accumulated in a different order than the reference's ``sum``; the results agree to
-fp32 rounding (DESIGN.md §11, calc_diff tier), and one kernel always returns the same bits.
-
-MXFP4. An e2m1 code ``s e1 e0 m`` placed at bits 15 / 11..10 / 9 of an fp16 word (``(code & 8) << 12 |
-(code & 7) << 9``) reads as the e2m1 value times ``2**-14``: the two exponent bits land in the low
-bits of the fp16 exponent (bias 15 instead of e2m1's bias 1) and the e2m1 subnormal 0.5 (``e = 0,
-m = 1``) becomes the fp16 subnormal ``2**-15`` with the same ratio to the normals. A 32-element block
-with exponent ``e_b`` in a vector whose largest block exponent is ``e_max`` is then multiplied by the
-fp16 power of two ``2**(14 + e_b - e_max)``: the product is the dequantised value divided by
-``2**e_max``, exact in fp16, and exact in e4m3 whenever ``e_max - e_b <= 8`` (e4m3 reaches the e2m1
-grid scaled down by 2**8: its smallest subnormal is 2**-9 = 0.5 * 2**-8). Larger spreads round to the
-e4m3 grid (relative error below 2**-10 of the largest block's scale, far inside the §11 tier) and
-spreads above 29 drop the block (its contribution is below 2**-29 of the vector's). The per-vector
-``2**e_max`` is folded back outside the dot: for queries into the weights (``w * 2**eq_max``), for keys
-into ``key_mul``; both are positive, so they commute with the relu. A dot product does not depend on the
-order of its terms, so the expanded vectors are kept de-interleaved, even elements (low nibbles) first,
-which spares an interleave: ``_mxfp4_rows_kernel`` writes query rows (and, for prefill, the gathered
-keys, which then run through the FP8 kernel) that way, and decode expands each key tile in registers into
-its two halves, contracted by two half-depth dots.
-
-MXFP4 decode expansion on GPUs (``_mxfp4_halves_e4m3``, inline PTX; the Triton operations above stay
-the interpreter's and the upcast path's, and give the same bits). The value of an e2m1 code in a block
-depends on its three magnitude bits and the block's multiplier only, and the sign commutes with the
-round-to-nearest conversions. So each (key, block) gets an 8-entry e4m3 table (the eight magnitudes
-through the same ``mul.rn.f16x2`` and ``cvt.rn.satfinite.e4m3x2.f16x2`` as the Triton path), and each
-packed 32-bit word (8 codes) becomes two words of e4m3 (its 4 even, its 4 odd values) with 9
-instructions: a mask, a shift, two ``prmt`` table lookups (a nibble of the selector picks one of 8
-bytes), two ``prmt`` that de-interleave, and the sign bits OR-ed in. The contraction order of the
-decode dot is permuted (``_dot_order``, the queries alike) so that each thread's share of a key row in
-the wgmma register operand is the four words of one scale block: one table per thread and row.
-
-Upcast path. GPUs without FP8 tensor cores (compute capability < 8.9), or any GPU when the environment
-variable ``DSA_INDEXER_FORCE_UPCAST=1`` is set, read the e4m3 bytes as integers and rebuild fp16 values:
-the seven magnitude bits shifted left by 7 read as fp16 ``value * 2**-8`` (exponent bias 15 instead of
-7, subnormals included), times 256 is exact; ``0x7F`` is NaN. fp16 holds every e4m3 value, so the
-fp16 dot with fp32 accumulation sees the same products.
-
-Prefill schedule. One program per (``BLOCK_Q`` rows, ``BLOCK_K`` keys) tile. The key tile is loaded once
-and reused by every head; the head loop streams ``[BLOCK_Q, D]`` query slices through a software
-pipeline. A tile outside every row's ``[ks, ke)`` range does no arithmetic: it writes ``-inf`` when
-``clean`` and nothing otherwise (most of a causal triangle).
-
-Decode schedule. Programs cover (request, group of ``ROWS`` draft rows, key split); a split is
-``TILES * BLOCK_K`` consecutive positions, ``TILES`` a compile-time power of two picked from host integers
-(``max_context_len``, the batch size, the SM count) so that the grid holds several programs per SM and
-nothing is read back from the device. ``ROWS`` is ``next_n`` rounded up to a power of two, at most the
-configured rows per program (a larger ``next_n`` runs in groups of rows, each group reading K; a
-request's groups of one split have consecutive program ids, so the later reads mostly hit the L2).
-Each program stacks its rows' queries into one ``[ROWS * H, D]`` operand loaded once, then streams
-``BLOCK_K`` positions at a time through a software pipeline: the block-table entries, the key bytes and
-scales, one dot for all rows (so K is read once for all of them), the relu-weighted head sum as a
-reduction over the last axis of the ``[BLOCK_K, ROWS, H]`` view of the scores (in registers: within a
-thread, then across the four lanes of a quad), and the logits. It reads positions below its rows'
-longest length only (a tile past it is fully masked and touches no memory); a split past that length
-writes ``-inf`` (``clean``) or nothing.
-The page size is a compile-time constant, so position -> (page, slot) is a shift and a mask for the
-usual powers of two. MXFP4 scale bytes (two per thread, too few for a cp.async the pipeliner could
-stage) are loaded one tile ahead into registers, their pages two tiles ahead.
+with the dot products on tensor cores (e4m3 x e4m3, fp32 accumulation; fp16 on the upcast path) and the head
+sum in fp32, as ``(s + |s|) * (w / 2)`` (exactly ``relu(s) * w``). MXFP4 operands are expanded to e4m3 scaled
+by a per-vector power of two (``ops/common/codecs``), folded back into the weights and the key multiplier.
+Prefill: one program per (``BLOCK_Q`` rows, ``BLOCK_K`` keys) tile, the head loop pipelined. Decode: programs
+over (request, group of draft rows, split of ``TILES * BLOCK_K`` positions), one dot for all of a group's rows
+per key tile. Launches are picked from host integers (``prefill_config``, ``decode_config``, ``split_tiles``):
+nothing is read back from the device. The derivations and the schedule are in ``README.md``.
 """
 
 from __future__ import annotations
 
-import functools
-import os
+import dataclasses
 
 import torch
 import triton
 import triton.language as tl
 
-from ... import backend as _backend
 from ...cache import IndexerKCache
 from ...formats import FP8_DTYPE
+from ..common.codecs import (
+    FORCE_UPCAST_ENV,
+    dot_operand,
+    mxfp4_dot_order,
+    mxfp4_dot_order_source,
+    mxfp4_halves,
+    mxfp4_halves_e4m3,
+    mxfp4_rows,
+    ue8m0_word_to_fp32,
+    unit_last_stride,
+    use_upcast,
+)
+from ..common.runtime import interpreting, next_pow2
+from ..common.splits import split_tiles
 
-__all__ = ["mqa_logits_triton", "paged_mqa_logits_triton", "FORCE_UPCAST_ENV"]
+__all__ = ["mqa_logits_triton", "paged_mqa_logits_triton", "FORCE_UPCAST_ENV", "PrefillConfig", "DecodeConfig",
+           "prefill_config", "decode_config"]
 
-FORCE_UPCAST_ENV = "DSA_INDEXER_FORCE_UPCAST"
 # Decode score tile ``[BLOCK_K, ROWS * BLOCK_H]``: BLOCK_K shrinks (not below 64, one warpgroup's wgmma
 # rows) to keep it within this many fp32 elements; stacking two rows of 64 heads at 128 keys took 220
 # registers a thread and measured slower than 64 keys (B=32, L=128K, next_n=2 on the H200).
 _MAX_SCORE_TILE = 128 * 64
-
-
-@triton.jit
-def _e4m3_bits_to_fp16(x):
-    """uint8 e4m3 bit patterns -> fp16 values (exact; ``0x7F``/``0xFF`` -> NaN)."""
-    bits = x.to(tl.int16)
-    magnitude = ((bits & 0x7F) << 7).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
-    value = tl.where((bits & 0x80) != 0, -magnitude, magnitude)
-    return tl.where((bits & 0x7F) == 0x7F, float("nan"), value).to(tl.float16)
 
 
 @triton.jit
@@ -114,143 +60,6 @@ def _output(x, ROUND_BF16: tl.constexpr):
     else:
         value = x
     return value
-
-
-@triton.jit
-def _dot_operand(x):
-    """A tile as the tensor cores take it: e4m3 and fp16 as they are, raw e4m3 bytes rebuilt as fp16."""
-    if x.dtype == tl.uint8:
-        operand = _e4m3_bits_to_fp16(x)
-    else:
-        operand = x
-    return operand
-
-
-@triton.jit
-def _mxfp4_block_scales(scale_bytes):
-    """ue8m0 bytes ``[ROWS, BLOCK_D/32]`` (any integer type) -> (int32 ``[ROWS, BLOCK_D/32]``: the fp16
-    exponent field of each block's multiplier ``2**(14 + e_b - e_max)``, 0 for a dropped block
-    (multiplier +0); fp32 ``[ROWS]`` ``2**e_max``)."""
-    exponent_bytes = scale_bytes.to(tl.int32)
-    top_byte = tl.max(exponent_bytes, axis=1)  # [ROWS]
-    scale_field = tl.maximum(29 - (top_byte[:, None] - exponent_bytes), 0)
-    row_mul = (top_byte << 23).to(tl.float32, bitcast=True)
-    return scale_field, row_mul
-
-
-@triton.jit
-def _mxfp4_halves(packed, scale_bytes, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Packed e2m1 ``[ROWS, BLOCK_D/32, 16]`` uint8 and ue8m0 bytes ``[ROWS, BLOCK_D/32]`` -> (even
-    elements, odd elements: fp16 ``[ROWS, BLOCK_D/2]`` each, divided by ``2**e_max``; fp32 ``[ROWS]``
-    ``2**e_max``). Element ``2i`` is the low nibble of byte ``i``."""
-    scale_field, row_mul = _mxfp4_block_scales(scale_bytes)
-    block_scale = (scale_field << 10).to(tl.int16).to(tl.float16, bitcast=True)[:, :, None]  # [ROWS, BLOCK_D/32, 1]
-    bits = packed.to(tl.int32)  # [ROWS, BLOCK_D/32, 16]
-    even = (((bits << 12) & 0x8000) | ((bits << 9) & 0x0E00)).to(tl.int16).to(tl.float16, bitcast=True)
-    odd = (((bits << 8) & 0x8000) | ((bits << 5) & 0x0E00)).to(tl.int16).to(tl.float16, bitcast=True)
-    return (tl.reshape(even * block_scale, (ROWS, BLOCK_D // 2)), tl.reshape(odd * block_scale, (ROWS, BLOCK_D // 2)),
-            row_mul)
-
-
-# Per block: e4m3 of the eight e2m1 magnitudes (fp16 ``code << 9``, codes 0..7) times the block's fp16x2
-# multiplier ``$2``, with the instructions of the Triton path (``mul.rn.f16x2``, ``cvt.rn.satfinite``),
-# so each entry has the bits that path gives: ``$0`` holds codes 0..3 (byte i: code i), ``$1`` codes 4..7.
-_E4M3_TABLE_ASM = tl.constexpr("""
-{
-.reg .b32 c<4>, h<4>;
-.reg .b16 e<4>;
-mov.b32 c0, 0x02000000;
-mov.b32 c1, 0x06000400;
-mov.b32 c2, 0x0A000800;
-mov.b32 c3, 0x0E000C00;
-mul.rn.f16x2 h0, c0, $2;
-mul.rn.f16x2 h1, c1, $2;
-mul.rn.f16x2 h2, c2, $2;
-mul.rn.f16x2 h3, c3, $2;
-cvt.rn.satfinite.e4m3x2.f16x2 e0, h0;
-cvt.rn.satfinite.e4m3x2.f16x2 e1, h1;
-cvt.rn.satfinite.e4m3x2.f16x2 e2, h2;
-cvt.rn.satfinite.e4m3x2.f16x2 e3, h3;
-mov.b32 $0, {e0, e1};
-mov.b32 $1, {e2, e3};
-}
-""")
-# One packed word ``$2`` (four bytes of one block, low nibble = even element) -> its four even and four
-# odd e4m3 values (``$0``, ``$1``; byte i from byte i): the three magnitude bits of each nibble index the
-# block's table (``$3``, ``$7``: bytes 0..7) through ``prmt``, the two results are de-interleaved by
-# byte, and each nibble's sign bit is OR-ed into bit 7 (the tables round to nearest, which is symmetric
-# in the sign, -0 included). Nine instructions for eight values.
-_E2M1_EXPAND_ASM = tl.constexpr("""
-{
-.reg .b32 m, mh, p0, p1, sl;
-and.b32 m, $2, 0x77777777;
-shr.b32 mh, m, 16;
-prmt.b32 p0, $3, $7, m;
-prmt.b32 p1, $3, $7, mh;
-prmt.b32 $0, p0, p1, 0x6420;
-prmt.b32 $1, p0, p1, 0x7531;
-shl.b32 sl, $2, 4;
-lop3.b32 $0, $0, sl, 0x80808080, 0xF8;
-lop3.b32 $1, $1, $2, 0x80808080, 0xF8;
-}
-""")
-
-
-@triton.jit
-def _mxfp4_halves_e4m3(packed, scale_bytes):
-    """GPU twin of ``_mxfp4_halves`` followed by the e4m3 conversion, bit for bit, in inline PTX: packed
-    ``[ROWS, BLOCK_D/32, 16]`` uint8 -> (even, odd: e4m3 ``[ROWS, BLOCK_D/32, 16]``; fp32 ``[ROWS]``)."""
-    scale_field, row_mul = _mxfp4_block_scales(scale_bytes)
-    scale_pair = scale_field * 0x04000400  # [ROWS, BLOCK_D/32] fp16x2 bits (multiplier, multiplier)
-    table_low, table_high = tl.inline_asm_elementwise(
-        _E4M3_TABLE_ASM, "=r,=r,r", [scale_pair], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
-    even, odd = tl.inline_asm_elementwise(
-        _E2M1_EXPAND_ASM, "=r,=r,r,r,r,r,r,r,r,r,r",
-        [packed, table_low[:, :, None], table_high[:, :, None]],
-        dtype=(tl.float8e4nv, tl.float8e4nv), is_pure=True, pack=4)
-    return even, odd, row_mul
-
-
-@triton.jit
-def _dot_order(x, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """De-interleaved half ``[ROWS, BLOCK_D/2]`` (or ``[ROWS, BLOCK_D/32, 16]``) -> the same values in
-    the contraction order of the decode dot: position ``16i + 4b + j`` (``i`` < 4, ``j`` < 4, ``b`` < the
-    block count) holds half element ``16b + 4i + j``."""
-    blocks = tl.reshape(x, (ROWS, BLOCK_D // 32, 4, 4))
-    return tl.reshape(tl.permute(blocks, (0, 2, 1, 3)), (ROWS, BLOCK_D // 2))
-
-
-@triton.jit
-def _dot_order_source(BLOCK_D: tl.constexpr):
-    """``[BLOCK_D/2]``: the de-interleaved half element at each position of ``_dot_order``."""
-    position = tl.arange(0, BLOCK_D // 2)
-    return 16 * ((position // 4) % (BLOCK_D // 32)) + 4 * (position // (BLOCK_D // 8)) + position % 4
-
-
-@triton.jit(do_not_specialize=["num_rows"])
-def _mxfp4_rows_kernel(
-    packed_ptr, stride_packed, scales_ptr, stride_scales, out_ptr, stride_out, mul_ptr,
-    num_rows,
-    DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-):
-    """Rows ``[program_id(0) * BLOCK_R, +BLOCK_R)`` of packed MXFP4 -> ``out`` (e4m3 or fp16; even elements
-    in columns ``[0, D/2)``, odd ones in ``[D/2, D)``) and ``mul``."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
-    row_ok = rows < num_rows
-    block = tl.arange(0, BLOCK_D // 32)
-    byte = tl.arange(0, 16)
-    block_ok = block < DIM // 32
-    packed = tl.load(packed_ptr + rows[:, None, None] * stride_packed + block[None, :, None] * 16 + byte[None, None, :],
-                     mask=row_ok[:, None, None] & block_ok[None, :, None], other=0)  # [BLOCK_R, BLOCK_D/32, 16]
-    scale_bytes = tl.load(scales_ptr + rows[:, None] * stride_scales + block[None, :],
-                          mask=row_ok[:, None] & block_ok[None, :], other=0)  # [BLOCK_R, BLOCK_D/32]
-    even, odd, row_mul = _mxfp4_halves(packed, scale_bytes, BLOCK_R, BLOCK_D)
-    half = tl.arange(0, BLOCK_D // 2)
-    out_rows = out_ptr + rows[:, None] * stride_out + half[None, :]  # [BLOCK_R, BLOCK_D/2]
-    half_ok = row_ok[:, None] & (half < DIM // 2)[None, :]
-    tl.store(out_rows, even, mask=half_ok)
-    tl.store(out_rows + DIM // 2, odd, mask=half_ok)
-    tl.store(mul_ptr + rows, row_mul, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["num_rows", "num_keys", "num_key_tiles"])
@@ -282,14 +91,14 @@ def _mqa_logits_kernel(
     if (first_key < tl.max(ends, axis=0)) & (first_key + BLOCK_K > tl.min(starts, axis=0)):
         keys = tl.load(k_ptr + cols.to(tl.int64)[:, None] * stride_kn + dim[None, :],
                        mask=col_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_D]
-        keys = _dot_operand(keys)
+        keys = dot_operand(keys)
         q_rows = q_ptr + rows.to(tl.int64)[:, None] * stride_qm + dim[None, :]  # [BLOCK_Q, BLOCK_D], head 0
         w_rows = w_ptr + rows.to(tl.int64) * stride_wm  # [BLOCK_Q]
         acc = tl.zeros((BLOCK_Q, BLOCK_K), dtype=tl.float32)
         for head in tl.range(0, HEADS, num_stages=NUM_STAGES):
             q = tl.load(q_rows + head * stride_qh, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_Q, BLOCK_D]
             half_w = tl.load(w_rows + head * stride_wh, mask=row_ok, other=0.0).to(tl.float32) * 0.5  # [BLOCK_Q]
-            scores = tl.dot(_dot_operand(q), tl.trans(keys))  # [BLOCK_Q, BLOCK_K]
+            scores = tl.dot(dot_operand(q), tl.trans(keys))  # [BLOCK_Q, BLOCK_K]
             acc += (scores + tl.abs(scores)) * half_w[:, None]
         key_mul = tl.load(key_mul_ptr + cols, mask=col_ok, other=0.0)  # [BLOCK_K]
         logits = acc * key_mul[None, :]
@@ -363,7 +172,7 @@ def _paged_mqa_logits_kernel(
     every (key, row, head) score, and the head sum is a reduction over the last axis of its
     ``[BLOCK_K, ROWS, BLOCK_H]`` view. MXFP4 queries come de-interleaved (``_mxfp4_rows_kernel``) and the
     key tile is expanded the same way, so the dot is two half-depth dots accumulating; both operands are
-    put in ``_dot_order`` (with ``EXPAND_PTX``, each thread's share of a key row is one scale block).
+    put in ``mxfp4_dot_order`` (with ``EXPAND_PTX``, each thread's share of a key row is one scale block).
     Program ids run over (request, split, row group), row groups fastest: a request's row groups read
     the same keys close together in time (the second reads hit the L2).
 
@@ -389,15 +198,15 @@ def _paged_mqa_logits_kernel(
     extent = tl.max(lengths, axis=0)
     out_rows = out_ptr + (request.to(tl.int64) * next_n + t) * stride_or  # [ROWS]
     if MXFP4:
-        half = _dot_order_source(BLOCK_D)
+        half = mxfp4_dot_order_source(BLOCK_D)
         half_ok = query_ok[:, None] & (half < DIM // 2)[None, :]
-        q_even = _dot_operand(tl.load(query_rows[:, None] + half[None, :], mask=half_ok, other=0.0))
-        q_odd = _dot_operand(tl.load(query_rows[:, None] + DIM // 2 + half[None, :], mask=half_ok, other=0.0))
+        q_even = dot_operand(tl.load(query_rows[:, None] + half[None, :], mask=half_ok, other=0.0))
+        q_odd = dot_operand(tl.load(query_rows[:, None] + DIM // 2 + half[None, :], mask=half_ok, other=0.0))
     else:
         dim = tl.arange(0, BLOCK_D)
         queries = tl.load(query_rows[:, None] + dim[None, :], mask=query_ok[:, None] & (dim < DIM)[None, :],
                           other=0.0)  # [ROWS * BLOCK_H, BLOCK_D]
-        queries = _dot_operand(queries)
+        queries = dot_operand(queries)
 
     split_start = split * (TILES * BLOCK_K)
     split_end = tl.minimum(split_start + TILES * BLOCK_K, max_context_len)
@@ -435,25 +244,25 @@ def _paged_mqa_logits_kernel(
                 ahead = positions + 2 * BLOCK_K
                 next_page = tl.load(table_row + ahead.to(tl.uint32) // BLOCK_SIZE, mask=ahead < read_end, other=0)
                 if EXPAND_PTX:
-                    k_even, k_odd, key_mul = _mxfp4_halves_e4m3(packed, scale_bytes)
+                    k_even, k_odd, key_mul = mxfp4_halves_e4m3(packed, scale_bytes)
                 else:
-                    k_even, k_odd, key_mul = _mxfp4_halves(packed, scale_bytes, BLOCK_K, BLOCK_D)
+                    k_even, k_odd, key_mul = mxfp4_halves(packed, scale_bytes, BLOCK_K, BLOCK_D)
                     if not UPCAST:
                         k_even = k_even.to(tl.float8e4nv)
                         k_odd = k_odd.to(tl.float8e4nv)
-                k_even = _dot_order(k_even, BLOCK_K, BLOCK_D)
-                k_odd = _dot_order(k_odd, BLOCK_K, BLOCK_D)
+                k_even = mxfp4_dot_order(k_even, BLOCK_K, BLOCK_D)
+                k_odd = mxfp4_dot_order(k_odd, BLOCK_K, BLOCK_D)
                 scores = tl.dot(k_even, tl.trans(q_even))
                 scores = tl.dot(k_odd, tl.trans(q_odd), scores)  # [BLOCK_K, ROWS * BLOCK_H]
             else:
                 keys = tl.load(values_ptr + page_start[:, None] + slot[:, None] * DIM + dim[None, :],
                                mask=readable[:, None] & (dim < DIM)[None, :], other=0.0)  # [BLOCK_K, BLOCK_D]
-                scores = tl.dot(_dot_operand(keys), tl.trans(queries))  # [BLOCK_K, ROWS * BLOCK_H]
+                scores = tl.dot(dot_operand(keys), tl.trans(queries))  # [BLOCK_K, ROWS * BLOCK_H]
                 scale_words = cache_ptr + page_start + BLOCK_SIZE * DIM + slot * 4  # [BLOCK_K]
                 if MXFP8:
                     # Four equal ue8m0 bytes: the low byte (little-endian) is the exponent field.
                     word = tl.load(scale_words.to(tl.pointer_type(tl.int32)), mask=readable, other=0)
-                    key_mul = ((word & 0xFF) << 23).to(tl.float32, bitcast=True)
+                    key_mul = ue8m0_word_to_fp32(word)
                 else:
                     key_mul = tl.load(scale_words.to(tl.pointer_type(tl.float32)), mask=readable, other=0.0)  # [BLOCK_K]
             weighted = tl.reshape((scores + tl.abs(scores)) * half_w[None, :], (BLOCK_K, ROWS, BLOCK_H))
@@ -475,75 +284,63 @@ def _paged_mqa_logits_kernel(
             first += BLOCK_K
 
 
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    """Launch of the prefill kernel: ``[block_q, block_k]`` tiles. The register cap lets three programs share an
+    SM (their epilogues overlap each other's tensor-core work); ptxas then keeps only values that are dead
+    during the head loop in local memory."""
+
+    block_q: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+    maxnreg: int | None = 168
 
 
-def _device_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
+# Small tiles for Triton's CPU interpreter, which runs the tests' tiny shapes.
+PREFILL_INTERPRETER_CONFIG = PrefillConfig(block_q=16, block_k=32, num_stages=1, maxnreg=None)
 
 
-def use_upcast(device: torch.device) -> bool:
-    """fp16 dots instead of e4m3 ones: forced by ``DSA_INDEXER_FORCE_UPCAST=1``, automatic on CUDA
-    devices of compute capability below 8.9 (no FP8 tensor cores)."""
-    if os.environ.get(FORCE_UPCAST_ENV, "0") == "1":
-        return True
-    return device.type == "cuda" and _capability(_device_index(device)) < (8, 9)
+def prefill_config() -> PrefillConfig:
+    """The prefill launch this process runs: the interpreter's or the shipped GPU one."""
+    return PREFILL_INTERPRETER_CONFIG if interpreting() else PrefillConfig()
 
 
-def _next_pow2(n: int, minimum: int) -> int:
-    return max(minimum, triton.next_power_of_2(n))
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Launch of the paged decode kernel (defaults: FP8 keys on GPUs). ``block_k`` positions a tile (shrunk to
+    keep the score tile within ``_MAX_SCORE_TILE``), ``programs_per_sm`` aimed at by the split rule
+    (``split_tiles``) with ``[min_split_tiles, max_split_tiles]`` tiles a split, at most ``max_rows`` draft rows
+    (a power of two) a program."""
+
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+    programs_per_sm: int = 8
+    min_split_tiles: int = 2
+    max_split_tiles: int = 16
+    maxnreg: int | None = None
+    max_rows: int = 4
 
 
-def _interpreting() -> bool:
-    return _backend.interpreter_enabled()
+# MXFP4 keys: 64-key tiles and five stages (README.md, "Triton decode schedule").
+MXFP4_DECODE_CONFIG = DecodeConfig(block_k=64, num_stages=5, min_split_tiles=4, max_split_tiles=32)
+# The interpreter plans for INTERPRETER_SMS (132) SMs; two tiles a split keep its small test shapes running the
+# multi-tile loop and several splits a request.
+DECODE_INTERPRETER_CONFIG = DecodeConfig(block_k=16, num_stages=1, programs_per_sm=2, min_split_tiles=2,
+                                         max_split_tiles=2)
 
 
-# (BLOCK_Q, BLOCK_K, num_warps, num_stages, register cap per thread) of the prefill kernel on GPUs, and
-# on the interpreter. The cap lets three programs share an SM (their epilogues overlap each other's
-# tensor-core work); ptxas then keeps only values that are dead during the head loop in local memory.
-PREFILL_CONFIG = (64, 128, 4, 3, 168)
-_PREFILL_INTERPRETER_CONFIG = (16, 32, 4, 1, None)
-# (BLOCK_K, num_warps, num_stages, programs per SM aimed at, key tiles per split min/max, register cap,
-# draft rows per program at most: a power of two) of the decode kernel on GPUs by key format, and on the
-# interpreter. MXFP4 tiles are 64 keys: at 128 (4 warps) the expanded keys reach the tensor cores through a
-# byte-wise shared-memory relayout (~500 extra instructions a tile). MXFP4 key bytes come one cp.async
-# buffer per two stages past the first three (SASS, Triton 3.6): 3-4 stages keep one buffer, loaded one tile
-# ahead and awaited at the top of the next tile (the load latency exposed every tile); 5-6 stages two
-# tiles ahead, 7-8 three, 9 four; registers stay at 96 (next_n = 1). Measured (H200, Run 5): 5 stages best at
-# next_n = 2 (241 vs 295 µs at B=32, L=128K) and at B=1 (16.4 vs 16.9 / 17.9 µs with 3 / 9 stages), within 7 %
-# of the best (9 stages) at next_n = 1 with large batches, which run the Gluon kernel on Hopper anyway.
-DECODE_CONFIG = {"fp8": (128, 4, 3, 8, 2, 16, None, 4), "mxfp4": (64, 4, 5, 8, 4, 32, None, 4)}
-_DECODE_INTERPRETER_CONFIG = (16, 4, 1, 2, 1, 2, None, 4)
-
-
-def _mxfp4_rows(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed e2m1 ``[..., D/2]`` with ue8m0 ``[..., D/32]`` -> (``dtype`` ``[..., D]`` values / 2**e_max,
-    de-interleaved: even elements, then odd ones; fp32 ``[...]`` 2**e_max)."""
-    lead = packed.shape[:-1]
-    dim = packed.shape[-1] * 2
-    packed_rows = packed.reshape(-1, packed.shape[-1])
-    scale_rows = scales.reshape(-1, scales.shape[-1])
-    num_rows = packed_rows.shape[0]
-    values = torch.empty((num_rows, dim), dtype=dtype, device=packed.device)
-    row_mul = torch.empty((num_rows,), dtype=torch.float32, device=packed.device)
-    if num_rows:
-        block_r = 16 if _interpreting() else 64
-        _mxfp4_rows_kernel[(triton.cdiv(num_rows, block_r),)](
-            packed_rows, packed_rows.stride(0), scale_rows, scale_rows.stride(0), values, values.stride(0), row_mul,
-            num_rows, DIM=dim, BLOCK_D=_next_pow2(dim, 32), BLOCK_R=block_r, num_warps=4,
-        )
-    return values.view(*lead, dim), row_mul.view(lead)
+def decode_config(fmt: str) -> DecodeConfig:
+    """The decode launch this process runs for keys in ``fmt`` (``"fp8"`` or ``"mxfp4"``)."""
+    if interpreting():
+        return DECODE_INTERPRETER_CONFIG
+    return MXFP4_DECODE_CONFIG if fmt == "mxfp4" else DecodeConfig()
 
 
 def _round_bf16(out: torch.Tensor) -> bool:
     """Whether the kernel rounds bf16 logits itself (the interpreter only; see ``_output``)."""
-    return out.dtype == torch.bfloat16 and _interpreting()
-
-
-def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
-    return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
+    return out.dtype == torch.bfloat16 and interpreting()
 
 
 def mqa_logits_triton(
@@ -557,11 +354,11 @@ def mqa_logits_triton(
     clean: bool,
     out: torch.Tensor,
     *,
-    config: tuple[int, int, int, int, int | None] | None = None,
+    config: PrefillConfig | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``reference.mqa_logits`` (same arguments, validated by the public wrapper).
 
-    ``config`` overrides ``PREFILL_CONFIG`` (benchmarks).
+    ``config`` overrides ``prefill_config()`` (benchmarks, tests).
     """
     num_rows, heads = weights.shape
     num_keys = k.shape[0]
@@ -569,18 +366,17 @@ def mqa_logits_triton(
         return out
     upcast = use_upcast(q.device)
     if q.dtype == FP8_DTYPE:
-        q_values, k_values, key_mul, w = _unit_last_stride(q), _unit_last_stride(k), k_scale, weights
+        q_values, k_values, key_mul, w = unit_last_stride(q), unit_last_stride(k), k_scale, weights
         if upcast:
             q_values, k_values = q_values.view(torch.uint8), k_values.view(torch.uint8)
     else:
         dtype = torch.float16 if upcast else FP8_DTYPE
-        q_values, q_mul = _mxfp4_rows(q, q_scale, dtype)
-        k_values, key_mul = _mxfp4_rows(k, k_scale, dtype)
+        q_values, q_mul = mxfp4_rows(q, q_scale, dtype)
+        k_values, key_mul = mxfp4_rows(k, k_scale, dtype)
         w = weights * q_mul
     dim = q_values.shape[-1]
-    block_q, block_k, num_warps, num_stages, maxnreg = config or (
-        _PREFILL_INTERPRETER_CONFIG if _interpreting() else PREFILL_CONFIG
-    )
+    config = config or prefill_config()
+    block_q, block_k = config.block_q, config.block_k
     num_key_tiles = triton.cdiv(num_keys, block_k)
     grid = (triton.cdiv(num_rows, block_q) * num_key_tiles,)
     _mqa_logits_kernel[grid](
@@ -591,20 +387,12 @@ def mqa_logits_triton(
         ks, ke,
         out, out.stride(0),
         num_rows, num_keys, num_key_tiles,
-        HEADS=heads, DIM=dim, BLOCK_D=_next_pow2(dim, 32),
-        BLOCK_Q=block_q, BLOCK_K=block_k, NUM_STAGES=num_stages, CLEAN=clean,
+        HEADS=heads, DIM=dim, BLOCK_D=next_pow2(dim, 32),
+        BLOCK_Q=block_q, BLOCK_K=block_k, NUM_STAGES=config.num_stages, CLEAN=clean,
         ROUND_BF16=_round_bf16(out),
-        num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg,
+        num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg,
     )
     return out
-
-
-def _split_tiles(work_groups: int, key_tiles: int, device: torch.device, per_sm: int, lo: int, hi: int) -> int:
-    """Key tiles per split, a power of two: about ``per_sm`` programs per SM over the whole call, within
-    ``[lo, hi]`` and no more than one request needs."""
-    sms = 4 if _interpreting() else _backend.multiprocessor_count(device)
-    tiles = min(hi, triton.next_power_of_2(key_tiles), max(lo, triton.cdiv(work_groups * key_tiles, sms * per_sm)))
-    return triton.next_power_of_2(tiles)
 
 
 def paged_mqa_logits_triton(
@@ -618,12 +406,12 @@ def paged_mqa_logits_triton(
     clean: bool,
     out: torch.Tensor,
     *,
-    config: tuple[int, int, int, int, int, int, int | None, int] | None = None,
+    config: DecodeConfig | None = None,
     expand_ptx: bool | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``reference.paged_mqa_logits`` (same arguments, validated by the public wrapper).
 
-    ``config`` overrides ``DECODE_CONFIG`` (benchmarks). ``expand_ptx`` picks the MXFP4 key expansion:
+    ``config`` overrides ``decode_config(cache.fmt)`` (benchmarks, tests). ``expand_ptx`` picks the MXFP4 key expansion:
     inline PTX (True; e4m3 dots on a GPU only) or Triton operations (False); the default is PTX wherever
     it can run. Both give the same bits.
     """
@@ -641,27 +429,26 @@ def paged_mqa_logits_triton(
     dim = cache.head_dim
     buffer = cache.buffer
     if mxfp4:
-        q_values, q_mul = _mxfp4_rows(q, q_scale, torch.float16 if upcast else FP8_DTYPE)
+        q_values, q_mul = mxfp4_rows(q, q_scale, torch.float16 if upcast else FP8_DTYPE)
         w = weights * q_mul.view(batch * next_n, heads)
         values = buffer
     else:
-        q_values, w = _unit_last_stride(q), weights
+        q_values, w = unit_last_stride(q), weights
         values = buffer if upcast else buffer.view(FP8_DTYPE)
         if upcast:
             q_values = q_values.view(torch.uint8)
-    block_k, num_warps, num_stages, per_sm, lo, hi, maxnreg, max_rows = config or (
-        _DECODE_INTERPRETER_CONFIG if _interpreting() else DECODE_CONFIG[cache.fmt]
-    )
+    config = config or decode_config(cache.fmt)
     if expand_ptx is None:
-        expand_ptx = not (_interpreting() or upcast)
-    if expand_ptx and (_interpreting() or upcast):
+        expand_ptx = not (interpreting() or upcast)
+    if expand_ptx and (interpreting() or upcast):
         raise ValueError("the PTX expansion needs a GPU with e4m3 dots (not the interpreter, not the upcast path)")
-    rows = triton.next_power_of_2(min(next_n, max_rows))
+    rows = triton.next_power_of_2(min(next_n, config.max_rows))
     num_groups = triton.cdiv(next_n, rows)
-    block_h = _next_pow2(heads, 16)
-    block_k = min(block_k, max(64, _MAX_SCORE_TILE // (rows * block_h)))
+    block_h = next_pow2(heads, 16)
+    block_k = min(config.block_k, max(64, _MAX_SCORE_TILE // (rows * block_h)))
     key_tiles = triton.cdiv(max_context_len, block_k)
-    tiles = _split_tiles(batch * num_groups, key_tiles, q.device, per_sm, lo, hi)
+    tiles = split_tiles(batch * num_groups, key_tiles, q.device, config.programs_per_sm, config.min_split_tiles,
+                        config.max_split_tiles)
     num_splits = triton.cdiv(key_tiles, tiles)
     one_d = context_lens.dim() == 1
     grid = (batch * num_groups * num_splits,)
@@ -673,10 +460,10 @@ def paged_mqa_logits_triton(
         block_table, block_table.stride(0), block_table.shape[1],
         out, out.stride(0),
         next_n, int(one_d), max_context_len, num_splits, num_groups,
-        HEADS=heads, BLOCK_H=block_h, DIM=dim, BLOCK_D=_next_pow2(dim, 32),
-        BLOCK_SIZE=cache.block_size, ROWS=rows, BLOCK_K=block_k, TILES=tiles, NUM_STAGES=num_stages,
+        HEADS=heads, BLOCK_H=block_h, DIM=dim, BLOCK_D=next_pow2(dim, 32),
+        BLOCK_SIZE=cache.block_size, ROWS=rows, BLOCK_K=block_k, TILES=tiles, NUM_STAGES=config.num_stages,
         CLEAN=clean, MXFP4=mxfp4, MXFP8=cache.scale_fmt == "mxfp8", UPCAST=upcast, EXPAND_PTX=mxfp4 and expand_ptx,
         ROUND_BF16=_round_bf16(out),
-        num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg,
+        num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg,
     )
     return out

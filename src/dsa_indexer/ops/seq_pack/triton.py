@@ -1,36 +1,15 @@
-"""Triton kernels of ``pack_seq`` / ``unpack_seq`` (twins of ``reference.py``).
+"""Triton kernels of ``pack_seq`` / ``unpack_seq`` (twins of ``reference.py``): byte copies.
 
-Both ops are byte copies. The payload's trailing dims are flattened into one row of ``width``
-elements, and the rows are moved as same-width integers, widened to 2-, 4- or 8-byte words when the
-row bytes, every stride and the storage offsets allow it (an fp8 row of 8192 bytes moves as 1024
-int64 words, so each thread issues 16-byte accesses). A pad value is replicated into a word the same
-way, so the bytes written are exactly those of the reference.
-
-Work decomposition. The padded grid ``[B, L]`` is flattened to ``B * L`` rows ``o = b * L + t``.
-A program owns ``tiles_per_program`` consecutive tiles of ``BLOCK_R`` grid rows (and one chunk of
-``BLOCK_W`` words of each row, the second grid axis). Sequence ``b`` starts at row
-``start[b] = sum(lengths[:b])`` of the ragged side. A program sums ``lengths[:b0]`` for the first
-sequence ``b0`` of its first tile once, then keeps that running prefix while it walks its tiles: a
-tile spans at most ``BLOCK_R`` sequences (``L >= 1``), so the starts of its sequences are the prefix
-plus an exclusive cumulative sum over ``BLOCK_R`` lengths, and moving to the next tile adds the
-lengths of the sequences left behind. The lengths are read on the device only: no host
-synchronisation, CUDA-graph capturable.
-
-One kernel (``_seq_copy_kernel``, direction a compile-time flag) does both:
-
-- pack: grid row ``(b, t)`` takes ragged row ``start[b] + t`` when ``t < lengths[b]`` and that row
-  lies in ``[0, N)``, else the pad word (the reference's rule, so invalid lengths never read outside
-  ``x``). Every grid row is written.
-- unpack: grid row ``(b, t)`` with ``t < lengths[b]`` goes to ragged row ``start[b] + t`` when that
-  row lies in ``[0, total)``; nothing else is read or written.
-
-Payloads whose trailing dims cannot be viewed as one row (or an ``out`` that cannot) go through a
-contiguous copy. Loops whose trip count is a run-time value are ``while`` loops: Triton's CPU
-interpreter (with numpy 2) cannot turn a run-time bound into a Python ``range``.
+The payload's trailing dims are flattened into one row of ``width`` elements, moved as same-width integers
+(widened to 2-, 4- or 8-byte words where the row bytes, strides and offsets allow; a pad value is replicated
+into a word the same way). One kernel (``_seq_copy_kernel``, the direction a compile-time flag) walks the
+padded grid ``[B, L]`` as ``B * L`` rows in tiles; each program keeps a running prefix sum of the lengths, read
+on the device only: no host synchronisation, CUDA-graph capturable. Details: ``README.md``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -40,10 +19,35 @@ import triton.language as tl
 from .reference import as_bits
 
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_TILE_BYTES = 32768
-_PREFIX_BLOCK = 1024
-_MAX_PROGRAMS = 1024
-_MAX_TILE_ROWS = 1024
+_PREFIX_BLOCK = 1024  # lengths summed per step of a program's first prefix
+
+
+@dataclasses.dataclass(frozen=True)
+class SeqCopyConfig:
+    """Launch rule of the copy kernel: tiles of at most ``tile_bytes`` (``BLOCK_R`` grid rows, at most
+    ``max_tile_rows``, x ``BLOCK_W`` words) and at most ``max_programs`` programs along the rows (each then walks
+    several tiles), ``num_warps`` a program."""
+
+    tile_bytes: int = 32768
+    max_programs: int = 1024
+    max_tile_rows: int = 1024
+    num_warps: int = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class SeqCopyLaunch:
+    """One call's launch: tile shape (``block_r`` grid rows x ``block_w`` words), tiles a program walks, and the
+    grid (``row_programs`` x ``width_programs``)."""
+
+    block_r: int
+    block_w: int
+    tiles_per_program: int
+    row_programs: int
+    width_programs: int
+
+
+# The rule the launchers use (the tests swap in small tiles and few programs).
+SEQ_COPY_CONFIG = SeqCopyConfig()
 
 
 @triton.jit
@@ -160,14 +164,16 @@ def _pad_word(pad_value: int | float, dtype: torch.dtype, word_dtype: torch.dtyp
     return int(torch.full((repeats,), pad_value, dtype=dtype).view(word_dtype).item())
 
 
-def _launch_shape(grid_rows: int, width: int, word_bytes: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_R, BLOCK_W, tiles per program, programs along rows, programs along the width)."""
-    block_w = min(triton.next_power_of_2(width), max(1, _TILE_BYTES // word_bytes))
-    block_r = min(triton.next_power_of_2(grid_rows), max(1, _TILE_BYTES // (block_w * word_bytes)), _MAX_TILE_ROWS)
+def seq_copy_launch(grid_rows: int, width: int, word_bytes: int) -> SeqCopyLaunch:
+    """The launch of a copy of ``grid_rows`` rows of ``width`` words of ``word_bytes`` (host integers only)."""
+    config = SEQ_COPY_CONFIG
+    block_w = min(triton.next_power_of_2(width), max(1, config.tile_bytes // word_bytes))
+    block_r = min(triton.next_power_of_2(grid_rows), max(1, config.tile_bytes // (block_w * word_bytes)),
+                  config.max_tile_rows)
     width_programs = triton.cdiv(width, block_w)
     tiles = triton.cdiv(grid_rows, block_r)
-    tiles_per_program = triton.cdiv(tiles, max(1, _MAX_PROGRAMS // width_programs))
-    return block_r, block_w, tiles_per_program, triton.cdiv(tiles, tiles_per_program), width_programs
+    tiles_per_program = triton.cdiv(tiles, max(1, config.max_programs // width_programs))
+    return SeqCopyLaunch(block_r, block_w, tiles_per_program, triton.cdiv(tiles, tiles_per_program), width_programs)
 
 
 def pack_seq_triton(
@@ -191,14 +197,14 @@ def pack_seq_triton(
         src = as_bits(x).reshape(x.shape[0], -1) if x.shape[0] else target[0]
     src, target = _as_words([src, target])
     width = target.shape[-1]
-    block_r, block_w, tiles_per_program, row_programs, width_programs = _launch_shape(
-        num_seqs * max_len, width, target.element_size())
-    _seq_copy_kernel[(row_programs, width_programs)](
+    launch = seq_copy_launch(num_seqs * max_len, width, target.element_size())
+    _seq_copy_kernel[(launch.row_programs, launch.width_programs)](
         src, lengths, target, _pad_word(pad_value, x.dtype, target.dtype),
-        x.shape[0], num_seqs, max_len, width, tiles_per_program,
+        x.shape[0], num_seqs, max_len, width, launch.tiles_per_program,
         src.stride(0), src.stride(1),
         target.stride(0), target.stride(1), target.stride(2),
-        BLOCK_R=block_r, BLOCK_W=block_w, PREFIX_BLOCK=_PREFIX_BLOCK, PACK=True, num_warps=8,
+        BLOCK_R=launch.block_r, BLOCK_W=launch.block_w, PREFIX_BLOCK=_PREFIX_BLOCK, PACK=True,
+        num_warps=SEQ_COPY_CONFIG.num_warps,
     )
     if dst is None:
         as_bits(out).copy_(target.view(as_bits(out).dtype).view(out.shape))
@@ -224,14 +230,14 @@ def unpack_seq_triton(
         src = as_bits(packed).reshape(num_seqs, max_len, -1)
     src, target = _as_words([src, target])
     width = target.shape[-1]
-    block_r, block_w, tiles_per_program, row_programs, width_programs = _launch_shape(
-        num_seqs * max_len, width, target.element_size())
-    _seq_copy_kernel[(row_programs, width_programs)](
+    launch = seq_copy_launch(num_seqs * max_len, width, target.element_size())
+    _seq_copy_kernel[(launch.row_programs, launch.width_programs)](
         target, lengths, src, 0,
-        total, num_seqs, max_len, width, tiles_per_program,
+        total, num_seqs, max_len, width, launch.tiles_per_program,
         target.stride(0), target.stride(1),
         src.stride(0), src.stride(1), src.stride(2),
-        BLOCK_R=block_r, BLOCK_W=block_w, PREFIX_BLOCK=_PREFIX_BLOCK, PACK=False, num_warps=8,
+        BLOCK_R=launch.block_r, BLOCK_W=launch.block_w, PREFIX_BLOCK=_PREFIX_BLOCK, PACK=False,
+        num_warps=SEQ_COPY_CONFIG.num_warps,
     )
     if dst is None:
         as_bits(out).copy_(target.view(as_bits(out).dtype).view(out.shape))

@@ -1,21 +1,15 @@
 """Triton kernel of the sparse logits family: the logits of each row's candidate blocks only.
 
-One kernel serves prefill (gathered keys ``[N, ...]``, row ``i`` reads key ``ks[i] + position``) and
-paged decode (position ``p`` of request ``b`` at token ``p % page`` of page ``block_table[b, p // page]``).
-Programs cover (row, split of ``TILES * BLOCK_K`` sparse columns). A tile of ``BLOCK_K`` columns spans
-``BLOCK_K / block`` candidate blocks: the program loads their ids (and each one's predecessor, the
-padding rule), gathers the keys of the live columns (a candidate block is ``block`` consecutive slots of
-one page, so each block is one contiguous run of key bytes), and scores them with the dense decode
-kernel's tile arithmetic at one draft row (``logits.triton``): one tensor-core dot ``[BLOCK_K, D] x
-[D, H]``, the relu-weighted head sum as a reduction over the head axis of the ``[BLOCK_K, H]`` scores,
-then the key multiplier. MXFP4 keys are expanded in registers exactly as the dense decode kernel does
-(inline PTX on GPUs, Triton operations in the interpreter and on the upcast path: the same bits), and
-MXFP4 queries are the de-interleaved rows ``_mxfp4_rows`` writes for the dense kernels. Dead columns
-(padding, outside the row's range) read nothing and store ``-inf``. The output may be fp32 or bf16 (the
-fp32 logit rounded to nearest once, at the store).
+One kernel serves prefill (gathered keys) and paged decode (keys in the cache's pages). Programs cover (row,
+split of ``TILES * BLOCK_K`` sparse columns); a tile gathers the keys of its live candidate blocks and scores
+them with the dense decode kernel's tile arithmetic at one draft row (``ops/logits``: one tensor-core dot, the
+relu-weighted head sum, the key multiplier), MXFP4 expanded by the codecs of ``ops/common/codecs``. Dead
+columns read nothing and store ``-inf``. Details: ``README.md``.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
@@ -23,26 +17,48 @@ import triton.language as tl
 
 from ...cache import IndexerKCache
 from ...formats import FP8_DTYPE
-from ..logits.triton import (
-    _dot_operand,
-    _dot_order,
-    _dot_order_source,
-    _interpreting,
-    _mxfp4_halves,
-    _mxfp4_halves_e4m3,
-    _mxfp4_rows,
-    _next_pow2,
-    _split_tiles,
-    _unit_last_stride,
+from ..common.codecs import (
+    dot_operand,
+    mxfp4_dot_order,
+    mxfp4_dot_order_source,
+    mxfp4_halves,
+    mxfp4_halves_e4m3,
+    mxfp4_rows,
+    ue8m0_word_to_fp32,
+    unit_last_stride,
     use_upcast,
 )
+from ..common.runtime import interpreting, next_pow2
+from ..common.splits import split_tiles
 
 __all__ = ["sparse_mqa_logits_triton", "sparse_paged_mqa_logits_triton"]
 
-# (BLOCK_K, num_warps, num_stages, programs per SM aimed at, tiles per split min/max) by key format on
-# GPUs, and on the interpreter. The decode kernel's tile shapes (logits.triton.DECODE_CONFIG) at one row.
-SPARSE_CONFIG = {"fp8": (128, 4, 3, 8, 1, 16), "mxfp4": (64, 4, 3, 8, 1, 32)}
-_SPARSE_INTERPRETER_CONFIG = (16, 4, 1, 2, 1, 2)
+
+@dataclasses.dataclass(frozen=True)
+class SparseLogitsConfig:
+    """Launch of the sparse logits kernel (defaults: FP8 keys on GPUs): ``block_k`` columns a tile,
+    ``programs_per_sm`` aimed at by ``split_tiles`` with ``[min_split_tiles, max_split_tiles]`` tiles a split. The
+    dense decode kernel's tile shapes (``logits.triton.decode_config``) at one draft row."""
+
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+    programs_per_sm: int = 8
+    min_split_tiles: int = 1
+    max_split_tiles: int = 16
+
+
+MXFP4_SPARSE_CONFIG = SparseLogitsConfig(block_k=64, max_split_tiles=32)
+# Two tiles a split keep the interpreter's small test shapes running the multi-tile loop (it plans for 132 SMs).
+SPARSE_INTERPRETER_CONFIG = SparseLogitsConfig(block_k=16, num_stages=1, programs_per_sm=2, min_split_tiles=2,
+                                               max_split_tiles=2)
+
+
+def sparse_logits_config(fmt: str) -> SparseLogitsConfig:
+    """The launch this process runs for keys in ``fmt`` (``"fp8"`` or ``"mxfp4"``)."""
+    if interpreting():
+        return SPARSE_INTERPRETER_CONFIG
+    return MXFP4_SPARSE_CONFIG if fmt == "mxfp4" else SparseLogitsConfig()
 
 
 @triton.jit(do_not_specialize=["next_n", "one_d", "num_cols", "num_splits"])
@@ -78,15 +94,15 @@ def _sparse_logits_kernel(
     half_w = tl.load(w_ptr + row64 * stride_wr + head * stride_wh, mask=head_ok, other=0.0).to(tl.float32) * 0.5  # [BLOCK_H]
     query_rows = q_ptr + row64 * stride_qr + head * stride_qh  # [BLOCK_H]
     if MXFP4:
-        half = _dot_order_source(BLOCK_D)
+        half = mxfp4_dot_order_source(BLOCK_D)
         half_ok = head_ok[:, None] & (half < DIM // 2)[None, :]
-        q_even = _dot_operand(tl.load(query_rows[:, None] + half[None, :], mask=half_ok, other=0.0))
-        q_odd = _dot_operand(tl.load(query_rows[:, None] + DIM // 2 + half[None, :], mask=half_ok, other=0.0))
+        q_even = dot_operand(tl.load(query_rows[:, None] + half[None, :], mask=half_ok, other=0.0))
+        q_odd = dot_operand(tl.load(query_rows[:, None] + DIM // 2 + half[None, :], mask=half_ok, other=0.0))
     else:
         dim = tl.arange(0, BLOCK_D)
         queries = tl.load(query_rows[:, None] + dim[None, :], mask=head_ok[:, None] & (dim < DIM)[None, :],
                           other=0.0)  # [BLOCK_H, BLOCK_D]
-        queries = _dot_operand(queries)
+        queries = dot_operand(queries)
     if PAGED:
         request = row // next_n
         t = row % next_n
@@ -142,24 +158,24 @@ def _sparse_logits_kernel(
             scale_bytes = tl.load(scales_ptr + scale_row[:, None] + block[None, :],
                                   mask=readable[:, None] & block_ok[None, :], other=0)  # [BLOCK_K, BLOCK_D/32]
             if EXPAND_PTX:
-                k_even, k_odd, key_mul = _mxfp4_halves_e4m3(packed, scale_bytes)
+                k_even, k_odd, key_mul = mxfp4_halves_e4m3(packed, scale_bytes)
             else:
-                k_even, k_odd, key_mul = _mxfp4_halves(packed, scale_bytes, BLOCK_K, BLOCK_D)
+                k_even, k_odd, key_mul = mxfp4_halves(packed, scale_bytes, BLOCK_K, BLOCK_D)
                 if not UPCAST:
                     k_even = k_even.to(tl.float8e4nv)
                     k_odd = k_odd.to(tl.float8e4nv)
-            k_even = _dot_order(k_even, BLOCK_K, BLOCK_D)
-            k_odd = _dot_order(k_odd, BLOCK_K, BLOCK_D)
+            k_even = mxfp4_dot_order(k_even, BLOCK_K, BLOCK_D)
+            k_odd = mxfp4_dot_order(k_odd, BLOCK_K, BLOCK_D)
             scores = tl.dot(k_even, tl.trans(q_even))
             scores = tl.dot(k_odd, tl.trans(q_odd), scores)  # [BLOCK_K, BLOCK_H]
         else:
             keys = tl.load(values_ptr + value_row[:, None] + dim[None, :],
                            mask=readable[:, None] & (dim < DIM)[None, :], other=0.0)  # [BLOCK_K, BLOCK_D]
-            scores = tl.dot(_dot_operand(keys), tl.trans(queries))  # [BLOCK_K, BLOCK_H]
+            scores = tl.dot(dot_operand(keys), tl.trans(queries))  # [BLOCK_K, BLOCK_H]
             if MXFP8:
                 # Four equal ue8m0 bytes: the low byte (little-endian) is the exponent field.
                 word = tl.load(scale_words.to(tl.pointer_type(tl.int32)), mask=readable, other=0)
-                key_mul = ((word & 0xFF) << 23).to(tl.float32, bitcast=True)
+                key_mul = ue8m0_word_to_fp32(word)
             else:
                 key_mul = tl.load(scale_words.to(tl.pointer_type(tl.float32)), mask=readable, other=0.0)  # [BLOCK_K]
         weighted = (scores + tl.abs(scores)) * half_w[None, :]
@@ -175,18 +191,18 @@ def _launch(q_rows, q_scale_rows, weights, blocks, block_size, out, fmt, keys, p
     upcast = use_upcast(q_rows.device)
     mxfp4 = fmt == "mxfp4"
     if mxfp4:
-        q_values, q_mul = _mxfp4_rows(q_rows, q_scale_rows, torch.float16 if upcast else FP8_DTYPE)
+        q_values, q_mul = mxfp4_rows(q_rows, q_scale_rows, torch.float16 if upcast else FP8_DTYPE)
         w = weights * q_mul
     else:
-        q_values, w = _unit_last_stride(q_rows), weights
+        q_values, w = unit_last_stride(q_rows), weights
         if upcast:
             q_values = q_values.view(torch.uint8)
-    block_k, num_warps, num_stages, per_sm, lo, hi = (
-        _SPARSE_INTERPRETER_CONFIG if _interpreting() else SPARSE_CONFIG[fmt]
-    )
-    expand_ptx = mxfp4 and not (_interpreting() or upcast)
+    config = sparse_logits_config(fmt)
+    block_k = config.block_k
+    expand_ptx = mxfp4 and not (interpreting() or upcast)
     key_tiles = triton.cdiv(num_cols, block_k)
-    tiles = _split_tiles(num_rows, key_tiles, q_rows.device, per_sm, lo, hi)
+    tiles = split_tiles(num_rows, key_tiles, q_rows.device, config.programs_per_sm, config.min_split_tiles,
+                        config.max_split_tiles)
     num_splits = triton.cdiv(key_tiles, tiles)
     dim = q_values.shape[-1]
     mxfp8 = False
@@ -204,7 +220,7 @@ def _launch(q_rows, q_scale_rows, weights, blocks, block_size, out, fmt, keys, p
         num_keys = 0
     else:
         values, scales, ks, ke = keys
-        values = _unit_last_stride(values)
+        values = unit_last_stride(values)
         if upcast and not mxfp4:
             values = values.view(torch.uint8)
         buffer, page_stride, page, next_n, one_d = values, 0, 1, 1, False
@@ -223,10 +239,10 @@ def _launch(q_rows, q_scale_rows, weights, blocks, block_size, out, fmt, keys, p
         table, stride_tb, table_columns, num_blocks,
         out, out.stride(0),
         next_n, int(one_d), num_cols, num_splits,
-        HEADS=heads, BLOCK_H=_next_pow2(heads, 16), DIM=dim, BLOCK_D=_next_pow2(dim, 32),
-        CAND=block_size, PAGE=page, BLOCK_K=block_k, TILES=tiles, NUM_STAGES=num_stages,
+        HEADS=heads, BLOCK_H=next_pow2(heads, 16), DIM=dim, BLOCK_D=next_pow2(dim, 32),
+        CAND=block_size, PAGE=page, BLOCK_K=block_k, TILES=tiles, NUM_STAGES=config.num_stages,
         PAGED=paged, MXFP4=mxfp4, MXFP8=mxfp8, UPCAST=upcast, EXPAND_PTX=expand_ptx,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 
