@@ -98,7 +98,7 @@ def decode_call(name, args, out):
     """A no-argument callable running variant ``name`` on the decode arguments ``args`` into ``out`` (the
     arguments are bound now: rotating sets keep their own)."""
     if name in ("auto", "auto-again"):
-        return lambda: logits_ops._paged_mqa_logits_triton(*args, True, out)
+        return lambda: logits_ops.paged_mqa_logits_triton_dispatch(*args, True, out)
     if name == "empty":
         tiny = torch.zeros(1, device="cuda")
         return lambda: tiny.add_(1)

@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from dsa_indexer import backend
+from dsa_indexer.ops.common.runtime import interpreting
 
 
 def _kernel_device() -> str | None:
     if not backend.triton_available():
         return None
-    if backend.interpreter_enabled():
+    if interpreting():
         return "cpu"
     return "cuda" if torch.cuda.is_available() else None
 

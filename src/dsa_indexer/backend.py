@@ -14,21 +14,15 @@ from collections.abc import Callable
 
 import torch
 
-from .ops.common.runtime import interpreting as interpreter_enabled
-from .ops.common.runtime import sm_count
+from .ops.common.runtime import interpreting
 
 BACKENDS = ("auto", "reference", "triton")
 ENV_VAR = "DSA_INDEXER_BACKEND"
 
 
 def triton_available() -> bool:
-    """Triton can be imported (it may still lack a GPU driver: see ``interpreter_enabled``)."""
+    """Triton can be imported (it may still lack a GPU driver: see ``ops.common.runtime.interpreting``)."""
     return importlib.util.find_spec("triton") is not None
-
-
-def multiprocessor_count(device: torch.device) -> int:
-    """SMs of the CUDA ``device`` (its index, or the current device), cached per device."""
-    return sm_count(device)
 
 
 def requested_backend(backend: str) -> str:
@@ -48,7 +42,7 @@ def resolve(backend: str, device: torch.device, has_triton_kernel: bool) -> str:
     chosen = requested_backend(backend)
     if chosen == "reference":
         return "reference"
-    triton_runnable = has_triton_kernel and triton_available() and (device.type == "cuda" or interpreter_enabled())
+    triton_runnable = has_triton_kernel and triton_available() and (device.type == "cuda" or interpreting())
     if chosen == "triton":
         if not triton_runnable:
             raise ValueError(

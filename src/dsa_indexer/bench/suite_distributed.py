@@ -120,9 +120,9 @@ def _step_inputs(batch: int, length: int, next_n: int, fmt: str, world: int, ran
     """Rank ``rank``'s decode inputs: a cache of its ``L / W`` keys per request and its local lengths."""
     from dsa_indexer.dcp_positions import local_lengths
 
-    from .suite_step import _inputs
+    from .suite_step import decode_inputs
 
-    q, q_scale, cache, weights, lens, table = _inputs(batch, length // world, next_n, fmt,
+    q, q_scale, cache, weights, lens, table = decode_inputs(batch, length // world, next_n, fmt,
                                                       torch.Generator().manual_seed(rank))
     global_lens = torch.tensor([length - next_n + 1 + t for t in range(next_n)], dtype=torch.int32).repeat(batch, 1)
     lens = local_lengths(global_lens, rank, world, 1).cuda()
@@ -133,11 +133,11 @@ def _simulated_step(ceilings: dict[str, float]) -> dict:
     import dsa_indexer as dsa
     from dsa_indexer.ops.dcp import pack_candidate_keys, select_global_topk_keys
 
-    from .suite_step import _inputs
+    from .suite_step import decode_inputs
 
     batch, length, next_n, k, fmt = STEP
     rows = batch * next_n
-    q, q_scale, cache, weights, lens, table = _inputs(batch, length, next_n, fmt, torch.Generator().manual_seed(0))
+    q, q_scale, cache, weights, lens, table = decode_inputs(batch, length, next_n, fmt, torch.Generator().manual_seed(0))
     logits = torch.empty(rows, length, device="cuda")
     picks = torch.empty(rows, k, dtype=torch.int32, device="cuda")
 
@@ -223,7 +223,7 @@ def _rank_timings(rank: int, world: int) -> dict:
     from dsa_indexer.distributed import DcpMergeWorkspace, merge_topk_global
     from dsa_indexer.ops.dcp import pack_candidate_keys, select_global_topk_keys
 
-    from .suite_step import _inputs
+    from .suite_step import decode_inputs
 
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     line_up = torch.zeros(1, device="cuda")
@@ -274,7 +274,7 @@ def _rank_timings(rank: int, world: int) -> dict:
 
     batch, length, next_n, k, fmt = STEP
     rows = batch * next_n
-    q, q_scale, cache, weights, lens, table = _inputs(batch, length, next_n, fmt, torch.Generator().manual_seed(0))
+    q, q_scale, cache, weights, lens, table = decode_inputs(batch, length, next_n, fmt, torch.Generator().manual_seed(0))
     logits = torch.empty(rows, length, device="cuda")
     picks = torch.empty(rows, k, dtype=torch.int32, device="cuda")
 

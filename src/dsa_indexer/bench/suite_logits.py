@@ -210,7 +210,7 @@ def _rotation(args, out: torch.Tensor, count: int) -> list[tuple]:
 
 
 def _decode_rows(fmt: str, ceilings: dict[str, float], gen: torch.Generator) -> list[dict]:
-    from dsa_indexer.ops.logits import _paged_mqa_logits_triton as dispatched  # the backend's call, validated
+    from dsa_indexer.ops.logits import paged_mqa_logits_triton_dispatch as dispatched  # the triton backend's call
 
     cache = _decode_pool(fmt, max(b * length for b, length, _ in DECODE_SHAPES) // PAGE + 64)
     rows = []

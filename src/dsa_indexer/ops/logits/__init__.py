@@ -110,7 +110,9 @@ def decode_kernel(q: torch.Tensor, cache: KCacheLayout, max_context_len: int) ->
     return "gluon" if preferred else "triton"
 
 
-def _paged_mqa_logits_triton(q, q_scale, cache, weights, context_lens, block_table, max_context_len, clean, out):
+def paged_mqa_logits_triton_dispatch(q, q_scale, cache, weights, context_lens, block_table, max_context_len, clean, out):
+    """The triton backend of ``paged_mqa_logits`` (arguments already checked): the Gluon or the Triton kernel, as
+    ``decode_kernel`` picks for this call."""
     if decode_kernel(q, cache, max_context_len) == "gluon":
         if cache.fmt == "fp8":
             from .gluon_decode import paged_mqa_logits_gluon as gluon_kernel
@@ -410,7 +412,7 @@ def _paged_mqa_logits(q, q_scale, cache, weights, context_lens, block_table, max
     )
     implementation = _backend.dispatch(
         reference.paged_mqa_logits,
-        _paged_mqa_logits_triton if _backend.triton_available() else None,
+        paged_mqa_logits_triton_dispatch if _backend.triton_available() else None,
         backend,
         q.device,
     )

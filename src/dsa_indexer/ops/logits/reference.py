@@ -26,21 +26,21 @@ KEYS_PER_CHUNK = 4096
 _FP32_BYTES = 4
 
 
-def _decode_queries(q: torch.Tensor, q_scale: torch.Tensor | None) -> torch.Tensor:
+def decode_queries(q: torch.Tensor, q_scale: torch.Tensor | None) -> torch.Tensor:
     """``q [..., D]`` e4m3 or ``[..., D/2]`` packed e2m1 (+ ``q_scale [..., S]``) -> fp32 ``[..., D]``."""
     if q.dtype == FP8_DTYPE:
         return q.float()
     return dequantize_mxfp4(q, q_scale)
 
 
-def _decode_keys(values: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def decode_keys(values: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Keys as fp32 ``[..., D]`` and, for FP8, the per-key scale ``[...]`` applied after the head sum."""
     if values.dtype == FP8_DTYPE:
         return values.float(), scales
     return dequantize_mxfp4(values, scales), None
 
 
-def _weighted_relu_head_sum(
+def weighted_relu_head_sum(
     queries: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, key_scales: torch.Tensor | None
 ) -> torch.Tensor:
     """``queries [G, R, H, D]``, ``keys [G, n, D]``, ``weights [G, R, H]``, ``key_scales [G, n] | None``
@@ -91,13 +91,13 @@ def mqa_logits(
     row_step = rows_per_chunk(heads, dim, key_step, budget_bytes)
     for key_start in range(0, num_keys, key_step):
         key_end = min(key_start + key_step, num_keys)
-        keys, key_scales = _decode_keys(k[key_start:key_end], k_scale[key_start:key_end])  # [n, D], [n]
+        keys, key_scales = decode_keys(k[key_start:key_end], k_scale[key_start:key_end])  # [n, D], [n]
         columns = torch.arange(key_start, key_end, device=k.device)
         for row_start in range(0, num_rows, row_step):
             row_end = min(row_start + row_step, num_rows)
             rows = slice(row_start, row_end)
-            queries = _decode_queries(q[rows], None if q_scale is None else q_scale[rows])  # [r, H, D]
-            logits = _weighted_relu_head_sum(
+            queries = decode_queries(q[rows], None if q_scale is None else q_scale[rows])  # [r, H, D]
+            logits = weighted_relu_head_sum(
                 queries.unsqueeze(0),
                 keys.unsqueeze(0),
                 weights[rows].unsqueeze(0),
@@ -192,11 +192,11 @@ def paged_mqa_logits(
                 else:
                     scale_bytes = scale_bytes.view(torch.float32)[..., 0]
                 value_bytes = value_bytes.view(FP8_DTYPE)
-            keys, key_scales = _decode_keys(value_bytes, scale_bytes)  # [b, n, D], [b, n] | None
+            keys, key_scales = decode_keys(value_bytes, scale_bytes)  # [b, n, D], [b, n] | None
             request_scales = None if q_scale is None else q_scale[requests]
-            queries = _decode_queries(q[requests], request_scales)  # [b, next_n, H, D]
+            queries = decode_queries(q[requests], request_scales)  # [b, next_n, H, D]
             request_weights = weights_by_request[requests]  # [b, next_n, H]
-            logits = _weighted_relu_head_sum(queries, keys, request_weights, key_scales)  # [b, next_n, n]
+            logits = weighted_relu_head_sum(queries, keys, request_weights, key_scales)  # [b, next_n, n]
             valid = positions < row_lengths[requests, :, None]
             out_by_request[requests, :, key_start:key_end] = torch.where(valid, logits, float("-inf"))
     return out

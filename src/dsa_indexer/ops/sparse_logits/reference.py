@@ -5,7 +5,7 @@ Column ``j * block + o`` of row ``r`` scores the row-relative position ``blocks[
 when its block id is ``>= 0``, greater than the entry before it (a repeat of the previous id is
 padding) and its position is inside the row's visible range; every other column is ``-inf``.
 
-The per-logit arithmetic is the dense reference's (``logits.reference._weighted_relu_head_sum``: one
+The per-logit arithmetic is the dense reference's (``logits.reference.weighted_relu_head_sum``: one
 matmul over ``D``, relu, weights, a sum over heads, then the FP8 key scale), on the gathered keys of the
 listed blocks. Arguments are assumed validated by the public wrappers in ``__init__.py``.
 """
@@ -18,10 +18,10 @@ from ...cache import IndexerKCache
 from ...formats import FP8_DTYPE, ue8m0_to_fp32
 from ..logits.reference import (
     INTERMEDIATE_BUDGET_BYTES,
-    _decode_keys,
-    _decode_queries,
-    _weighted_relu_head_sum,
+    decode_keys,
+    decode_queries,
     decode_row_lengths,
+    weighted_relu_head_sum,
 )
 
 _FP32_BYTES = 4
@@ -83,9 +83,9 @@ def sparse_mqa_logits(
         if num_keys == 0:
             out[rows] = float("-inf")
             continue
-        keys, key_scales = _decode_keys(k[index], k_scale[index])  # [r, C, D], [r, C] | None
-        queries = _decode_queries(q[rows], None if q_scale is None else q_scale[rows])  # [r, H, D]
-        logits = _weighted_relu_head_sum(queries[:, None], keys, weights[rows][:, None], key_scales)[:, 0]
+        keys, key_scales = decode_keys(k[index], k_scale[index])  # [r, C, D], [r, C] | None
+        queries = decode_queries(q[rows], None if q_scale is None else q_scale[rows])  # [r, H, D]
+        logits = weighted_relu_head_sum(queries[:, None], keys, weights[rows][:, None], key_scales)[:, 0]
         out[rows] = torch.where(valid, logits, float("-inf")).to(out.dtype)
     return out
 
@@ -145,9 +145,9 @@ def sparse_paged_mqa_logits(
             else:
                 scale_bytes = scale_bytes.view(torch.float32)[..., 0]
             value_bytes = value_bytes.view(FP8_DTYPE)
-        keys, key_scales = _decode_keys(value_bytes, scale_bytes)
-        queries = _decode_queries(flat_q[rows], None if flat_scale is None else flat_scale[rows])
-        logits = _weighted_relu_head_sum(queries[:, None], keys, weights[rows][:, None], key_scales)[:, 0]
+        keys, key_scales = decode_keys(value_bytes, scale_bytes)
+        queries = decode_queries(flat_q[rows], None if flat_scale is None else flat_scale[rows])
+        logits = weighted_relu_head_sum(queries[:, None], keys, weights[rows][:, None], key_scales)[:, 0]
         out[rows] = torch.where(valid, logits, float("-inf")).to(out.dtype)
     return out
 
