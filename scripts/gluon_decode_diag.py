@@ -40,7 +40,7 @@ from dsa_indexer.ops.logits.gluon_decode import paged_mqa_logits_gluon
 
 _LARGE, _SMALL = gluon_decode.GLUON_DECODE_CONFIG, gluon_decode.GLUON_DECODE_CONFIG_SMALL
 # The configurations compared with the library's choice: the shipped ones, their cp.async forms and the steps
-# from an earlier small-shape default to the shipped one (the variants that lost are in NOTES_logits.md).
+# from an earlier small-shape default to the shipped one (the variants that lost are in benchmarks/devlog/logits.md).
 GLUON_SWEEP_CONFIGS = {
     "cta3": _LARGE,
     "persist4-one-row": gluon_decode.GLUON_DECODE_CONFIG_ONE_ROW,

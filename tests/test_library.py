@@ -240,3 +240,36 @@ def test_import_needs_only_torch():
 
     code = "import sys, dsa_indexer; assert 'triton' not in sys.modules, 'importing dsa_indexer imported triton'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _layer_of(module: str) -> int:
+    """The layer of ``module`` in docs/architecture.md's dependency diagram (imports only go to lower or equal layers)."""
+    name = module.removeprefix("dsa_indexer").removeprefix(".")
+    top = name.split(".")[0]
+    if name in ("ops.common", "ops.common.runtime", "ops.common.registration"):
+        return 0
+    if top in ("formats", "_validation", "cache_layout", "dcp_positions"):
+        return 1
+    if name.startswith("ops.common") or top == "backend":
+        return 2
+    if top == "ops":
+        return 3
+    if top in ("cache", "metadata", "distributed", "train"):
+        return 4
+    if top == "layer":
+        return 5
+    return 6
+
+
+def test_imports_run_one_way():
+    from pathlib import Path
+
+    root = Path(dsa.__file__).parent
+    modules = {}
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    upward = [f"{name} -> {target}" for name, path in sorted(modules.items())
+              for target in sorted(_module_imports(path, root))
+              if target in modules and target != "dsa_indexer" and _layer_of(target) > _layer_of(name)]
+    assert not upward, "imports against the layering of docs/architecture.md:\n" + "\n".join(upward)

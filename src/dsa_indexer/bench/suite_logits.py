@@ -13,7 +13,7 @@ Shapes: H=64 heads, D=128, 64-token pages.
   graph replays (an engine replays decode as a graph): ``us`` cycles through sets of pages, queries and
   outputs whose other sets exceed three L2s (DESIGN.md §12: rotating buffers; ``harness.rotating_graph_us``);
   ``memset_us`` replays after a 256 MB memset, as the anchors' ``do_bench`` does (an L2 full of dirty
-  lines, whose write-back the kernel pays: 1-7 µs at B <= 32, benchmarks/NOTES_logits.md), with its own %
+  lines, whose write-back the kernel pays: 1-7 µs at B <= 32, benchmarks/devlog/logits.md), with its own %
   (``memset_pct_of_floor``): compare with the anchors' table by ``memset_us``. The eager ``do_bench``
   median (memset, host launch included) is recorded beside them (``eager_us``).
 - Prefill: S=2048 queries over SKV in {8K, 32K, 64K} with ks=0, ke=i+SKV-S+1, and a causal 8K prompt

@@ -24,7 +24,7 @@ from . import harness
 # Launch variants per format (fields of RopeQuantConfig, InsertConfig, GatherConfig); the first of each list is the
 # wrapper's default (for MXFP4 the encode on bf16 pairs), then for MXFP4 the fp32 path (what fp16 / fp32 inputs
 # run) and, for insert, the other launch that measured close (H200). Variants measured slower in earlier runs
-# (benchmarks/NOTES_quant_cache.md) are left out.
+# (benchmarks/devlog/quant_cache.md) are left out.
 ROPE_VARIANTS = {
     "fp8": [dict(block_heads=64, num_warps=8), dict(block_heads=32, num_warps=4)],
     "mxfp4": [dict(block_heads=64, num_warps=4), dict(block_heads=64, num_warps=4, bf16x2=False)],

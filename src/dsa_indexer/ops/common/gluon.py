@@ -18,7 +18,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import async_copy, mbarrier, tma
 
-from ...cache import IndexerKCache
+from ...cache_layout import KCacheLayout
 from .runtime import sm_count
 from .splits import split_tiles, wave_split
 
@@ -262,7 +262,7 @@ def store_tail(out_row0, out_row1, present0, present1, split_start, split_end, r
 _PAGE_DESCRIPTORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def page_descriptors(cache: IndexerKCache, build) -> tuple:
+def page_descriptors(cache: KCacheLayout, build) -> tuple:
     """``build(cache)`` (TMA descriptors over the cache's pages), built once per cache and buffer: building
     them costs more host time than launching the kernel."""
     buffer = cache.buffer
@@ -285,7 +285,7 @@ def wave_fills(config: GluonDecodeConfig, batch: int, next_n: int, max_context_l
     return fill >= GLUON_WAVE_MIN_FILL
 
 
-def nothing_to_read(cache: IndexerKCache, block_table: torch.Tensor, batch: int, max_context_len: int, clean: bool,
+def nothing_to_read(cache: KCacheLayout, block_table: torch.Tensor, batch: int, max_context_len: int, clean: bool,
                      out: torch.Tensor) -> bool:
     """Whether a call reads no key (no rows or positions, an empty cache or table), shared by the FP8 and
     MXFP4 launchers; with an empty cache or table and ``clean`` it fills ``out`` with ``-inf`` here."""
@@ -298,7 +298,7 @@ def nothing_to_read(cache: IndexerKCache, block_table: torch.Tensor, batch: int,
     return False
 
 
-def launch_shape(q: torch.Tensor, cache: IndexerKCache, max_context_len: int,
+def launch_shape(q: torch.Tensor, cache: KCacheLayout, max_context_len: int,
                  config: GluonDecodeConfig) -> tuple[int, int, int, int, int]:
     """(draft rows per work item: 1 or 2, row groups, splits per row group, key tiles per split, copy width
     in bytes) of a call, shared by the FP8 and MXFP4 launchers."""

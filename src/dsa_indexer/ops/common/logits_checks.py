@@ -6,7 +6,16 @@ import torch
 
 from ..._validation import check_tensor
 from ...formats import FP8_DTYPE
-from ..logits.reference import decode_row_lengths
+
+
+def decode_row_lengths(context_lens: torch.Tensor, next_n: int) -> torch.Tensor:
+    """Per-row visible lengths ``[B, next_n]`` int64 from ``context_lens [B]`` (request length
+    ``L``: row ``t`` sees ``max(L - next_n + t + 1, 0)``) or ``[B, next_n]`` (taken as is)."""
+    lengths = context_lens.long()
+    if lengths.dim() == 2:
+        return lengths
+    offsets = torch.arange(1 - next_n, 1, device=lengths.device)
+    return (lengths[:, None] + offsets).clamp_min(0)
 
 
 def key_format(q) -> str:

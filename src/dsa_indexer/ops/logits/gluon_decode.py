@@ -29,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ...cache import IndexerKCache
+from ...cache_layout import KCacheLayout
 from ...formats import FP8_DTYPE
 from ..common.gluon import (
     BLOCK_K,
@@ -272,7 +272,7 @@ def kernel_constants(heads: int, dim: int, block_size: int, rows: int, clean: bo
     ))
 
 
-def _tma_pages(cache: IndexerKCache, config: GluonDecodeConfig) -> tuple[TensorDescriptor, TensorDescriptor] | None:
+def _tma_pages(cache: KCacheLayout, config: GluonDecodeConfig) -> tuple[TensorDescriptor, TensorDescriptor] | None:
     """The key and scale descriptors of ``fill_tiles_tma`` when ``config`` asks for TMA page copies
     (``tma_pages``) and the cache allows them: 16-byte aligned, pages of whole 64-key tiles, a page stride that is a
     multiple of a key row, ``head_dim <= 128`` (a key row within one 128-byte swizzle span, as the key ring's
@@ -285,7 +285,7 @@ def _tma_pages(cache: IndexerKCache, config: GluonDecodeConfig) -> tuple[TensorD
     return page_descriptors(cache, _build_page_descriptors)
 
 
-def _build_page_descriptors(cache: IndexerKCache) -> tuple[TensorDescriptor, TensorDescriptor]:
+def _build_page_descriptors(cache: KCacheLayout) -> tuple[TensorDescriptor, TensorDescriptor]:
     """``_tma_pages``'s descriptors: the cache as rows of one e4m3 key row (``head_dim`` bytes)."""
     buffer = cache.buffer
     row_bytes = cache.head_dim
@@ -324,7 +324,7 @@ def gluon_decode_config(batch: int, next_n: int, max_context_len: int, sms: int)
 def paged_mqa_logits_gluon(
     q: torch.Tensor,
     q_scale: torch.Tensor | None,
-    cache: IndexerKCache,
+    cache: KCacheLayout,
     weights: torch.Tensor,
     context_lens: torch.Tensor,
     block_table: torch.Tensor,

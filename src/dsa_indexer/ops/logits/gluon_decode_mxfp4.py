@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ...cache import IndexerKCache
+from ...cache_layout import KCacheLayout
 from ...formats import FP8_DTYPE
 from ..common.codecs import E2M1_EXPAND_ASM, E4M3_TABLE_ASM, mxfp4_rows
 from ..common.gluon import (
@@ -269,7 +269,7 @@ def kernel_constants(heads: int, block_size: int, rows: int, clean: bool, copy_a
     ))
 
 
-def _tma_pages(cache: IndexerKCache, config: GluonDecodeConfig) -> tuple[TensorDescriptor, TensorDescriptor] | None:
+def _tma_pages(cache: KCacheLayout, config: GluonDecodeConfig) -> tuple[TensorDescriptor, TensorDescriptor] | None:
     """The key and scale descriptors of ``fill_tiles_tma`` when ``config`` asks for TMA page copies and the
     cache allows them (16-byte aligned base, 64-byte multiple page stride, pages of whole 64-key tiles);
     None otherwise (the cp.async producer runs)."""
@@ -279,7 +279,7 @@ def _tma_pages(cache: IndexerKCache, config: GluonDecodeConfig) -> tuple[TensorD
     return page_descriptors(cache, _build_page_descriptors)
 
 
-def _build_page_descriptors(cache: IndexerKCache) -> tuple[TensorDescriptor, TensorDescriptor]:
+def _build_page_descriptors(cache: KCacheLayout) -> tuple[TensorDescriptor, TensorDescriptor]:
     """``_tma_pages``'s descriptors: the cache as rows of one packed key row (``D/2`` bytes)."""
     buffer = cache.buffer
     row_bytes = DIM.value // 2  # one packed key row = one descriptor row
@@ -291,7 +291,7 @@ def _build_page_descriptors(cache: IndexerKCache) -> tuple[TensorDescriptor, Ten
 
 def gluon_mxfp4_decode_preferred(batch: int, next_n: int, max_context_len: int) -> bool:
     """Whether this kernel beats the Triton one for the call (host integers only). Measured (H200, cold-L2 graph
-    replays, NOTES_logits.md): 1.09-1.12x from B = 32, L = 32K (1M keys) up at next_n = 1 and 2 with the cp.async
+    replays, benchmarks/devlog/logits.md): 1.09-1.12x from B = 32, L = 32K (1M keys) up at next_n = 1 and 2 with the cp.async
     producer, 1.10-1.38x with TMA (45.3 vs 60.1 µs at B = 32, L = 32K, next_n = 1); slower at B = 1, L = 128K,
     next_n = 1 (20.8 vs 16.4-18.2 µs); draft rows in one filled wave also from 128K keys (20.6 vs 21.9 µs at B = 1,
     L = 128K, next_n = 2, where the power-of-two split took 27.7).
@@ -320,7 +320,7 @@ def gluon_mxfp4_decode_config(batch: int, next_n: int, max_context_len: int, sms
 def paged_mqa_logits_gluon_mxfp4(
     q: torch.Tensor,
     q_scale: torch.Tensor | None,
-    cache: IndexerKCache,
+    cache: KCacheLayout,
     weights: torch.Tensor,
     context_lens: torch.Tensor,
     block_table: torch.Tensor,

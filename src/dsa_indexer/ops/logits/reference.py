@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from ...cache import IndexerKCache
+from ...cache_layout import KCacheLayout
 from ...formats import FP8_DTYPE, dequantize_mxfp4, ue8m0_to_fp32
+from ..common.logits_checks import decode_row_lengths
 
 # fp32 intermediates of one chunk (scores, decoded queries and keys) stay below this many bytes.
 INTERMEDIATE_BUDGET_BYTES = 256 << 20
@@ -108,16 +109,6 @@ def mqa_logits(
     return out
 
 
-def decode_row_lengths(context_lens: torch.Tensor, next_n: int) -> torch.Tensor:
-    """Per-row visible lengths ``[B, next_n]`` int64 from ``context_lens [B]`` (request length
-    ``L``: row ``t`` sees ``max(L - next_n + t + 1, 0)``) or ``[B, next_n]`` (taken as is)."""
-    lengths = context_lens.long()
-    if lengths.dim() == 2:
-        return lengths
-    offsets = torch.arange(1 - next_n, 1, device=lengths.device)
-    return (lengths[:, None] + offsets).clamp_min(0)
-
-
 def requests_per_chunk(next_n: int, heads: int, dim: int, keys: int, budget_bytes: int) -> int:
     """Requests whose fp32 scores ``[next_n, H, keys]``, decoded queries ``[next_n, H, D]`` and
     gathered keys ``[keys, D]`` fit the budget (at least one request)."""
@@ -128,7 +119,7 @@ def requests_per_chunk(next_n: int, heads: int, dim: int, keys: int, budget_byte
 def paged_mqa_logits(
     q: torch.Tensor,
     q_scale: torch.Tensor | None,
-    cache: IndexerKCache,
+    cache: KCacheLayout,
     weights: torch.Tensor,
     context_lens: torch.Tensor,
     block_table: torch.Tensor,

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...cache import IndexerKCache
+from ...cache_layout import KCacheLayout
 from ...formats import FP8_DTYPE
 from ..common.codecs import (
     FORCE_UPCAST_ENV,
@@ -398,7 +398,7 @@ def mqa_logits_triton(
 def paged_mqa_logits_triton(
     q: torch.Tensor,
     q_scale: torch.Tensor | None,
-    cache: IndexerKCache,
+    cache: KCacheLayout,
     weights: torch.Tensor,
     context_lens: torch.Tensor,
     block_table: torch.Tensor,

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from ...cache import IndexerKCache
+from ...cache_layout import KCacheLayout
 from ...formats import FP8_DTYPE, ue8m0_to_fp32
+from ..common.logits_checks import decode_row_lengths
 from ..logits.reference import (
     INTERMEDIATE_BUDGET_BYTES,
     decode_keys,
     decode_queries,
-    decode_row_lengths,
     weighted_relu_head_sum,
 )
 
@@ -93,7 +93,7 @@ def sparse_mqa_logits(
 def sparse_paged_mqa_logits(
     q: torch.Tensor,
     q_scale: torch.Tensor | None,
-    cache: IndexerKCache,
+    cache: KCacheLayout,
     weights: torch.Tensor,
     context_lens: torch.Tensor,
     block_table: torch.Tensor,

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...cache import IndexerKCache
+from ...cache_layout import KCacheLayout
 from ...formats import FP8_DTYPE
 from ..common.codecs import (
     dot_operand,
@@ -257,7 +257,7 @@ def sparse_mqa_logits_triton(q, q_scale, k, k_scale, weights, ks, ke, blocks, bl
     return _launch(q, q_scale, weights, blocks, block_size, out, fmt, (k, k_scale, ks, ke), paged=False)
 
 
-def sparse_paged_mqa_logits_triton(q, q_scale, cache: IndexerKCache, weights, context_lens, block_table, blocks,
+def sparse_paged_mqa_logits_triton(q, q_scale, cache: KCacheLayout, weights, context_lens, block_table, blocks,
                                    block_size, out):
     """Triton twin of ``reference.sparse_paged_mqa_logits`` (same arguments, validated by the public wrapper)."""
     batch, next_n = q.shape[:2]
