@@ -114,6 +114,9 @@ def pack_seq(
     Returns:
         ``[B, L, ...]`` with ``result[b, t] = x[sum(lengths[:b]) + t]`` for ``t < lengths[b]``.
     """
+    if isinstance(x, torch.Tensor) and not x.dtype.is_floating_point and isinstance(pad_value, float):
+        # The op schema carries the pad as a float: an integer payload's pad is checked to be an int here.
+        raise TypeError(f"pad_value must be an int for {x.dtype} payloads, got {pad_value!r}")
     if out is None:
         return _pack_seq_op(x, lengths, pad_value, max_len, backend)
     _pack_seq_out_op(x, lengths, pad_value, max_len, out, backend)
