@@ -153,20 +153,21 @@ def test_oracle_gradients_equal_autograd_of_its_loss():
     [
         dict(t=23, h_i=3, d_i=16, h=4, d_a=24, dtype=torch.float32),
         dict(t=17, h_i=4, d_i=32, h=4, d_a=16, dtype=torch.bfloat16, target_norm="l1"),
-        dict(t=21, h_i=2, d_i=16, h=4, d_a=20, h_kv=2, cu=[0, 1, 12, 12, 21], ratio=2, target_norm="l1", split_rows=4),
+        dict(t=21, h_i=2, d_i=16, h=4, d_a=20, h_kv=2, cu=[0, 1, 12, 12, 21], ratio=2, target_norm="l1",
+             config=dict(dk_min_split_rows=4)),
         dict(t=20, h_i=4, d_i=16, h=2, d_a=16, cu=[0, 7, 20], ratio=3, reduction="sum", coeff=0.25),
-        dict(t=40, h_i=8, d_i=16, h=2, d_a=16, cu=[0, 3, 40], target_norm="l1", fused_dk=True),
+        dict(t=40, h_i=8, d_i=16, h=2, d_a=16, cu=[0, 3, 40], target_norm="l1", config=dict(fused_dk=True)),
+        dict(t=19, h_i=2, d_i=16, h=4, d_a=40, config=dict(tile_rows=16, block_keys=16, block_d_a=16, num_warps=4)),
     ],
     ids=["dense-fp32-causal", "dense-bf16-l1", "dense-varlen-ratio2-gqa-l1-split-dk", "dense-varlen-ratio3-sum",
-         "dense-varlen-fused-dk"],
+         "dense-varlen-fused-dk", "dense-small-tiles"],
 )
 def test_dense_matches_oracle(kernel_device, case, monkeypatch):
-    if "split_rows" in case:  # dk summed from several parts of the query sweep
-        monkeypatch.setattr(triton_kernels, "_DK_MIN_SPLIT_ROWS", case["split_rows"])
-    # dk added in the gradient pass behind per-tile tickets (the second sequence: three blocks of 16 tokens
-    # adding, in turn, to two tiles of 32 keys); the separate dk kernel must not run
-    monkeypatch.setattr(triton_kernels, "_FUSED_DK", case.get("fused_dk", False))
-    if case.get("fused_dk"):
+    # dk_min_split_rows: dk summed from several parts of the query sweep; fused_dk: dk added in the gradient pass
+    # behind per-tile tickets (the second sequence: three blocks of 16 tokens adding, in turn, to two tiles of
+    # 32 keys), and the separate dk kernel must not run
+    config = triton_kernels.KlLossConfig(**case.get("config", {}))
+    if config.fused_dk:
         monkeypatch.setattr(triton_kernels, "_dk_dense_kernel", None)
     ratio = case.get("ratio", 1)
     cu = None if "cu" not in case else torch.tensor(case["cu"], dtype=torch.int32)
@@ -180,7 +181,7 @@ def test_dense_matches_oracle(kernel_device, case, monkeypatch):
     kwargs = dict(softmax_scale=0.3, cu_seqlens=None if cu is None else cu.to(kernel_device), compress_ratio=ratio,
                   target_norm=case.get("target_norm", "heads"), reduction=case.get("reduction", "mean"),
                   coeff=case.get("coeff", 1.0))
-    got = indexer_kl_triton(q, k, w, attn_q, attn_k, attn_lse, **kwargs)
+    got = indexer_kl_triton(q, k, w, attn_q, attn_k, attn_lse, **kwargs, config=config)
     assert [x.dtype for x in got[1:]] == [dtype] * 3
     _assert_close(got, oracle(q, k, w, attn_q, attn_k, attn_lse, **kwargs), dtype=dtype)
 
@@ -237,6 +238,7 @@ def test_empty_and_single_token(kernel_device):
         (dict(topk_indices=torch.zeros(7, 2, dtype=torch.int32)), ValueError),
         (dict(cu_seqlens=torch.tensor([0, 5, 9])), ValueError),
         (dict(cu_seqlens=torch.tensor([0, 6, 4, 8])), ValueError),
+        (dict(config={"fused_dk": True}), TypeError),
     ],
 )
 def test_bad_input_is_rejected(change, error):
@@ -261,13 +263,12 @@ def _gpu_case(t, *, h=V32["h"], seed=0):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fused_dk", [False, True])
 @pytest.mark.parametrize("t, target_norm, h", [(1024, "heads", 128), (2048, "l1", 128), (4096, "heads", 16)])
-def test_gpu_dense_matches_oracle(t, target_norm, h, fused_dk, monkeypatch):
-    monkeypatch.setattr(triton_kernels, "_FUSED_DK", fused_dk)
+def test_gpu_dense_matches_oracle(t, target_norm, h, fused_dk):
     q, k, w, attn_q, attn_k = _gpu_case(t, h=h)
     scale = V32["softmax_scale"]
     lse = _gpu_lse(attn_q, attn_k, scale, None) if target_norm == "heads" else torch.randn(t, h, device="cuda") + 8.0
     kwargs = dict(softmax_scale=scale, target_norm=target_norm)
-    got = indexer_kl_triton(q, k, w, attn_q, attn_k, lse, **kwargs)
+    got = indexer_kl_triton(q, k, w, attn_q, attn_k, lse, **kwargs, config=triton_kernels.KlLossConfig(fused_dk=fused_dk))
     _assert_close(got, oracle(q, k, w, attn_q, attn_k, lse, chunk=128, **kwargs), dtype=torch.bfloat16, label=t)
 
 
@@ -335,8 +336,8 @@ def _gpu_lse(attn_q, attn_k, scale, cu, topk=None, chunk=128):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("sparse, fused_dk", [(False, False), (False, True), (True, False)])
-def test_gpu_dk_is_bitwise_deterministic(sparse, fused_dk, monkeypatch):
-    monkeypatch.setattr(triton_kernels, "_FUSED_DK", fused_dk)
+def test_gpu_dk_is_bitwise_deterministic(sparse, fused_dk):
+    config = triton_kernels.KlLossConfig(fused_dk=fused_dk)
     t = 2048
     q, k, w, attn_q, attn_k = _gpu_case(t)
     lse = torch.randn(t, V32["h"], device="cuda") + 8.0
@@ -344,9 +345,10 @@ def test_gpu_dk_is_bitwise_deterministic(sparse, fused_dk, monkeypatch):
     if sparse:
         topk = torch.randint(0, t, (t, 1024), generator=torch.Generator(device="cuda").manual_seed(6), device="cuda",
                              dtype=torch.int32)
-    first = indexer_kl_triton(q, k, w, attn_q, attn_k, lse, softmax_scale=V32["softmax_scale"], topk_indices=topk)
+    kwargs = dict(softmax_scale=V32["softmax_scale"], topk_indices=topk, config=config)
+    first = indexer_kl_triton(q, k, w, attn_q, attn_k, lse, **kwargs)
     for _ in range(20):
-        again = indexer_kl_triton(q, k, w, attn_q, attn_k, lse, softmax_scale=V32["softmax_scale"], topk_indices=topk)
+        again = indexer_kl_triton(q, k, w, attn_q, attn_k, lse, **kwargs)
         for x, y in zip(first, again):
             assert torch.equal(x, y)
 

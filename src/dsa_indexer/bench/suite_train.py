@@ -4,7 +4,7 @@ Main attention: H = 128 heads over the MLA latent (D_a = 576, MQA), softmax scal
 H_I = 64 heads of D_I = 128; bf16; causal, one sequence of T tokens. Dense stage for T in {4K, 8K, 32K};
 sparse stage with k = 2048 selected keys per row (every visible key while fewer than k, else a stratified
 random draw of k distinct visible keys). Dense shapes run twice: with ``dk`` in its own pass (the
-default) and fused into the gradient pass (``train.triton._FUSED_DK``). The target's per-head LSE is the
+default) and fused into the gradient pass (``KlLossConfig(fused_dk=True)``). The target's per-head LSE is the
 exact one over V_t (computed before timing, chunked). Time: median of a few event-timed calls of ``indexer_kl_triton`` (loss and the
 three gradients in one call, as the autograd op's forward does), after one untimed call; a second call is
 first checked bitwise equal to the first (determinism). Peak memory: the allocator's peak above the inputs.
@@ -131,21 +131,20 @@ def _megatron_available() -> bool:
 def _measure(kernels, inputs, t: int, top: int | None, fused: bool, ceilings: dict[str, float]) -> dict:
     """One record: the call checked (deterministic, finite loss), timed and its peak memory measured."""
     q, k, weights, attn_q, attn_k, topk, lse = inputs
-    kernels._FUSED_DK = fused
-    try:
-        def call():
-            return kernels.indexer_kl_triton(q, k, weights, attn_q, attn_k, lse, softmax_scale=SCALE, topk_indices=topk)
+    config = kernels.KlLossConfig(fused_dk=fused)
 
-        first, second = call(), call()
-        if not all(torch.equal(x, y) for x, y in zip(first, second)):
-            raise AssertionError(f"train loss T={t} k={top}: two calls differ (the kernels must be deterministic)")
-        if not torch.isfinite(first[0]):
-            raise AssertionError(f"train loss T={t} k={top}: loss {float(first[0])} is not finite")
-        del first, second
-        us = _events_us(call)
-        peak = _peak_bytes(call)
-    finally:
-        kernels._FUSED_DK = False
+    def call():
+        return kernels.indexer_kl_triton(q, k, weights, attn_q, attn_k, lse, softmax_scale=SCALE, topk_indices=topk,
+                                         config=config)
+
+    first, second = call(), call()
+    if not all(torch.equal(x, y) for x, y in zip(first, second)):
+        raise AssertionError(f"train loss T={t} k={top}: two calls differ (the kernels must be deterministic)")
+    if not torch.isfinite(first[0]):
+        raise AssertionError(f"train loss T={t} k={top}: loss {float(first[0])} is not finite")
+    del first, second
+    us = _events_us(call)
+    peak = _peak_bytes(call)
     pairs = t * (t + 1) // 2 if top is None else sum(min(top, p + 1) for p in range(t))
     flops = FLOP_PER_PAIR * pairs
     baselines, note = {}, {}

@@ -13,6 +13,8 @@ trip count are ``while`` loops (the CPU interpreter cannot ``range`` over one). 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -28,21 +30,38 @@ from .._validation import (
     value_checks_enabled,
 )
 from ..ops.common.codecs import round_to_bf16
-from ..ops.common.runtime import interpreting
+from ..ops.common.runtime import interpreting, next_pow2
 
 _LOG2E = 1.4426950408889634
-_ROWS = 128  # rows (token, head) of one tile: the M dimension of the tensor-core products
-_BLOCK_S = 32  # keys per tile (64 spills registers in the gradient pass at H_I = 64, D_I = 128 on sm_90)
-_BLOCK_DA = 64  # D_a chunk of the attention product (D_a = 576 = 9 x 64)
-_BLOCK_E = 2  # CSR entries per step of the sparse dk kernel
-_WARPS = 8
-# Dense dk inside the gradient pass, added to each key tile in a fixed order behind a per-tile ticket
-# (removes the dk pass and its recompute of the target). Off until measured on the GPU: it relies on
-# programs starting in launch order, as NVIDIA GPUs do.
-_FUSED_DK = False
-_DK_PROGRAMS = 1024  # dense dk: split the query sweep until about this many programs ...
-_DK_MAX_SPLITS = 16  # ... in at most this many parts ...
-_DK_MIN_SPLIT_ROWS = 256  # ... of at least this many query rows on average
+
+
+@dataclasses.dataclass(frozen=True)
+class KlLossConfig:
+    """Launch of the KL-loss kernels; the class defaults are what ships (``_tile_plan`` and ``_dk_splits`` turn
+    them into one call's tiles).
+
+    tile_rows: ``(token, head)`` rows of one tile, the M dimension of the tensor-core products (a power of two).
+    block_keys: most keys per tile (64 spills registers in the gradient pass at H_I = 64, D_I = 128 on sm_90).
+    block_d_a: most ``D_a`` columns per chunk of the attention product (D_a = 576 = 9 x 64).
+    block_entries: CSR entries per step of the sparse ``dk`` kernel.
+    num_warps: warps of every kernel.
+    fused_dk: dense ``dk`` inside the gradient pass, added to each key tile in a fixed order behind a per-tile
+        ticket (removes the ``dk`` pass and its recompute of the target). Off until measured on the GPU: it
+        relies on programs starting in launch order, as NVIDIA GPUs do.
+    dk_programs, dk_max_splits, dk_min_split_rows: the dense ``dk`` pass splits the query sweep until about
+        ``dk_programs`` programs, in at most ``dk_max_splits`` parts of at least ``dk_min_split_rows`` query
+        rows on average.
+    """
+
+    tile_rows: int = 128
+    block_keys: int = 32
+    block_d_a: int = 64
+    block_entries: int = 2
+    num_warps: int = 8
+    fused_dk: bool = False
+    dk_programs: int = 1024
+    dk_max_splits: int = 16
+    dk_min_split_rows: int = 256
 
 
 @triton.jit
@@ -439,16 +458,25 @@ def _block_map(cu: torch.Tensor, block: int, programs: int) -> tuple[torch.Tenso
     return block_seq.to(torch.int32), block_start
 
 
-def _config(h_i: int, d_i: int, group: int, d_a: int, keys: int, sparse: bool) -> dict:
-    """Tile sizes: ``(token, head)`` rows near ``_ROWS`` and every dimension at least 16 (the tensor-core
-    minimum); key tiles and ``D_a`` chunks no wider than ``keys`` (the most a row sweeps) and ``D_a`` need."""
-    hip = triton.next_power_of_2(h_i)
-    bt = 1 if sparse else max(1, _ROWS // hip)
+def _tile_plan(config: KlLossConfig, h_i: int, d_i: int, group: int, d_a: int, keys: int, sparse: bool) -> dict:
+    """Tile sizes (the kernels' constexprs): ``(token, head)`` rows near ``config.tile_rows`` and every dimension
+    at least 16 (the tensor-core minimum); key tiles and ``D_a`` chunks no wider than ``keys`` (the most a row
+    sweeps) and ``D_a`` need. ``BT`` tokens (1 when sparse) of ``HIP`` padded heads, ``HC`` attention heads a
+    step, ``BD`` padded ``D_I``, ``BS`` keys a tile, ``BDA`` ``D_a`` columns a chunk."""
+    hip = next_pow2(h_i)
+    bt = 1 if sparse else max(1, config.tile_rows // hip)
     hip = max(hip, 16 // bt)
-    hc = max(16 // bt, min(triton.next_power_of_2(group), max(1, _ROWS // bt)))
-    return {"BT": bt, "HIP": hip, "BD": max(16, triton.next_power_of_2(d_i)), "HC": hc,
-            "BS": min(_BLOCK_S, max(16, triton.next_power_of_2(keys))),
-            "BDA": min(_BLOCK_DA, max(16, triton.next_power_of_2(d_a)))}
+    hc = max(16 // bt, min(next_pow2(group), max(1, config.tile_rows // bt)))
+    return {"BT": bt, "HIP": hip, "BD": next_pow2(d_i, minimum=16), "HC": hc,
+            "BS": min(config.block_keys, next_pow2(keys, minimum=16)),
+            "BDA": min(config.block_d_a, next_pow2(d_a, minimum=16))}
+
+
+def _dk_splits(config: KlLossConfig, key_programs: int, t: int) -> int:
+    """Runs of the query sweep per key block in the dense ``dk`` pass (>= 1): more programs than the
+    ``key_programs`` key blocks alone, whose causal work is uneven, over ``t`` query rows."""
+    return max(1, min(config.dk_max_splits, triton.cdiv(config.dk_programs, key_programs),
+                      triton.cdiv(t, config.dk_min_split_rows)))
 
 
 def _clean_selection(topk_indices: torch.Tensor, position: torch.Tensor, ratio: int) -> torch.Tensor:
@@ -462,7 +490,8 @@ def _clean_selection(topk_indices: torch.Tensor, position: torch.Tensor, ratio: 
 
 
 def indexer_kl_triton(q, k, weights, attn_q, attn_k, attn_lse, *, softmax_scale: float, cu_seqlens=None, topk_indices=None,
-                      compress_ratio=1, target_norm="heads", reduction="mean", coeff=1.0):
+                      compress_ratio=1, target_norm="heads", reduction="mean", coeff=1.0,
+                      config: KlLossConfig | None = None):
     """KL loss between the main attention's target and the indexer's softmax, and its gradients (Triton).
 
     Shapes and math as ``docs/contract.md`` (training): ``q [T, H_I, D_I]``, ``k [T_k, D_I]``,
@@ -475,7 +504,13 @@ def indexer_kl_triton(q, k, weights, attn_q, attn_k, attn_lse, *, softmax_scale:
 
     Extra memory: O(T (H_I D_I)) for the outputs plus O(T) fp32 row statistics; the sparse stage also
     holds ``[T, K]`` int32 / fp32 work arrays (the selection sorted, G per slot, the by-key CSR).
+    ``config``: the launch (``None``: ``KlLossConfig()``, what ships); every config gives the same loss and
+    gradients up to the order of the fp32 sums.
     """
+    if config is None:
+        config = KlLossConfig()
+    elif not isinstance(config, KlLossConfig):
+        raise TypeError(f"config must be a KlLossConfig, got {type(config).__name__}")
     h_kv, group = _check_inputs(q, k, weights, attn_q, attn_k, attn_lse, softmax_scale, cu_seqlens, topk_indices,
                                 compress_ratio, target_norm, reduction, coeff)
     t, h_i, d_i = q.shape
@@ -499,7 +534,7 @@ def indexer_kl_triton(q, k, weights, attn_q, attn_k, attn_lse, *, softmax_scale:
     cu_k = torch.zeros_like(cu)
     cu_k[1:] = torch.cumsum((cu[1:] - cu[:-1]) // compress_ratio, 0)
     sparse = topk_indices is not None
-    cfg = _config(h_i, d_i, group, d_a, topk_indices.shape[1] if sparse else t_k, sparse)
+    cfg = _tile_plan(config, h_i, d_i, group, d_a, topk_indices.shape[1] if sparse else t_k, sparse)
     rows = torch.arange(t, dtype=torch.int64, device=device)
     position = rows - cu[torch.searchsorted(cu[1:], rows, right=True)]
     if sparse:
@@ -523,7 +558,7 @@ def indexer_kl_triton(q, k, weights, attn_q, attn_k, attn_lse, *, softmax_scale:
     denom = torch.empty(t, dtype=torch.float32, device=device) if target_norm == "l1" else lse_i
     kl = torch.empty(t, dtype=torch.float32, device=device)
     l1 = target_norm == "l1"
-    fused = _FUSED_DK and not sparse and t_k > 0
+    fused = config.fused_dk and not sparse and t_k > 0
     if fused:
         tiles = (cu_k[1:] - cu_k[:-1] + cfg["BS"] - 1) // cfg["BS"]
         tile_start = torch.zeros_like(cu_k)
@@ -542,7 +577,7 @@ def indexer_kl_triton(q, k, weights, attn_q, attn_k, attn_lse, *, softmax_scale:
               num_seqs, h_i, d_i, h, h_kv, group, d_a, big_k, compress_ratio, float(softmax_scale) * _LOG2E)
     for stats in (True, False):
         _query_kernel[(programs,)](*common, SPARSE=sparse, STATS=stats, L1=l1, IEEE_I=ieee_i, IEEE_A=ieee_a,
-                                     UPCAST=upcast, FUSED_DK=fused and not stats, num_warps=_WARPS, **cfg)
+                                     UPCAST=upcast, FUSED_DK=fused and not stats, num_warps=config.num_warps, **cfg)
     if fused:
         dk.copy_(dk_sum)
     elif sparse:
@@ -554,22 +589,21 @@ def indexer_kl_triton(q, k, weights, attn_q, attn_k, attn_lse, *, softmax_scale:
         if t_k:
             _dk_sparse_kernel[(t_k,)](q, weights, k, ptr, entries, gbuf, dk, q.stride(0), q.stride(1), weights.stride(0),
                                       k.stride(0), dk.stride(0), h_i, d_i, big_k,
-                                      HIP=cfg["HIP"], BD=cfg["BD"], BE=_BLOCK_E, UPCAST=upcast,
-                                      num_warps=_WARPS)
+                                      HIP=cfg["HIP"], BD=cfg["BD"], BE=config.block_entries, UPCAST=upcast,
+                                      num_warps=config.num_warps)
     elif t_k:
-        dense = _config(h_i, d_i, group, d_a, t_k, False)
+        dense = _tile_plan(config, h_i, d_i, group, d_a, t_k, False)
         key_programs = t_k // dense["BS"] + num_seqs
         key_seq, key_start = _block_map(cu_k, dense["BS"], key_programs)
-        # Each key block's queries are cut in `splits` runs (more programs than key blocks alone, whose causal
-        # work is uneven); the fp32 parts are summed in split order by one torch reduction: deterministic.
-        splits = max(1, min(_DK_MAX_SPLITS, triton.cdiv(_DK_PROGRAMS, key_programs), triton.cdiv(t, _DK_MIN_SPLIT_ROWS)))
+        # The fp32 parts of the `splits` runs are summed in split order by one torch reduction: deterministic.
+        splits = _dk_splits(config, key_programs, t)
         parts = torch.empty((splits, t_k, d_i), dtype=torch.float32, device=device)
         _dk_dense_kernel[(key_programs, splits)](
             q, weights, k, attn_q, attn_k, attn_lse, cu, cu_k, key_seq, key_start, lse_i, denom, scale, parts,
             q.stride(0), q.stride(1), weights.stride(0), k.stride(0), attn_q.stride(0), attn_q.stride(1),
             attn_k.stride(0), attn_k.stride(1), attn_lse.stride(0), parts.stride(0), parts.stride(1),
             num_seqs, h_i, d_i, h, h_kv, group, d_a, compress_ratio, splits, float(softmax_scale) * _LOG2E,
-            L1=l1, IEEE_I=ieee_i, IEEE_A=ieee_a, UPCAST=upcast, num_warps=_WARPS, **dense)
+            L1=l1, IEEE_I=ieee_i, IEEE_A=ieee_a, UPCAST=upcast, num_warps=config.num_warps, **dense)
         dk.copy_(parts.sum(0))
     total = kl.to(torch.float64).sum()
     if reduction == "mean":
