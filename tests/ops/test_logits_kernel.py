@@ -550,3 +550,44 @@ def test_kernels_bf16_logits_and_weights_gpu(kernel_device, fmt, decode_kernel, 
         assert torch.equal(decode_call(inputs, "triton", torch.bfloat16).view(torch.int16), first.view(torch.int16))
     prefill = prefill_inputs(fmt, causal_ranges(150, 4100), 4100, 64, 128, kernel_device, seed=20)
     check_bf16_logits(prefill, prefill_call)
+
+
+def check_draft_rows_repeat(kernel_device, fmt, next_n, logits_dtype, requests, heads, reruns):
+    """Random per-row lengths (any order, zeros included), bf16 weights, unclean rows: every visible position
+    is written (two poisons agree there), within the tier of the reference, and reruns give the same bits."""
+    gen = torch.Generator().manual_seed(23)
+    lengths = [[int(length * torch.rand((), generator=gen)) for _ in range(next_n - 1)] + [int(length)]
+               for length in requests]
+    inputs = decode_inputs(fmt, lengths, next_n, kernel_device, heads=heads, block_size=64, seed=24)
+    inputs = replace(inputs, weights=inputs.weights.bfloat16())
+    visible = torch.arange(inputs.max_context_len, device=kernel_device)[None, :] < inputs.context_lens.view(-1, 1)
+
+    def run(poison: float) -> torch.Tensor:
+        out = torch.full((inputs.weights.shape[0], inputs.max_context_len), poison, dtype=logits_dtype,
+                         device=kernel_device)
+        paged_mqa_logits(*inputs.args(), clean=False, out=out, logits_dtype=logits_dtype, backend="triton")
+        return out[visible].float()
+
+    first = run(1.0)
+    assert torch.equal(first, run(-2.0)), "a visible position was not written"
+    expected = paged_mqa_logits(*inputs.args(), logits_dtype=logits_dtype, backend="reference")[visible].float()
+    assert calc_diff(first, expected) < TIER
+    for poison in range(reruns):
+        assert torch.equal(run(float(poison)).view(torch.int32), first.view(torch.int32))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_draft_rows_not_a_power_of_two(kernel_device, fmt):
+    """next_n 6: a partial group of stacked draft rows."""
+    check_draft_rows_repeat(kernel_device, fmt, 6, torch.bfloat16, [70, 150, 5], heads=8, reruns=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("next_n", [3, 6])
+def test_decode_draft_rows_not_a_power_of_two_repeat_gpu(kernel_device, fmt, next_n, logits_dtype):
+    """DeepGEMM's SM100 case list shape (its paged test failed its 20-rerun check here on an H100): next_n 6,
+    64 heads, many requests of 5K-11K keys."""
+    requests = torch.randint(5000, 11000, (256,), generator=torch.Generator().manual_seed(22)).tolist()
+    check_draft_rows_repeat(kernel_device, fmt, next_n, logits_dtype, requests, heads=64, reruns=20)
