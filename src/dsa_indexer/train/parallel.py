@@ -1,41 +1,9 @@
 """The indexer KL loss over a process group: keys sharded (context parallel) or heads sharded (tensor parallel).
 
-Communication is linear in ``T``; no ``T × T`` tensor travels. Each path is defined by a single-process
-function over the same partition (``context_parallel_reference``, ``tensor_parallel_reference``): both
-run the same float64 pieces of ``train/reference.py`` in the same order, and every reduction adds the
-ranks' parts in rank order, so the distributed result equals the single-process one bit for bit.
-
-**Context parallel** (``context_parallel_indexer_kl``): every rank holds all query rows (``q``,
-``weights``, ``attn_q``, ``attn_lse``) and a contiguous shard of the packed keys (``k``, ``attn_k``):
-rank ``r`` holds packed key rows ``[o_r, o_r + n_r)`` with ``o_r = n_0 + ... + n_{r-1}`` (any sizes,
-empty allowed; they must add up to ``T_k``). Steps:
-
-1. each rank computes per-row statistics over its keys (count, max and ``Σ exp(I − max)`` of the indexer
-   logits, target mass ``S``, cross term ``X = Σ p̃·I``, entropy ``E = Σ p̃ log p̃``): ``[6, T]`` float64;
-2. one ``all_gather`` of those (``6·T·W`` values received) and a merge in rank order give ``LSE_I``, the
-   ``"l1"`` denominators, ``N`` and the loss on every rank;
-3. each rank forms ``G`` on its keys: its ``dk`` is complete (the reduce-scatter of a ``dk`` over all
-   keys), while ``dq`` and ``dweights`` are partial and summed over ranks in rank order: an
-   ``all_to_all`` gives each rank one slice of every rank's partials, the rank adds them in rank order,
-   and an ``all_gather`` returns the slices (about ``2·T·H_I·(D_I + 1)`` float64 values sent per rank).
-
-**Tensor parallel** (``tensor_parallel_indexer_kl``): every rank holds the indexer inputs (all of them)
-and the main-attention heads ``[r·H/W, (r+1)·H/W)`` of ``attn_q``, ``attn_lse`` (and of ``attn_k`` for
-GQA; MQA/MLA ``attn_k`` is replicated). The target is a sum over heads, and ``G`` is linear in it: rank
-``r`` forms ``G_r = c/N·([r = 0]·π − p̃_r/D)`` from its heads, whose sum is ``G``, and the gradients
-``dq, dk, dweights`` (``T·H_I·(D_I+1) + T_k·D_I`` values) are summed over ranks in rank order instead
-of the ``T × T`` target. ``S`` and ``X`` are linear in the target too (one ``all_gather`` of ``[6, T]``).
-The entropy ``Σ_s p log p`` is not: it needs ``p`` itself, i.e. every head. With ``exact_loss=True``
-(default) the head shards of ``attn_q``/``attn_lse`` (and GQA ``attn_k``) are all-gathered
-(``T·H·D_a`` values received per rank: linear in ``T``, but the largest message) and each rank computes
-the entropy of a contiguous block of rows of equal causal work over all heads, which costs about one
-more target pass per rank. The entropy does not depend on the indexer: with ``exact_loss=False`` that
-pass and gather are skipped and the returned loss is ``KL − c·mean_t Σ_s p log p`` (per row
-``−Σ_s p·I + LSE_I``, the cross-entropy ``−Σ_s p log π`` when ``p`` sums to 1); the gradients are the same.
-
-These paths run the float64 reference on every rank (CPU or GPU tensors; gloo or NCCL). Validation:
-each rank checks its own arguments as ``indexer_kl_loss`` does, then the ranks exchange their shapes,
-so a mismatch raises the same ``ValueError`` on every rank instead of hanging.
+Communication is linear in ``T``; no ``T × T`` tensor travels, and every reduction adds the ranks' parts in rank
+order, so the result equals one process bit for bit (``context_parallel_reference``,
+``tensor_parallel_reference`` define it on one process). The float64 reference runs on every rank (CPU or GPU
+tensors; gloo or NCCL). The steps and what each exchange moves are in ``train/README.md`` ("Parallel training").
 """
 
 from __future__ import annotations
