@@ -591,3 +591,29 @@ def test_decode_draft_rows_not_a_power_of_two_repeat_gpu(kernel_device, fmt, nex
     64 heads, many requests of 5K-11K keys."""
     requests = torch.randint(5000, 11000, (256,), generator=torch.Generator().manual_seed(22)).tolist()
     check_draft_rows_repeat(kernel_device, fmt, next_n, logits_dtype, requests, heads=64, reruns=20)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("next_n", [3, 6])
+@pytest.mark.parametrize("clean", [True, False])
+def test_decode_programs_write_disjoint_outputs(kernel_device, fmt, next_n, clean):
+    """Under the GPU's launch configuration (pipelining aside), no two programs of the decode kernel write the same
+    logit: a partial group of stacked draft rows must not spill into the next request's rows."""
+    if kernel_device != "cpu":
+        pytest.skip("records the interpreter's stores")
+    from program_writes import conflicting_writes, recorded_program_writes
+
+    from dsa_indexer.ops.logits import triton as kernels
+
+    gen = torch.Generator().manual_seed(31)
+    lengths = [[int(n * torch.rand((), generator=gen)) for _ in range(next_n - 1)] + [n] for n in (300, 650, 5)]
+    inputs = decode_inputs(fmt, lengths, next_n, kernel_device, heads=8, block_size=64, seed=32)
+    shipped = kernels.MXFP4_DECODE_CONFIG if fmt == "mxfp4" else kernels.DecodeConfig()
+    config = replace(shipped, num_stages=1)
+    out = torch.full((inputs.weights.shape[0], inputs.max_context_len), POISON, device=kernel_device)
+    with recorded_program_writes() as writes:
+        kernels.paged_mqa_logits_triton(*inputs.args(), clean, out, config=config, expand_ptx=False)
+    assert not conflicting_writes(writes, out)
+    expected = paged_mqa_logits(*inputs.args(), backend="reference")
+    visible = expected != NEG_INF
+    assert calc_diff(out[visible], expected[visible]) < TIER

@@ -308,3 +308,21 @@ def test_sparse_decode_step_captures_in_a_graph():
         eager_logits = sparse_paged_mqa_logits(q, None, cache, w, lens, table, blocks, block)
         assert torch.equal(logits, eager_logits)
         assert torch.equal(picks, topk_sparse(eager_logits, blocks, block, k))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("next_n", [1, 3])
+def test_decode_programs_write_disjoint_outputs(kernel_device, fmt, next_n):
+    """No two programs of the sparse decode kernel write the same logit (a race on a GPU that the interpreter,
+    running programs one at a time, would hide)."""
+    if kernel_device != "cpu":
+        pytest.skip("records the interpreter's stores")
+    from program_writes import conflicting_writes, recorded_program_writes
+
+    q, q_scale, cache, w, lengths, table, blocks, bs = decode_case(fmt, seed=5, next_n=next_n, block_size=8)
+    out = torch.empty(blocks.shape[0], blocks.shape[1] * bs)
+    with recorded_program_writes() as writes:
+        sparse_paged_mqa_logits(q, q_scale, cache, w, lengths, table, blocks, bs, out=out, backend="triton")
+    assert not conflicting_writes(writes, out)
+    assert calc_diff(out, sparse_paged_mqa_logits(q, q_scale, cache, w, lengths, table, blocks, bs,
+                                                  backend="reference")) < TIER
