@@ -371,3 +371,35 @@ def test_gpu_extra_memory_is_linear_in_t():
     # At most 16 fp32 [T, D_I] parts of dk plus a few words per token; one fp32 T x T matrix at 8K is 256 MiB.
     assert peaks[8192] < 16 * 8192 * V32["d_i"] * 4 + 256 * 8192
     assert peaks[8192] <= 2 * peaks[4096] + (1 << 20)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("stage", ["dense", "dense-split-dk", "sparse"])
+def test_every_written_value_has_one_owner(kernel_device, stage):
+    """No float atomics, one owner per sum: no two programs write the same address in any buffer (the
+    interpreter's stores recorded per program; a GPU would race there). fused_dk=True is the one mode that does
+    (query blocks add to a key tile in ticket order), which shows the recording sees it."""
+    if kernel_device != "cpu":
+        pytest.skip("records the interpreter's stores")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "ops"))
+    from program_writes import recorded_program_writes
+
+    t = 40
+    q, k, w, attn_q, attn_k, attn_lse = _inputs(t, 8, 16, 2, 16, device=kernel_device, seed=3)
+    kwargs = dict(softmax_scale=0.3, cu_seqlens=torch.tensor([0, 3, 40], dtype=torch.int32), target_norm="l1")
+    if stage == "sparse":
+        kwargs["topk_indices"] = torch.randint(-1, 30, (t, 6), generator=torch.Generator().manual_seed(4),
+                                               dtype=torch.int32)
+    config = triton_kernels.KlLossConfig(dk_min_split_rows=4 if stage == "dense-split-dk" else 256)
+    with recorded_program_writes() as writes:
+        got = indexer_kl_triton(q, k, w, attn_q, attn_k, attn_lse, **kwargs, config=config)
+    assert not [address for address, programs in writes.items() if len(programs) > 1]
+    _assert_close(got, oracle(q, k, w, attn_q, attn_k, attn_lse, **kwargs), dtype=torch.float32)
+    if stage == "dense":
+        with recorded_program_writes() as writes:
+            indexer_kl_triton(q, k, w, attn_q, attn_k, attn_lse, **kwargs,
+                              config=triton_kernels.KlLossConfig(fused_dk=True))
+        assert [address for address, programs in writes.items() if len(programs) > 1]
