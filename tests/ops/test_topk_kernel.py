@@ -167,7 +167,8 @@ def test_generators_wide_paths(kernel_device, name, config):
     [replace(STREAM, stream_tile=64), replace(STREAM_IN_PROGRAM, stream_tile=64),
      replace(PIECES_READY, pieces_tile=64), replace(PIECES_LOOSE, pieces_tile=64)],
     ["stream", "stream_in_program", "pieces", "pieces_loose"], keep={"stream"}))
-@pytest.mark.parametrize("name", ["random", "few_distinct", "one_bin"])
+@pytest.mark.parametrize("name", ["random", pytest.param("few_distinct", marks=pytest.mark.slow),
+                                  pytest.param("one_bin", marks=pytest.mark.slow)])
 def test_lean_gather_groups_of_16(kernel_device, name, config):
     # Rows of up to 256 columns: groups of 16 (four quads), gather pieces of 4 groups; lengths inside a quad, at a
     # group's end and whole pieces; an exact or early bound (k 3; few_distinct: many candidates per group), and every
@@ -301,7 +302,7 @@ def tie_heavy(num_rows, width, seed, device):
 
 
 @pytest.mark.parametrize("config", WIDE_CPU)
-@pytest.mark.parametrize("k", [1, 4, 15, 16, 17, 33])
+@pytest.mark.parametrize("k", [1, 15, 16, 17, pytest.param(4, marks=pytest.mark.slow), pytest.param(33, marks=pytest.mark.slow)])
 def test_lengths_around_wide_thresholds(kernel_device, k, config):
     # Row lengths at and around k, the chunk / stream tile (16) and its multiples, with garbage past each end.
     lengths = [0, 1, 15, 16, 17, 31, 32, 33, 48, 49, 57]
