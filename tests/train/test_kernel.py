@@ -381,10 +381,6 @@ def test_every_written_value_has_one_owner(kernel_device, stage):
     (query blocks add to a key tile in ticket order), which shows the recording sees it."""
     if kernel_device != "cpu":
         pytest.skip("records the interpreter's stores")
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent.parent / "ops"))
     from program_writes import recorded_program_writes
 
     t = 40
