@@ -601,9 +601,8 @@ def test_decode_programs_write_disjoint_outputs(kernel_device, fmt, next_n, clea
     logit: a partial group of stacked draft rows must not spill into the next request's rows."""
     if kernel_device != "cpu":
         pytest.skip("records the interpreter's stores")
-    from program_writes import conflicting_writes, recorded_program_writes
-
     from dsa_indexer.ops.logits import triton as kernels
+    from program_writes import conflicting_writes, recorded_program_writes
 
     gen = torch.Generator().manual_seed(31)
     lengths = [[int(n * torch.rand((), generator=gen)) for _ in range(next_n - 1)] + [n] for n in (300, 650, 5)]
