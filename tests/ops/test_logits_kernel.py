@@ -552,13 +552,20 @@ def test_kernels_bf16_logits_and_weights_gpu(kernel_device, fmt, decode_kernel, 
     check_bf16_logits(prefill, prefill_call)
 
 
-def check_draft_rows_repeat(kernel_device, fmt, next_n, logits_dtype, requests, heads, reruns):
+def check_draft_rows_repeat(kernel_device, fmt, next_n, logits_dtype, requests, heads, reruns, aligned=False):
     """Random per-row lengths (any order, zeros included), bf16 weights, unclean rows: every visible position
-    is written (two poisons agree there), within the tier of the reference, and reruns give the same bits."""
+    is written (two poisons agree there), within the tier of the reference, and reruns give the same bits.
+    ``aligned``: the cache unpadded and 16-byte aligned (DeepGEMM's layout; the Gluon kernels' TMA page copies)."""
     gen = torch.Generator().manual_seed(23)
     lengths = [[int(length * torch.rand((), generator=gen)) for _ in range(next_n - 1)] + [int(length)]
                for length in requests]
-    inputs = decode_inputs(fmt, lengths, next_n, kernel_device, heads=heads, block_size=64, seed=24)
+    inputs = decode_inputs(fmt, lengths, next_n, kernel_device, heads=heads, block_size=64, seed=24,
+                           page_padding=0 if aligned else 40)
+    if aligned:
+        cache = inputs.cache
+        cache = IndexerKCache(cache.num_blocks, block_size=cache.block_size, head_dim=cache.head_dim, fmt=fmt,
+                              buffer=cache.buffer.contiguous())
+        inputs = replace(inputs, cache=cache)
     inputs = replace(inputs, weights=inputs.weights.bfloat16())
     visible = torch.arange(inputs.max_context_len, device=kernel_device)[None, :] < inputs.context_lens.view(-1, 1)
 
@@ -583,14 +590,19 @@ def test_decode_draft_rows_not_a_power_of_two(kernel_device, fmt):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("aligned", [False, True])
+@pytest.mark.parametrize("decode_kernel", ["triton", "gluon"])
 @pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("next_n", [3, 6])
-def test_decode_draft_rows_not_a_power_of_two_repeat_gpu(kernel_device, fmt, next_n, logits_dtype):
+def test_decode_draft_rows_not_a_power_of_two_repeat_gpu(kernel_device, fmt, next_n, logits_dtype, decode_kernel,
+                                                         aligned, monkeypatch):
     """DeepGEMM's SM100 case list shape (its paged test failed its 20-rerun check here on an H100): next_n 6,
-    64 heads, many requests of 5K-11K keys."""
+    64 heads, many requests of 5K-11K keys (2M keys: the size the dispatch gives the Gluon kernel), on both
+    decode kernels and both cache layouts (the aligned one takes the Gluon kernels' TMA page copies)."""
+    monkeypatch.setenv("DSA_INDEXER_DECODE_KERNEL", decode_kernel)
     requests = torch.randint(5000, 11000, (256,), generator=torch.Generator().manual_seed(22)).tolist()
-    check_draft_rows_repeat(kernel_device, fmt, next_n, logits_dtype, requests, heads=64, reruns=20)
+    check_draft_rows_repeat(kernel_device, fmt, next_n, logits_dtype, requests, heads=64, reruns=20, aligned=aligned)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

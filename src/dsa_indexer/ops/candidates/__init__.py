@@ -22,7 +22,7 @@ from ..._validation import (
     index_as_int32,
     value_checks_enabled,
 )
-from ..common.registration import registered_op
+from ..common.registration import registered_op, registered_op_with_out
 from .reference import apply_candidate_mask_reference, select_candidate_blocks_reference
 
 __all__ = ["apply_candidate_mask", "select_candidate_blocks"]
@@ -103,13 +103,10 @@ def select_candidate_blocks(
         are chosen. A row with no context is all ``-1``.
     """
     args = (logits, starts, ends, num_blocks_k, block_size, row_repeat)
-    if out is None:
-        return _select_candidate_blocks_op(*args, backend)
-    _select_candidate_blocks_out_op(*args, out, backend)
-    return out
+    return _select_candidate_blocks_op(*args, out, backend)
 
 
-@registered_op(
+@registered_op_with_out(
     "select_candidate_blocks",
     fake=lambda logits, starts, ends, num_blocks_k, *args: logits.new_empty(
         (logits.shape[0], num_blocks_k), dtype=torch.int32
@@ -122,26 +119,9 @@ def _select_candidate_blocks_op(
     num_blocks_k: int,
     block_size: int,
     row_repeat: int,
+    out: torch.Tensor | None,
     backend: str,
 ) -> torch.Tensor:
-    return _select_candidate_blocks(logits, starts, ends, num_blocks_k, block_size, row_repeat, None, backend)
-
-
-@registered_op("select_candidate_blocks_out", mutates_args=("out",))
-def _select_candidate_blocks_out_op(
-    logits: torch.Tensor,
-    starts: torch.Tensor | None,
-    ends: torch.Tensor,
-    num_blocks_k: int,
-    block_size: int,
-    row_repeat: int,
-    out: torch.Tensor,
-    backend: str,
-) -> None:
-    _select_candidate_blocks(logits, starts, ends, num_blocks_k, block_size, row_repeat, out, backend)
-
-
-def _select_candidate_blocks(logits, starts, ends, num_blocks_k, block_size, row_repeat, out, backend):
     """``select_candidate_blocks`` with every argument given: its checks, then the backend's implementation."""
     check_tensor("logits", logits, dtype=torch.float32, ndim=2)
     check_k("num_blocks_k", num_blocks_k)

@@ -34,7 +34,7 @@ from ..._validation import (
 from ...cache_layout import KCacheLayout
 from ...formats import FP8_DTYPE, MXFP4_BLOCK, mxfp4_scale_bytes, ue8m0_to_fp32
 from ..common.logits_checks import check_decode_lengths, check_q_scale, key_format
-from ..common.registration import registered_op
+from ..common.registration import registered_op_with_out
 from ..common.runtime import capability, interpreting
 from . import reference
 
@@ -191,13 +191,10 @@ def mqa_logits(
     Returns:
         ``logits_dtype`` ``[M, N]`` logits (``out`` when given).
     """
-    if out is None:
-        return _mqa_logits_op(q, q_scale, k, k_scale, weights, ks, ke, clean, logits_dtype, backend)
-    _mqa_logits_out_op(q, q_scale, k, k_scale, weights, ks, ke, clean, out, logits_dtype, backend)
-    return out
+    return _mqa_logits_op(q, q_scale, k, k_scale, weights, ks, ke, clean, out, logits_dtype, backend)
 
 
-@registered_op(
+@registered_op_with_out(
     "mqa_logits",
     fake=lambda q, q_scale, k, k_scale, weights, ks, ke, clean, logits_dtype, backend: q.new_empty(
         (q.shape[0], k.shape[0]), dtype=logits_dtype
@@ -212,30 +209,10 @@ def _mqa_logits_op(
     ks: torch.Tensor,
     ke: torch.Tensor,
     clean: bool,
+    out: torch.Tensor | None,
     logits_dtype: torch.dtype,
     backend: str,
 ) -> torch.Tensor:
-    return _mqa_logits(q, q_scale, k, k_scale, weights, ks, ke, clean, None, logits_dtype, backend)
-
-
-@registered_op("mqa_logits_out", mutates_args=("out",))
-def _mqa_logits_out_op(
-    q: torch.Tensor,
-    q_scale: torch.Tensor | None,
-    k: torch.Tensor,
-    k_scale: torch.Tensor,
-    weights: torch.Tensor,
-    ks: torch.Tensor,
-    ke: torch.Tensor,
-    clean: bool,
-    out: torch.Tensor,
-    logits_dtype: torch.dtype,
-    backend: str,
-) -> None:
-    _mqa_logits(q, q_scale, k, k_scale, weights, ks, ke, clean, out, logits_dtype, backend)
-
-
-def _mqa_logits(q, q_scale, k, k_scale, weights, ks, ke, clean, out, logits_dtype, backend):
     """``mqa_logits`` with every argument given: its checks, then the backend's implementation."""
     fmt = key_format(q)
     check_tensor("q", q, ndim=3)
@@ -322,13 +299,10 @@ def paged_mqa_logits(
     if not isinstance(cache, KCacheLayout):
         raise TypeError(f"cache must be an IndexerKCache, got {type(cache).__name__}")
     args = (q, q_scale, *cache.op_args(), weights, context_lens, block_table, max_context_len, clean)
-    if out is None:
-        return _paged_mqa_logits_op(*args, logits_dtype, backend)
-    _paged_mqa_logits_out_op(*args, out, logits_dtype, backend)
-    return out
+    return _paged_mqa_logits_op(*args, out, logits_dtype, backend)
 
 
-@registered_op(
+@registered_op_with_out(
     "paged_mqa_logits",
     fake=lambda q, q_scale, cache_buffer, block_size, head_dim, formats, weights, context_lens, block_table,
     max_context_len, clean, logits_dtype, backend: q.new_empty(
@@ -347,34 +321,12 @@ def _paged_mqa_logits_op(
     block_table: torch.Tensor,
     max_context_len: int,
     clean: bool,
+    out: torch.Tensor | None,
     logits_dtype: torch.dtype,
     backend: str,
 ) -> torch.Tensor:
     cache = KCacheLayout.from_op_args(cache_buffer, block_size, head_dim, formats)
     return _paged_mqa_logits(
-        q, q_scale, cache, weights, context_lens, block_table, max_context_len, clean, None, logits_dtype, backend
-    )
-
-
-@registered_op("paged_mqa_logits_out", mutates_args=("out",))
-def _paged_mqa_logits_out_op(
-    q: torch.Tensor,
-    q_scale: torch.Tensor | None,
-    cache_buffer: torch.Tensor,
-    block_size: int,
-    head_dim: int,
-    formats: str,
-    weights: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    max_context_len: int,
-    clean: bool,
-    out: torch.Tensor,
-    logits_dtype: torch.dtype,
-    backend: str,
-) -> None:
-    cache = KCacheLayout.from_op_args(cache_buffer, block_size, head_dim, formats)
-    _paged_mqa_logits(
         q, q_scale, cache, weights, context_lens, block_table, max_context_len, clean, out, logits_dtype, backend
     )
 

@@ -18,7 +18,7 @@ import torch
 
 from ... import backend as _backend
 from ..._validation import check_index_size, check_index_tensor, check_same_device, check_tensor
-from ..common.registration import registered_op
+from ..common.registration import registered_op_with_out
 from .reference import pack_seq_reference, unpack_seq_reference
 
 __all__ = ["pack_seq", "unpack_seq"]
@@ -117,35 +117,21 @@ def pack_seq(
     if isinstance(x, torch.Tensor) and not x.dtype.is_floating_point and isinstance(pad_value, float):
         # The op schema carries the pad as a float: an integer payload's pad is checked to be an int here.
         raise TypeError(f"pad_value must be an int for {x.dtype} payloads, got {pad_value!r}")
-    if out is None:
-        return _pack_seq_op(x, lengths, pad_value, max_len, backend)
-    _pack_seq_out_op(x, lengths, pad_value, max_len, out, backend)
-    return out
+    return _pack_seq_op(x, lengths, pad_value, max_len, out, backend)
 
 
-@registered_op(
+@registered_op_with_out(
     "pack_seq",
     fake=lambda x, lengths, pad_value, max_len, backend: x.new_empty(
         (lengths.shape[0], _compiled_size("max_len", max_len), *x.shape[1:])
     ),
 )
 def _pack_seq_op(
-    x: torch.Tensor, lengths: torch.Tensor, pad_value: float, max_len: int | None, backend: str
+    x: torch.Tensor, lengths: torch.Tensor, pad_value: float, max_len: int | None, out: torch.Tensor | None,
+    backend: str,
 ) -> torch.Tensor:
-    pad = _integral_pad(x, pad_value)
-    return _pack_seq(x, lengths, pad, max_len, None, backend)
-
-
-@registered_op("pack_seq_out", mutates_args=("out",))
-def _pack_seq_out_op(
-    x: torch.Tensor, lengths: torch.Tensor, pad_value: float, max_len: int | None, out: torch.Tensor, backend: str
-) -> None:
-    pad = _integral_pad(x, pad_value)
-    _pack_seq(x, lengths, pad, max_len, out, backend)
-
-
-def _pack_seq(x, lengths, pad_value, max_len, out, backend):
     """``pack_seq`` with every argument given: its checks, then the backend's implementation."""
+    pad_value = _integral_pad(x, pad_value)
     _check_payload("x", x, min_ndim=1)
     check_index_tensor("lengths", lengths, ndim=1)
     _check_pad_value(pad_value, x.dtype)
@@ -190,30 +176,18 @@ def unpack_seq(
         ``t < lengths[b]``; rows ``[sum(lengths), total)`` keep ``out``'s contents (uninitialised
         when ``out`` is None).
     """
-    if out is None:
-        return _unpack_seq_op(packed, lengths, total, backend)
-    _unpack_seq_out_op(packed, lengths, total, out, backend)
-    return out
+    return _unpack_seq_op(packed, lengths, total, out, backend)
 
 
-@registered_op(
+@registered_op_with_out(
     "unpack_seq",
     fake=lambda packed, lengths, total, backend: packed.new_empty(
         (_compiled_size("total", total), *packed.shape[2:])
     ),
 )
-def _unpack_seq_op(packed: torch.Tensor, lengths: torch.Tensor, total: int | None, backend: str) -> torch.Tensor:
-    return _unpack_seq(packed, lengths, total, None, backend)
-
-
-@registered_op("unpack_seq_out", mutates_args=("out",))
-def _unpack_seq_out_op(
-    packed: torch.Tensor, lengths: torch.Tensor, total: int | None, out: torch.Tensor, backend: str
-) -> None:
-    _unpack_seq(packed, lengths, total, out, backend)
-
-
-def _unpack_seq(packed, lengths, total, out, backend):
+def _unpack_seq_op(
+    packed: torch.Tensor, lengths: torch.Tensor, total: int | None, out: torch.Tensor | None, backend: str
+) -> torch.Tensor:
     """``unpack_seq`` with every argument given: its checks, then the backend's implementation."""
     _check_payload("packed", packed, min_ndim=2)
     check_index_tensor("lengths", lengths, shape=(packed.shape[0],))

@@ -30,7 +30,7 @@ from ..._validation import (
 from ...cache_layout import KCacheLayout
 from ...formats import FP8_DTYPE, MXFP4_BLOCK, mxfp4_scale_bytes, ue8m0_to_fp32
 from ..common.logits_checks import check_decode_lengths, check_q_scale, key_format
-from ..common.registration import registered_op
+from ..common.registration import registered_op_with_out
 from ..topk import topk
 from . import reference
 
@@ -131,13 +131,10 @@ def sparse_mqa_logits(
         is outside ``[0, ke[i] - ks[i])``. Every column is written.
     """
     args = (q, q_scale, k, k_scale, weights, ks, ke, blocks, block_size)
-    if out is None:
-        return _sparse_mqa_logits_op(*args, logits_dtype, backend)
-    _sparse_mqa_logits_out_op(*args, out, logits_dtype, backend)
-    return out
+    return _sparse_mqa_logits_op(*args, out, logits_dtype, backend)
 
 
-@registered_op(
+@registered_op_with_out(
     "sparse_mqa_logits",
     fake=lambda q, q_scale, k, k_scale, weights, ks, ke, blocks, block_size, logits_dtype, backend: q.new_empty(
         (q.shape[0], blocks.shape[1] * block_size), dtype=logits_dtype
@@ -153,31 +150,10 @@ def _sparse_mqa_logits_op(
     ke: torch.Tensor,
     blocks: torch.Tensor,
     block_size: int,
+    out: torch.Tensor | None,
     logits_dtype: torch.dtype,
     backend: str,
 ) -> torch.Tensor:
-    return _sparse_mqa_logits(q, q_scale, k, k_scale, weights, ks, ke, blocks, block_size, None, logits_dtype, backend)
-
-
-@registered_op("sparse_mqa_logits_out", mutates_args=("out",))
-def _sparse_mqa_logits_out_op(
-    q: torch.Tensor,
-    q_scale: torch.Tensor | None,
-    k: torch.Tensor,
-    k_scale: torch.Tensor,
-    weights: torch.Tensor,
-    ks: torch.Tensor,
-    ke: torch.Tensor,
-    blocks: torch.Tensor,
-    block_size: int,
-    out: torch.Tensor,
-    logits_dtype: torch.dtype,
-    backend: str,
-) -> None:
-    _sparse_mqa_logits(q, q_scale, k, k_scale, weights, ks, ke, blocks, block_size, out, logits_dtype, backend)
-
-
-def _sparse_mqa_logits(q, q_scale, k, k_scale, weights, ks, ke, blocks, block_size, out, logits_dtype, backend):
     """``sparse_mqa_logits`` with every argument given: its checks, then the backend's implementation."""
     fmt = key_format(q)
     check_tensor("q", q, ndim=3)
@@ -247,13 +223,10 @@ def sparse_paged_mqa_logits(
     if not isinstance(cache, KCacheLayout):
         raise TypeError(f"cache must be an IndexerKCache, got {type(cache).__name__}")
     args = (q, q_scale, *cache.op_args(), weights, context_lens, block_table, blocks, block_size)
-    if out is None:
-        return _sparse_paged_mqa_logits_op(*args, logits_dtype, backend)
-    _sparse_paged_mqa_logits_out_op(*args, out, logits_dtype, backend)
-    return out
+    return _sparse_paged_mqa_logits_op(*args, out, logits_dtype, backend)
 
 
-@registered_op(
+@registered_op_with_out(
     "sparse_paged_mqa_logits",
     fake=lambda q, q_scale, cache_buffer, cache_block_size, head_dim, formats, weights, context_lens, block_table,
     blocks, block_size, logits_dtype, backend: q.new_empty(
@@ -272,34 +245,12 @@ def _sparse_paged_mqa_logits_op(
     block_table: torch.Tensor,
     blocks: torch.Tensor,
     block_size: int,
+    out: torch.Tensor | None,
     logits_dtype: torch.dtype,
     backend: str,
 ) -> torch.Tensor:
     cache = KCacheLayout.from_op_args(cache_buffer, cache_block_size, head_dim, formats)
     return _sparse_paged_mqa_logits(
-        q, q_scale, cache, weights, context_lens, block_table, blocks, block_size, None, logits_dtype, backend
-    )
-
-
-@registered_op("sparse_paged_mqa_logits_out", mutates_args=("out",))
-def _sparse_paged_mqa_logits_out_op(
-    q: torch.Tensor,
-    q_scale: torch.Tensor | None,
-    cache_buffer: torch.Tensor,
-    cache_block_size: int,
-    head_dim: int,
-    formats: str,
-    weights: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    blocks: torch.Tensor,
-    block_size: int,
-    out: torch.Tensor,
-    logits_dtype: torch.dtype,
-    backend: str,
-) -> None:
-    cache = KCacheLayout.from_op_args(cache_buffer, cache_block_size, head_dim, formats)
-    _sparse_paged_mqa_logits(
         q, q_scale, cache, weights, context_lens, block_table, blocks, block_size, out, logits_dtype, backend
     )
 
@@ -362,28 +313,16 @@ def topk_sparse(
         in position, so ties go to the lower position: for candidate rows of the required form this equals
         the dense top-k over the candidate-masked dense logits whenever the logits agree.
     """
-    if out is None:
-        return _topk_sparse_op(logits, blocks, block_size, k, backend)
-    _topk_sparse_out_op(logits, blocks, block_size, k, out, backend)
-    return out
+    return _topk_sparse_op(logits, blocks, block_size, k, out, backend)
 
 
-@registered_op(
+@registered_op_with_out(
     "topk_sparse",
     fake=lambda logits, blocks, block_size, k, backend: logits.new_empty((logits.shape[0], k), dtype=torch.int32),
 )
-def _topk_sparse_op(logits: torch.Tensor, blocks: torch.Tensor, block_size: int, k: int, backend: str) -> torch.Tensor:
-    return _topk_sparse(logits, blocks, block_size, k, None, backend)
-
-
-@registered_op("topk_sparse_out", mutates_args=("out",))
-def _topk_sparse_out_op(
-    logits: torch.Tensor, blocks: torch.Tensor, block_size: int, k: int, out: torch.Tensor, backend: str
-) -> None:
-    _topk_sparse(logits, blocks, block_size, k, out, backend)
-
-
-def _topk_sparse(logits, blocks, block_size, k, out, backend):
+def _topk_sparse_op(
+    logits: torch.Tensor, blocks: torch.Tensor, block_size: int, k: int, out: torch.Tensor | None, backend: str
+) -> torch.Tensor:
     """``topk_sparse`` with every argument given: its checks, then the backend's implementation."""
     check_tensor("logits", logits, dtype=torch.float32, ndim=2)
     _check_blocks(blocks, logits.shape[0], block_size)
@@ -420,27 +359,13 @@ def columns_to_positions(
     Returns:
         int32 ``[R, k]``: ``blocks[r, c // block_size] * block_size + c % block_size``, ``-1`` kept.
     """
-    if out is None:
-        return _columns_to_positions_op(columns, blocks, block_size, backend)
-    _columns_to_positions_out_op(columns, blocks, block_size, out, backend)
-    return out
+    return _columns_to_positions_op(columns, blocks, block_size, out, backend)
 
 
-@registered_op("columns_to_positions", fake=lambda columns, *args: torch.empty_like(columns))
+@registered_op_with_out("columns_to_positions", fake=lambda columns, *args: torch.empty_like(columns))
 def _columns_to_positions_op(
-    columns: torch.Tensor, blocks: torch.Tensor, block_size: int, backend: str
+    columns: torch.Tensor, blocks: torch.Tensor, block_size: int, out: torch.Tensor | None, backend: str
 ) -> torch.Tensor:
-    return _columns_to_positions(columns, blocks, block_size, None, backend)
-
-
-@registered_op("columns_to_positions_out", mutates_args=("out",))
-def _columns_to_positions_out_op(
-    columns: torch.Tensor, blocks: torch.Tensor, block_size: int, out: torch.Tensor, backend: str
-) -> None:
-    _columns_to_positions(columns, blocks, block_size, out, backend)
-
-
-def _columns_to_positions(columns, blocks, block_size, out, backend):
     """``columns_to_positions`` with every argument given: its checks, then the backend's implementation."""
     check_tensor("columns", columns, dtype=torch.int32, ndim=2)
     _check_blocks(blocks, columns.shape[0], block_size)

@@ -24,7 +24,7 @@ from ..._validation import (
     index_as_int32,
     value_checks_enabled,
 )
-from ..common.registration import registered_op
+from ..common.registration import registered_op, registered_op_with_out
 from . import reference
 
 __all__ = ["indices_to_slots", "topk", "topk_decode", "topk_decode_slots"]
@@ -139,28 +139,14 @@ def topk(
     relative to ``starts[r]`` (domain ``[0, ends[r] - starts[r])``), ascending, then ``-1`` up to ``k``.
     The result is bitwise deterministic.
     """
-    if out is None:
-        return _topk_op(logits, k, starts, ends, backend)
-    _topk_out_op(logits, k, starts, ends, out, backend)
-    return out
+    return _topk_op(logits, k, starts, ends, out, backend)
 
 
-@registered_op("topk", fake=lambda logits, k, *args: _picks_shape(logits, k))
+@registered_op_with_out("topk", fake=lambda logits, k, *args: _picks_shape(logits, k))
 def _topk_op(
-    logits: torch.Tensor, k: int, starts: torch.Tensor | None, ends: torch.Tensor | None, backend: str
-) -> torch.Tensor:
-    return _topk(logits, k, starts, ends, None, backend)
-
-
-@registered_op("topk_out", mutates_args=("out",))
-def _topk_out_op(
-    logits: torch.Tensor, k: int, starts: torch.Tensor | None, ends: torch.Tensor | None, out: torch.Tensor,
+    logits: torch.Tensor, k: int, starts: torch.Tensor | None, ends: torch.Tensor | None, out: torch.Tensor | None,
     backend: str,
-) -> None:
-    _topk(logits, k, starts, ends, out, backend)
-
-
-def _topk(logits, k, starts, ends, out, backend):
+) -> torch.Tensor:
     """``topk`` with every argument given: its checks, then the backend's implementation."""
     check_tensor("logits", logits, dtype=LOGITS_DTYPES, ndim=2)
     check_k("k", k)
@@ -205,25 +191,13 @@ def topk_decode(
 
     Same selection rule as ``topk`` with ``starts = 0`` and ``ends`` the row's visible length.
     """
-    if out is None:
-        return _topk_decode_op(logits, seq_lens, next_n, k, backend)
-    _topk_decode_out_op(logits, seq_lens, next_n, k, out, backend)
-    return out
+    return _topk_decode_op(logits, seq_lens, next_n, k, out, backend)
 
 
-@registered_op("topk_decode", fake=lambda logits, seq_lens, next_n, k, backend: _picks_shape(logits, k))
-def _topk_decode_op(logits: torch.Tensor, seq_lens: torch.Tensor, next_n: int, k: int, backend: str) -> torch.Tensor:
-    return _topk_decode(logits, seq_lens, next_n, k, None, backend)
-
-
-@registered_op("topk_decode_out", mutates_args=("out",))
-def _topk_decode_out_op(
-    logits: torch.Tensor, seq_lens: torch.Tensor, next_n: int, k: int, out: torch.Tensor, backend: str
-) -> None:
-    _topk_decode(logits, seq_lens, next_n, k, out, backend)
-
-
-def _topk_decode(logits, seq_lens, next_n, k, out, backend):
+@registered_op_with_out("topk_decode", fake=lambda logits, seq_lens, next_n, k, backend: _picks_shape(logits, k))
+def _topk_decode_op(
+    logits: torch.Tensor, seq_lens: torch.Tensor, next_n: int, k: int, out: torch.Tensor | None, backend: str
+) -> torch.Tensor:
     """``topk_decode`` with every argument given: its checks, then the backend's implementation."""
     seq_lens = _check_decode_rows(logits, seq_lens, next_n, k, out)
     implementation = _backend.dispatch(
@@ -331,29 +305,14 @@ def topk_decode_slots(
     computed in the top-k launch on GPUs. With value checks off a length past the logits width counts
     as the width, and a pick past the table gives ``-1``.
     """
-    if out is None:
-        return _topk_decode_slots_op(logits, seq_lens, next_n, k, block_table, block_size, backend)
-    _topk_decode_slots_out_op(logits, seq_lens, next_n, k, block_table, block_size, out, backend)
-    return out
+    return _topk_decode_slots_op(logits, seq_lens, next_n, k, block_table, block_size, out, backend)
 
 
-@registered_op("topk_decode_slots", fake=lambda logits, seq_lens, next_n, k, *args: _picks_shape(logits, k))
+@registered_op_with_out("topk_decode_slots", fake=lambda logits, seq_lens, next_n, k, *args: _picks_shape(logits, k))
 def _topk_decode_slots_op(
     logits: torch.Tensor, seq_lens: torch.Tensor, next_n: int, k: int, block_table: torch.Tensor, block_size: int,
-    backend: str,
+    out: torch.Tensor | None, backend: str,
 ) -> torch.Tensor:
-    return _topk_decode_slots(logits, seq_lens, next_n, k, block_table, block_size, None, backend)
-
-
-@registered_op("topk_decode_slots_out", mutates_args=("out",))
-def _topk_decode_slots_out_op(
-    logits: torch.Tensor, seq_lens: torch.Tensor, next_n: int, k: int, block_table: torch.Tensor, block_size: int,
-    out: torch.Tensor, backend: str,
-) -> None:
-    _topk_decode_slots(logits, seq_lens, next_n, k, block_table, block_size, out, backend)
-
-
-def _topk_decode_slots(logits, seq_lens, next_n, k, block_table, block_size, out, backend):
     """``topk_decode_slots`` with every argument given: its checks, then the backend's implementation."""
     seq_lens = _check_decode_rows(logits, seq_lens, next_n, k, out)
     check_index_tensor("block_table", block_table, ndim=2)
