@@ -101,7 +101,7 @@ def dcp_cases(rank: int, world: int) -> dict[str, list[torch.Tensor]]:
     return results
 
 
-@pytest.mark.parametrize("world", [2, 4, pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)])
 def test_merge_and_candidate_blocks_equal_single_rank(world):
     logits = few_distinct_rows((ROWS, WIDTH), 3)
     lengths = torch.tensor([97, 1, 0, 40, 5, 96], dtype=torch.int32)
@@ -191,7 +191,7 @@ def layer_cases(rank: int, world: int) -> list[list[torch.Tensor]]:
     return [run_layer_steps(rank, world, *case) for case in LAYER_CASES]
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_layer_under_dcp_equals_single_rank(world):
     expected = [run_layer_steps(0, 1, 1, candidates, fmt, consumer and "dense") for _, candidates, fmt, consumer in LAYER_CASES]
     for rank_cases in run_distributed(layer_cases, world):

@@ -302,7 +302,7 @@ def tie_heavy(num_rows, width, seed, device):
 
 
 @pytest.mark.parametrize("config", WIDE_CPU)
-@pytest.mark.parametrize("k", [1, 15, 16, 17, pytest.param(4, marks=pytest.mark.slow), pytest.param(33, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("k", [1, 16, 17, *(pytest.param(k, marks=pytest.mark.slow) for k in (4, 15, 33))])
 def test_lengths_around_wide_thresholds(kernel_device, k, config):
     # Row lengths at and around k, the chunk / stream tile (16) and its multiples, with garbage past each end.
     lengths = [0, 1, 15, 16, 17, 31, 32, 33, 48, 49, 57]
