@@ -16,9 +16,9 @@ from dsa_indexer.train.parallel import (
     balanced_row_blocks,
     context_parallel_indexer_kl,
     context_parallel_loss,
-    context_parallel_reference,
+    context_parallel_single_process,
     tensor_parallel_indexer_kl,
-    tensor_parallel_reference,
+    tensor_parallel_single_process,
 )
 from dsa_indexer.train.reference import Layout, indexer_kl_reference
 
@@ -106,7 +106,7 @@ def test_parallel_paths_equal_one_process_bitwise(world):
         case = make_case(**spec)
         splits = key_splits(case.k.shape[0], world)
         assert len(splits) == world and sum(splits) == case.k.shape[0]
-        expected = context_parallel_reference(*case.args(), key_splits=splits, **case.kwargs)
+        expected = context_parallel_single_process(*case.args(), key_splits=splits, **case.kwargs)
         offsets = [sum(splits[:r]) for r in range(world + 1)]
         for rank, result in enumerate(ranks):
             loss, dq, dk, dw = result["cp"][index]
@@ -118,8 +118,8 @@ def test_parallel_paths_equal_one_process_bitwise(world):
             assert relative_error(got, want) < (1e-6 if got.dtype == torch.float32 else 1e-12)
     for index, spec in enumerate(TP_CASES):
         case = make_case(**spec)
-        expected = tensor_parallel_reference(*case.args(), world_size=world, **case.kwargs)
-        cross = tensor_parallel_reference(*case.args(), world_size=world, exact_loss=False, **case.kwargs)
+        expected = tensor_parallel_single_process(*case.args(), world_size=world, **case.kwargs)
+        cross = tensor_parallel_single_process(*case.args(), world_size=world, exact_loss=False, **case.kwargs)
         for result in ranks:
             assert bitwise(result["tp"][index], expected)
             assert bitwise(result["tp_cross"][index], cross)
@@ -133,7 +133,7 @@ def test_parallel_paths_equal_one_process_bitwise(world):
         assert cross[0].item() == pytest.approx(expected[0].item() - target_entropy(case), rel=1e-5, abs=1e-6)
     case = make_case(**CP_CASES[0])
     splits = key_splits(case.k.shape[0], world)
-    expected = context_parallel_reference(*case.args(), key_splits=splits, **case.kwargs)
+    expected = context_parallel_single_process(*case.args(), key_splits=splits, **case.kwargs)
     for rank, result in enumerate(ranks):
         lo = sum(splits[:rank])
         assert bitwise(result["autograd"], (expected[0], expected[1], expected[2][lo:lo + splits[rank]], expected[3]))
