@@ -228,13 +228,13 @@ def _query_kernel(
     tt = tl.arange(0, BT)
     tok_ok = (tt >= in_lo) & (tt < in_hi)
     tok = t0 + tt.to(tl.int64)
-    limit = tl.where(tok_ok, tl.minimum((p0 + tt + 1) // ratio, key_hi), 0)  # ids j < limit are visible (dense)
+    # Dense: the loop runs over held offsets o (id key_lo + o, row key_start + o); o < limit is visible.
+    limit = tl.where(tok_ok, tl.minimum((p0 + tt + 1) // ratio, key_hi) - key_lo, 0)
     if SPARSE:
-        s0 = K * 0
         span = tl.where(in_hi > in_lo, K, 0)
     else:
-        s0 = key_lo
-        span = tl.where(in_hi > in_lo, tl.minimum((p0 + in_hi) // ratio, key_hi), 0)
+        span = tl.where(in_hi > in_lo, tl.minimum((p0 + in_hi) // ratio, key_hi) - key_lo, 0)
+    s0 = span * 0
     if STATS:
         m_i = tl.full([BT], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BT], dtype=tl.float32)
@@ -260,7 +260,7 @@ def _query_kernel(
             vis = tl.broadcast_to(key_ok[None, :], (BT, BS))
         else:
             key_ok = cols < span
-            key_rows = key_start + (cols - key_lo).to(tl.int64)
+            key_rows = key_start + cols.to(tl.int64)
             vis = cols[None, :] < limit[:, None]
         a, w, scores, q, kt = _indexer_tile(q_ptr, w_ptr, k_ptr, t0, n_tok, key_rows, key_ok, sq_t, sq_h, sw_t, sk_s,
                                             H_I, D_I, BT, HIP, BS, BD, IEEE_I, UPCAST)
