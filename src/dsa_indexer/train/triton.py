@@ -49,7 +49,7 @@ class KlLossConfig:
     num_warps: warps of every kernel.
     fused_dk: dense ``dk`` inside the gradient pass, added to each key tile in a fixed order behind a per-tile
         ticket (removes the ``dk`` pass and its recompute of the target). Off until measured on the GPU: it
-        relies on programs starting in launch order, as NVIDIA GPUs do.
+        relies on programs starting in launch order, as NVIDIA GPUs do. One process only (not on a key shard).
     dk_programs, dk_max_splits, dk_min_split_rows: the dense ``dk`` pass splits the query sweep until about
         ``dk_programs`` programs, in at most ``dk_max_splits`` parts of at least ``dk_min_split_rows`` query
         rows on average.
