@@ -116,3 +116,20 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     got, expected = got.double(), expected.double()
     scale = expected.norm().item()
     return (got - expected).norm().item() / (scale if scale > 0 else 1.0)
+
+
+def kernel_tier_failures(got, want, dtype: torch.dtype) -> list[str]:
+    """What of ``got = (loss, dq, dk, dw)`` from the kernels falls outside the kernel tier around ``want`` (the
+    tolerances of ``test_kernel.py``: loss to 1e-5 relative, gradients to ``calc_diff`` 1e-9 for float32
+    inputs and 5e-6 for bfloat16)."""
+    from dsa_indexer.testing import calc_diff
+
+    failures = []
+    loss, want_loss = float(got[0]), float(want[0])
+    if abs(loss - want_loss) > 1e-5 * (1 + abs(want_loss)):
+        failures.append(f"loss {loss} vs {want_loss}")
+    bound = 1e-9 if dtype == torch.float32 else 5e-6
+    for name, x, y in zip(("dq", "dk", "dw"), got[1:], want[1:]):
+        if not bool(torch.isfinite(x).all()) or calc_diff(x, y) >= bound:
+            failures.append(f"{name}: calc_diff {calc_diff(x, y)}")
+    return failures

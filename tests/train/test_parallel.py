@@ -1,24 +1,27 @@
 """Context- and tensor-parallel indexer KL loss on gloo process groups: bitwise equal to one process.
 
 Each world size spawns once; the workers run every case and return their outputs, which the parent
-compares bit for bit with the single-process definitions over the same partition and, within float64
-rounding, with the unpartitioned reference.
+compares bit for bit with the single-process definitions over the same partition (same backend) and with
+the unpartitioned reference: within float64 rounding for the reference pieces, within the kernel tier for
+the Triton pieces (interpreter, tiny shapes; the GPU cases simulate two ranks in one process).
 """
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
-from kl_oracle import make_case, relative_error, visibility
+from kl_oracle import kernel_tier_failures, make_case, relative_error, visibility
 
 from dsa_indexer.testing import run_distributed
 from dsa_indexer.train.parallel import (
     balanced_row_blocks,
     context_parallel_indexer_kl,
     context_parallel_loss,
-    context_parallel_reference,
+    context_parallel_single_process,
     tensor_parallel_indexer_kl,
-    tensor_parallel_reference,
+    tensor_parallel_single_process,
 )
 from dsa_indexer.train.reference import Layout, indexer_kl_reference
 
@@ -106,7 +109,7 @@ def test_parallel_paths_equal_one_process_bitwise(world):
         case = make_case(**spec)
         splits = key_splits(case.k.shape[0], world)
         assert len(splits) == world and sum(splits) == case.k.shape[0]
-        expected = context_parallel_reference(*case.args(), key_splits=splits, **case.kwargs)
+        expected = context_parallel_single_process(*case.args(), key_splits=splits, **case.kwargs)
         offsets = [sum(splits[:r]) for r in range(world + 1)]
         for rank, result in enumerate(ranks):
             loss, dq, dk, dw = result["cp"][index]
@@ -118,8 +121,8 @@ def test_parallel_paths_equal_one_process_bitwise(world):
             assert relative_error(got, want) < (1e-6 if got.dtype == torch.float32 else 1e-12)
     for index, spec in enumerate(TP_CASES):
         case = make_case(**spec)
-        expected = tensor_parallel_reference(*case.args(), world_size=world, **case.kwargs)
-        cross = tensor_parallel_reference(*case.args(), world_size=world, exact_loss=False, **case.kwargs)
+        expected = tensor_parallel_single_process(*case.args(), world_size=world, **case.kwargs)
+        cross = tensor_parallel_single_process(*case.args(), world_size=world, exact_loss=False, **case.kwargs)
         for result in ranks:
             assert bitwise(result["tp"][index], expected)
             assert bitwise(result["tp_cross"][index], cross)
@@ -133,7 +136,7 @@ def test_parallel_paths_equal_one_process_bitwise(world):
         assert cross[0].item() == pytest.approx(expected[0].item() - target_entropy(case), rel=1e-5, abs=1e-6)
     case = make_case(**CP_CASES[0])
     splits = key_splits(case.k.shape[0], world)
-    expected = context_parallel_reference(*case.args(), key_splits=splits, **case.kwargs)
+    expected = context_parallel_single_process(*case.args(), key_splits=splits, **case.kwargs)
     for rank, result in enumerate(ranks):
         lo = sum(splits[:rank])
         assert bitwise(result["autograd"], (expected[0], expected[1], expected[2][lo:lo + splits[rank]], expected[3]))
@@ -169,3 +172,159 @@ def test_balanced_row_blocks_tile_the_rows_with_even_causal_work():
     work = [sum(counts[r0:r1]) for r0, r1 in blocks]
     assert max(work) - min(work) <= max(counts)
     assert balanced_row_blocks(Layout.of(3, None, 5), 2) == [(0, 0), (0, 3)]
+
+
+# The kernel pieces (backend="triton") under the interpreter: float32/bfloat16 inputs, H_I <= 2, D_I <= 16.
+KERNEL_CP_CASES = [
+    dict(lengths=(9, 1, 12), ratio=2, target_norm="l1", lse_over_visible=False, dtype=torch.float32),
+    dict(lengths=(4, 7), topk=4, kv_heads=2, dtype=torch.bfloat16, reduction="sum", coeff=0.5),
+]
+KERNEL_SMALL = dict(index_heads=2, index_dim=16)
+
+
+def kernel_tp_cases(world: int) -> list[dict]:
+    """Dense MQA "heads" (both exact_loss settings) and sparse GQA "l1" with one key head per rank."""
+    heads = max(4, world)
+    return [
+        dict(lengths=(11, 6), heads=heads, dtype=torch.float32),
+        dict(lengths=(9,), topk=4, heads=2 * world, kv_heads=world, target_norm="l1", lse_over_visible=False,
+             dtype=torch.bfloat16),
+    ]
+
+
+def kernel_workers(rank: int, world: int):
+    torch.set_num_threads(1)
+    results = {"cp": [], "tp": []}
+    for spec in KERNEL_CP_CASES:
+        case = make_case(**spec, **KERNEL_SMALL)
+        splits = key_splits(case.k.shape[0], world)
+        lo = sum(splits[:rank])
+        hi = lo + splits[rank]
+        q, k, w, aq, ak, lse = case.args()
+        results["cp"].append(context_parallel_indexer_kl(q, k[lo:hi], w, aq, ak[lo:hi], lse, backend="triton",
+                                                         **case.kwargs))
+    for index, spec in enumerate(kernel_tp_cases(world)):
+        case = make_case(**spec, **KERNEL_SMALL)
+        q, k, w, aq, ak, lse = case.args()
+        per = aq.shape[1] // world
+        heads = slice(rank * per, (rank + 1) * per)
+        kv = ak if ak.dim() == 2 else ak[:, rank * ak.shape[1] // world:(rank + 1) * ak.shape[1] // world]
+        args = (q, k, w, aq[:, heads].contiguous(), kv.contiguous(), lse[:, heads].contiguous())
+        for exact in (True, False) if index == 0 else (True,):
+            results["tp"].append(tensor_parallel_indexer_kl(*args, backend="triton", exact_loss=exact, **case.kwargs))
+    return results
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)])
+def test_kernel_parallel_paths_equal_one_process_bitwise(kernel_device, world):
+    if kernel_device != "cpu":
+        pytest.skip("gloo ranks on CPU tensors run the kernels under the interpreter; the GPU cases are below")
+    ranks = run_distributed(kernel_workers, world)
+    for index, spec in enumerate(KERNEL_CP_CASES):
+        case = make_case(**spec, **KERNEL_SMALL)
+        splits = key_splits(case.k.shape[0], world)
+        expected = context_parallel_single_process(*case.args(), key_splits=splits, backend="triton", **case.kwargs)
+        offsets = [sum(splits[:r]) for r in range(world + 1)]
+        for rank, result in enumerate(ranks):
+            loss, dq, dk, dw = result["cp"][index]
+            assert bitwise((loss, dq, dw), (expected[0], expected[1], expected[3]))
+            assert torch.equal(dk, expected[2][offsets[rank]:offsets[rank + 1]])
+        whole = indexer_kl_reference(*case.args(), **case.kwargs)
+        assert not kernel_tier_failures(expected, whole, spec["dtype"])
+    runs = iter(range(len(ranks[0]["tp"])))
+    for index, spec in enumerate(kernel_tp_cases(world)):
+        case = make_case(**spec, **KERNEL_SMALL)
+        whole = indexer_kl_reference(*case.args(), **case.kwargs)
+        for exact in (True, False) if index == 0 else (True,):
+            run = next(runs)
+            expected = tensor_parallel_single_process(*case.args(), world_size=world, exact_loss=exact,
+                                                      backend="triton", **case.kwargs)
+            for result in ranks:
+                assert bitwise(result["tp"][run], expected)
+            # Without the entropy the loss is the cross-entropy; the gradients are those of the KL.
+            want = whole if exact else (whole[0] - target_entropy(case), *whole[1:])
+            assert not kernel_tier_failures(expected, want, spec["dtype"])
+
+
+def test_backend_choice(without_interpreter):
+    """"auto" runs the reference pieces on CPU tensors (also float32); "triton" on CPU tensors without the
+    interpreter is refused before anything runs."""
+    case = make_case(**KERNEL_CP_CASES[0], **KERNEL_SMALL)
+    splits = key_splits(case.k.shape[0], 2)
+    auto = context_parallel_single_process(*case.args(), key_splits=splits, **case.kwargs)
+    reference = context_parallel_single_process(*case.args(), key_splits=splits, backend="reference", **case.kwargs)
+    assert bitwise(auto, reference)
+    with pytest.raises(ValueError, match="backend='triton' needs"):
+        tensor_parallel_single_process(*case.args(), world_size=2, backend="triton", **case.kwargs)
+
+
+# GPU: two ranks simulated in one process at a realistic shape, against the single-process kernels.
+
+GPU_SHAPE = dict(t=2048, heads=16, attn_dim=576, index_heads=8, index_dim=128, softmax_scale=0.1352)
+
+
+def gpu_case(t: int, seed: int = 0):
+    """bf16 CUDA inputs, causal, the attention LSE over the visible keys (``"heads"``)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    shape = GPU_SHAPE
+
+    def randn(*size, scale=1.0):
+        return (torch.randn(*size, generator=gen, device="cuda") * scale).to(torch.bfloat16)
+
+    q = randn(t, shape["index_heads"], shape["index_dim"])
+    k = randn(t, shape["index_dim"])
+    w = randn(t, shape["index_heads"], scale=1 / math.sqrt(shape["index_heads"] * shape["index_dim"]))
+    attn_q = randn(t, shape["heads"], shape["attn_dim"], scale=0.25)
+    attn_k = randn(t, shape["attn_dim"])
+    lse = torch.empty(t, shape["heads"], device="cuda")
+    keys = torch.arange(t, device="cuda")
+    for r0 in range(0, t, 256):
+        rows = torch.arange(r0, min(t, r0 + 256), device="cuda")
+        z = shape["softmax_scale"] * torch.einsum("thd,sd->ths", attn_q[rows].float(), attn_k.float())
+        lse[rows] = z.masked_fill(keys[None, None, :] > rows[:, None, None], -math.inf).logsumexp(-1)
+    return q, k, w, attn_q, attn_k, lse
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["context", "tensor"])
+def test_gpu_two_ranks_in_one_process_match_the_single_process_kernels(path):
+    """CP (uneven key shards) and TP (8 heads a rank, exact loss) over 2 shards: within the kernel tier of
+    ``indexer_kl_triton``, and 20 reruns bitwise equal."""
+    from dsa_indexer.train.triton import indexer_kl_triton
+
+    args = gpu_case(GPU_SHAPE["t"])
+    kwargs = dict(softmax_scale=GPU_SHAPE["softmax_scale"], backend="triton")
+    if path == "context":
+        t_k = args[1].shape[0]
+        def call():
+            return context_parallel_single_process(*args, key_splits=[t_k // 3, t_k - t_k // 3], **kwargs)
+    else:
+        def call():
+            return tensor_parallel_single_process(*args, world_size=2, **kwargs)
+    first = call()
+    single = indexer_kl_triton(*args, softmax_scale=GPU_SHAPE["softmax_scale"])
+    assert not kernel_tier_failures(first, single, torch.bfloat16)
+    for _ in range(20):
+        assert bitwise(call(), first)
+
+
+@pytest.mark.gpu
+def test_gpu_context_parallel_memory_is_linear_in_t():
+    """Peak memory of the two-shard context-parallel definition above its inputs and outputs, at T = 8K: within
+    a bound linear in T (the shards' key copies, three fp32 dq-sized partials and sums, at most 16 fp32 dk parts,
+    a few words a row) that one fp32 T x T matrix (256 MiB) exceeds."""
+    t = 8192
+    args = gpu_case(t)
+    t_k = args[1].shape[0]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    result = context_parallel_single_process(*args, key_splits=[t_k // 2, t_k - t_k // 2], backend="triton",
+                                             softmax_scale=GPU_SHAPE["softmax_scale"])
+    torch.cuda.synchronize()
+    outputs = sum(x.numel() * x.element_size() for x in result)
+    peak = torch.cuda.max_memory_allocated() - before - outputs
+    d_i, rows = GPU_SHAPE["index_dim"], GPU_SHAPE["index_heads"] * GPU_SHAPE["index_dim"]
+    bound = t * (3 * rows * 4 + 16 * d_i * 4 + 2 * (d_i + GPU_SHAPE["attn_dim"]) + 512)
+    assert peak < bound < 4 * t * t

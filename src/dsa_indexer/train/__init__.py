@@ -142,18 +142,28 @@ def _triton_module_exists() -> bool:
     return _backend.triton_available() and importlib.util.find_spec(f"{__name__}.triton") is not None
 
 
-def _implementation(backend: str, device: torch.device, dtypes):
-    """The backend function for these tensors: Triton for CUDA tensors when ``train/triton.py`` imports
-    (float64 always runs the reference), the reference otherwise."""
+def resolve_backend(backend: str, device: torch.device, dtypes) -> str:
+    """``"triton"`` or ``"reference"`` for tensors of these dtypes on ``device``: ``"auto"`` picks Triton for
+    CUDA tensors when ``train/triton.py`` imports (float64 always runs the reference), an explicit backend
+    beats ``DSA_INDEXER_BACKEND``; ``"triton"`` on CPU tensors needs ``TRITON_INTERPRET=1``."""
     has_kernel = torch.float64 not in dtypes and _triton_module_exists()
     if _backend.resolve(backend, device, has_kernel) == "reference":
-        return indexer_kl_reference
+        return "reference"
     try:
-        from .triton import indexer_kl_triton
+        from . import triton  # noqa: F401
     except ImportError:
         if _backend.requested_backend(backend) == "triton":
             raise
+        return "reference"
+    return "triton"
+
+
+def _implementation(backend: str, device: torch.device, dtypes):
+    """The backend function for these tensors (``resolve_backend``'s choice)."""
+    if resolve_backend(backend, device, dtypes) == "reference":
         return indexer_kl_reference
+    from .triton import indexer_kl_triton
+
     return indexer_kl_triton
 
 

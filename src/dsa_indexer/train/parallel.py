@@ -1,29 +1,32 @@
 """The indexer KL loss over a process group: keys sharded (context parallel) or heads sharded (tensor parallel).
 
 Communication is linear in ``T``; no ``T × T`` tensor travels, and every reduction adds the ranks' parts in rank
-order, so the result equals one process bit for bit (``context_parallel_reference``,
-``tensor_parallel_reference`` define it on one process). The float64 reference runs on every rank (CPU or GPU
-tensors; gloo or NCCL). The steps and what each exchange moves are in ``train/README.md`` ("Parallel training").
+order, so the result equals one process bit for bit (``context_parallel_single_process``,
+``tensor_parallel_single_process`` run the same pieces over the same partition in one process). The pieces are
+the backend's, chosen once per call: the float64 reference (``train/reference.py``, any device) or the Triton
+kernels (``train/triton.py``; CUDA tensors, bf16/fp32). The steps and what each exchange moves are in
+``train/README.md`` ("Parallel training").
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
+from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
 
-from . import apply_precomputed, validate
+from . import apply_precomputed, resolve_backend, validate
 from .reference import Inputs, Layout, Merged, RowStats, loss_dtype, merge_stats, row_grads, row_stats
 
 __all__ = [
     "balanced_row_blocks",
     "context_parallel_indexer_kl",
     "context_parallel_loss",
-    "context_parallel_reference",
+    "context_parallel_single_process",
     "tensor_parallel_indexer_kl",
     "tensor_parallel_loss",
-    "tensor_parallel_reference",
+    "tensor_parallel_single_process",
 ]
 
 
@@ -46,59 +49,172 @@ def balanced_row_blocks(layout: Layout, world_size: int) -> list[tuple[int, int]
 # The pieces each rank runs; the single-process definitions call the same ones, in the same order.
 
 
-def _cp_merge(stats: list[torch.Tensor], heads: int, options: dict) -> Merged:
-    return merge_stats([RowStats.from_tensor(s) for s in stats], num_heads=heads, **options)
+@dataclass
+class _Partials:
+    """One shard's contribution: gradients (the reference: float64; the kernels: fp32) and, for the kernels,
+    the row loss parts ``[T]`` (``None`` where the loss comes from elsewhere)."""
+
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dw: torch.Tensor
+    kl: torch.Tensor | None
 
 
-def _tp_merge(stats: list[torch.Tensor], entropy: torch.Tensor | None, heads: int, options: dict) -> Merged:
-    """Head shards: the indexer statistics are the same on every rank (rank 0's are used), the target's
-    mass and cross term are summed in rank order, the entropy comes from the row blocks (or is 0)."""
-    first = RowStats.from_tensor(stats[0])
-    combined = RowStats(first.count, first.max, first.sumexp, _ordered_sum([s[3] for s in stats]),
-                        _ordered_sum([s[4] for s in stats]), torch.zeros_like(first.mass) if entropy is None else entropy)
-    return merge_stats([combined], num_heads=heads, with_entropy=entropy is not None, **options)
+class _ReferencePieces:
+    """The float64 pieces of ``train/reference.py``: six row statistics per shard; the loss comes out of their
+    merge (the entropy of a head-sharded run from the row blocks)."""
+
+    def __init__(self, call: dict, dtypes, chunk_rows):
+        self.call, self.dtypes, self.chunk_rows = call, dtypes, chunk_rows
+        self.options = dict(target_norm=call["target_norm"], reduction=call["reduction"], coeff=call["coeff"])
+
+    def shard(self, q, k, weights, attn_q, attn_k, attn_lse, *, num_heads, key_offset=None) -> Inputs:
+        c = self.call
+        return Inputs.of(q, k, weights, attn_q, attn_k, attn_lse, c["softmax_scale"], c["cu_seqlens"],
+                         c["topk_indices"], c["compress_ratio"], key_base=key_offset or 0)
+
+    def stats(self, x: Inputs) -> torch.Tensor:
+        return row_stats(x, chunk_rows=self.chunk_rows).as_tensor()
+
+    def merge_keys(self, stats, num_heads) -> Merged:
+        return merge_stats([RowStats.from_tensor(s) for s in stats], num_heads=num_heads, **self.options)
+
+    def row_block(self, whole: Inputs, rows, stats) -> torch.Tensor:
+        """``Σ_s p̃ log p̃`` over all heads on the query rows ``rows`` (0 elsewhere)."""
+        return row_stats(whole, rows=rows, chunk_rows=self.chunk_rows).entropy
+
+    def merge_heads(self, stats, block, num_heads) -> Merged:
+        """The indexer statistics are the same on every rank (rank 0's are used), the target's mass and cross
+        term are summed in rank order, the entropy comes from the row blocks (or is left out)."""
+        first = RowStats.from_tensor(stats[0])
+        entropy = torch.zeros_like(first.mass) if block is None else block
+        combined = RowStats(first.count, first.max, first.sumexp, _ordered_sum([s[3] for s in stats]),
+                            _ordered_sum([s[4] for s in stats]), entropy)
+        return merge_stats([combined], num_heads=num_heads, with_entropy=block is not None, **self.options)
+
+    def grads(self, x: Inputs, merged: Merged, *, with_pi: bool, head_shard: bool) -> _Partials:
+        dq, dk, dw = row_grads(x, merged, with_pi=with_pi, chunk_rows=self.chunk_rows)
+        return _Partials(dq, dk, dw, None)
+
+    def outputs(self, x, merged: Merged, dq, dk, dw, kl):
+        q_dtype, k_dtype, w_dtype = self.dtypes
+        return loss_dtype(q_dtype, merged.loss), dq.to(q_dtype), dk.to(k_dtype), dw.to(w_dtype)
 
 
-def _options(target_norm, reduction, coeff) -> dict:
-    return dict(target_norm=target_norm, reduction=reduction, coeff=float(coeff))
+@dataclass
+class _KernelMerged:
+    lse: torch.Tensor
+    denom: torch.Tensor
+    kl: torch.Tensor | None  # the loss parts of the row blocks (tensor parallel, exact loss)
 
 
-def _outputs(merged: Merged, dq, dk, dw, q, k, weights):
-    return loss_dtype(q.dtype, merged.loss), dq.to(q.dtype), dk.to(k.dtype), dw.to(weights.dtype)
+class _KernelPieces:
+    """The Triton pieces of ``train/triton.py``: ``[2, T]`` fp32 statistics per shard (``LSE_I`` over its keys
+    and the ``"l1"`` target mass), fp32 partial gradients and row loss parts."""
+
+    def __init__(self, call: dict, dtypes):
+        from . import triton
+
+        self.kernels, self.call, self.dtypes = triton, call, dtypes
+
+    def shard(self, q, k, weights, attn_q, attn_k, attn_lse, *, num_heads, key_offset=None):
+        key_shard = None if key_offset is None else self.kernels.KeyShard(key_offset, k.shape[0])
+        return self.kernels.prepare(q, k, weights, attn_q, attn_k, attn_lse, **self.call, key_shard=key_shard,
+                                    num_heads=num_heads)
+
+    def stats(self, x) -> torch.Tensor:
+        return self.kernels.row_statistics(x)
+
+    def merge_keys(self, stats, num_heads) -> _KernelMerged:
+        return _KernelMerged(*self.kernels.merge_key_statistics(stats), None)
+
+    def row_block(self, whole, rows, stats) -> torch.Tensor:
+        """The loss parts over all heads on the query rows ``rows`` (0 elsewhere)."""
+        lse, denom = self.kernels.merge_head_statistics(stats)
+        return self.kernels.row_gradients(whole, lse, denom, rows=rows, gradients=False)[0]
+
+    def merge_heads(self, stats, block, num_heads) -> _KernelMerged:
+        return _KernelMerged(*self.kernels.merge_head_statistics(stats), block)
+
+    def grads(self, x, merged: _KernelMerged, *, with_pi: bool, head_shard: bool) -> _Partials:
+        # A head shard's loss part leaves out Σ p log p (its p is partial): the cross-entropy part, summed
+        # over the shards, is the loss without the entropy (exact_loss=False).
+        kl, dq, dk, dw = self.kernels.row_gradients(x, merged.lse, merged.denom, pi_weight=1.0 if with_pi else 0.0,
+                                                    entropy=not head_shard, partial=True)
+        return _Partials(dq, dk, dw, kl if merged.kl is None else None)
+
+    def outputs(self, x, merged: _KernelMerged, dq, dk, dw, kl):
+        q_dtype, k_dtype, w_dtype = self.dtypes
+        loss = self.kernels.finish_loss(x, merged.lse, kl if merged.kl is None else merged.kl)
+        return loss, dq.to(q_dtype), dk.to(k_dtype), dw.to(w_dtype)
 
 
-def context_parallel_reference(q, k, weights, attn_q, attn_k, attn_lse, *, key_splits, softmax_scale, cu_seqlens=None,
-                               topk_indices=None, compress_ratio=1, target_norm="heads", reduction="mean", coeff=1.0,
-                               chunk_rows=None):
+def _pieces(backend, q, k, weights, attn_q, attn_lse, call: dict, chunk_rows):
+    """The backend's pieces for these tensors (``indexer_kl_loss``'s rule: ``"auto"`` runs the kernels for
+    CUDA tensors that are not float64)."""
+    dtypes = (q.dtype, k.dtype, weights.dtype)
+    if resolve_backend(backend, q.device, (q.dtype, weights.dtype, attn_q.dtype, attn_lse.dtype)) == "triton":
+        return _KernelPieces(call, dtypes)
+    return _ReferencePieces(call, dtypes, chunk_rows)
+
+
+def _call(softmax_scale, cu_seqlens, topk_indices, compress_ratio, target_norm, reduction, coeff) -> dict:
+    if topk_indices is not None:
+        topk_indices = topk_indices.to(torch.int32)  # the index-dtype policy: int64 accepted, int32 inside
+    return dict(softmax_scale=float(softmax_scale), cu_seqlens=cu_seqlens, topk_indices=topk_indices,
+                compress_ratio=compress_ratio, target_norm=target_norm, reduction=reduction, coeff=float(coeff))
+
+
+def _head_shard(attn_q, attn_k, attn_lse, heads: tuple[int, int]):
+    """``attn_q``, ``attn_k``, ``attn_lse`` restricted to the heads ``[h0, h1)`` (GQA: their key heads)."""
+    h0, h1 = heads
+    if attn_k.dim() == 3:
+        group = attn_q.shape[1] // attn_k.shape[1]
+        attn_k = attn_k[:, h0 // group: (h1 - 1) // group + 1].contiguous()
+    return attn_q[:, h0:h1].contiguous(), attn_k, attn_lse[:, h0:h1].contiguous()
+
+
+def context_parallel_single_process(q, k, weights, attn_q, attn_k, attn_lse, *, key_splits, softmax_scale,
+                                    cu_seqlens=None, topk_indices=None, compress_ratio=1, target_norm="heads",
+                                    reduction="mean", coeff=1.0, backend="auto", chunk_rows=None):
     """What ``context_parallel_indexer_kl`` computes over key shards of sizes ``key_splits`` (in rank order),
-    in one process: ``(loss, dq, dk [T_k, D_I] (all shards), dweights)``."""
-    x = Inputs.of(q, k, weights, attn_q, attn_k, attn_lse, softmax_scale, cu_seqlens, topk_indices, compress_ratio)
+    in one process with the same backend pieces: ``(loss, dq, dk [T_k, D_I] (all shards), dweights)``."""
+    call = _call(softmax_scale, cu_seqlens, topk_indices, compress_ratio, target_norm, reduction, coeff)
+    pieces = _pieces(backend, q, k, weights, attn_q, attn_lse, call, chunk_rows)
+    heads = attn_q.shape[1]
     offsets = list(accumulate(key_splits, initial=0))
-    shards = [x.key_slice((lo, hi)) for lo, hi in zip(offsets[:-1], offsets[1:])]
-    stats = [row_stats(s, chunk_rows=chunk_rows).as_tensor() for s in shards]
-    merged = _cp_merge(stats, attn_q.shape[1], _options(target_norm, reduction, coeff))
-    grads = [row_grads(s, merged, chunk_rows=chunk_rows) for s in shards]
-    dq = _ordered_sum([g[0] for g in grads])
-    dw = _ordered_sum([g[2] for g in grads])
-    return _outputs(merged, dq, torch.cat([g[1] for g in grads]), dw, q, k, weights)
+    # Each shard in its own allocation, as on a rank.
+    shards = [pieces.shard(q, k[lo:hi].clone(), weights, attn_q, attn_k[lo:hi].clone(), attn_lse, num_heads=heads,
+                           key_offset=lo) for lo, hi in zip(offsets[:-1], offsets[1:])]
+    merged = pieces.merge_keys([pieces.stats(x) for x in shards], heads)
+    parts = [pieces.grads(x, merged, with_pi=True, head_shard=False) for x in shards]
+    kl = None if parts[0].kl is None else _ordered_sum([p.kl for p in parts])
+    return pieces.outputs(shards[0], merged, _ordered_sum([p.dq for p in parts]), torch.cat([p.dk for p in parts]),
+                          _ordered_sum([p.dw for p in parts]), kl)
 
 
-def tensor_parallel_reference(q, k, weights, attn_q, attn_k, attn_lse, *, world_size, softmax_scale, cu_seqlens=None,
-                              topk_indices=None, compress_ratio=1, target_norm="heads", reduction="mean", coeff=1.0,
-                              exact_loss=True, chunk_rows=None):
-    """What ``tensor_parallel_indexer_kl`` computes over ``world_size`` equal head shards, in one process."""
-    x = Inputs.of(q, k, weights, attn_q, attn_k, attn_lse, softmax_scale, cu_seqlens, topk_indices, compress_ratio)
+def tensor_parallel_single_process(q, k, weights, attn_q, attn_k, attn_lse, *, world_size, softmax_scale,
+                                   cu_seqlens=None, topk_indices=None, compress_ratio=1, target_norm="heads",
+                                   reduction="mean", coeff=1.0, exact_loss=True, backend="auto", chunk_rows=None):
+    """What ``tensor_parallel_indexer_kl`` computes over ``world_size`` equal head shards, in one process with
+    the same backend pieces."""
+    call = _call(softmax_scale, cu_seqlens, topk_indices, compress_ratio, target_norm, reduction, coeff)
+    pieces = _pieces(backend, q, k, weights, attn_q, attn_lse, call, chunk_rows)
     heads = attn_q.shape[1]
     per_rank = heads // world_size
-    shards = [x.head_slice((r * per_rank, (r + 1) * per_rank)) for r in range(world_size)]
-    stats = [row_stats(s, chunk_rows=chunk_rows).as_tensor() for s in shards]
-    entropy = None
+    shards = [pieces.shard(q, k, weights, *_head_shard(attn_q, attn_k, attn_lse, (r * per_rank, (r + 1) * per_rank)),
+                           num_heads=heads) for r in range(world_size)]
+    stats = [pieces.stats(x) for x in shards]
+    block = None
     if exact_loss:
-        blocks = balanced_row_blocks(x.layout, world_size)
-        entropy = _ordered_sum([row_stats(x, rows=rows, chunk_rows=chunk_rows).entropy for rows in blocks])
-    merged = _tp_merge(stats, entropy, heads, _options(target_norm, reduction, coeff))
-    grads = [row_grads(s, merged, with_pi=r == 0, chunk_rows=chunk_rows) for r, s in enumerate(shards)]
-    return _outputs(merged, *(_ordered_sum([g[i] for g in grads]) for i in range(3)), q, k, weights)
+        whole = pieces.shard(q, k, weights, attn_q, attn_k, attn_lse, num_heads=heads)
+        blocks = balanced_row_blocks(Layout.of(q.shape[0], cu_seqlens, compress_ratio), world_size)
+        block = _ordered_sum([pieces.row_block(whole, rows, stats) for rows in blocks])
+    merged = pieces.merge_heads(stats, block, heads)
+    parts = [pieces.grads(x, merged, with_pi=r == 0, head_shard=True) for r, x in enumerate(shards)]
+    summed = [None if getattr(parts[0], name) is None else _ordered_sum([getattr(p, name) for p in parts])
+              for name in ("dq", "dk", "dw", "kl")]
+    return pieces.outputs(shards[0], merged, *summed)
 
 
 # Collectives.
@@ -151,19 +267,28 @@ def _rank(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def _reduce(tensor, group):
+    return None if tensor is None else _ordered_all_reduce(tensor, group)
+
+
 def context_parallel_indexer_kl(q, k, weights, attn_q, attn_k, attn_lse, *, softmax_scale: float, cu_seqlens=None,
                                 topk_indices=None, compress_ratio: int = 1, target_norm: str = "heads",
-                                reduction: str = "mean", coeff: float = 1.0, group=None, chunk_rows=None):
-    """Loss and gradients with the keys sharded over ``group`` (see the module docstring for the layout).
+                                reduction: str = "mean", coeff: float = 1.0, backend: str = "auto", group=None,
+                                chunk_rows=None):
+    """Loss and gradients with the keys sharded over ``group`` (see ``train/README.md`` for the layout).
 
     Args: as ``indexer_kl_loss``, except that ``k [n_r, D_I]`` and ``attn_k [n_r, ...]`` are this rank's
     contiguous shard of the packed keys (rank order; ``Σ_r n_r = T_k``); every other tensor is whole.
+    ``backend``: ``"auto"`` (the kernels for CUDA tensors that are not float64, as ``indexer_kl_loss``),
+    ``"reference"`` or ``"triton"``. ``chunk_rows``: the reference's query chunk (the kernels ignore it).
     Returns ``(loss, dq [T, H_I, D_I], dk [n_r, D_I] (this shard's keys), dweights [T, H_I])``, the same on
     every rank except ``dk``.
     """
     validate(q, k, weights, attn_q, attn_k, attn_lse, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
              topk_indices=topk_indices, compress_ratio=compress_ratio, target_norm=target_norm, reduction=reduction,
              coeff=coeff, check_key_count=False)
+    call = _call(softmax_scale, cu_seqlens, topk_indices, compress_ratio, target_norm, reduction, coeff)
+    pieces = _pieces(backend, q, k, weights, attn_q, attn_lse, call, chunk_rows)
     descriptor = [*q.shape, attn_q.shape[1], attn_q.shape[2], attn_k.dim(), k.shape[0]]
     names = ["T", "H_I", "D_I", "H", "D_a", "attn_k rank", "shard size"]
     rows = _agree(descriptor, group, names, varying=(6,))
@@ -173,24 +298,23 @@ def context_parallel_indexer_kl(q, k, weights, attn_q, attn_k, attn_lse, *, soft
         raise ValueError(f"the key shards (sizes {splits} in rank order) must add up to T_k = Σ_b len_b // "
                          f"compress_ratio = {layout.num_keys}")
     rank, _ = _rank(group)
-    base = sum(splits[:rank])
-    x = Inputs.of(q, k, weights, attn_q, attn_k, attn_lse, softmax_scale, cu_seqlens, topk_indices, compress_ratio,
-                  key_base=base)
-    stats = _all_gather(row_stats(x, chunk_rows=chunk_rows).as_tensor(), group)
-    merged = _cp_merge(stats, attn_q.shape[1], _options(target_norm, reduction, coeff))
-    dq, dk, dw = row_grads(x, merged, chunk_rows=chunk_rows)
-    dq, dw = _ordered_all_reduce(dq, group), _ordered_all_reduce(dw, group)
-    return _outputs(merged, dq, dk, dw, q, k, weights)
+    heads = attn_q.shape[1]
+    x = pieces.shard(q, k, weights, attn_q, attn_k, attn_lse, num_heads=heads, key_offset=sum(splits[:rank]))
+    merged = pieces.merge_keys(_all_gather(pieces.stats(x), group), heads)
+    part = pieces.grads(x, merged, with_pi=True, head_shard=False)
+    return pieces.outputs(x, merged, _reduce(part.dq, group), part.dk, _reduce(part.dw, group),
+                          _reduce(part.kl, group))
 
 
 def tensor_parallel_indexer_kl(q, k, weights, attn_q, attn_k, attn_lse, *, softmax_scale: float, cu_seqlens=None,
                                topk_indices=None, compress_ratio: int = 1, target_norm: str = "heads",
-                               reduction: str = "mean", coeff: float = 1.0, exact_loss: bool = True, group=None,
-                               chunk_rows=None):
+                               reduction: str = "mean", coeff: float = 1.0, exact_loss: bool = True,
+                               backend: str = "auto", group=None, chunk_rows=None):
     """Loss and gradients with the main-attention heads sharded over ``group`` (equal shards, rank order).
 
     Args: as ``indexer_kl_loss``, except that ``attn_q [T, H/W, D_a]``, ``attn_lse [T, H/W]`` and a GQA
-    ``attn_k [T_k, H_kv/W, D_a]`` hold this rank's heads; ``exact_loss`` as in the module docstring.
+    ``attn_k [T_k, H_kv/W, D_a]`` hold this rank's heads; ``exact_loss`` as in ``train/README.md``;
+    ``backend`` and ``chunk_rows`` as in ``context_parallel_indexer_kl``.
     Returns ``(loss, dq, dk, dweights)``, the same on every rank.
     """
     validate(q, k, weights, attn_q, attn_k, attn_lse, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
@@ -198,23 +322,24 @@ def tensor_parallel_indexer_kl(q, k, weights, attn_q, attn_k, attn_lse, *, softm
              coeff=coeff)
     if not isinstance(exact_loss, bool):
         raise TypeError(f"exact_loss must be a bool, got {type(exact_loss).__name__}")
+    call = _call(softmax_scale, cu_seqlens, topk_indices, compress_ratio, target_norm, reduction, coeff)
+    pieces = _pieces(backend, q, k, weights, attn_q, attn_lse, call, chunk_rows)
     descriptor = [*q.shape, k.shape[0], *attn_q.shape[1:], attn_k.dim(), attn_k.shape[1] if attn_k.dim() == 3 else 0]
     _agree(descriptor, group, ["T", "H_I", "D_I", "T_k", "heads per rank", "D_a", "attn_k rank", "key heads per rank"])
     rank, world = _rank(group)
-    local_heads = attn_q.shape[1]
-    x = Inputs.of(q, k, weights, attn_q, attn_k, attn_lse, softmax_scale, cu_seqlens, topk_indices, compress_ratio)
-    stats = _all_gather(row_stats(x, chunk_rows=chunk_rows).as_tensor(), group)
-    entropy = None
+    heads = attn_q.shape[1] * world
+    x = pieces.shard(q, k, weights, attn_q, attn_k, attn_lse, num_heads=heads)
+    stats = _all_gather(pieces.stats(x), group)
+    block = None
     if exact_loss:
         full_k = torch.cat(_all_gather(attn_k, group), dim=1) if attn_k.dim() == 3 else attn_k
-        whole = Inputs.of(q, k, weights, torch.cat(_all_gather(attn_q, group), dim=1), full_k,
-                          torch.cat(_all_gather(attn_lse, group), dim=1), softmax_scale, cu_seqlens, topk_indices,
-                          compress_ratio)
-        rows = balanced_row_blocks(whole.layout, world)[rank]
-        entropy = _ordered_all_reduce(row_stats(whole, rows=rows, chunk_rows=chunk_rows).entropy, group)
-    merged = _tp_merge(stats, entropy, local_heads * world, _options(target_norm, reduction, coeff))
-    grads = row_grads(x, merged, with_pi=rank == 0, chunk_rows=chunk_rows)
-    return _outputs(merged, *(_ordered_all_reduce(g, group) for g in grads), q, k, weights)
+        whole = pieces.shard(q, k, weights, torch.cat(_all_gather(attn_q, group), dim=1), full_k,
+                             torch.cat(_all_gather(attn_lse, group), dim=1), num_heads=heads)
+        rows = balanced_row_blocks(Layout.of(q.shape[0], cu_seqlens, compress_ratio), world)[rank]
+        block = _ordered_all_reduce(pieces.row_block(whole, rows, stats), group)
+    merged = pieces.merge_heads(stats, block, heads)
+    part = pieces.grads(x, merged, with_pi=rank == 0, head_shard=True)
+    return pieces.outputs(x, merged, *(_reduce(t, group) for t in (part.dq, part.dk, part.dw, part.kl)))
 
 
 def context_parallel_loss(q, k, weights, attn_q, attn_k, attn_lse, **kwargs) -> torch.Tensor:

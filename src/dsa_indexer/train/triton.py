@@ -6,7 +6,9 @@ section) with memory linear in T: no ``T x T_k`` tensor is formed; scores are re
 denominator); pass 2 recomputes the indexer scores and the target, forms ``G = (coeff/N)(pi - p)`` and
 accumulates ``dq``, ``dw`` and the KL terms; pass 3 forms ``dk`` without float atomics (dense: fp32 parts over
 at most 16 runs of the queries, summed in a fixed order; sparse: a by-key CSR of the selected pairs). Every
-sum has a fixed order, so reruns are bitwise equal. Rows of a tile are ``(token, head)`` pairs; varlen batches
+sum has a fixed order, so reruns are bitwise equal. The call is a composition of per-shard pieces (``prepare``,
+``row_statistics``, ``merge_key_statistics``/``merge_head_statistics``, ``row_gradients``, ``finish_loss``) that
+the parallel paths run on key or head shards. Rows of a tile are ``(token, head)`` pairs; varlen batches
 map programs to (sequence, block) on the device, so nothing is read back to the host. Loops with a run-time
 trip count are ``while`` loops (the CPU interpreter cannot ``range`` over one). Details: ``README.md``.
 """
@@ -47,7 +49,7 @@ class KlLossConfig:
     num_warps: warps of every kernel.
     fused_dk: dense ``dk`` inside the gradient pass, added to each key tile in a fixed order behind a per-tile
         ticket (removes the ``dk`` pass and its recompute of the target). Off until measured on the GPU: it
-        relies on programs starting in launch order, as NVIDIA GPUs do.
+        relies on programs starting in launch order, as NVIDIA GPUs do. One process only (not on a key shard).
     dk_programs, dk_max_splits, dk_min_split_rows: the dense ``dk`` pass splits the query sweep until about
         ``dk_programs`` programs, in at most ``dk_max_splits`` parts of at least ``dk_min_split_rows`` query
         rows on average.
@@ -178,36 +180,63 @@ def _sequence_block(pid, block_seq_ptr, block_start_ptr, cu_ptr, num_seqs, BT: t
 _RUNTIME_INTS = ["num_seqs", "H_I", "D_I", "H", "H_KV", "GROUP", "D_A", "ratio"]
 
 
-@triton.jit(do_not_specialize=_RUNTIME_INTS + ["K"])
+@triton.jit
+def _held_keys(key_lo_ptr, key_start_ptr, b):
+    """(sequence-local id of the first key of sequence ``b`` held here, its row in ``k``, the end of the held
+    ids): the held keys of a sequence are its ids ``[lo, hi)`` at rows ``start + id - lo``."""
+    lo = tl.load(key_lo_ptr + b).to(tl.int64)
+    start = tl.load(key_start_ptr + b).to(tl.int64)
+    hi = lo + tl.load(key_start_ptr + b + 1).to(tl.int64) - start
+    return lo, start, hi
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS + ["K", "row_lo", "row_hi"])
 def _query_kernel(
-    q_ptr, w_ptr, k_ptr, aq_ptr, ak_ptr, alse_ptr, cu_ptr, cu_k_ptr, block_seq_ptr, block_start_ptr, sel_ptr,
-    lse_i_ptr, denom_ptr, scale_ptr, kl_ptr, dq_ptr, dw_ptr, gbuf_ptr, dk_sum_ptr, tickets_ptr, tile_start_ptr,
+    q_ptr, w_ptr, k_ptr, aq_ptr, ak_ptr, alse_ptr, sel_ptr,
+    cu_ptr, block_seq_ptr, block_start_ptr, key_lo_ptr, key_start_ptr,
+    lse_i_ptr, denom_ptr, scale_ptr,
+    kl_ptr, dq_ptr, dw_ptr, gbuf_ptr,
+    dk_sum_ptr, tickets_ptr, tile_start_ptr,
     sq_t, sq_h, sw_t, sk_s, saq_t, saq_h, sak_s, sak_h, slse_t, sdq_t, sdq_h, sdw_t,
-    num_seqs, H_I, D_I, H, H_KV, GROUP, D_A, K, ratio, qk_scale_log2,
+    num_seqs, H_I, D_I, H, H_KV, GROUP, D_A, K, ratio, qk_scale_log2, pi_weight, row_lo, row_hi,
     BT: tl.constexpr, HIP: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, HC: tl.constexpr, BDA: tl.constexpr,
     SPARSE: tl.constexpr, STATS: tl.constexpr, L1: tl.constexpr, IEEE_I: tl.constexpr, IEEE_A: tl.constexpr, UPCAST: tl.constexpr,
-    FUSED_DK: tl.constexpr,
+    FUSED_DK: tl.constexpr, ENTROPY: tl.constexpr, GRADS: tl.constexpr,
 ):
-    """One block of ``BT`` query tokens: with ``STATS`` the row statistics (``lse_i`` [T], ``denom`` [T]
-    for L1), else the row KL terms ``kl`` [T], ``dq``, ``dw`` and (``SPARSE``) ``G`` of each slot.
+    """One block of ``BT`` query tokens against the keys held here: with ``STATS`` the row statistics over
+    those keys (``lse_i`` [T], -inf where none is visible; ``denom`` [T], the target mass, for L1), else the
+    row loss parts ``kl`` [T], ``dq``, ``dw`` and (``SPARSE``) ``G`` of each slot.
 
-    ``FUSED_DK`` (dense): also adds the block's ``M^T q`` of each key tile into ``dk_sum`` (fp32 [T_k, D_I]),
-    in a fixed order: the blocks of a sequence add to a tile from the last one down, each waiting until the
-    tile's ticket (int32, one per key tile, ``tile_start[b]`` the first tile of sequence b) counts the blocks
-    above it. Programs start in that same order (heaviest first), so a program only waits for earlier ones."""
+    Keys: sequence ``b`` holds its ids ``[key_lo[b], key_lo[b] + key_start[b+1] - key_start[b])`` at rows
+    ``key_start[b] + id - key_lo[b]`` of ``k`` (one process: all its keys; a context-parallel rank: a shard);
+    visibility uses the id. ``H`` is the head count of the ``"heads"`` denominator (all heads, also when
+    ``aq`` holds a shard of them). The gradient pass takes the merged ``lse_i``, ``denom`` and ``scale`` and
+    forms ``G = scale (pi_weight pi - p)``; ``kl[t] = sum_s p (log p - log pi) - LSE_I sum_s p`` (without
+    ``ENTROPY``: ``- sum_s p log pi - LSE_I sum_s p``), the caller adds ``LSE_I`` once per valid row. Only
+    tokens in ``[row_lo, row_hi)`` are computed; ``GRADS=False`` skips the gradients (loss parts only).
+
+    ``FUSED_DK`` (dense, one process): also adds the block's ``M^T q`` of each key tile into ``dk_sum`` (fp32
+    [T_k, D_I]), in a fixed order: the blocks of a sequence add to a tile from the last one down, each waiting
+    until the tile's ticket (int32, one per key tile, ``tile_start[b]`` the first tile of sequence b) counts the
+    blocks above it. Programs start in that same order (heaviest first), so a program only waits for earlier
+    ones."""
     pid = tl.num_programs(0) - 1 - tl.program_id(0)  # the last blocks of a sequence (most keys) start first
     b, seq_start, seq_len, p0 = _sequence_block(pid, block_seq_ptr, block_start_ptr, cu_ptr, num_seqs, BT)
     n_tok = tl.maximum(tl.minimum(seq_len - p0, BT), 0)
     t0 = seq_start + p0
-    key_base = tl.load(cu_k_ptr + b).to(tl.int64)
+    key_lo, key_start, key_hi = _held_keys(key_lo_ptr, key_start_ptr, b)
+    in_lo = tl.maximum(row_lo - t0, 0)  # the block's tokens [in_lo, in_hi) are in the row range
+    in_hi = tl.minimum(row_hi - t0, n_tok)
     tt = tl.arange(0, BT)
-    tok_ok = tt < n_tok
+    tok_ok = (tt >= in_lo) & (tt < in_hi)
     tok = t0 + tt.to(tl.int64)
-    limit = tl.where(tok_ok, (p0 + tt + 1) // ratio, 0)  # local keys j < limit are visible (dense stage)
+    # Dense: the loop runs over held offsets o (id key_lo + o, row key_start + o); o < limit is visible.
+    limit = tl.where(tok_ok, tl.minimum((p0 + tt + 1) // ratio, key_hi) - key_lo, 0)
     if SPARSE:
-        span = tl.where(n_tok > 0, K, 0)
+        span = tl.where(in_hi > in_lo, K, 0)
     else:
-        span = (p0 + n_tok) // ratio
+        span = tl.where(in_hi > in_lo, tl.minimum((p0 + in_hi) // ratio, key_hi) - key_lo, 0)
+    s0 = span * 0
     if STATS:
         m_i = tl.full([BT], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BT], dtype=tl.float32)
@@ -221,19 +250,19 @@ def _query_kernel(
         scale = tl.load(scale_ptr)
         kl_a = tl.zeros([BT], dtype=tl.float32)
         p_sum = tl.zeros([BT], dtype=tl.float32)
-        dq_acc = tl.zeros([BT * HIP, BD], dtype=tl.float32)
-        dw_acc = tl.zeros([BT * HIP], dtype=tl.float32)
-    s0 = span * 0
+        if GRADS:
+            dq_acc = tl.zeros([BT * HIP, BD], dtype=tl.float32)
+            dw_acc = tl.zeros([BT * HIP], dtype=tl.float32)
     while s0 < span:
         cols = s0 + tl.arange(0, BS)
         if SPARSE:
             idx = tl.load(sel_ptr + t0 * K + cols, mask=(cols < K) & (n_tok > 0), other=-1)
             key_ok = idx >= 0
-            key_rows = key_base + tl.maximum(idx, 0).to(tl.int64)
+            key_rows = key_start + tl.maximum(idx - key_lo, 0).to(tl.int64)
             vis = tl.broadcast_to(key_ok[None, :], (BT, BS))
         else:
             key_ok = cols < span
-            key_rows = key_base + cols.to(tl.int64)
+            key_rows = key_start + cols.to(tl.int64)
             vis = cols[None, :] < limit[:, None]
         a, w, scores, q, kt = _indexer_tile(q_ptr, w_ptr, k_ptr, t0, n_tok, key_rows, key_ok, sq_t, sq_h, sw_t, sk_s,
                                             H_I, D_I, BT, HIP, BS, BD, IEEE_I, UPCAST)
@@ -252,30 +281,34 @@ def _query_kernel(
                                   slse_t, H_KV, GROUP, D_A, qk_scale_log2, BT, HC, BS, BDA, IEEE_A, UPCAST)
             p = target / den[:, None]
             log_pi = scores - lse_i[:, None]
-            pi = tl.exp2(log_pi * 1.4426950408889634)
-            grad = tl.where(vis, scale * (pi - p), 0.0)  # [BT, BS]
-            positive = vis & (p > 0.0)
-            kl_a += tl.sum(tl.where(positive, p * (tl.log(tl.where(positive, p, 1.0)) - log_pi), 0.0), axis=1)
+            if ENTROPY:
+                positive = vis & (p > 0.0)
+                kl_a += tl.sum(tl.where(positive, p * (tl.log(tl.where(positive, p, 1.0)) - log_pi), 0.0), axis=1)
+            else:
+                kl_a -= tl.sum(tl.where(vis, p * log_pi, 0.0), axis=1)
             p_sum += tl.sum(tl.where(vis, p, 0.0), axis=1)
-            grad_rows = tl.reshape(tl.broadcast_to(grad[:, None, :], (BT, HIP, BS)), (BT * HIP, BS))
-            dw_acc += tl.sum(grad_rows * tl.maximum(a, 0.0), axis=1)
-            gated = tl.where(a > 0.0, grad_rows, 0.0)
-            dq_acc += _mma_split(gated, kt, IEEE_I, UPCAST)
-            if FUSED_DK:
-                part = _mma_split(tl.trans(tl.where(a > 0.0, grad_rows * w[:, None], 0.0)), q, IEEE_I, UPCAST)
-                ticket = tickets_ptr + tl.load(tile_start_ptr + b) + s0 // BS
-                above = tl.cdiv(seq_len, BT) - 1 - p0 // BT  # blocks of this sequence after this one
-                while tl.atomic_add(ticket, 0, sem="acquire") != above:
-                    pass
-                d = tl.arange(0, BD)
-                where = dk_sum_ptr + key_rows[:, None] * D_I + d[None, :]
-                inside = key_ok[:, None] & (d < D_I)[None, :]
-                total = tl.load(where, mask=inside, other=0.0, cache_modifier=".cg")  # L2: the predecessor's bytes
-                tl.store(where, total + part, mask=inside)
-                tl.debug_barrier()  # every thread's store issued before the ticket moves on
-                tl.atomic_add(ticket, 1, sem="release")
-            if SPARSE:
-                tl.store(gbuf_ptr + t0 * K + cols, tl.sum(grad, axis=0), mask=(cols < K) & (n_tok > 0))
+            if GRADS:
+                pi = tl.exp2(log_pi * 1.4426950408889634)
+                grad = tl.where(vis, scale * (pi_weight * pi - p), 0.0)  # [BT, BS]
+                grad_rows = tl.reshape(tl.broadcast_to(grad[:, None, :], (BT, HIP, BS)), (BT * HIP, BS))
+                dw_acc += tl.sum(grad_rows * tl.maximum(a, 0.0), axis=1)
+                gated = tl.where(a > 0.0, grad_rows, 0.0)
+                dq_acc += _mma_split(gated, kt, IEEE_I, UPCAST)
+                if FUSED_DK:
+                    part = _mma_split(tl.trans(tl.where(a > 0.0, grad_rows * w[:, None], 0.0)), q, IEEE_I, UPCAST)
+                    ticket = tickets_ptr + tl.load(tile_start_ptr + b) + s0 // BS
+                    above = tl.cdiv(seq_len, BT) - 1 - p0 // BT  # blocks of this sequence after this one
+                    while tl.atomic_add(ticket, 0, sem="acquire") != above:
+                        pass
+                    d = tl.arange(0, BD)
+                    where = dk_sum_ptr + key_rows[:, None] * D_I + d[None, :]
+                    inside = key_ok[:, None] & (d < D_I)[None, :]
+                    total = tl.load(where, mask=inside, other=0.0, cache_modifier=".cg")  # L2: the predecessor's bytes
+                    tl.store(where, total + part, mask=inside)
+                    tl.debug_barrier()  # every thread's store issued before the ticket moves on
+                    tl.atomic_add(ticket, 1, sem="release")
+                if SPARSE:
+                    tl.store(gbuf_ptr + t0 * K + cols, tl.sum(grad, axis=0), mask=(cols < K) & (n_tok > 0))
         s0 += BS
     if STATS:
         lse_row = tl.where(l_i > 0.0, m_i + tl.log(l_i), float("-inf"))
@@ -283,47 +316,52 @@ def _query_kernel(
         if L1:
             tl.store(denom_ptr + tok, den, mask=tok_ok)
     else:
-        # KL_t = sum p (log p - I) + LSE_I = sum p (log p - log pi) + LSE_I (1 - sum p); 0 on empty rows.
+        # sum_s p (log p - I) = sum_s p (log p - log pi) - LSE_I sum_s p; 0 on rows without a visible key.
         valid = lse_i != float("-inf")
-        kl_row = tl.where(valid, kl_a + tl.where(valid, lse_i, 0.0) * (1.0 - p_sum), 0.0)
+        kl_row = tl.where(valid, kl_a - tl.where(valid, lse_i, 0.0) * p_sum, 0.0)
         tl.store(kl_ptr + tok, kl_row, mask=tok_ok)
-        r = tl.arange(0, BT * HIP)
-        rt = r // HIP
-        rj = r % HIP
-        row_ok = (rt < n_tok) & (rj < H_I)
-        rtok = t0 + rt.to(tl.int64)
-        d = tl.arange(0, BD)
-        w = tl.load(w_ptr + rtok * sw_t + rj, mask=row_ok, other=0.0).to(tl.float32)
-        dq = w[:, None] * dq_acc
-        tl.store(dq_ptr + rtok[:, None] * sdq_t + rj[:, None] * sdq_h + d[None, :], _as_output(dq, dq_ptr, UPCAST),
-                 mask=row_ok[:, None] & (d < D_I)[None, :])
-        tl.store(dw_ptr + rtok * sdw_t + rj, _as_output(dw_acc, dw_ptr, UPCAST), mask=row_ok)
+        if GRADS:
+            r = tl.arange(0, BT * HIP)
+            rt = r // HIP
+            rj = r % HIP
+            row_ok = (rt < n_tok) & (rj < H_I)
+            rtok = t0 + rt.to(tl.int64)
+            d = tl.arange(0, BD)
+            w = tl.load(w_ptr + rtok * sw_t + rj, mask=row_ok, other=0.0).to(tl.float32)
+            dq = w[:, None] * dq_acc
+            tl.store(dq_ptr + rtok[:, None] * sdq_t + rj[:, None] * sdq_h + d[None, :], _as_output(dq, dq_ptr, UPCAST),
+                     mask=row_ok[:, None] & (d < D_I)[None, :])
+            tl.store(dw_ptr + rtok * sdw_t + rj, _as_output(dw_acc, dw_ptr, UPCAST), mask=row_ok)
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS + ["splits"])
 def _dk_dense_kernel(
-    q_ptr, w_ptr, k_ptr, aq_ptr, ak_ptr, alse_ptr, cu_ptr, cu_k_ptr, block_seq_ptr, block_start_ptr,
+    q_ptr, w_ptr, k_ptr, aq_ptr, ak_ptr, alse_ptr,
+    cu_ptr, block_seq_ptr, block_start_ptr, key_lo_ptr, key_start_ptr,
     lse_i_ptr, denom_ptr, scale_ptr, part_ptr,
     sq_t, sq_h, sw_t, sk_s, saq_t, saq_h, sak_s, sak_h, slse_t, spart_split, spart_s,
-    num_seqs, H_I, D_I, H, H_KV, GROUP, D_A, ratio, splits, qk_scale_log2,
+    num_seqs, H_I, D_I, H, H_KV, GROUP, D_A, ratio, splits, qk_scale_log2, pi_weight,
     BT: tl.constexpr, HIP: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, HC: tl.constexpr, BDA: tl.constexpr,
     L1: tl.constexpr, IEEE_I: tl.constexpr, IEEE_A: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Part ``program_id(1)`` of ``dk`` of one block of ``BS`` keys of one sequence (dense stage): the
-    queries that see its first key, cut in ``splits`` equal runs, this program's run swept in token order,
-    summing ``M^T q`` with ``M = G w 1[a > 0]`` into ``part[split]`` (fp32)."""
+    """Part ``program_id(1)`` of ``dk`` of one block of ``BS`` held keys of one sequence (dense stage; keys as
+    in ``_query_kernel``, the blocks mapped over ``key_start``): the queries that see its first key, cut in
+    ``splits`` equal runs, this program's run swept in token order, summing ``M^T q`` with
+    ``M = G w 1[a > 0]``, ``G = scale (pi_weight pi - p)``, into ``part[split]`` (fp32)."""
     pid = tl.program_id(0)
     split = tl.program_id(1).to(tl.int64)
-    b, key_start, key_len, s0 = _sequence_block(pid, block_seq_ptr, block_start_ptr, cu_k_ptr, num_seqs, BS)
+    b, key_start, key_len, s0 = _sequence_block(pid, block_seq_ptr, block_start_ptr, key_start_ptr, num_seqs, BS)
+    key_lo = tl.load(key_lo_ptr + b).to(tl.int64)
     seq_start = tl.load(cu_ptr + b).to(tl.int64)
     seq_len = tl.where(key_len > 0, tl.load(cu_ptr + b + 1).to(tl.int64) - seq_start, 0)
-    cols = s0 + tl.arange(0, BS)
-    key_ok = cols < key_len
-    key_rows = key_start + cols.to(tl.int64)
+    offsets = s0 + tl.arange(0, BS)
+    key_ok = offsets < key_len
+    key_rows = key_start + offsets.to(tl.int64)
+    cols = key_lo + offsets  # sequence-local key ids
     scale = tl.load(scale_ptr)
     dk_acc = tl.zeros([BS, BD], dtype=tl.float32)
     tt = tl.arange(0, BT)
-    p_first = (s0 + 1) * ratio - 1  # the first query that sees key s0
+    p_first = (key_lo + s0 + 1) * ratio - 1  # the first query that sees the block's first key
     run = tl.cdiv(tl.cdiv(tl.maximum(seq_len - p_first, 0), splits), BT) * BT
     p0 = p_first + split * run
     p_end = tl.minimum(seq_len, p0 + run)
@@ -344,7 +382,7 @@ def _dk_dense_kernel(
         else:
             den = tl.zeros([BT], dtype=tl.float32) + H
         pi = tl.exp2((scores - lse_i[:, None]) * 1.4426950408889634)
-        grad = tl.where(vis, scale * (pi - target / den[:, None]), 0.0)
+        grad = tl.where(vis, scale * (pi_weight * pi - target / den[:, None]), 0.0)
         grad_rows = tl.reshape(tl.broadcast_to(grad[:, None, :], (BT, HIP, BS)), (BT * HIP, BS))
         gated = tl.where(a > 0.0, grad_rows * w[:, None], 0.0)  # [BT*HIP, BS]
         dk_acc += _mma_split(tl.trans(gated), q, IEEE_I, UPCAST)
@@ -388,8 +426,9 @@ def _dk_sparse_kernel(
 
 
 def _check_inputs(q, k, weights, attn_q, attn_k, attn_lse, softmax_scale, cu_seqlens, topk_indices, compress_ratio,
-                  target_norm, reduction, coeff):
-    """Types, dtypes, shapes and devices (no host reads); returns (H_kv, group)."""
+                  target_norm, reduction, coeff, whole_keys):
+    """Types, dtypes, shapes and devices (no host reads); the key count only when ``k`` holds every key
+    (``whole_keys``). Returns (H_kv, group)."""
     check_tensor("q", q, ndim=3)
     check_floating("q", q)
     t, h_i, d_i = q.shape
@@ -425,7 +464,7 @@ def _check_inputs(q, k, weights, attn_q, attn_k, attn_lse, softmax_scale, cu_seq
         check_index_tensor("cu_seqlens", cu_seqlens, ndim=1)
         if cu_seqlens.shape[0] < 2:
             raise ValueError(f"cu_seqlens must have at least 2 entries [B + 1], got {list(cu_seqlens.shape)}")
-    elif t_k != t // compress_ratio:
+    elif whole_keys and t_k != t // compress_ratio:
         raise ValueError(f"k must have T // compress_ratio = {t // compress_ratio} rows, got {t_k}")
     if topk_indices is not None:
         check_tensor("topk_indices", topk_indices, dtype=torch.int32, ndim=2)
@@ -489,6 +528,296 @@ def _clean_selection(topk_indices: torch.Tensor, position: torch.Tensor, ratio: 
     return torch.where(visible, ids, torch.full_like(ids, -1)).contiguous()
 
 
+@dataclasses.dataclass(frozen=True)
+class KeyShard:
+    """The packed key rows ``[offset, offset + size)`` of the batch's ``T_k`` keys that ``k`` and ``attn_k`` hold
+    (a context-parallel rank's shard)."""
+
+    offset: int
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One call's inputs and device layout, shared by its passes (``prepare`` builds it).
+
+    Tensors are contiguous (``attn_k`` as ``[T_k, H_kv, D_a]``). Sequence ``b`` owns query rows
+    ``[cu[b], cu[b+1])`` and holds its sequence-local key ids ``[key_lo[b], key_lo[b] + n_b)`` at rows
+    ``key_start[b] + id - key_lo[b]`` of ``k``, ``n_b = key_start[b+1] - key_start[b]`` (one process:
+    ``key_lo = 0``, ``key_start`` the packed key offsets). ``selection`` (sparse) is ``[T, K]`` int32: each
+    row's distinct visible held ids, sorted, -1 elsewhere. ``valid_rows`` and ``count`` (``N``) and ``scale``
+    (``c/N`` or ``c``, fp32 ``[1]``) are over every key, held or not. ``num_heads`` is the ``"heads"``
+    denominator ``H`` (all heads, also when ``attn_q`` holds a shard of them).
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    weights: torch.Tensor
+    attn_q: torch.Tensor
+    attn_k: torch.Tensor
+    attn_lse: torch.Tensor
+    softmax_scale: float
+    num_heads: int
+    compress_ratio: int
+    l1: bool
+    reduction: str
+    coeff: float
+    config: KlLossConfig
+    cu: torch.Tensor
+    key_lo: torch.Tensor
+    key_start: torch.Tensor
+    sequence: torch.Tensor
+    selection: torch.Tensor | None
+    valid_rows: torch.Tensor
+    count: torch.Tensor
+    scale: torch.Tensor
+    tiles: dict
+    block_seq: torch.Tensor
+    block_start: torch.Tensor
+
+    @property
+    def empty(self) -> bool:
+        return self.q.shape[0] == 0 or self.q.shape[1] == 0
+
+    @property
+    def num_seqs(self) -> int:
+        return self.cu.shape[0] - 1
+
+    @property
+    def held_keys(self) -> int:
+        return self.k.shape[0]
+
+    def layout_args(self) -> dict:
+        """The kernels' layout and shape arguments shared by the query and dense ``dk`` passes."""
+        return dict(
+            q_ptr=self.q, w_ptr=self.weights, k_ptr=self.k, aq_ptr=self.attn_q, ak_ptr=self.attn_k,
+            alse_ptr=self.attn_lse, cu_ptr=self.cu, key_lo_ptr=self.key_lo, key_start_ptr=self.key_start,
+            sq_t=self.q.stride(0), sq_h=self.q.stride(1), sw_t=self.weights.stride(0), sk_s=self.k.stride(0),
+            saq_t=self.attn_q.stride(0), saq_h=self.attn_q.stride(1), sak_s=self.attn_k.stride(0),
+            sak_h=self.attn_k.stride(1), slse_t=self.attn_lse.stride(0),
+            num_seqs=self.num_seqs, H_I=self.q.shape[1], D_I=self.q.shape[2], H=self.num_heads,
+            H_KV=self.attn_k.shape[1], GROUP=self.attn_q.shape[1] // self.attn_k.shape[1], D_A=self.attn_q.shape[2],
+            ratio=self.compress_ratio, qk_scale_log2=self.softmax_scale * _LOG2E,
+            L1=self.l1, IEEE_I=self.q.dtype == torch.float32, IEEE_A=self.attn_q.dtype == torch.float32,
+            UPCAST=interpreting(), num_warps=self.config.num_warps,
+        )
+
+
+def prepare(q, k, weights, attn_q, attn_k, attn_lse, *, softmax_scale: float, cu_seqlens=None, topk_indices=None,
+            compress_ratio=1, target_norm="heads", reduction="mean", coeff=1.0, config: KlLossConfig | None = None,
+            key_shard: KeyShard | None = None, num_heads: int | None = None) -> Problem:
+    """Check the arguments (those of ``indexer_kl_triton``) and lay the call out on the device (no host read
+    besides the ``cu_seqlens`` value check, skipped for a key shard: its caller checks the whole batch).
+    ``key_shard``: ``k``/``attn_k`` hold only those packed key rows; ``num_heads``: the ``"heads"``
+    denominator when ``attn_q`` holds a shard of the heads (default: its own count)."""
+    if config is None:
+        config = KlLossConfig()
+    elif not isinstance(config, KlLossConfig):
+        raise TypeError(f"config must be a KlLossConfig, got {type(config).__name__}")
+    _check_inputs(q, k, weights, attn_q, attn_k, attn_lse, softmax_scale, cu_seqlens, topk_indices, compress_ratio,
+                  target_norm, reduction, coeff, key_shard is None)
+    t, h_i, d_i = q.shape
+    t_k, h, d_a = k.shape[0], attn_q.shape[1], attn_q.shape[2]
+    device = q.device
+    if key_shard is None:
+        if cu_seqlens is not None and value_checks_enabled():
+            _check_cu_seqlens(cu_seqlens, t, t_k, compress_ratio)
+    elif key_shard.size != t_k:
+        raise ValueError(f"k must hold the key shard's {key_shard.size} rows, got {t_k}")
+    elif config.fused_dk:
+        raise ValueError("KlLossConfig(fused_dk=True) runs on one process only, not on a key shard")
+    q, k, weights, attn_q, attn_k, attn_lse = (x.contiguous() for x in (q, k, weights, attn_q, attn_k, attn_lse))
+    if attn_k.dim() == 2:
+        attn_k = attn_k.unsqueeze(1)
+    if cu_seqlens is None:
+        cu = torch.arange(2, dtype=torch.int64, device=device) * t  # [0, T] without a host copy (graph capture)
+    else:
+        cu = cu_seqlens.to(torch.int64)
+    num_seqs = cu.shape[0] - 1
+    cu_k = torch.zeros_like(cu)
+    cu_k[1:] = torch.cumsum((cu[1:] - cu[:-1]) // compress_ratio, 0)
+    if key_shard is None:
+        key_lo, key_start = torch.zeros(num_seqs, dtype=torch.int64, device=device), cu_k
+    else:
+        held = cu_k.clamp(key_shard.offset, key_shard.offset + key_shard.size)
+        key_lo, key_start = held[:-1] - cu_k[:-1], held - key_shard.offset
+    sparse = topk_indices is not None
+    tiles = _tile_plan(config, h_i, d_i, h // attn_k.shape[1], d_a, topk_indices.shape[1] if sparse else t_k, sparse)
+    rows = torch.arange(t, dtype=torch.int64, device=device)
+    sequence = torch.searchsorted(cu[1:], rows, right=True)
+    position = rows - cu[sequence]
+    selection = None
+    if sparse:
+        selection = _clean_selection(topk_indices, position, compress_ratio)
+        valid_rows = (selection >= 0).any(dim=1)
+        if key_shard is not None:
+            lo = key_lo[sequence][:, None]
+            hi = lo + (key_start[1:] - key_start[:-1])[sequence][:, None]
+            selection = torch.where((selection >= lo) & (selection < hi), selection, -1).contiguous()
+    else:
+        valid_rows = position + 1 >= compress_ratio
+    count = valid_rows.sum()
+    if reduction == "mean":
+        scale = (float(coeff) / count.clamp(min=1).to(torch.float64)).to(torch.float32).reshape(1)
+    else:
+        scale = torch.full((1,), float(coeff), dtype=torch.float32, device=device)
+    block_seq, block_start = _block_map(cu, tiles["BT"], t // tiles["BT"] + num_seqs)
+    return Problem(q, k, weights, attn_q, attn_k, attn_lse, float(softmax_scale), h if num_heads is None else num_heads,
+                   compress_ratio, target_norm == "l1", reduction, float(coeff), config, cu, key_lo, key_start,
+                   sequence, selection, valid_rows, count, scale, tiles, block_seq, block_start)
+
+
+def _query_args(problem: Problem, lse_i, denom, kl, dq, dw, gbuf) -> dict:
+    device = problem.q.device
+    unused = torch.empty(1, dtype=torch.int32, device=device)
+    sparse = problem.selection is not None
+    return dict(
+        problem.layout_args(), **problem.tiles,
+        sel_ptr=problem.selection if sparse else unused, block_seq_ptr=problem.block_seq,
+        block_start_ptr=problem.block_start, lse_i_ptr=lse_i, denom_ptr=denom, scale_ptr=problem.scale,
+        kl_ptr=kl, dq_ptr=dq, dw_ptr=dw, gbuf_ptr=gbuf, dk_sum_ptr=gbuf, tickets_ptr=unused,
+        tile_start_ptr=problem.key_start, sdq_t=dq.stride(0), sdq_h=dq.stride(1), sdw_t=dw.stride(0),
+        K=problem.selection.shape[1] if sparse else 1, SPARSE=sparse, FUSED_DK=False,
+    )
+
+
+def row_statistics(problem: Problem) -> torch.Tensor:
+    """Pass 1 over the held keys and heads: fp32 ``[2, T]``, each row's ``log Σ exp I`` (-inf when it sees
+    no held key) and, for ``"l1"``, its target mass ``Σ_s Σ_h P_h`` (0 for ``"heads"``)."""
+    t = problem.q.shape[0]
+    stats = torch.zeros((2, t), dtype=torch.float32, device=problem.q.device)
+    if problem.empty:
+        stats[0] = float("-inf")
+        return stats
+    args = _query_args(problem, stats[0], stats[1], stats[0], problem.q, problem.weights, stats[0])
+    _query_kernel[(problem.block_seq.shape[0],)](**args, pi_weight=1.0, row_lo=0, row_hi=t, STATS=True,
+                                                  ENTROPY=True, GRADS=True)
+    return stats
+
+
+def _ordered_sum(parts):
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
+def merge_key_statistics(parts) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(LSE_I, D_t)`` fp32 ``[T]`` from the ``row_statistics`` of disjoint key sets, merged in list order in
+    float64 (one part: its own values, exactly)."""
+    stacked = torch.stack(list(parts)).to(torch.float64)
+    top = stacked[:, 0].max(0).values
+    seen = top != float("-inf")
+    shift = torch.where(seen, top, 0.0)
+    total = _ordered_sum([torch.exp(part[0] - shift) for part in stacked])
+    lse = torch.where(seen, shift + torch.log(torch.where(seen, total, 1.0)), float("-inf"))
+    return lse.to(torch.float32), _ordered_sum([part[1] for part in stacked]).to(torch.float32)
+
+
+def merge_head_statistics(parts) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(LSE_I, D_t)`` from the ``row_statistics`` of disjoint head sets over the same keys: the first part's
+    ``LSE_I`` (every part has the same), the masses summed in list order in float64."""
+    stacked = torch.stack(list(parts)).to(torch.float64)
+    return parts[0][0], _ordered_sum([part[1] for part in stacked]).to(torch.float32)
+
+
+def row_gradients(problem: Problem, lse_i: torch.Tensor, denom: torch.Tensor, *, pi_weight: float = 1.0,
+                  entropy: bool = True, rows: tuple[int, int] | None = None, gradients: bool = True,
+                  partial: bool = False):
+    """Pass 2 (and 3) over the held keys and heads, given the merged ``LSE_I`` and ``D_t`` (fp32 ``[T]``):
+    ``(kl [T] fp32, dq, dk [held keys, D_I], dw)`` of ``G = scale (pi_weight π - p)``.
+
+    ``kl[t] = Σ_s p (entropy · log p - log π) - LSE_I Σ_s p`` over the held keys (0 on rows without a visible
+    key); ``finish_loss`` adds ``LSE_I`` once. The gradients are in the dtypes of ``q``, ``k``, ``weights``, or
+    fp32 with ``partial`` (parts to be summed before one rounding). ``rows``: only query rows ``[r0, r1)``
+    (the others' ``kl`` is 0); ``gradients=False``: the loss parts alone (the gradients are ``None``).
+    """
+    t = problem.q.shape[0]
+    device = problem.q.device
+    if rows is None:
+        rows = (0, t)
+    dtypes = [torch.float32 if partial else x.dtype for x in (problem.q, problem.k, problem.weights)]
+    if problem.empty:
+        zeros = [torch.zeros(x.shape, dtype=d, device=device) for x, d in zip((problem.q, problem.k, problem.weights),
+                                                                              dtypes)]
+        return (torch.zeros(t, dtype=torch.float32, device=device), *(zeros if gradients else [None] * 3))
+    kl = (torch.empty if rows == (0, t) else torch.zeros)(t, dtype=torch.float32, device=device)
+    sparse = problem.selection is not None
+    if gradients:
+        # Every row of dq and dw is written by exactly one program.
+        dq = torch.empty(problem.q.shape, dtype=dtypes[0], device=device)
+        dw = torch.empty(problem.weights.shape, dtype=dtypes[2], device=device)
+        gbuf = torch.zeros(problem.selection.numel() if sparse else 1, dtype=torch.float32, device=device)
+    else:
+        dq, dw, gbuf = problem.q, problem.weights, kl
+    fused = gradients and problem.config.fused_dk and not sparse and problem.held_keys > 0
+    args = _query_args(problem, lse_i, denom if problem.l1 else lse_i, kl, dq, dw, gbuf)
+    if fused:
+        d_i, bs = problem.q.shape[2], problem.tiles["BS"]
+        tiles = (problem.key_start[1:] - problem.key_start[:-1] + bs - 1) // bs
+        tile_start = torch.zeros_like(problem.key_start)
+        tile_start[1:] = torch.cumsum(tiles, 0)
+        dk_sum = torch.zeros((problem.held_keys, d_i), dtype=torch.float32, device=device)
+        args.update(dk_sum_ptr=dk_sum, tile_start_ptr=tile_start, FUSED_DK=True,
+                    tickets_ptr=torch.zeros(problem.held_keys // bs + problem.num_seqs, dtype=torch.int32,
+                                            device=device))
+    _query_kernel[(problem.block_seq.shape[0],)](**args, pi_weight=float(pi_weight), row_lo=rows[0], row_hi=rows[1],
+                                                  STATS=False, ENTROPY=entropy, GRADS=gradients)
+    if not gradients:
+        return kl, None, None, None
+    if fused:
+        return kl, dq, dk_sum.to(dtypes[1]), dw
+    return kl, dq, _key_gradients(problem, lse_i, denom, pi_weight, gbuf, dtypes[1]), dw
+
+
+def _key_gradients(problem: Problem, lse_i, denom, pi_weight: float, gbuf, dtype) -> torch.Tensor:
+    """Pass 3: ``dk`` of the held keys in ``dtype`` (sparse: from ``G`` per slot over a by-key CSR; dense: fp32
+    parts over runs of the query sweep, summed in split order)."""
+    device = problem.q.device
+    t, h_i, d_i = problem.q.shape
+    held = problem.held_keys
+    config = problem.config
+    if problem.selection is not None:
+        dk = torch.empty((held, d_i), dtype=dtype, device=device)
+        sel = problem.selection
+        local = problem.key_start[problem.sequence][:, None] + sel - problem.key_lo[problem.sequence][:, None]
+        keys = torch.where(sel >= 0, local, torch.full_like(sel, held, dtype=torch.int64))
+        sorted_keys, order = torch.sort(keys.reshape(-1), stable=True)
+        ptr = torch.searchsorted(sorted_keys, torch.arange(held + 1, dtype=torch.int64, device=device))
+        entries = order.to(torch.int32) if sel.numel() < 2**31 else order
+        if held:
+            _dk_sparse_kernel[(held,)](problem.q, problem.weights, problem.k, ptr, entries, gbuf, dk,
+                                       problem.q.stride(0), problem.q.stride(1), problem.weights.stride(0),
+                                       problem.k.stride(0), dk.stride(0), h_i, d_i, sel.shape[1],
+                                       HIP=problem.tiles["HIP"], BD=problem.tiles["BD"], BE=config.block_entries,
+                                       UPCAST=interpreting(), num_warps=config.num_warps)
+        return dk
+    if not held:
+        return torch.empty((0, d_i), dtype=dtype, device=device)
+    group = problem.attn_q.shape[1] // problem.attn_k.shape[1]
+    dense = _tile_plan(config, h_i, d_i, group, problem.attn_q.shape[2], held, False)
+    key_programs = held // dense["BS"] + problem.num_seqs
+    key_seq, key_block_start = _block_map(problem.key_start, dense["BS"], key_programs)
+    # The fp32 parts of the `splits` runs are summed in split order by one torch reduction: deterministic.
+    splits = _dk_splits(config, key_programs, t)
+    parts = torch.empty((splits, held, d_i), dtype=torch.float32, device=device)
+    _dk_dense_kernel[(key_programs, splits)](
+        **problem.layout_args(), **dense, block_seq_ptr=key_seq, block_start_ptr=key_block_start,
+        lse_i_ptr=lse_i, denom_ptr=denom if problem.l1 else lse_i, scale_ptr=problem.scale, part_ptr=parts,
+        spart_split=parts.stride(0), spart_s=parts.stride(1), splits=splits, pi_weight=float(pi_weight))
+    return parts.sum(0).to(dtype)
+
+
+def finish_loss(problem: Problem, lse_i: torch.Tensor, kl: torch.Tensor) -> torch.Tensor:
+    """The fp32 loss from the merged ``LSE_I`` and the summed ``row_gradients`` parts: ``KL_t = kl[t] + LSE_I[t]``
+    on rows that see a key (0 elsewhere), summed in float64, ``c/N``- or ``c``-scaled."""
+    valid = lse_i != float("-inf")
+    total = torch.where(valid, kl.to(torch.float64) + lse_i.to(torch.float64), 0.0).sum()
+    if problem.reduction == "mean":
+        total = total / problem.count.clamp(min=1).to(torch.float64)
+    return (problem.coeff * total).to(torch.float32)
+
+
 def indexer_kl_triton(q, k, weights, attn_q, attn_k, attn_lse, *, softmax_scale: float, cu_seqlens=None, topk_indices=None,
                       compress_ratio=1, target_norm="heads", reduction="mean", coeff=1.0,
                       config: KlLossConfig | None = None):
@@ -505,108 +834,16 @@ def indexer_kl_triton(q, k, weights, attn_q, attn_k, attn_lse, *, softmax_scale:
     Extra memory: O(T (H_I D_I)) for the outputs plus O(T) fp32 row statistics; the sparse stage also
     holds ``[T, K]`` int32 / fp32 work arrays (the selection sorted, G per slot, the by-key CSR).
     ``config``: the launch (``None``: ``KlLossConfig()``, what ships); every config gives the same loss and
-    gradients up to the order of the fp32 sums.
+    gradients up to the order of the fp32 sums. The call is the composition of the pieces the parallel
+    paths run per shard: ``prepare``, ``row_statistics``, ``merge_key_statistics``, ``row_gradients``,
+    ``finish_loss``.
     """
-    if config is None:
-        config = KlLossConfig()
-    elif not isinstance(config, KlLossConfig):
-        raise TypeError(f"config must be a KlLossConfig, got {type(config).__name__}")
-    h_kv, group = _check_inputs(q, k, weights, attn_q, attn_k, attn_lse, softmax_scale, cu_seqlens, topk_indices,
-                                compress_ratio, target_norm, reduction, coeff)
-    t, h_i, d_i = q.shape
-    t_k, h, d_a = k.shape[0], attn_q.shape[1], attn_q.shape[2]
-    device = q.device
-    if cu_seqlens is not None and value_checks_enabled():
-        _check_cu_seqlens(cu_seqlens, t, t_k, compress_ratio)
-    if t == 0 or h_i == 0:
-        zeros = (torch.zeros(x.shape, dtype=x.dtype, device=device) for x in (q, k, weights))
-        return (torch.zeros((), dtype=torch.float32, device=device), *zeros)
-    # Every row of the gradients is written by exactly one program.
-    dq, dk, dw = (torch.empty(x.shape, dtype=x.dtype, device=device) for x in (q, k, weights))
-    q, k, weights, attn_q, attn_k, attn_lse = (x.contiguous() for x in (q, k, weights, attn_q, attn_k, attn_lse))
-    if attn_k.dim() == 2:
-        attn_k = attn_k.unsqueeze(1)
-    if cu_seqlens is None:
-        cu = torch.arange(2, dtype=torch.int64, device=device) * t  # [0, T] without a host copy (graph capture)
-    else:
-        cu = cu_seqlens.to(torch.int64)
-    num_seqs = cu.shape[0] - 1
-    cu_k = torch.zeros_like(cu)
-    cu_k[1:] = torch.cumsum((cu[1:] - cu[:-1]) // compress_ratio, 0)
-    sparse = topk_indices is not None
-    cfg = _tile_plan(config, h_i, d_i, group, d_a, topk_indices.shape[1] if sparse else t_k, sparse)
-    rows = torch.arange(t, dtype=torch.int64, device=device)
-    position = rows - cu[torch.searchsorted(cu[1:], rows, right=True)]
-    if sparse:
-        big_k = topk_indices.shape[1]
-        sel = _clean_selection(topk_indices, position, compress_ratio)
-        valid_rows = (sel >= 0).any(dim=1)
-        gbuf = torch.zeros(t * big_k, dtype=torch.float32, device=device)
-    else:
-        big_k = 1
-        sel = torch.empty(1, dtype=torch.int32, device=device)
-        valid_rows = position + 1 >= compress_ratio
-        gbuf = torch.empty(1, dtype=torch.float32, device=device)
-    count = valid_rows.sum()
-    if reduction == "mean":
-        scale = (float(coeff) / count.clamp(min=1).to(torch.float64)).to(torch.float32).reshape(1)
-    else:
-        scale = torch.full((1,), float(coeff), dtype=torch.float32, device=device)
-    programs = t // cfg["BT"] + num_seqs
-    block_seq, block_start = _block_map(cu, cfg["BT"], programs)
-    lse_i = torch.empty(t, dtype=torch.float32, device=device)
-    denom = torch.empty(t, dtype=torch.float32, device=device) if target_norm == "l1" else lse_i
-    kl = torch.empty(t, dtype=torch.float32, device=device)
-    l1 = target_norm == "l1"
-    fused = config.fused_dk and not sparse and t_k > 0
-    if fused:
-        tiles = (cu_k[1:] - cu_k[:-1] + cfg["BS"] - 1) // cfg["BS"]
-        tile_start = torch.zeros_like(cu_k)
-        tile_start[1:] = torch.cumsum(tiles, 0)
-        tickets = torch.zeros(t_k // cfg["BS"] + num_seqs, dtype=torch.int32, device=device)
-        dk_sum = torch.zeros((t_k, d_i), dtype=torch.float32, device=device)
-    else:
-        tile_start, tickets, dk_sum = cu_k, torch.empty(1, dtype=torch.int32, device=device), gbuf
-    ieee_i = q.dtype == torch.float32
-    ieee_a = attn_q.dtype == torch.float32
-    upcast = interpreting()
-    common = (q, weights, k, attn_q, attn_k, attn_lse, cu, cu_k, block_seq, block_start, sel,
-              lse_i, denom, scale, kl, dq, dw, gbuf, dk_sum, tickets, tile_start,
-              q.stride(0), q.stride(1), weights.stride(0), k.stride(0), attn_q.stride(0), attn_q.stride(1),
-              attn_k.stride(0), attn_k.stride(1), attn_lse.stride(0), dq.stride(0), dq.stride(1), dw.stride(0),
-              num_seqs, h_i, d_i, h, h_kv, group, d_a, big_k, compress_ratio, float(softmax_scale) * _LOG2E)
-    for stats in (True, False):
-        _query_kernel[(programs,)](*common, SPARSE=sparse, STATS=stats, L1=l1, IEEE_I=ieee_i, IEEE_A=ieee_a,
-                                     UPCAST=upcast, FUSED_DK=fused and not stats, num_warps=config.num_warps, **cfg)
-    if fused:
-        dk.copy_(dk_sum)
-    elif sparse:
-        keys = torch.where(sel >= 0, cu_k[torch.searchsorted(cu[1:], rows, right=True)][:, None] + sel,
-                           torch.full_like(sel, t_k, dtype=torch.int64))
-        sorted_keys, order = torch.sort(keys.reshape(-1), stable=True)
-        ptr = torch.searchsorted(sorted_keys, torch.arange(t_k + 1, dtype=torch.int64, device=device))
-        entries = order.to(torch.int32) if t * big_k < 2**31 else order
-        if t_k:
-            _dk_sparse_kernel[(t_k,)](q, weights, k, ptr, entries, gbuf, dk, q.stride(0), q.stride(1), weights.stride(0),
-                                      k.stride(0), dk.stride(0), h_i, d_i, big_k,
-                                      HIP=cfg["HIP"], BD=cfg["BD"], BE=config.block_entries, UPCAST=upcast,
-                                      num_warps=config.num_warps)
-    elif t_k:
-        dense = _tile_plan(config, h_i, d_i, group, d_a, t_k, False)
-        key_programs = t_k // dense["BS"] + num_seqs
-        key_seq, key_start = _block_map(cu_k, dense["BS"], key_programs)
-        # The fp32 parts of the `splits` runs are summed in split order by one torch reduction: deterministic.
-        splits = _dk_splits(config, key_programs, t)
-        parts = torch.empty((splits, t_k, d_i), dtype=torch.float32, device=device)
-        _dk_dense_kernel[(key_programs, splits)](
-            q, weights, k, attn_q, attn_k, attn_lse, cu, cu_k, key_seq, key_start, lse_i, denom, scale, parts,
-            q.stride(0), q.stride(1), weights.stride(0), k.stride(0), attn_q.stride(0), attn_q.stride(1),
-            attn_k.stride(0), attn_k.stride(1), attn_lse.stride(0), parts.stride(0), parts.stride(1),
-            num_seqs, h_i, d_i, h, h_kv, group, d_a, compress_ratio, splits, float(softmax_scale) * _LOG2E,
-            L1=l1, IEEE_I=ieee_i, IEEE_A=ieee_a, UPCAST=upcast, num_warps=config.num_warps, **dense)
-        dk.copy_(parts.sum(0))
-    total = kl.to(torch.float64).sum()
-    if reduction == "mean":
-        total = total / count.clamp(min=1).to(torch.float64)
-    loss = (float(coeff) * total).to(torch.float32)
-    return loss, dq, dk, dw
+    problem = prepare(q, k, weights, attn_q, attn_k, attn_lse, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
+                      topk_indices=topk_indices, compress_ratio=compress_ratio, target_norm=target_norm,
+                      reduction=reduction, coeff=coeff, config=config)
+    if problem.empty:
+        zeros = (torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, weights))
+        return (torch.zeros((), dtype=torch.float32, device=q.device), *zeros)
+    lse_i, denom = merge_key_statistics([row_statistics(problem)])
+    kl, dq, dk, dw = row_gradients(problem, lse_i, denom)
+    return finish_loss(problem, lse_i, kl), dq, dk, dw
