@@ -155,6 +155,55 @@ def test_compiled_out_arguments_are_written():
     assert torch.equal(out, dsa.topk(logits, 3))
 
 
+def out_form_calls():
+    """Every op with an ``out=`` destination: (function, arguments, keyword arguments) on small inputs."""
+    from dsa_indexer.ops.sparse_logits import columns_to_positions
+
+    i = small_inputs()
+    cache = i["cache"]
+    table = torch.tensor([[2, 0, 1], [1, 2, 0]], dtype=torch.int32)
+    lens = torch.tensor([[9, 10], [3, 4]], dtype=torch.int32)
+    blocks = torch.tensor([[0, 2, -1], [1, 1, 1], [0, 1, 4], [-1, -1, -1]], dtype=torch.int32)
+    q_paged = i["q8"].view(2, 2, H, D)
+    return {
+        "topk": (dsa.topk, (i["logits"], 3), dict(starts=i["ks"], ends=i["ke"] + 2)),
+        "topk_decode": (dsa.topk_decode, (i["logits"], torch.tensor([9, 4], dtype=torch.int32), 2, 3), {}),
+        "topk_decode_slots": (dsa.topk_decode_slots, (i["logits"], torch.tensor([9, 4], dtype=torch.int32), 2, 3,
+                                                      table, 4), {}),
+        "pack_seq": (dsa.pack_seq, (i["x"], torch.tensor([1, 2])), dict(pad_value=0.0, max_len=2)),
+        "unpack_seq": (dsa.unpack_seq, (i["x"].view(3, 1, D), torch.tensor([1, 0, 1])), dict(total=2)),
+        "mqa_logits": (dsa.mqa_logits, (i["q8"], None, i["k8"], i["k_scale"], i["w8"], i["ks"], i["ke"]), {}),
+        "paged_mqa_logits": (dsa.paged_mqa_logits, (q_paged, None, cache, i["w8"], lens, table, 12), {}),
+        "sparse_mqa_logits": (dsa.sparse_mqa_logits, (i["q8"], None, i["k8"], i["k_scale"], i["w8"], i["ks"], i["ke"],
+                                                      blocks, 2), dict(logits_dtype=torch.bfloat16)),
+        "sparse_paged_mqa_logits": (dsa.sparse_paged_mqa_logits, (q_paged, None, cache, i["w8"], lens, table, blocks,
+                                                                  2), {}),
+        "topk_sparse": (dsa.topk_sparse, (i["logits"][:, :6], blocks, 2, 4), {}),
+        "columns_to_positions": (columns_to_positions, (torch.tensor([[0, 3], [5, -1], [1, 2], [-1, -1]],
+                                                                     dtype=torch.int32), blocks, 2), {}),
+        "select_candidate_blocks": (dsa.select_candidate_blocks, (i["logits"], None, i["ke"], 2, 2), {}),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(out_form_calls()))
+def test_out_forms_compile_and_write_what_eager_returns(name):
+    """Each op's two registrations (``<op>`` and ``<op>_out``): compiled with a poisoned ``out=``, the destination
+    holds what the eager call returns, bit for bit, and the call returns the destination itself."""
+    torch._dynamo.reset()  # one closure compiled per op: each case starts without the others' guards
+    function, args, kwargs = out_form_calls()[name]
+    expected = function(*args, **kwargs)
+    out = torch.full_like(expected, -7 if not expected.dtype.is_floating_point else float("nan"))
+
+    def with_out(*values):
+        return function(*values, **kwargs, out=out)
+
+    result = torch.compile(with_out, fullgraph=True, backend="aot_eager")(*args)
+    assert result.data_ptr() == out.data_ptr()
+    assert torch.equal(out.view(torch.uint8), expected.view(torch.uint8))
+    compiled = torch.compile(lambda *values: function(*values, **kwargs), fullgraph=True, backend="aot_eager")(*args)
+    assert torch.equal(compiled.view(torch.uint8), expected.view(torch.uint8))
+
+
 def test_cache_ops_compile_and_match_eager():
     i = small_inputs()
     table = torch.tensor([[2, 0, 1], [1, 2, 0]], dtype=torch.int32)
