@@ -56,7 +56,8 @@ def describe_suites() -> list[tuple[str, str, str]]:
 def run_suites(
     suites: tuple[str, ...], folder: Path, progress: Callable[[str], None] | None = None
 ) -> tuple[dict[str, float], list[dict]]:
-    """Measure the ceilings, run ``suites`` and write their results to ``folder``."""
+    """Measure the ceilings, run ``suites`` and write their results to ``folder`` (each suite's file rewritten
+    as its records arrive)."""
     known = all_suites()
     unknown = [s for s in suites if s not in known]
     if unknown:
@@ -74,8 +75,13 @@ def run_suites(
     for name in suites:
         if progress is not None:
             progress(name)
-        suite_rows = importlib.import_module(f"{__name__}.suite_{name}").run(ceilings)
+        # A suite returns its records or yields them one by one; the files are rewritten as each arrives, so a
+        # run cut short (a time limit, a crash) keeps what it measured.
+        suite_rows: list[dict] = []
         harness.write_results(name, suite_rows, ceilings, folder)
+        for row in importlib.import_module(f"{__name__}.suite_{name}").run(ceilings):
+            suite_rows.append(row)
+            harness.write_results(name, suite_rows, ceilings, folder)
         rows.extend(suite_rows)
     return ceilings, rows
 

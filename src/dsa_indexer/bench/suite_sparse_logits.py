@@ -29,6 +29,8 @@ FP8) and the dense logits (128 MiB at next_n 2).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 import dsa_indexer as dsa
@@ -68,9 +70,8 @@ def _check(sparse_logits, dense_logits, blocks, sparse_picks, dense_picks, label
     return bool(torch.equal(sparse_picks, dense_picks))
 
 
-def run(ceilings: dict[str, float]) -> list[dict]:
+def run(ceilings: dict[str, float]) -> Iterator[dict]:
     gen = torch.Generator().manual_seed(0)
-    rows = []
     for batch, length, fmt, next_n in SHAPES:
         q, q_scale, cache, weights, lens, table, blocks = _inputs(batch, length, next_n, fmt, gen)
         num_rows = batch * next_n
@@ -108,15 +109,14 @@ def run(ceilings: dict[str, float]) -> list[dict]:
         key_bytes = batch * NUM_BLOCKS * BLOCK * BYTES_PER_KEY[fmt] + batch * (length // PAGE) * 4
         step_bytes = key_bytes + num_rows * NUM_BLOCKS * 4 + 2 * num_rows * NUM_BLOCKS * BLOCK * 4
         read = ceilings["read_tbs"] * 1e6
-        rows.append(harness.record(
+        yield harness.record(
             "consumer_step", shape, sparse_us, step_bytes / read, tbs=step_bytes / sparse_us / 1e6,
             sparse_us=round(sparse_us, 2), dense_us=round(dense_us, 2), speedup=round(dense_us / sparse_us, 2),
             picks_equal_dense=same,
-        ))
-        rows.append(harness.record(
+        )
+        yield harness.record(
             "sparse_decode_logits", shape, sparse_logits_us, key_bytes / read, tbs=key_bytes / sparse_logits_us / 1e6,
             sparse_us=round(sparse_logits_us, 2), dense_us=round(dense_us, 2), dense_logits_us=round(dense_logits_us, 2),
-        ))
+        )
         del cache, dense_logits, sparse_logits, q, q_scale, weights
         torch.cuda.empty_cache()
-    return rows

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import types
+from collections.abc import Iterator
 
 import torch
 
@@ -163,17 +164,15 @@ def _measure(kernels, inputs, t: int, top: int | None, fused: bool, ceilings: di
                           baselines=baselines, peak_mem_bytes=peak, **note)
 
 
-def run(ceilings: dict[str, float]) -> list[dict]:
+def run(ceilings: dict[str, float]) -> Iterator[dict]:
     from ..train import triton as kernels
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    rows = []
     for t, top in SHAPES:
         q, k, weights, attn_q, attn_k = _inputs(t, gen)
         topk = None if top is None else _selection(t, top, gen)
         inputs = (q, k, weights, attn_q, attn_k, topk, _attention_lse(attn_q, attn_k, topk))
         for fused in (False, True) if top is None else (False,):
-            rows.append(_measure(kernels, inputs, t, top, fused, ceilings))
+            yield _measure(kernels, inputs, t, top, fused, ceilings)
         del q, k, weights, attn_q, attn_k, topk, inputs
         torch.cuda.empty_cache()
-    return rows
