@@ -233,7 +233,8 @@ def indexer_kl_loss(q, k, weights, attn_q, attn_k, attn_lse, *, softmax_scale: f
         reduction: ``"mean"`` or ``"sum"``.
         coeff: loss coefficient ``c`` (finite).
         backend: ``"auto"`` (Triton for CUDA tensors when ``dsa_indexer.train.triton`` imports; float64 and
-            CPU tensors use the reference), ``"reference"`` or ``"triton"``; ``DSA_INDEXER_BACKEND`` overrides.
+            CPU tensors use the reference), ``"reference"`` or ``"triton"``; ``DSA_INDEXER_BACKEND`` changes what
+            ``"auto"`` means (an explicit backend wins).
 
     Returns:
         The loss, a float32 scalar tensor (float64 for float64 ``q``) on the inputs' device, differentiable with respect to ``q``,
