@@ -5,9 +5,9 @@ section) with memory linear in T: no ``T x T_k`` tensor is formed; scores are re
 (``_query_kernel`` with ``STATS``) keeps each query row's online ``LSE_I`` (and the ``"l1"`` target
 denominator); pass 2 recomputes the indexer scores and the target, forms ``G = (coeff/N)(pi - p)`` and
 accumulates ``dq``, ``dw`` and the KL terms; pass 3 forms ``dk`` without float atomics (dense: fp32 parts over
-at most 16 runs of the queries, summed in a fixed order; sparse: query-outer in chunks of tokens, each selected pair's ``M^T q`` on
-the tensor cores into a chunk buffer, summed per key in a fixed order). Every
-sum has a fixed order, so reruns are bitwise equal. The call is a composition of per-shard pieces (``prepare``,
+at most 16 runs of the queries, summed in a fixed order; sparse: query-outer in chunks of tokens, each selected
+pair's ``M^T q`` on the tensor cores into a chunk buffer, then summed per key in a fixed order). Every sum has a
+fixed order, so reruns are bitwise equal. The call is a composition of per-shard pieces (``prepare``,
 ``row_statistics``, ``merge_key_statistics``/``merge_head_statistics``, ``row_gradients``, ``finish_loss``) that
 the parallel paths run on key or head shards. Rows of a tile are ``(token, head)`` pairs; varlen batches
 map programs to (sequence, block) on the device, so nothing is read back to the host. Loops with a run-time
