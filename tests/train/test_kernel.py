@@ -206,6 +206,61 @@ def test_sparse_matches_oracle(kernel_device, target_norm):
     assert torch.equal(got[1][5:7].float(), torch.zeros_like(got[1][5:7]).float())
 
 
+def _distinct_selection(t, slots, cu, *, seed):
+    """int32 [T, slots]: each row a random number of distinct ids below its visible count, in random slots,
+    -1 in the others (row 0 of each sequence: as many as it sees)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for a, b in zip(cu[:-1], cu[1:]):
+        for p in range(b - a):
+            count = int(torch.randint(0, min(slots, p + 1) + 1, (1,), generator=gen))
+            ids = torch.full((slots,), -1, dtype=torch.int32)
+            ids[torch.randperm(slots, generator=gen)[:count]] = torch.randperm(p + 1, generator=gen)[:count].to(torch.int32)
+            rows.append(ids)
+    return torch.stack(rows)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("chunk", [3, 1, 64])
+def test_sparse_chunked_dk_matches_oracle(kernel_device, chunk):
+    """The sparse dk in query chunks of C tokens (C = 3 over T = 10 splits unevenly; C = 1; C >= T one chunk):
+    distinct selections of varying length with -1 slots, two slot tiles per token, two buffer rows a step of the
+    by-key sum; within the oracle's tier (C = 3: and a rerun bitwise equal)."""
+    t, cu = 10, [0, 4, 10]
+    q, k, w, attn_q, attn_k, attn_lse = _inputs(t, 3, 16, 2, 16, device=kernel_device, seed=11)
+    topk = _distinct_selection(t, 20, cu, seed=12).to(kernel_device)
+    config = triton_kernels.KlLossConfig(sparse_dk_chunk_tokens=chunk, sparse_dk_block_slots=16, sparse_dk_sum_entries=2)
+    kwargs = dict(softmax_scale=0.3, cu_seqlens=torch.tensor(cu, device=kernel_device), topk_indices=topk,
+                  target_norm="l1")
+    got = indexer_kl_triton(q, k, w, attn_q, attn_k, attn_lse, **kwargs, config=config)
+    _assert_close(got, oracle(q, k, w, attn_q, attn_k, attn_lse, **kwargs), dtype=torch.float32, label=chunk)
+    if chunk == 3:
+        again = indexer_kl_triton(q, k, w, attn_q, attn_k, attn_lse, **kwargs, config=config)
+        assert all(torch.equal(x, y) for x, y in zip(got, again))
+
+
+@pytest.mark.interpreter
+def test_sparse_chunked_dk_on_key_shards(kernel_device):
+    """Context-parallel pieces: two key shards (the cut inside the second sequence), each shard's dk in chunks of
+    3 tokens; the shards' dk side by side within the oracle's tier of the whole dk (bf16 inputs)."""
+    t, cu = 11, [0, 5, 11]
+    q, k, w, attn_q, attn_k, attn_lse = _inputs(t, 2, 16, 2, 16, dtype=torch.bfloat16, device=kernel_device, seed=13)
+    topk = _distinct_selection(t, 6, cu, seed=14).to(kernel_device)
+    kwargs = dict(softmax_scale=0.3, cu_seqlens=torch.tensor(cu, device=kernel_device), topk_indices=topk)
+    config = triton_kernels.KlLossConfig(sparse_dk_chunk_tokens=3)
+    shards = [(0, 7), (7, t - 7)]
+    problems = [triton_kernels.prepare(q, k[o:o + n], w, attn_q, attn_k[o:o + n], attn_lse, **kwargs, config=config,
+                                       key_shard=triton_kernels.KeyShard(o, n)) for o, n in shards]
+    lse_i, denom = triton_kernels.merge_key_statistics([triton_kernels.row_statistics(x) for x in problems])
+    parts = [triton_kernels.row_gradients(x, lse_i, denom, partial=True) for x in problems]
+    dk = torch.cat([part[2] for part in parts])
+    dq = parts[0][1] + parts[1][1]
+    dw = parts[0][3] + parts[1][3]
+    loss = triton_kernels.finish_loss(problems[0], lse_i, parts[0][0] + parts[1][0])
+    want = oracle(q, k, w, attn_q, attn_k, attn_lse, **kwargs)
+    _assert_close((loss, dq.to(q.dtype), dk.to(k.dtype), dw.to(w.dtype)), want, dtype=torch.bfloat16)
+
+
 @pytest.mark.interpreter
 def test_empty_and_single_token(kernel_device):
     """T = 1 with ratio 2 sees no key, nor does a sparse stage with k = 0: loss and gradients 0; T = 0 returns empty
@@ -321,6 +376,34 @@ def test_gpu_sparse_varlen_matches_oracle():
     _assert_close(got, oracle(q, k, w, attn_q, attn_k, lse, chunk=128, **kwargs), dtype=torch.bfloat16)
 
 
+@pytest.mark.gpu
+def test_gpu_sparse_chunked_dk_tier_reruns_and_memory():
+    """T = 4K, k = 512, H_I = 64, D_I = 128, bf16, over 16 query chunks of 256 tokens: within the oracle's tier,
+    20 reruns bitwise equal, and peak memory above the inputs and outputs within a bound linear in T (the
+    selection's work arrays, a few words a row) plus the chunk buffer [C, K, D_I] fp32."""
+    t, slots = 4096, 512
+    q, k, w, attn_q, attn_k = _gpu_case(t)
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    topk = torch.randint(-1, t, (t, slots), generator=gen, device="cuda", dtype=torch.int32)
+    scale = V32["softmax_scale"]
+    lse = _gpu_lse(attn_q, attn_k, scale, None, topk)
+    kwargs = dict(softmax_scale=scale, topk_indices=topk)
+    config = triton_kernels.KlLossConfig()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    got = indexer_kl_triton(q, k, w, attn_q, attn_k, lse, **kwargs, config=config)
+    torch.cuda.synchronize()
+    outputs = sum(x.numel() * x.element_size() for x in got)
+    peak = torch.cuda.max_memory_allocated() - before - outputs
+    chunk_buffer = config.sparse_dk_chunk_tokens * slots * V32["d_i"] * 4
+    assert peak < chunk_buffer + t * (48 * slots + 8 * V32["d_i"] * 4 + 4096)
+    _assert_close(got, oracle(q, k, w, attn_q, attn_k, lse, chunk=128, **kwargs), dtype=torch.bfloat16)
+    for _ in range(20):
+        again = indexer_kl_triton(q, k, w, attn_q, attn_k, lse, **kwargs, config=config)
+        assert all(torch.equal(x, y) for x, y in zip(got, again))
+
+
 def _gpu_lse(attn_q, attn_k, scale, cu, topk=None, chunk=128):
     t = attn_q.shape[0]
     out = torch.empty(t, attn_q.shape[1], device="cuda")
@@ -373,12 +456,38 @@ def test_gpu_extra_memory_is_linear_in_t():
     assert peaks[8192] <= 2 * peaks[4096] + (1 << 20)
 
 
+class _Launches:
+    """Stands in for a Triton kernel: records the arguments of each launch, then runs it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.args = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.args.append(args)
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def _rows_by_program(writes, tensor, row_bytes) -> dict[int, set]:
+    """{row of ``tensor`` (``row_bytes`` apart): the programs (first grid index) that wrote into it}."""
+    start = tensor.untyped_storage().data_ptr()
+    rows = {}
+    for address, programs in writes.items():
+        if start <= address < start + tensor.untyped_storage().nbytes():
+            rows.setdefault((address - start) // row_bytes, set()).update(program[0] for program in programs)
+    return rows
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("stage", ["dense", "dense-split-dk", "sparse"])
-def test_every_written_value_has_one_owner(kernel_device, stage):
+def test_every_written_value_has_one_owner(kernel_device, stage, monkeypatch):
     """No float atomics, one owner per sum: no two programs write the same address in any buffer (the
     interpreter's stores recorded per program; a GPU would race there). fused_dk=True is the one mode that does
-    (query blocks add to a key tile in ticket order), which shows the recording sees it."""
+    (query blocks add to a key tile in ticket order), which shows the recording sees it. Sparse, in query chunks of
+    16 tokens: row r of the chunk buffer is written only by program r of the parts kernel, the fp32 dk row of
+    key s only by program s of the sum kernel, and every selected key's row is written."""
     if kernel_device != "cpu":
         pytest.skip("records the interpreter's stores")
     from program_writes import recorded_program_writes
@@ -389,11 +498,27 @@ def test_every_written_value_has_one_owner(kernel_device, stage):
     if stage == "sparse":
         kwargs["topk_indices"] = torch.randint(-1, 30, (t, 6), generator=torch.Generator().manual_seed(4),
                                                dtype=torch.int32)
-    config = triton_kernels.KlLossConfig(dk_min_split_rows=4 if stage == "dense-split-dk" else 256)
+    config = triton_kernels.KlLossConfig(dk_min_split_rows=4 if stage == "dense-split-dk" else 256,
+                                         sparse_dk_chunk_tokens=16)
+    parts = _Launches(triton_kernels._dk_sparse_parts_kernel)
+    sums = _Launches(triton_kernels._dk_sparse_sum_kernel)
+    monkeypatch.setattr(triton_kernels, "_dk_sparse_parts_kernel", parts)
+    monkeypatch.setattr(triton_kernels, "_dk_sparse_sum_kernel", sums)
     with recorded_program_writes() as writes:
         got = indexer_kl_triton(q, k, w, attn_q, attn_k, attn_lse, **kwargs, config=config)
     assert not [address for address, programs in writes.items() if len(programs) > 1]
     _assert_close(got, oracle(q, k, w, attn_q, attn_k, attn_lse, **kwargs), dtype=torch.float32)
+    if stage == "sparse":
+        assert len(parts.args) == len(sums.args) == 3  # chunks of 16, 16 and 8 tokens
+        slots, d_i = kwargs["topk_indices"].shape[1], q.shape[2]
+        buf, dk = parts.args[0][8], sums.args[0][3]
+        buf_rows = _rows_by_program(writes, buf, slots * d_i * 4)
+        assert sorted(buf_rows) == list(range(16)) and all(programs == {row} for row, programs in buf_rows.items())
+        dk_rows = _rows_by_program(writes, dk, d_i * 4)
+        assert all(programs == {row} for row, programs in dk_rows.items())
+        base, limit = _layout(t, kwargs["cu_seqlens"], 1)
+        selected = _visible(torch.arange(t), k.shape[0], base, limit, kwargs["topk_indices"]).any(0)
+        assert sorted(dk_rows) == torch.nonzero(selected).flatten().tolist()
     if stage == "dense":
         with recorded_program_writes() as writes:
             indexer_kl_triton(q, k, w, attn_q, attn_k, attn_lse, **kwargs,

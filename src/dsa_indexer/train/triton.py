@@ -5,8 +5,9 @@ section) with memory linear in T: no ``T x T_k`` tensor is formed; scores are re
 (``_query_kernel`` with ``STATS``) keeps each query row's online ``LSE_I`` (and the ``"l1"`` target
 denominator); pass 2 recomputes the indexer scores and the target, forms ``G = (coeff/N)(pi - p)`` and
 accumulates ``dq``, ``dw`` and the KL terms; pass 3 forms ``dk`` without float atomics (dense: fp32 parts over
-at most 16 runs of the queries, summed in a fixed order; sparse: a by-key CSR of the selected pairs). Every
-sum has a fixed order, so reruns are bitwise equal. The call is a composition of per-shard pieces (``prepare``,
+at most 16 runs of the queries, summed in a fixed order; sparse: query-outer in chunks of tokens, each selected
+pair's ``M^T q`` on the tensor cores into a chunk buffer, then summed per key in a fixed order). Every sum has a
+fixed order, so reruns are bitwise equal. The call is a composition of per-shard pieces (``prepare``,
 ``row_statistics``, ``merge_key_statistics``/``merge_head_statistics``, ``row_gradients``, ``finish_loss``) that
 the parallel paths run on key or head shards. Rows of a tile are ``(token, head)`` pairs; varlen batches
 map programs to (sequence, block) on the device, so nothing is read back to the host. Loops with a run-time
@@ -45,8 +46,16 @@ class KlLossConfig:
     tile_rows: ``(token, head)`` rows of one tile, the M dimension of the tensor-core products (a power of two).
     block_keys: most keys per tile (64 spills registers in the gradient pass at H_I = 64, D_I = 128 on sm_90).
     block_d_a: most ``D_a`` columns per chunk of the attention product (D_a = 576 = 9 x 64).
-    block_entries: CSR entries per step of the sparse ``dk`` kernel.
-    num_warps: warps of every kernel.
+    sparse_dk_chunk_tokens: query tokens ``C`` of one chunk of the sparse ``dk`` pass (capped by T): the pass holds
+        an fp32 ``[C, K, D_I]`` buffer (256 MB at C = 256, K = 2048, D_I = 128).
+    sparse_dk_block_slots: most selected slots (keys) a tile in the sparse ``dk`` products, the M dimension of
+        ``M^T q``.
+    sparse_dk_token_programs: most programs per query token in the sparse ``dk`` products, each over a
+        contiguous run of its slot tiles (more programs in flight; each loads ``q[t]`` once).
+    sparse_dk_sum_entries: by-key entries (``buf`` rows) added a step in the sparse ``dk`` sum.
+    sparse_dk_warps: warps of the two sparse ``dk`` kernels (4: the products fit 140 registers, three programs an
+        SM on sm_90; with 8 they take 214, one program an SM).
+    num_warps: warps of the other kernels.
     fused_dk: dense ``dk`` inside the gradient pass, added to each key tile in a fixed order behind a per-tile
         ticket (removes the ``dk`` pass and its recompute of the target). Off until measured on the GPU: it
         relies on programs starting in launch order, as NVIDIA GPUs do. One process only (not on a key shard).
@@ -58,7 +67,11 @@ class KlLossConfig:
     tile_rows: int = 128
     block_keys: int = 32
     block_d_a: int = 64
-    block_entries: int = 2
+    sparse_dk_chunk_tokens: int = 256
+    sparse_dk_block_slots: int = 64
+    sparse_dk_token_programs: int = 4
+    sparse_dk_sum_entries: int = 4
+    sparse_dk_warps: int = 4
     num_warps: int = 8
     fused_dk: bool = False
     dk_programs: int = 1024
@@ -392,37 +405,66 @@ def _dk_dense_kernel(
              mask=key_ok[:, None] & (d < D_I)[None, :])
 
 
-@triton.jit(do_not_specialize=["H_I", "D_I", "K"])
-def _dk_sparse_kernel(
-    q_ptr, w_ptr, k_ptr, ptr_ptr, entries_ptr, gbuf_ptr, dk_ptr,
-    sq_t, sq_h, sw_t, sk_s, sdk_s, H_I, D_I, K,
-    HIP: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr, UPCAST: tl.constexpr,
+@triton.jit(do_not_specialize=["H_I", "D_I", "K", "chunk_start", "run"])
+def _dk_sparse_parts_kernel(
+    q_ptr, w_ptr, k_ptr, sel_ptr, sequence_ptr, key_lo_ptr, key_start_ptr, gbuf_ptr, buf_ptr,
+    sq_t, sq_h, sw_t, sk_s, H_I, D_I, K, chunk_start, run,
+    HIP: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """``dk`` of key row ``program_id`` (sparse stage) from the CSR entries ``ptr[s] .. ptr[s + 1] - 1``
-    (flat ``t * K + slot`` ids of the pairs selecting it, ascending), each weighted by its stored ``G``."""
+    """Sparse ``dk`` contributions of query token ``t = chunk_start + program_id(0)``: for each of its slots
+    ``program_id(1) * run .. + run - 1`` (below ``K``), ``M^T q[t]`` with
+    ``M = G[t, slot] w[t, j] 1[q[t, j] . k[s] > 0]`` [H_I] into ``buf[program_id(0), slot]`` (fp32 [C, K, D_I];
+    0 for a -1 slot). ``q[t]`` and ``w[t]`` are loaded once; the key rows of ``BS`` slots at a time are gathered
+    (sequence-local id ``sel[t, slot]`` at row ``key_start[b] + id - key_lo[b]``)."""
+    r = tl.program_id(0).to(tl.int64)
+    s0 = tl.program_id(1) * run
+    s_end = tl.minimum(s0 + run, K)
+    t = chunk_start + r
+    b = tl.load(sequence_ptr + t)
+    key_lo = tl.load(key_lo_ptr + b).to(tl.int64)
+    key_start = tl.load(key_start_ptr + b).to(tl.int64)
+    j = tl.arange(0, HIP)
+    d = tl.arange(0, BD)
+    d_ok = d < D_I
+    q = tl.load(q_ptr + t * sq_t + j[:, None] * sq_h + d[None, :], mask=(j < H_I)[:, None] & d_ok[None, :], other=0.0)
+    w = tl.load(w_ptr + t * sw_t + j, mask=j < H_I, other=0.0).to(tl.float32)
+    while s0 < s_end:
+        cols = s0 + tl.arange(0, BS)
+        col_ok = cols < s_end
+        idx = tl.load(sel_ptr + t * K + cols, mask=col_ok, other=-1)
+        key_ok = idx >= 0
+        key_rows = key_start + tl.maximum(idx - key_lo, 0).to(tl.int64)
+        kt = tl.load(k_ptr + key_rows[:, None] * sk_s + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+        a = _mma(q, tl.trans(kt), IEEE, UPCAST)  # [HIP, BS]
+        g = tl.load(gbuf_ptr + t * K + cols, mask=col_ok, other=0.0)
+        gated = tl.where(a > 0.0, w[:, None] * g[None, :], 0.0)
+        part = _mma_split(tl.trans(gated), q, IEEE, UPCAST)  # [BS, BD]
+        tl.store(buf_ptr + (r * K + cols)[:, None] * D_I + d[None, :], part, mask=col_ok[:, None] & d_ok[None, :])
+        s0 += BS
+
+
+@triton.jit(do_not_specialize=["D_I"])
+def _dk_sparse_sum_kernel(buf_ptr, ptr_ptr, entries_ptr, dk_ptr, D_I, BD: tl.constexpr, BE: tl.constexpr):
+    """Adds to ``dk[s]`` (fp32 [held keys, D_I]), ``s = program_id``, the sum of the ``buf`` rows (flat
+    ``r * K + slot`` ids of one chunk) ``entries[ptr[s]] .. entries[ptr[s + 1] - 1]``, taken ``BE`` at a time in
+    entry order (the chunk's pairs selecting key ``s``, ascending)."""
     s = tl.program_id(0).to(tl.int64)
     e0 = tl.load(ptr_ptr + s)
     e1 = tl.load(ptr_ptr + s + 1)
-    d = tl.arange(0, BD)
-    d_ok = d < D_I
-    kvec = tl.load(k_ptr + s * sk_s + d, mask=d_ok, other=0.0).to(tl.float32)
-    r = tl.arange(0, BE * HIP)
-    j = r % HIP
-    acc = tl.zeros([BD], dtype=tl.float32)
-    e = e0
-    while e < e1:
-        er = e + r // HIP
-        ok = (er < e1) & (j < H_I)
-        flat = tl.load(entries_ptr + er, mask=ok, other=0).to(tl.int64)
-        tok = flat // K
-        g = tl.load(gbuf_ptr + flat, mask=ok, other=0.0)
-        w = tl.load(w_ptr + tok * sw_t + j, mask=ok, other=0.0).to(tl.float32)
-        q = tl.load(q_ptr + tok[:, None] * sq_t + j[:, None] * sq_h + d[None, :], mask=ok[:, None] & d_ok[None, :],
-                    other=0.0).to(tl.float32)
-        a = tl.sum(q * kvec[None, :], axis=1)
-        acc += tl.sum(tl.where(a > 0.0, g * w, 0.0)[:, None] * q, axis=0)
-        e += BE
-    tl.store(dk_ptr + s * sdk_s + d, _as_output(acc, dk_ptr, UPCAST), mask=d_ok)
+    if e1 > e0:
+        d = tl.arange(0, BD)
+        d_ok = d < D_I
+        i = tl.arange(0, BE)
+        acc = tl.zeros([BD], dtype=tl.float32)
+        e = e0
+        while e < e1:
+            ok = e + i < e1
+            flat = tl.load(entries_ptr + e + i, mask=ok, other=0).to(tl.int64)
+            rows = tl.load(buf_ptr + flat[:, None] * D_I + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+            acc += tl.sum(rows, axis=0)
+            e += BE
+        where = dk_ptr + s * D_I + d
+        tl.store(where, tl.load(where, mask=d_ok, other=0.0) + acc, mask=d_ok)
 
 
 def _check_inputs(q, k, weights, attn_q, attn_k, attn_lse, softmax_scale, cu_seqlens, topk_indices, compress_ratio,
@@ -771,27 +813,14 @@ def row_gradients(problem: Problem, lse_i: torch.Tensor, denom: torch.Tensor, *,
 
 
 def _key_gradients(problem: Problem, lse_i, denom, pi_weight: float, gbuf, dtype) -> torch.Tensor:
-    """Pass 3: ``dk`` of the held keys in ``dtype`` (sparse: from ``G`` per slot over a by-key CSR; dense: fp32
-    parts over runs of the query sweep, summed in split order)."""
+    """Pass 3: ``dk`` of the held keys in ``dtype`` (sparse: ``_sparse_key_gradients`` from ``G`` per slot; dense:
+    fp32 parts over runs of the query sweep, summed in split order)."""
     device = problem.q.device
     t, h_i, d_i = problem.q.shape
     held = problem.held_keys
     config = problem.config
     if problem.selection is not None:
-        dk = torch.empty((held, d_i), dtype=dtype, device=device)
-        sel = problem.selection
-        local = problem.key_start[problem.sequence][:, None] + sel - problem.key_lo[problem.sequence][:, None]
-        keys = torch.where(sel >= 0, local, torch.full_like(sel, held, dtype=torch.int64))
-        sorted_keys, order = torch.sort(keys.reshape(-1), stable=True)
-        ptr = torch.searchsorted(sorted_keys, torch.arange(held + 1, dtype=torch.int64, device=device))
-        entries = order.to(torch.int32) if sel.numel() < 2**31 else order
-        if held:
-            _dk_sparse_kernel[(held,)](problem.q, problem.weights, problem.k, ptr, entries, gbuf, dk,
-                                       problem.q.stride(0), problem.q.stride(1), problem.weights.stride(0),
-                                       problem.k.stride(0), dk.stride(0), h_i, d_i, sel.shape[1],
-                                       HIP=problem.tiles["HIP"], BD=problem.tiles["BD"], BE=config.block_entries,
-                                       UPCAST=interpreting(), num_warps=config.num_warps)
-        return dk
+        return _sparse_key_gradients(problem, gbuf, dtype)
     if not held:
         return torch.empty((0, d_i), dtype=dtype, device=device)
     group = problem.attn_q.shape[1] // problem.attn_k.shape[1]
@@ -806,6 +835,46 @@ def _key_gradients(problem: Problem, lse_i, denom, pi_weight: float, gbuf, dtype
         lse_i_ptr=lse_i, denom_ptr=denom if problem.l1 else lse_i, scale_ptr=problem.scale, part_ptr=parts,
         spart_split=parts.stride(0), spart_s=parts.stride(1), splits=splits, pi_weight=float(pi_weight))
     return parts.sum(0).to(dtype)
+
+
+def _sparse_key_gradients(problem: Problem, gbuf, dtype) -> torch.Tensor:
+    """Sparse pass 3, query-outer in chunks of ``C`` tokens. Per chunk, ``_dk_sparse_parts_kernel`` (per token, up
+    to ``sparse_dk_token_programs`` programs over runs of its slots) writes each (token, slot)'s ``M^T q`` into
+    ``buf`` [C, K, D_I] fp32, then ``_dk_sparse_sum_kernel`` adds, per held key, its entries of the chunk (sorted
+    by key with a stable sort: ascending token, then slot) to an fp32 ``dk``. Returns ``dk`` [held keys, D_I] in
+    ``dtype``."""
+    device = problem.q.device
+    t, h_i, d_i = problem.q.shape
+    held = problem.held_keys
+    sel = problem.selection
+    slots = sel.shape[1]
+    config = problem.config
+    dk = torch.zeros((held, d_i), dtype=torch.float32, device=device)
+    if not held or not slots:
+        return dk.to(dtype)
+    chunk = min(config.sparse_dk_chunk_tokens, t)
+    buf = torch.empty((chunk, slots, d_i), dtype=torch.float32, device=device)
+    # key row of a selected id: id + key_start[b] - key_lo[b]; the -1 slots sort last, past every held key
+    offset = (problem.key_start[:-1] - problem.key_lo)[problem.sequence].to(torch.int32)
+    targets = torch.arange(held + 1, dtype=torch.int32, device=device)
+    tiles = problem.tiles
+    block_slots = min(config.sparse_dk_block_slots, next_pow2(slots, minimum=16))
+    tiles_per_token = triton.cdiv(slots, block_slots)
+    run = triton.cdiv(tiles_per_token, min(config.sparse_dk_token_programs, tiles_per_token)) * block_slots
+    for c0 in range(0, t, chunk):
+        n = min(chunk, t - c0)
+        ids = sel[c0:c0 + n]
+        keys = torch.where(ids >= 0, ids + offset[c0:c0 + n, None], held)
+        sorted_keys, entries = torch.sort(keys.reshape(-1), stable=True)
+        ptr = torch.searchsorted(sorted_keys, targets)
+        _dk_sparse_parts_kernel[(n, triton.cdiv(slots, run))](
+            problem.q, problem.weights, problem.k, sel, problem.sequence, problem.key_lo, problem.key_start, gbuf, buf,
+            problem.q.stride(0), problem.q.stride(1), problem.weights.stride(0), problem.k.stride(0), h_i, d_i, slots,
+            c0, run, HIP=tiles["HIP"], BD=tiles["BD"], BS=block_slots, IEEE=problem.q.dtype == torch.float32,
+            UPCAST=interpreting(), num_warps=config.sparse_dk_warps)
+        _dk_sparse_sum_kernel[(held,)](buf, ptr, entries, dk, d_i, BD=tiles["BD"], BE=config.sparse_dk_sum_entries,
+                                       num_warps=config.sparse_dk_warps)
+    return dk.to(dtype)
 
 
 def finish_loss(problem: Problem, lse_i: torch.Tensor, kl: torch.Tensor) -> torch.Tensor:
@@ -832,7 +901,8 @@ def indexer_kl_triton(q, k, weights, attn_q, attn_k, attn_lse, *, softmax_scale:
     V_t add 0 and are not counted; with no valid row the loss and gradients are 0.
 
     Extra memory: O(T (H_I D_I)) for the outputs plus O(T) fp32 row statistics; the sparse stage also
-    holds ``[T, K]`` int32 / fp32 work arrays (the selection sorted, G per slot, the by-key CSR).
+    holds ``[T, K]`` int32 / fp32 work arrays (the selection sorted, G per slot), an fp32 ``dk`` and an fp32
+    ``[C, K, D_I]`` chunk buffer (``C = config.sparse_dk_chunk_tokens`` capped by T).
     ``config``: the launch (``None``: ``KlLossConfig()``, what ships); every config gives the same loss and
     gradients up to the order of the fp32 sums. The call is the composition of the pieces the parallel
     paths run per shard: ``prepare``, ``row_statistics``, ``merge_key_statistics``, ``row_gradients``,
