@@ -555,7 +555,8 @@ def test_kernels_bf16_logits_and_weights_gpu(kernel_device, fmt, decode_kernel, 
 def check_draft_rows_repeat(kernel_device, fmt, next_n, logits_dtype, requests, heads, reruns, aligned=False):
     """Random per-row lengths (any order, zeros included), bf16 weights, unclean rows: every visible position
     is written (two poisons agree there), within the tier of the reference, and reruns give the same bits.
-    ``aligned``: the cache unpadded and 16-byte aligned (DeepGEMM's layout; the Gluon kernels' TMA page copies)."""
+    ``aligned``: DeepGEMM's layouts: the cache unpadded and 16-byte aligned (the Gluon kernels' TMA page copies),
+    the logits rows padded past the width (as ``compat.deep_gemm`` allocates them)."""
     gen = torch.Generator().manual_seed(23)
     lengths = [[int(length * torch.rand((), generator=gen)) for _ in range(next_n - 1)] + [int(length)]
                for length in requests]
@@ -570,8 +571,9 @@ def check_draft_rows_repeat(kernel_device, fmt, next_n, logits_dtype, requests, 
     visible = torch.arange(inputs.max_context_len, device=kernel_device)[None, :] < inputs.context_lens.view(-1, 1)
 
     def run(poison: float) -> torch.Tensor:
-        out = torch.full((inputs.weights.shape[0], inputs.max_context_len), poison, dtype=logits_dtype,
-                         device=kernel_device)
+        width = inputs.max_context_len
+        out = torch.full((inputs.weights.shape[0], width + (67 if aligned else 0)), poison, dtype=logits_dtype,
+                         device=kernel_device)[:, :width]
         paged_mqa_logits(*inputs.args(), clean=False, out=out, logits_dtype=logits_dtype, backend="triton")
         return out[visible].float()
 
@@ -583,10 +585,10 @@ def check_draft_rows_repeat(kernel_device, fmt, next_n, logits_dtype, requests, 
         assert torch.equal(run(float(poison)).view(torch.int32), first.view(torch.int32))
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_decode_draft_rows_not_a_power_of_two(kernel_device, fmt):
-    """next_n 6: a partial group of stacked draft rows."""
-    check_draft_rows_repeat(kernel_device, fmt, 6, torch.bfloat16, [70, 150, 5], heads=8, reruns=1)
+@pytest.mark.parametrize("fmt,aligned", [("fp8", False), ("mxfp4", False), ("fp8", True)])
+def test_decode_draft_rows_not_a_power_of_two(kernel_device, fmt, aligned):
+    """next_n 6: a partial group of stacked draft rows (also on DeepGEMM's cache and logits layouts)."""
+    check_draft_rows_repeat(kernel_device, fmt, 6, torch.bfloat16, [70, 150, 5], heads=8, reruns=1, aligned=aligned)
 
 
 @pytest.mark.gpu
