@@ -101,7 +101,7 @@ def dcp_cases(rank: int, world: int) -> dict[str, list[torch.Tensor]]:
     return results
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_merge_and_candidate_blocks_equal_single_rank(world):
     logits = few_distinct_rows((ROWS, WIDTH), 3)
     lengths = torch.tensor([97, 1, 0, 40, 5, 96], dtype=torch.int32)
