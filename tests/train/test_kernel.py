@@ -13,6 +13,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dsa_indexer.testing import calc_diff
 
@@ -396,7 +398,7 @@ def test_gpu_sparse_chunked_dk_tier_reruns_and_memory():
     torch.cuda.synchronize()
     outputs = sum(x.numel() * x.element_size() for x in got)
     peak = torch.cuda.max_memory_allocated() - before - outputs
-    chunk_buffer = config.sparse_dk_chunk_tokens * slots * V32["d_i"] * 4
+    chunk_buffer = triton_kernels.sparse_dk_chunk(config, t, slots, V32["d_i"]) * slots * V32["d_i"] * 4
     assert peak < chunk_buffer + t * (48 * slots + 8 * V32["d_i"] * 4 + 4096)
     _assert_close(got, oracle(q, k, w, attn_q, attn_k, lse, chunk=128, **kwargs), dtype=torch.bfloat16)
     for _ in range(20):
@@ -524,3 +526,16 @@ def test_every_written_value_has_one_owner(kernel_device, stage, monkeypatch):
             indexer_kl_triton(q, k, w, attn_q, attn_k, attn_lse, **kwargs,
                               config=triton_kernels.KlLossConfig(fused_dk=True))
         assert [address for address, programs in writes.items() if len(programs) > 1]
+
+
+@given(tokens=st.integers(1, 10**6), slots=st.integers(1, 8192), dim=st.sampled_from([16, 64, 128]),
+       budget=st.integers(1, 1 << 31))
+def test_sparse_dk_chunk_is_as_many_tokens_as_fit_the_buffer(tokens, slots, dim, budget):
+    config = triton_kernels.KlLossConfig(sparse_dk_buffer_bytes=budget)
+    chunk = triton_kernels.sparse_dk_chunk(config, tokens, slots, dim)
+    row = slots * dim * 4
+    assert 1 <= chunk <= tokens
+    assert chunk == 1 or chunk * row <= budget
+    assert chunk == tokens or (chunk + 1) * row > budget
+    given_chunk = triton_kernels.KlLossConfig(sparse_dk_chunk_tokens=3, sparse_dk_buffer_bytes=budget)
+    assert triton_kernels.sparse_dk_chunk(given_chunk, tokens, slots, dim) == min(3, tokens)

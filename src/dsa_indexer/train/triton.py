@@ -46,8 +46,9 @@ class KlLossConfig:
     tile_rows: ``(token, head)`` rows of one tile, the M dimension of the tensor-core products (a power of two).
     block_keys: most keys per tile (64 spills registers in the gradient pass at H_I = 64, D_I = 128 on sm_90).
     block_d_a: most ``D_a`` columns per chunk of the attention product (D_a = 576 = 9 x 64).
-    sparse_dk_chunk_tokens: query tokens ``C`` of one chunk of the sparse ``dk`` pass (capped by T): the pass holds
-        an fp32 ``[C, K, D_I]`` buffer (256 MB at C = 256, K = 2048, D_I = 128).
+    sparse_dk_buffer_bytes: the most bytes of the sparse ``dk`` pass's fp32 ``[C, K, D_I]`` chunk buffer: ``C``
+        is as many query tokens as fit (``sparse_dk_chunk``; 256 tokens at K = 2048, D_I = 128, 1024 at K = 512).
+    sparse_dk_chunk_tokens: ``C`` itself (None: from ``sparse_dk_buffer_bytes``); capped by T.
     sparse_dk_block_slots: most selected slots (keys) a tile in the sparse ``dk`` products, the M dimension of
         ``M^T q``.
     sparse_dk_token_programs: most programs per query token in the sparse ``dk`` products, each over a
@@ -67,7 +68,8 @@ class KlLossConfig:
     tile_rows: int = 128
     block_keys: int = 32
     block_d_a: int = 64
-    sparse_dk_chunk_tokens: int = 256
+    sparse_dk_buffer_bytes: int = 256 << 20
+    sparse_dk_chunk_tokens: int | None = None
     sparse_dk_block_slots: int = 64
     sparse_dk_token_programs: int = 4
     sparse_dk_sum_entries: int = 4
@@ -837,6 +839,16 @@ def _key_gradients(problem: Problem, lse_i, denom, pi_weight: float, gbuf, dtype
     return parts.sum(0).to(dtype)
 
 
+def sparse_dk_chunk(config: KlLossConfig, tokens: int, slots: int, index_dim: int) -> int:
+    """Query tokens ``C`` per chunk of the sparse ``dk`` pass (host integers): ``config.sparse_dk_chunk_tokens``
+    when set, else as many as fit ``config.sparse_dk_buffer_bytes`` of fp32 ``[C, slots, index_dim]``; at least
+    1, at most ``tokens``."""
+    chunk = config.sparse_dk_chunk_tokens
+    if chunk is None:
+        chunk = config.sparse_dk_buffer_bytes // max(1, slots * index_dim * 4)
+    return max(1, min(chunk, tokens))
+
+
 def _sparse_key_gradients(problem: Problem, gbuf, dtype) -> torch.Tensor:
     """Sparse pass 3, query-outer in chunks of ``C`` tokens. Per chunk, ``_dk_sparse_parts_kernel`` (per token, up
     to ``sparse_dk_token_programs`` programs over runs of its slots) writes each (token, slot)'s ``M^T q`` into
@@ -852,7 +864,7 @@ def _sparse_key_gradients(problem: Problem, gbuf, dtype) -> torch.Tensor:
     dk = torch.zeros((held, d_i), dtype=torch.float32, device=device)
     if not held or not slots:
         return dk.to(dtype)
-    chunk = min(config.sparse_dk_chunk_tokens, t)
+    chunk = sparse_dk_chunk(config, t, slots, d_i)
     buf = torch.empty((chunk, slots, d_i), dtype=torch.float32, device=device)
     # key row of a selected id: id + key_start[b] - key_lo[b]; the -1 slots sort last, past every held key
     offset = (problem.key_start[:-1] - problem.key_lo)[problem.sequence].to(torch.int32)
@@ -902,7 +914,7 @@ def indexer_kl_triton(q, k, weights, attn_q, attn_k, attn_lse, *, softmax_scale:
 
     Extra memory: O(T (H_I D_I)) for the outputs plus O(T) fp32 row statistics; the sparse stage also
     holds ``[T, K]`` int32 / fp32 work arrays (the selection sorted, G per slot), an fp32 ``dk`` and an fp32
-    ``[C, K, D_I]`` chunk buffer (``C = config.sparse_dk_chunk_tokens`` capped by T).
+    ``[C, K, D_I]`` chunk buffer (at most ``config.sparse_dk_buffer_bytes``: ``sparse_dk_chunk``).
     ``config``: the launch (``None``: ``KlLossConfig()``, what ships); every config gives the same loss and
     gradients up to the order of the fp32 sums. The call is the composition of the pieces the parallel
     paths run per shard: ``prepare``, ``row_statistics``, ``merge_key_statistics``, ``row_gradients``,
