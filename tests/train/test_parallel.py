@@ -47,32 +47,48 @@ def key_splits(num_keys: int, world: int) -> list[int]:
     return [first, 0, *middle, rest - sum(middle)]
 
 
+def cp_rank_args(case, rank: int, world: int) -> tuple:
+    """``case``'s arguments as rank ``rank`` of ``world`` holds them: its shard of ``k`` and ``attn_k``."""
+    splits = key_splits(case.k.shape[0], world)
+    lo = sum(splits[:rank])
+    q, k, w, aq, ak, lse = case.args()
+    return q, k[lo:lo + splits[rank]], w, aq, ak[lo:lo + splits[rank]], lse
+
+
+def tp_rank_args(case, rank: int, world: int) -> tuple:
+    """``case``'s arguments as rank ``rank`` of ``world`` holds them: its heads of ``attn_q``, ``attn_lse`` (and
+    of a GQA ``attn_k``)."""
+    q, k, w, aq, ak, lse = case.args()
+    per = aq.shape[1] // world
+    heads = slice(rank * per, (rank + 1) * per)
+    kv = ak if ak.dim() == 2 else ak[:, rank * ak.shape[1] // world:(rank + 1) * ak.shape[1] // world]
+    return q, k, w, aq[:, heads].contiguous(), kv.contiguous(), lse[:, heads].contiguous()
+
+
+def assert_cp_ranks_equal(results: list, expected, splits: list[int]) -> None:
+    """Every rank's ``(loss, dq, dk, dw)`` equals the one-process run bit for bit (``dk``: its shard's rows)."""
+    offsets = [sum(splits[:r]) for r in range(len(splits) + 1)]
+    for rank, (loss, dq, dk, dw) in enumerate(results):
+        assert bitwise((loss, dq, dw), (expected[0], expected[1], expected[3]))
+        assert torch.equal(dk, expected[2][offsets[rank]:offsets[rank + 1]])
+
+
 def workers(rank: int, world: int):
     torch.set_num_threads(1)
     results = {"cp": [], "tp": [], "tp_cross": []}
     for spec in CP_CASES:
         case = make_case(**spec)
-        splits = key_splits(case.k.shape[0], world)
-        lo = sum(splits[:rank])
-        hi = lo + splits[rank]
-        q, k, w, aq, ak, lse = case.args()
-        results["cp"].append(context_parallel_indexer_kl(q, k[lo:hi], w, aq, ak[lo:hi], lse, **case.kwargs))
+        results["cp"].append(context_parallel_indexer_kl(*cp_rank_args(case, rank, world), **case.kwargs))
     for spec in TP_CASES:
         case = make_case(**spec)
-        q, k, w, aq, ak, lse = case.args()
-        per = aq.shape[1] // world
-        heads = slice(rank * per, (rank + 1) * per)
-        kv = ak if ak.dim() == 2 else ak[:, rank * ak.shape[1] // world:(rank + 1) * ak.shape[1] // world]
-        args = (q, k, w, aq[:, heads].contiguous(), kv.contiguous(), lse[:, heads].contiguous())
+        args = tp_rank_args(case, rank, world)
         results["tp"].append(tensor_parallel_indexer_kl(*args, **case.kwargs))
         results["tp_cross"].append(tensor_parallel_indexer_kl(*args, **case.kwargs, exact_loss=False))
     # The autograd wrapper: gradients land on q, this rank's k shard and weights.
     case = make_case(**CP_CASES[0])
-    splits = key_splits(case.k.shape[0], world)
-    lo = sum(splits[:rank])
-    leaves = [t.clone().requires_grad_(True) for t in (case.q, case.k[lo:lo + splits[rank]], case.weights)]
-    loss = context_parallel_loss(leaves[0], leaves[1], leaves[2], case.attn_q, case.attn_k[lo:lo + splits[rank]],
-                                 case.attn_lse, **case.kwargs)
+    q, k, w, aq, ak, lse = cp_rank_args(case, rank, world)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, w)]
+    loss = context_parallel_loss(*leaves, aq, ak, lse, **case.kwargs)
     loss.backward()
     results["autograd"] = (loss.detach(), *(leaf.grad for leaf in leaves))
     results["errors"] = mismatch_errors(rank, world)
@@ -110,11 +126,7 @@ def test_parallel_paths_equal_one_process_bitwise(world):
         splits = key_splits(case.k.shape[0], world)
         assert len(splits) == world and sum(splits) == case.k.shape[0]
         expected = context_parallel_single_process(*case.args(), key_splits=splits, **case.kwargs)
-        offsets = [sum(splits[:r]) for r in range(world + 1)]
-        for rank, result in enumerate(ranks):
-            loss, dq, dk, dw = result["cp"][index]
-            assert bitwise((loss, dq, dw), (expected[0], expected[1], expected[3]))
-            assert torch.equal(dk, expected[2][offsets[rank]:offsets[rank + 1]])
+        assert_cp_ranks_equal([result["cp"][index] for result in ranks], expected, splits)
         whole = indexer_kl_reference(*case.args(), **case.kwargs)
         assert expected[0].item() == pytest.approx(whole[0].item(), rel=1e-6)
         for got, want in zip(expected[1:], whole[1:]):
@@ -197,19 +209,11 @@ def kernel_workers(rank: int, world: int):
     results = {"cp": [], "tp": []}
     for spec in KERNEL_CP_CASES:
         case = make_case(**spec, **KERNEL_SMALL)
-        splits = key_splits(case.k.shape[0], world)
-        lo = sum(splits[:rank])
-        hi = lo + splits[rank]
-        q, k, w, aq, ak, lse = case.args()
-        results["cp"].append(context_parallel_indexer_kl(q, k[lo:hi], w, aq, ak[lo:hi], lse, backend="triton",
+        results["cp"].append(context_parallel_indexer_kl(*cp_rank_args(case, rank, world), backend="triton",
                                                          **case.kwargs))
     for index, spec in enumerate(kernel_tp_cases(world)):
         case = make_case(**spec, **KERNEL_SMALL)
-        q, k, w, aq, ak, lse = case.args()
-        per = aq.shape[1] // world
-        heads = slice(rank * per, (rank + 1) * per)
-        kv = ak if ak.dim() == 2 else ak[:, rank * ak.shape[1] // world:(rank + 1) * ak.shape[1] // world]
-        args = (q, k, w, aq[:, heads].contiguous(), kv.contiguous(), lse[:, heads].contiguous())
+        args = tp_rank_args(case, rank, world)
         for exact in (True, False) if index == 0 else (True,):
             results["tp"].append(tensor_parallel_indexer_kl(*args, backend="triton", exact_loss=exact, **case.kwargs))
     return results
@@ -225,11 +229,7 @@ def test_kernel_parallel_paths_equal_one_process_bitwise(kernel_device, world):
         case = make_case(**spec, **KERNEL_SMALL)
         splits = key_splits(case.k.shape[0], world)
         expected = context_parallel_single_process(*case.args(), key_splits=splits, backend="triton", **case.kwargs)
-        offsets = [sum(splits[:r]) for r in range(world + 1)]
-        for rank, result in enumerate(ranks):
-            loss, dq, dk, dw = result["cp"][index]
-            assert bitwise((loss, dq, dw), (expected[0], expected[1], expected[3]))
-            assert torch.equal(dk, expected[2][offsets[rank]:offsets[rank + 1]])
+        assert_cp_ranks_equal([result["cp"][index] for result in ranks], expected, splits)
         whole = indexer_kl_reference(*case.args(), **case.kwargs)
         assert not kernel_tier_failures(expected, whole, spec["dtype"])
     runs = iter(range(len(ranks[0]["tp"])))

@@ -96,23 +96,6 @@ class Inputs:
             Layout.of(q.shape[0], cu_seqlens, ratio), key_base,
         )
 
-    def head_slice(self, heads: tuple[int, int]) -> Inputs:
-        """The same problem restricted to main-attention heads ``[h0, h1)`` (whole key-head groups or
-        heads sharing one key head)."""
-        h0, h1 = heads
-        group = self.attn_q.shape[1] // self.attn_k.shape[1]
-        kv = self.attn_k[:, h0 // group: (h1 - 1) // group + 1].contiguous()
-        return Inputs(self.q, self.k, self.weights, self.attn_q[:, h0:h1].contiguous(), kv,
-                      self.attn_lse[:, h0:h1].contiguous(),
-                      self.softmax_scale, self.topk_indices, self.layout, self.key_base)
-
-    def key_slice(self, keys: tuple[int, int]) -> Inputs:
-        """The same problem holding only the packed key rows ``[k0, k1)``."""
-        k0, k1 = keys
-        rows = slice(k0 - self.key_base, k1 - self.key_base)
-        return Inputs(self.q, self.k[rows], self.weights, self.attn_q, self.attn_k[rows], self.attn_lse,
-                      self.softmax_scale, self.topk_indices, self.layout, k0)
-
     @property
     def key_range(self) -> tuple[int, int]:
         return self.key_base, self.key_base + self.k.shape[0]
