@@ -17,7 +17,7 @@ from itertools import accumulate
 import torch
 
 from . import apply_precomputed, resolve_backend, validate
-from .reference import Inputs, Layout, Merged, RowStats, loss_dtype, merge_stats, row_grads, row_stats
+from .reference import Inputs, Layout, Merged, RowStats, loss_dtype, merge_stats, ordered_sum, row_grads, row_stats
 
 __all__ = [
     "balanced_row_blocks",
@@ -28,13 +28,6 @@ __all__ = [
     "tensor_parallel_loss",
     "tensor_parallel_single_process",
 ]
-
-
-def _ordered_sum(parts):
-    total = parts[0]
-    for part in parts[1:]:
-        total = total + part
-    return total
 
 
 def balanced_row_blocks(layout: Layout, world_size: int) -> list[tuple[int, int]]:
@@ -88,8 +81,8 @@ class _ReferencePieces:
         term are summed in rank order, the entropy comes from the row blocks (or is left out)."""
         first = RowStats.from_tensor(stats[0])
         entropy = torch.zeros_like(first.mass) if block is None else block
-        combined = RowStats(first.count, first.max, first.sumexp, _ordered_sum([s[3] for s in stats]),
-                            _ordered_sum([s[4] for s in stats]), entropy)
+        combined = RowStats(first.count, first.max, first.sumexp, ordered_sum([s[3] for s in stats]),
+                            ordered_sum([s[4] for s in stats]), entropy)
         return merge_stats([combined], num_heads=num_heads, with_entropy=block is not None, **self.options)
 
     def grads(self, x: Inputs, merged: Merged, *, with_pi: bool, head_shard: bool) -> _Partials:
@@ -188,9 +181,9 @@ def context_parallel_single_process(q, k, weights, attn_q, attn_k, attn_lse, *, 
                            key_offset=lo) for lo, hi in zip(offsets[:-1], offsets[1:])]
     merged = pieces.merge_keys([pieces.stats(x) for x in shards], heads)
     parts = [pieces.grads(x, merged, with_pi=True, head_shard=False) for x in shards]
-    kl = None if parts[0].kl is None else _ordered_sum([p.kl for p in parts])
-    return pieces.outputs(shards[0], merged, _ordered_sum([p.dq for p in parts]), torch.cat([p.dk for p in parts]),
-                          _ordered_sum([p.dw for p in parts]), kl)
+    kl = None if parts[0].kl is None else ordered_sum([p.kl for p in parts])
+    return pieces.outputs(shards[0], merged, ordered_sum([p.dq for p in parts]), torch.cat([p.dk for p in parts]),
+                          ordered_sum([p.dw for p in parts]), kl)
 
 
 def tensor_parallel_single_process(q, k, weights, attn_q, attn_k, attn_lse, *, world_size, softmax_scale,
@@ -209,10 +202,10 @@ def tensor_parallel_single_process(q, k, weights, attn_q, attn_k, attn_lse, *, w
     if exact_loss:
         whole = pieces.shard(q, k, weights, attn_q, attn_k, attn_lse, num_heads=heads)
         blocks = balanced_row_blocks(Layout.of(q.shape[0], cu_seqlens, compress_ratio), world_size)
-        block = _ordered_sum([pieces.row_block(whole, rows, stats) for rows in blocks])
+        block = ordered_sum([pieces.row_block(whole, rows, stats) for rows in blocks])
     merged = pieces.merge_heads(stats, block, heads)
     parts = [pieces.grads(x, merged, with_pi=r == 0, head_shard=True) for r, x in enumerate(shards)]
-    summed = [None if getattr(parts[0], name) is None else _ordered_sum([getattr(p, name) for p in parts])
+    summed = [None if getattr(parts[0], name) is None else ordered_sum([getattr(p, name) for p in parts])
               for name in ("dq", "dk", "dw", "kl")]
     return pieces.outputs(shards[0], merged, *summed)
 
@@ -234,7 +227,7 @@ def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
 
 
 def _ordered_all_reduce(tensor: torch.Tensor, group) -> torch.Tensor:
-    """Sum of every rank's ``tensor`` added in rank order (the same bits as ``_ordered_sum`` of them):
+    """Sum of every rank's ``tensor`` added in rank order (the same bits as ``ordered_sum`` of them):
     ``all_to_all`` of slices, a rank-order sum of each slice, ``all_gather`` of the sums."""
     dist = _dist()
     world = dist.get_world_size(group)
@@ -244,7 +237,7 @@ def _ordered_all_reduce(tensor: torch.Tensor, group) -> torch.Tensor:
     padded[: flat.numel()] = flat
     received = torch.empty_like(padded)
     dist.all_to_all_single(received, padded, group=group)
-    mine = _ordered_sum(list(received.view(world, width).unbind(0)))
+    mine = ordered_sum(list(received.view(world, width).unbind(0)))
     return torch.cat(_all_gather(mine, group))[: flat.numel()].view_as(tensor)
 
 

@@ -32,6 +32,7 @@ __all__ = [
     "indexer_kl_reference",
     "loss_dtype",
     "merge_stats",
+    "ordered_sum",
     "row_grads",
     "row_stats",
 ]
@@ -209,7 +210,8 @@ def row_stats(x: Inputs, *, rows: tuple[int, int] | None = None, chunk_rows: int
     return stats
 
 
-def _ordered_sum(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+def ordered_sum(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``parts[0] + parts[1] + ...`` added in list order (the fixed order every cross-shard sum uses)."""
     total = parts[0]
     for part in parts[1:]:
         total = total + part
@@ -224,15 +226,15 @@ def merge_stats(parts: Sequence[RowStats], *, num_heads: int, target_norm: str, 
     key and, for ``"l1"``, its target mass is positive. ``with_entropy=False`` leaves ``Σ p log p`` out of
     ``KL_t`` (``KL_t = −Σ p·I + LSE_I``; the gradients do not change).
     """
-    count = _ordered_sum([p.count for p in parts])
+    count = ordered_sum([p.count for p in parts])
     top = parts[0].max
     for part in parts[1:]:
         top = torch.maximum(top, part.max)
     safe_top = torch.where(count > 0, top, 0.0)
-    sumexp = _ordered_sum([torch.where(p.count > 0, p.sumexp * torch.exp(p.max - safe_top), 0.0) for p in parts])
-    mass = _ordered_sum([p.mass for p in parts])
-    cross = _ordered_sum([p.cross for p in parts])
-    entropy = _ordered_sum([p.entropy for p in parts])
+    sumexp = ordered_sum([torch.where(p.count > 0, p.sumexp * torch.exp(p.max - safe_top), 0.0) for p in parts])
+    mass = ordered_sum([p.mass for p in parts])
+    cross = ordered_sum([p.cross for p in parts])
+    entropy = ordered_sum([p.entropy for p in parts])
     valid = count > 0
     if target_norm == "l1":
         valid &= mass > 0

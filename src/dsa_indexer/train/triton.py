@@ -34,6 +34,7 @@ from .._validation import (
 )
 from ..ops.common.codecs import round_to_bf16
 from ..ops.common.runtime import interpreting, next_pow2
+from .reference import ordered_sum
 
 _LOG2E = 1.4426950408889634
 
@@ -739,13 +740,6 @@ def row_statistics(problem: Problem) -> torch.Tensor:
     return stats
 
 
-def _ordered_sum(parts):
-    total = parts[0]
-    for part in parts[1:]:
-        total = total + part
-    return total
-
-
 def merge_key_statistics(parts) -> tuple[torch.Tensor, torch.Tensor]:
     """``(LSE_I, D_t)`` fp32 ``[T]`` from the ``row_statistics`` of disjoint key sets, merged in list order in
     float64 (one part: its own values, exactly)."""
@@ -753,16 +747,16 @@ def merge_key_statistics(parts) -> tuple[torch.Tensor, torch.Tensor]:
     top = stacked[:, 0].max(0).values
     seen = top != float("-inf")
     shift = torch.where(seen, top, 0.0)
-    total = _ordered_sum([torch.exp(part[0] - shift) for part in stacked])
+    total = ordered_sum([torch.exp(part[0] - shift) for part in stacked])
     lse = torch.where(seen, shift + torch.log(torch.where(seen, total, 1.0)), float("-inf"))
-    return lse.to(torch.float32), _ordered_sum([part[1] for part in stacked]).to(torch.float32)
+    return lse.to(torch.float32), ordered_sum([part[1] for part in stacked]).to(torch.float32)
 
 
 def merge_head_statistics(parts) -> tuple[torch.Tensor, torch.Tensor]:
     """``(LSE_I, D_t)`` from the ``row_statistics`` of disjoint head sets over the same keys: the first part's
     ``LSE_I`` (every part has the same), the masses summed in list order in float64."""
     stacked = torch.stack(list(parts)).to(torch.float64)
-    return parts[0][0], _ordered_sum([part[1] for part in stacked]).to(torch.float32)
+    return parts[0][0], ordered_sum([part[1] for part in stacked]).to(torch.float32)
 
 
 def row_gradients(problem: Problem, lse_i: torch.Tensor, denom: torch.Tensor, *, pi_weight: float = 1.0,
