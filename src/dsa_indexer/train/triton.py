@@ -755,8 +755,7 @@ def merge_key_statistics(parts) -> tuple[torch.Tensor, torch.Tensor]:
 def merge_head_statistics(parts) -> tuple[torch.Tensor, torch.Tensor]:
     """``(LSE_I, D_t)`` from the ``row_statistics`` of disjoint head sets over the same keys: the first part's
     ``LSE_I`` (every part has the same), the masses summed in list order in float64."""
-    stacked = torch.stack(list(parts)).to(torch.float64)
-    return parts[0][0], ordered_sum([part[1] for part in stacked]).to(torch.float32)
+    return parts[0][0], ordered_sum([part[1].to(torch.float64) for part in parts]).to(torch.float32)
 
 
 def row_gradients(problem: Problem, lse_i: torch.Tensor, denom: torch.Tensor, *, pi_weight: float = 1.0,
