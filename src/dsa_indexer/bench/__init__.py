@@ -78,9 +78,10 @@ def run_suites(
         # A suite returns its records or yields them one by one; the files are rewritten as each arrives, so a
         # run cut short (a time limit, a crash) keeps what it measured.
         suite_rows: list[dict] = []
-        harness.write_results(name, suite_rows, ceilings, folder)
         for row in importlib.import_module(f"{__name__}.suite_{name}").run(ceilings):
             suite_rows.append(row)
+            harness.write_results(name, suite_rows, ceilings, folder)
+        if not suite_rows:
             harness.write_results(name, suite_rows, ceilings, folder)
         rows.extend(suite_rows)
     return ceilings, rows
