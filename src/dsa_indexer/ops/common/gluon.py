@@ -285,19 +285,6 @@ def wave_fills(config: GluonDecodeConfig, batch: int, next_n: int, max_context_l
     return fill >= GLUON_WAVE_MIN_FILL
 
 
-def nothing_to_read(cache: KCacheLayout, block_table: torch.Tensor, batch: int, max_context_len: int, clean: bool,
-                     out: torch.Tensor) -> bool:
-    """Whether a call reads no key (no rows or positions, an empty cache or table), shared by the FP8 and
-    MXFP4 launchers; with an empty cache or table and ``clean`` it fills ``out`` with ``-inf`` here."""
-    if batch == 0 or max_context_len == 0:
-        return True
-    if cache.num_blocks == 0 or block_table.shape[1] == 0:
-        if clean:
-            out.fill_(float("-inf"))
-        return True
-    return False
-
-
 def launch_shape(q: torch.Tensor, cache: KCacheLayout, max_context_len: int,
                  config: GluonDecodeConfig) -> tuple[int, int, int, int, int]:
     """(draft rows per work item: 1 or 2, row groups, splits per row group, key tiles per split, copy width

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..._validation import check_tensor
+from ...cache_layout import KCacheLayout
 from ...formats import FP8_DTYPE
 
 
@@ -73,3 +74,17 @@ def check_decode_lengths(
             f"block_table entries read must be in [0, {cache.num_blocks}) (the cache's pages), "
             f"got block_table[{request}, {column}] = {int(block_table[request, column])}"
         )
+
+
+def nothing_to_read(cache: KCacheLayout, block_table: torch.Tensor, batch: int, max_context_len: int, clean: bool,
+                     out: torch.Tensor) -> bool:
+    """Whether a paged decode call reads no key (no rows or positions, an empty cache or table), shared by the
+    Triton and Gluon launchers; with an empty cache or table and ``clean`` it fills ``out`` with ``-inf`` here
+    (the public wrapper has checked that no row can then see a position)."""
+    if batch == 0 or max_context_len == 0:
+        return True
+    if cache.num_blocks == 0 or block_table.shape[1] == 0:
+        if clean:
+            out.fill_(float("-inf"))
+        return True
+    return False

@@ -38,7 +38,6 @@ from ..common.gluon import (
     fill_tiles,
     fill_tiles_tma,
     launch_shape,
-    nothing_to_read,
     page_descriptors,
     row_outputs,
     store_row,
@@ -46,6 +45,7 @@ from ..common.gluon import (
     wave_fills,
     work_item,
 )
+from ..common.logits_checks import nothing_to_read
 from ..common.runtime import next_pow2, sm_count
 
 __all__ = ["paged_mqa_logits_gluon_mxfp4", "gluon_mxfp4_decode_preferred", "gluon_mxfp4_decode_config",

@@ -35,6 +35,7 @@ from ..common.codecs import (
     unit_last_stride,
     use_upcast,
 )
+from ..common.logits_checks import nothing_to_read
 from ..common.runtime import interpreting, next_pow2
 from ..common.splits import split_tiles
 
@@ -417,12 +418,7 @@ def paged_mqa_logits_triton(
     """
     batch, next_n = q.shape[:2]
     heads = weights.shape[1]
-    if batch == 0 or max_context_len == 0:
-        return out
-    if cache.num_blocks == 0 or block_table.shape[1] == 0:
-        # The wrapper has checked that no row can then see a position.
-        if clean:
-            out.fill_(float("-inf"))
+    if nothing_to_read(cache, block_table, batch, max_context_len, clean, out):
         return out
     upcast = use_upcast(q.device)
     mxfp4 = cache.fmt == "mxfp4"
