@@ -614,7 +614,7 @@ def test_decode_programs_write_disjoint_outputs(kernel_device, fmt, next_n, clea
     """Under the GPU's launch configuration (pipelining aside), no two programs of the decode kernel write the same
     logit: a partial group of stacked draft rows must not spill into the next request's rows."""
     if kernel_device != "cpu":
-        pytest.skip("records the interpreter's stores")
+        pytest.skip("records the CPU interpreter's stores: the GPU runs these kernels compiled")
     from dsa_indexer.ops.logits import triton as kernels
     from program_writes import conflicting_writes, recorded_program_writes
 

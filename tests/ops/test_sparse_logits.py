@@ -316,7 +316,7 @@ def test_decode_programs_write_disjoint_outputs(kernel_device, fmt, next_n):
     """No two programs of the sparse decode kernel write the same logit (a race on a GPU that the interpreter,
     running programs one at a time, would hide)."""
     if kernel_device != "cpu":
-        pytest.skip("records the interpreter's stores")
+        pytest.skip("records the CPU interpreter's stores: the GPU runs these kernels compiled")
     from program_writes import conflicting_writes, recorded_program_writes
 
     q, q_scale, cache, w, lengths, table, blocks, bs = decode_case(fmt, seed=5, next_n=next_n, block_size=8)

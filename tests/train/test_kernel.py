@@ -491,7 +491,7 @@ def test_every_written_value_has_one_owner(kernel_device, stage, monkeypatch):
     16 tokens: row r of the chunk buffer is written only by program r of the parts kernel, the fp32 dk row of
     key s only by program s of the sum kernel, and every selected key's row is written."""
     if kernel_device != "cpu":
-        pytest.skip("records the interpreter's stores")
+        pytest.skip("records the CPU interpreter's stores: the GPU runs these kernels compiled")
     from program_writes import recorded_program_writes
 
     t = 40
