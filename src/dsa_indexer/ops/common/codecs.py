@@ -534,6 +534,13 @@ def mxfp4_halves_e4m3(packed, scale_bytes):
     return even, odd, row_mul
 
 
+def key_block_depth(dim: int, mxfp4: bool) -> int:
+    """``BLOCK_D`` of a ``dim``-element key row in the logits kernels: a power of two with every dot at least
+    32 deep (Hopper's e4m3 wgmma needs K >= 32). MXFP4 rows contract as two half-depth dots (even and odd
+    elements), so they pad to 64: at D = 32 the second scale block is masked to zeros."""
+    return next_pow2(dim, 64 if mxfp4 else 32)
+
+
 @triton.jit
 def mxfp4_dot_order(x, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     """De-interleaved half ``[ROWS, BLOCK_D/2]`` (or ``[ROWS, BLOCK_D/32, 16]``) -> the same values in

@@ -26,6 +26,7 @@ from ...formats import FP8_DTYPE
 from ..common.codecs import (
     FORCE_UPCAST_ENV,
     dot_operand,
+    key_block_depth,
     mxfp4_dot_order,
     mxfp4_dot_order_source,
     mxfp4_halves,
@@ -456,7 +457,7 @@ def paged_mqa_logits_triton(
         block_table, block_table.stride(0), block_table.shape[1],
         out, out.stride(0),
         next_n, int(one_d), max_context_len, num_splits, num_groups,
-        HEADS=heads, BLOCK_H=block_h, DIM=dim, BLOCK_D=next_pow2(dim, 32),
+        HEADS=heads, BLOCK_H=block_h, DIM=dim, BLOCK_D=key_block_depth(dim, mxfp4),
         BLOCK_SIZE=cache.block_size, ROWS=rows, BLOCK_K=block_k, TILES=tiles, NUM_STAGES=config.num_stages,
         CLEAN=clean, MXFP4=mxfp4, MXFP8=cache.scale_fmt == "mxfp8", UPCAST=upcast, EXPAND_PTX=mxfp4 and expand_ptx,
         ROUND_BF16=_round_bf16(out),

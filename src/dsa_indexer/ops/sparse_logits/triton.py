@@ -19,6 +19,7 @@ from ...cache_layout import KCacheLayout
 from ...formats import FP8_DTYPE
 from ..common.codecs import (
     dot_operand,
+    key_block_depth,
     mxfp4_dot_order,
     mxfp4_dot_order_source,
     mxfp4_halves,
@@ -239,7 +240,7 @@ def _launch(q_rows, q_scale_rows, weights, blocks, block_size, out, fmt, keys, p
         table, stride_tb, table_columns, num_blocks,
         out, out.stride(0),
         next_n, int(one_d), num_cols, num_splits,
-        HEADS=heads, BLOCK_H=next_pow2(heads, 16), DIM=dim, BLOCK_D=next_pow2(dim, 32),
+        HEADS=heads, BLOCK_H=next_pow2(heads, 16), DIM=dim, BLOCK_D=key_block_depth(dim, mxfp4),
         CAND=block_size, PAGE=page, BLOCK_K=block_k, TILES=tiles, NUM_STAGES=config.num_stages,
         PAGED=paged, MXFP4=mxfp4, MXFP8=mxfp8, UPCAST=upcast, EXPAND_PTX=expand_ptx,
         num_warps=config.num_warps, num_stages=config.num_stages,
