@@ -221,3 +221,49 @@ def test_gluon_mxfp4_decode_rejects_other_head_dims_gpu(kernel_device):
     inputs = decode_inputs("mxfp4", [40], 1, kernel_device, heads=64, dim=64, block_size=64, seed=68)
     with pytest.raises(ValueError, match="head_dim 128"):
         run_gluon(inputs, True, 0)
+
+
+def test_gluon_mxfp4_decode_reruns_at_deepgemm_sm100_shape_gpu(kernel_device, monkeypatch):
+    """DeepGEMM's SM100 paged case through ``compat.deep_gemm`` (its unpadded cache: TMA pages): 4096 requests
+    of 5.7K-10.6K keys, next_n 6 with random per-row lengths, 64 heads, bf16 weights and logits. Forced Gluon
+    gives the Triton kernel's bits and repeats them (the valid region: the rest is not written); on an H100
+    its reruns once differed in runs of 4-8 keys of a tile."""
+    from dsa_indexer.compat import deep_gemm
+    from dsa_indexer.ops.logits import DECODE_KERNEL_ENV
+
+    batch, next_n, heads, dim, page, average = 4096, 6, 64, 128, 64, 8192
+    gen = torch.Generator(device=kernel_device).manual_seed(5)
+    lengths = torch.randint(int(0.7 * average), int(1.3 * average), (batch,), generator=gen, device=kernel_device,
+                            dtype=torch.int32)
+    pages = (lengths + page - 1) // page
+    width = int(pages.max()) * page
+    num_blocks = int(pages.sum())
+    cache = torch.randint(0, 256, (num_blocks, page * (dim // 2 + 4)), generator=gen, device=kernel_device,
+                          dtype=torch.uint8)
+    cache[:, page * dim // 2:] = torch.randint(120, 129, (num_blocks, page * 4), generator=gen, device=kernel_device,
+                                               dtype=torch.uint8)
+    firsts = torch.cumsum(pages, 0) - pages
+    columns = torch.arange(int(pages.max()), device=kernel_device)
+    order = torch.randperm(num_blocks, generator=gen, device=kernel_device).to(torch.int32)
+    table = torch.where(columns < pages[:, None], order[(firsts[:, None] + columns).clamp(max=num_blocks - 1)], 0)
+    q = torch.randint(0, 256, (batch, next_n, heads, dim // 2), generator=gen, device=kernel_device,
+                      dtype=torch.uint8).view(torch.int8)
+    q_scale = torch.randint(120, 129, (batch, next_n, heads, 4), generator=gen, device=kernel_device,
+                            dtype=torch.uint8).view(torch.int32).squeeze(-1)
+    row_lengths = ((lengths[:, None] + 1) * torch.rand(batch, next_n, generator=gen, device=kernel_device)).int()
+    row_lengths[:, -1] = lengths
+    weights = torch.randn(batch * next_n, heads, generator=gen, device=kernel_device).bfloat16()
+    schedule = deep_gemm.get_paged_mqa_logits_metadata(row_lengths, page, 132)
+    valid = torch.arange(width, device=kernel_device) < row_lengths.reshape(-1, 1)
+
+    def logits():
+        result = deep_gemm.fp8_fp4_paged_mqa_logits((q, q_scale), cache.view(num_blocks, page, 1, -1), weights,
+                                                    row_lengths, table.to(torch.int32), schedule, width,
+                                                    clean_logits=False, logits_dtype=torch.bfloat16)
+        return result.masked_fill(~valid, 0).view(torch.int16)
+
+    monkeypatch.setenv(DECODE_KERNEL_ENV, "triton")
+    expected = logits()
+    monkeypatch.setenv(DECODE_KERNEL_ENV, "gluon")
+    for _ in range(8):
+        assert torch.equal(logits(), expected)
