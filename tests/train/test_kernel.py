@@ -156,7 +156,7 @@ def test_oracle_gradients_equal_autograd_of_its_loss():
         dict(t=23, h_i=3, d_i=16, h=4, d_a=24, dtype=torch.float32),
         dict(t=17, h_i=4, d_i=32, h=4, d_a=16, dtype=torch.bfloat16, target_norm="l1"),
         dict(t=21, h_i=2, d_i=16, h=4, d_a=20, h_kv=2, cu=[0, 1, 12, 12, 21], ratio=2, target_norm="l1",
-             config=dict(dk_min_split_rows=4)),
+             config=dict(dk_min_split_rows=4, fused_dk=False)),
         dict(t=20, h_i=4, d_i=16, h=2, d_a=16, cu=[0, 7, 20], ratio=3, reduction="sum", coeff=0.25),
         dict(t=40, h_i=8, d_i=16, h=2, d_a=16, cu=[0, 3, 40], target_norm="l1", config=dict(fused_dk=True)),
         dict(t=19, h_i=2, d_i=16, h=4, d_a=40, config=dict(tile_rows=16, block_keys=16, block_d_a=16, num_warps=4)),
@@ -501,7 +501,7 @@ def test_every_written_value_has_one_owner(kernel_device, stage, monkeypatch):
         kwargs["topk_indices"] = torch.randint(-1, 30, (t, 6), generator=torch.Generator().manual_seed(4),
                                                dtype=torch.int32)
     config = triton_kernels.KlLossConfig(dk_min_split_rows=4 if stage == "dense-split-dk" else 256,
-                                         sparse_dk_chunk_tokens=16)
+                                         sparse_dk_chunk_tokens=16, fused_dk=False)
     parts = _Launches(triton_kernels._dk_sparse_parts_kernel)
     sums = _Launches(triton_kernels._dk_sparse_sum_kernel)
     monkeypatch.setattr(triton_kernels, "_dk_sparse_parts_kernel", parts)

@@ -3,8 +3,8 @@
 Main attention: H = 128 heads over the MLA latent (D_a = 576, MQA), softmax scale 0.1352; indexer
 H_I = 64 heads of D_I = 128; bf16; causal, one sequence of T tokens. Dense stage for T in {4K, 8K, 32K};
 sparse stage with k = 2048 selected keys per row (every visible key while fewer than k, else a stratified
-random draw of k distinct visible keys). Dense shapes run twice: with ``dk`` in its own pass (the
-default) and fused into the gradient pass (``KlLossConfig(fused_dk=True)``). The target's per-head LSE is the
+random draw of k distinct visible keys). Dense shapes run twice: with ``dk`` fused into the gradient
+pass (the default) and in its own pass (``KlLossConfig(fused_dk=False)``, what a key shard runs). The target's per-head LSE is the
 exact one over V_t (computed before timing, chunked). Time: median of a few event-timed calls of ``indexer_kl_triton`` (loss and the
 three gradients in one call, as the autograd op's forward does), after one untimed call; a second call is
 first checked bitwise equal to the first (determinism). Peak memory: the allocator's peak above the inputs.
@@ -149,7 +149,7 @@ def _measure(kernels, inputs, t: int, top: int | None, fused: bool, ceilings: di
     pairs = t * (t + 1) // 2 if top is None else sum(min(top, p + 1) for p in range(t))
     flops = FLOP_PER_PAIR * pairs
     baselines, note = {}, {}
-    if top is None and t == MEGATRON_T and not fused:
+    if top is None and t == MEGATRON_T and fused:
         if _megatron_available():
             try:
                 baselines = _megatron(q, k, weights, attn_q, attn_k)
@@ -172,7 +172,7 @@ def run(ceilings: dict[str, float]) -> Iterator[dict]:
         q, k, weights, attn_q, attn_k = _inputs(t, gen)
         topk = None if top is None else _selection(t, top, gen)
         inputs = (q, k, weights, attn_q, attn_k, topk, _attention_lse(attn_q, attn_k, topk))
-        for fused in (False, True) if top is None else (False,):
+        for fused in (True, False) if top is None else (False,):
             yield _measure(kernels, inputs, t, top, fused, ceilings)
         del q, k, weights, attn_q, attn_k, topk, inputs
         torch.cuda.empty_cache()
