@@ -65,8 +65,9 @@ GLUON_MXFP4_DECODE_CONFIG_ONE_ROW = GluonDecodeConfig(maxnreg=64)
 GLUON_MXFP4_MIN_KEYS = 1 << 20
 # Whether ``auto`` takes this kernel at all (``decode_kernel``); a forced ``gluon`` runs it regardless. Off: on an
 # H100, at DeepGEMM's SM100 paged shape (B 4096, next_n 6, ~8K keys a request, TMA pages), reruns differed in runs
-# of 4-8 keys of a tile, as if the producer refilled a stage before every warp's shared loads of it had landed.
-# The stage is now handed back only after the tile's wgmmas, which consume those loads;
+# of 4-8 keys of a tile: the keys of one warp's second 16-byte shared load, which read the next tile's bytes (the
+# stage went back to the producer after a thread barrier, which does not wait for a load's data to return). The
+# stage is now handed back only after the tile's wgmmas, which consume those loads;
 # ``test_gluon_mxfp4_decode_reruns_at_deepgemm_sm100_shape_gpu`` must pass before this turns back on.
 GLUON_MXFP4_AUTO = False
 GLUON_MXFP4_MIN_KEYS_WAVE = 1 << 17
@@ -145,8 +146,9 @@ def _expand_tile(key_ring, scale_ring, stage, ROW_BYTES_LAYOUT: gl.constexpr, PA
 def _take_tile(key_ring, scale_ring, ready, tile, NUM_STAGES: gl.constexpr, ROW_BYTES_LAYOUT: gl.constexpr,
                PACKED_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, ROW_LAYOUT: gl.constexpr):
     """Wait for ``tile``'s stage and expand it into registers (``_expand_tile``). The caller hands the stage
-    back once the tile's wgmmas are done: only then are its shared loads certain to have landed (the compiler
-    may sink a load past a barrier that does not clobber memory, but not past the wgmma that consumes it)."""
+    back once the tile's wgmmas are done: neither a thread barrier nor the mbarrier arrive waits for a shared
+    load's data to return, and the producer's TMA write (async proxy) is not ordered after a pending load; the
+    wgmmas consume the loaded bytes, so once they are done every load has landed."""
     stage = tile % NUM_STAGES
     mbarrier.wait(ready.index(stage), (tile // NUM_STAGES) & 1)
     return _expand_tile(key_ring, scale_ring, stage, ROW_BYTES_LAYOUT, PACKED_LAYOUT, A_LAYOUT, ROW_LAYOUT)
