@@ -63,6 +63,8 @@ GLUON_MXFP4_DECODE_CONFIG_ONE_ROW = GluonDecodeConfig(maxnreg=64)
 # Smallest ``batch * max_context_len`` the dispatch sends to this kernel (``gluon_mxfp4_decode_preferred``), and
 # for draft rows of requests of at least GLUON_MXFP4_MIN_LEN_WAVE keys (whose one wave fills its slots).
 GLUON_MXFP4_MIN_KEYS = 1 << 20
+GLUON_MXFP4_MIN_KEYS_WAVE = 1 << 17
+GLUON_MXFP4_MIN_LEN_WAVE = 1 << 16
 # Whether ``auto`` takes this kernel at all (``decode_kernel``); a forced ``gluon`` runs it regardless. Off: on an
 # H100, at DeepGEMM's SM100 paged shape (B 4096, next_n 6, ~8K keys a request, TMA pages), reruns differed in runs
 # of 4-8 keys of a tile: the keys of one warp's second 16-byte shared load, which read the next tile's bytes (the
@@ -70,8 +72,6 @@ GLUON_MXFP4_MIN_KEYS = 1 << 20
 # stage is now handed back only after the tile's wgmmas, which consume those loads;
 # ``test_gluon_mxfp4_decode_reruns_at_deepgemm_sm100_shape_gpu`` must pass before this turns back on.
 GLUON_MXFP4_AUTO = False
-GLUON_MXFP4_MIN_KEYS_WAVE = 1 << 17
-GLUON_MXFP4_MIN_LEN_WAVE = 1 << 16
 
 
 @gluon.jit
