@@ -176,14 +176,16 @@ def _consumer(w_ptr, stride_wr, stride_wh, out_ptr, stride_or, lens_ptr, stride_
                 acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
                 store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
                 acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
-                gl.thread_barrier()  # every warp is past its reads of this stage
+                gl.thread_barrier()  # every warp's wgmmas read the stage, and row 0's epilogue used its key_mul
                 mbarrier.arrive(empty.index(stage), count=1)
                 store_row(acc1, half_w1, key_mul, out_row1, positions, live, length1, present1, CLEAN)
             else:
                 acc0 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, ))
+                # key_mul is used before the stage goes back: neither the barrier nor the arrive waits for a
+                # shared load's data, and the TMA refill is not ordered after a pending load.
+                store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
                 gl.thread_barrier()
                 mbarrier.arrive(empty.index(stage), count=1)
-                store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
         # Every wgmma of this item has been waited for. The barrier also keeps a warp from falling a whole
         # item behind (an item without tiles has no other): a slot is refilled only after every warp has
         # passed its wait for the current fill, so no wait can see the parity of a later fill.
