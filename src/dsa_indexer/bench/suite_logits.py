@@ -1,4 +1,4 @@
-"""Logits benchmarks (issue 5): decode ``paged_mqa_logits`` and prefill ``mqa_logits``, FP8 and MXFP4.
+"""Logits benchmarks: decode ``paged_mqa_logits`` and prefill ``mqa_logits``, FP8 and MXFP4.
 
 Shapes: H=64 heads, D=128, 64-token pages.
 - Decode: B in {32, 128} x L in {32K, 128K} x next_n in {1, 2}, plus B=1, L=128K; every request at length L

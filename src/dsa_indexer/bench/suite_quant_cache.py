@@ -1,4 +1,4 @@
-"""Q RoPE + quantisation and the paged K cache insert / gather (issue 4): µs and GB/s against copy bandwidth.
+"""Q RoPE + quantisation and the paged K cache insert / gather: µs and GB/s against copy bandwidth.
 
 All three ops move bytes and do little arithmetic, so the floor is the bytes they must move (inputs read
 once, outputs written once) at the device-to-device copy bandwidth measured in the same run, and

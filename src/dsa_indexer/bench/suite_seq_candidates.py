@@ -1,4 +1,4 @@
-"""Benchmarks of pack_seq / unpack_seq and the V4.1 candidate blocks (issue 4, part B).
+"""Benchmarks of pack_seq / unpack_seq and the V4.1 candidate blocks.
 
 Every op here is memory-bound: the floor is the fewest bytes it must move over the copy bandwidth
 measured in the same run (read + write bytes, like the ceiling). Target: >= 70% of that bandwidth.
@@ -13,7 +13,7 @@ the host, which would put a CPU round trip inside the timed region).
   blocks: reads each row's logits once. The default is one launch: the split select (several streaming
   programs per row, the last selects) from 256 rows, one program per row (keys in registers) below; the stage
   records time the two kernels of the two-launch path (rows wider than 16384 blocks) alone, whose
-  block-key scratch (1/8 of the logits) is counted as overhead. R 512 (256 MiB) is issue 4's shape, R 64 and 32
+  block-key scratch (1/8 of the logits) is counted as overhead. R 512 (256 MiB) is the reference shape, R 64 and 32
   decode batches (32 takes the split kernel: its 128 pieces fit one per SM), R 2048 (1 GiB) a 2048-token prefill
   chunk over the same context.
 - apply_candidate_mask: the same rows and the 2048 chosen blocks: writes -inf on every masked

@@ -1,4 +1,4 @@
-"""Sparse consumer benchmarks (issue 26): a V4.1 consumer layer's decode step over its candidate blocks only,
+"""Sparse consumer benchmarks: a V4.1 consumer layer's decode step over its candidate blocks only,
 beside the dense step (every visible key's logit, ``apply_candidate_mask``, top-k), in one run.
 
 Shapes (V4.1): H = 32 index heads, D = 128, 64-token pages, 2048 candidate blocks of 8 per row, top-k 512;

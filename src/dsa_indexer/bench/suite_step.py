@@ -1,4 +1,4 @@
-"""The decode indexer step end to end: paged logits, then top-k (issue 6: B=32, L=128K, next_n=2).
+"""The decode indexer step end to end: paged logits, then top-k (B=32, L=128K, next_n=2).
 
 One CUDA graph holds both launches as an engine replays them (value checks skipped during capture),
 timed after a 256 MB memset that evicts the L2, median of 100 replays; each op's own graph is timed

@@ -1,4 +1,4 @@
-"""Top-k benchmarks: decode rows of 128K columns and the rows of one causal 8K prompt (issue 6).
+"""Top-k benchmarks: decode rows of 128K columns and the rows of one causal 8K prompt.
 
 Decode: fp32 logits ``[rows, 131072]``, row lengths uniform in ``[0.8 L, L]``, ``-inf`` past each end
 (clean logits, so ``torch.topk`` over full rows is the fair "what a user writes" baseline). Prefill:

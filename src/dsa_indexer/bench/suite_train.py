@@ -1,13 +1,14 @@
-"""The indexer's KL loss, forward and backward (issue 27 item 6), at DeepSeek-V3.2 shapes.
+"""The indexer's KL loss, forward and backward, at DeepSeek-V3.2 shapes.
 
 Main attention: H = 128 heads over the MLA latent (D_a = 576, MQA), softmax scale 0.1352; indexer
 H_I = 64 heads of D_I = 128; bf16; causal, one sequence of T tokens. Dense stage for T in {4K, 8K, 32K};
 sparse stage with k = 2048 selected keys per row (every visible key while fewer than k, else a stratified
 random draw of k distinct visible keys). Dense shapes run twice: with ``dk`` fused into the gradient
-pass (the default) and in its own pass (``KlLossConfig(fused_dk=False)``, what a key shard runs). The target's per-head LSE is the
-exact one over V_t (computed before timing, chunked). Time: median of a few event-timed calls of ``indexer_kl_triton`` (loss and the
-three gradients in one call, as the autograd op's forward does), after one untimed call; a second call is
-first checked bitwise equal to the first (determinism). Peak memory: the allocator's peak above the inputs.
+pass (the default) and in its own pass (``KlLossConfig(fused_dk=False)``, what a key shard runs). The
+target's per-head LSE is the exact one over V_t (computed before timing, chunked). Time: median of a few
+event-timed calls of ``indexer_kl_triton`` (loss and the three gradients in one call, as the autograd op's
+forward does), after one untimed call; a second call is first checked bitwise equal to the first
+(determinism). Peak memory: the allocator's peak above the inputs.
 
 FLOP accounting (``train/README.md``): 213K per visible pair (target 2 H D_a = 147,456; indexer forward
 and backward 4 x 2 H_I D_I = 65,536), TFLOP/s against the measured bf16 matmul ceiling of the same run
