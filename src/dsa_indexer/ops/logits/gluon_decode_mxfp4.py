@@ -143,13 +143,12 @@ def _expand_tile(key_ring, scale_ring, stage, ROW_BYTES_LAYOUT: gl.constexpr, PA
 
 
 @gluon.jit
-def _take_tile(key_ring, scale_ring, ready, tile, NUM_STAGES: gl.constexpr, ROW_BYTES_LAYOUT: gl.constexpr,
+def _take_tile(key_ring, scale_ring, ready, tile, stage, NUM_STAGES: gl.constexpr, ROW_BYTES_LAYOUT: gl.constexpr,
                PACKED_LAYOUT: gl.constexpr, A_LAYOUT: gl.constexpr, ROW_LAYOUT: gl.constexpr):
-    """Wait for ``tile``'s stage and expand it into registers (``_expand_tile``). The caller hands the stage
+    """Wait for ``tile``'s ``stage`` and expand it into registers (``_expand_tile``). The caller hands the stage
     back once the tile's wgmmas are done: neither a thread barrier nor the mbarrier arrive waits for a shared
     load's data to return, and the producer's TMA write (async proxy) is not ordered after a pending load; the
     wgmmas consume the loaded bytes, so once they are done every load has landed."""
-    stage = tile % NUM_STAGES
     mbarrier.wait(ready.index(stage), (tile // NUM_STAGES) & 1)
     return _expand_tile(key_ring, scale_ring, stage, ROW_BYTES_LAYOUT, PACKED_LAYOUT, A_LAYOUT, ROW_LAYOUT)
 
@@ -177,14 +176,14 @@ def _consumer(q_ptr, stride_qb, stride_qt, stride_qh, w_ptr, stride_wr, stride_w
         w_ptr, stride_wr, stride_wh, out_ptr, stride_or, request, t0, next_n, head, HEADS, ROWS)
     zero = gl.zeros([BLOCK_K, BLOCK_H], gl.float32, layout=mma_layout)
     for tile in range(num_tiles):
-        keys, key_mul = _take_tile(key_ring, scale_ring, ready, tile, NUM_STAGES, ROW_BYTES_LAYOUT,
+        stage = tile % NUM_STAGES
+        keys, key_mul = _take_tile(key_ring, scale_ring, ready, tile, stage, NUM_STAGES, ROW_BYTES_LAYOUT,
                                    PACKED_LAYOUT, a_layout, row_layout)
         acc0 = warpgroup_mma(keys, query_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
         if ROWS == 2:
             acc1 = warpgroup_mma(keys, query_smem.index(1).permute((1, 0)), zero, use_acc=False, is_async=True)
         positions = split_start + tile * BLOCK_K + key
         live = positions < read_end
-        stage = tile % NUM_STAGES
         if ROWS == 2:
             acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
             store_row(acc0, half_w0, key_mul, out_row0, positions, live, length0, present0, CLEAN)
