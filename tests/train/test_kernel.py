@@ -156,18 +156,20 @@ def test_oracle_gradients_equal_autograd_of_its_loss():
         dict(t=23, h_i=3, d_i=16, h=4, d_a=24, dtype=torch.float32),
         dict(t=17, h_i=4, d_i=32, h=4, d_a=16, dtype=torch.bfloat16, target_norm="l1"),
         dict(t=21, h_i=2, d_i=16, h=4, d_a=20, h_kv=2, cu=[0, 1, 12, 12, 21], ratio=2, target_norm="l1",
-             config=dict(dk_min_split_rows=4, fused_dk=False)),
+             config=dict(dk_min_split_rows=4, fused_dk=False, target_chunk_rows=4)),
         dict(t=20, h_i=4, d_i=16, h=2, d_a=16, cu=[0, 7, 20], ratio=3, reduction="sum", coeff=0.25),
         dict(t=40, h_i=8, d_i=16, h=2, d_a=16, cu=[0, 3, 40], target_norm="l1", config=dict(fused_dk=True)),
+        dict(t=40, h_i=8, d_i=16, h=2, d_a=16, cu=[0, 3, 40], config=dict(fused_dk=True, target_chunk_rows=7)),
         dict(t=19, h_i=2, d_i=16, h=4, d_a=40, config=dict(tile_rows=16, block_keys=16, block_d_a=16, num_warps=4)),
     ],
-    ids=["dense-fp32-causal", "dense-bf16-l1", "dense-varlen-ratio2-gqa-l1-split-dk", "dense-varlen-ratio3-sum",
-         "dense-varlen-fused-dk", "dense-small-tiles"],
+    ids=["dense-fp32-causal", "dense-bf16-l1", "dense-varlen-ratio2-gqa-l1-split-dk-chunks",
+         "dense-varlen-ratio3-sum", "dense-varlen-fused-dk", "dense-varlen-fused-dk-chunks", "dense-small-tiles"],
 )
 def test_dense_matches_oracle(kernel_device, case, monkeypatch):
     # dk_min_split_rows: dk summed from several parts of the query sweep; fused_dk: dk added in the gradient pass
     # behind per-tile tickets (the second sequence: three blocks of 16 tokens adding, in turn, to two tiles of
-    # 32 keys), and the separate dk kernel must not run
+    # 32 keys), and the separate dk kernel must not run; target_chunk_rows: the target mass in chunks of 4 or 7
+    # query rows, whose edges cut query blocks, sequences and dk runs
     config = triton_kernels.KlLossConfig(**case.get("config", {}))
     if config.fused_dk:
         monkeypatch.setattr(triton_kernels, "_dk_dense_kernel", None)
@@ -227,11 +229,13 @@ def _distinct_selection(t, slots, cu, *, seed):
 def test_sparse_chunked_dk_matches_oracle(kernel_device, chunk):
     """The sparse dk in query chunks of C tokens (C = 3 over T = 10 splits unevenly; C = 1; C >= T one chunk):
     distinct selections of varying length with -1 slots, two slot tiles per token, two buffer rows a step of the
-    by-key sum; within the oracle's tier (C = 3: and a rerun bitwise equal)."""
+    by-key sum; the target mass in chunks of C + 1 rows; within the oracle's tier (C = 3: and a rerun bitwise
+    equal)."""
     t, cu = 10, [0, 4, 10]
     q, k, w, attn_q, attn_k, attn_lse = _inputs(t, 3, 16, 2, 16, device=kernel_device, seed=11)
     topk = _distinct_selection(t, 20, cu, seed=12).to(kernel_device)
-    config = triton_kernels.KlLossConfig(sparse_dk_chunk_tokens=chunk, sparse_dk_block_slots=16, sparse_dk_sum_entries=2)
+    config = triton_kernels.KlLossConfig(sparse_dk_chunk_tokens=chunk, sparse_dk_block_slots=16, sparse_dk_sum_entries=2,
+                                         target_chunk_rows=chunk + 1)
     kwargs = dict(softmax_scale=0.3, cu_seqlens=torch.tensor(cu, device=kernel_device), topk_indices=topk,
                   target_norm="l1")
     got = indexer_kl_triton(q, k, w, attn_q, attn_k, attn_lse, **kwargs, config=config)
@@ -321,11 +325,14 @@ def _gpu_case(t, *, h=V32["h"], seed=0):
 @pytest.mark.parametrize("fused_dk", [False, True])
 @pytest.mark.parametrize("t, target_norm, h", [(1024, "heads", 128), (2048, "l1", 128), (4096, "heads", 16)])
 def test_gpu_dense_matches_oracle(t, target_norm, h, fused_dk):
+    """T = 2048: the target mass in chunks of 600 query rows (cutting query blocks and dk runs)."""
     q, k, w, attn_q, attn_k = _gpu_case(t, h=h)
     scale = V32["softmax_scale"]
     lse = _gpu_lse(attn_q, attn_k, scale, None) if target_norm == "heads" else torch.randn(t, h, device="cuda") + 8.0
     kwargs = dict(softmax_scale=scale, target_norm=target_norm)
-    got = indexer_kl_triton(q, k, w, attn_q, attn_k, lse, **kwargs, config=triton_kernels.KlLossConfig(fused_dk=fused_dk))
+    chunks = {"target_chunk_rows": 600} if t == 2048 else {}
+    config = triton_kernels.KlLossConfig(fused_dk=fused_dk, **chunks)
+    got = indexer_kl_triton(q, k, w, attn_q, attn_k, lse, **kwargs, config=config)
     _assert_close(got, oracle(q, k, w, attn_q, attn_k, lse, chunk=128, **kwargs), dtype=torch.bfloat16, label=t)
 
 
@@ -422,7 +429,7 @@ def _gpu_lse(attn_q, attn_k, scale, cu, topk=None, chunk=128):
 @pytest.mark.gpu
 @pytest.mark.parametrize("sparse, fused_dk", [(False, False), (False, True), (True, False)])
 def test_gpu_dk_is_bitwise_deterministic(sparse, fused_dk):
-    config = triton_kernels.KlLossConfig(fused_dk=fused_dk)
+    config = triton_kernels.KlLossConfig(fused_dk=fused_dk, target_chunk_rows=700)  # 3 chunks of the target mass
     t = 2048
     q, k, w, attn_q, attn_k = _gpu_case(t)
     lse = torch.randn(t, V32["h"], device="cuda") + 8.0
@@ -453,8 +460,10 @@ def test_gpu_extra_memory_is_linear_in_t():
         outputs = sum(x.numel() * x.element_size() for x in result)
         peaks[t] = torch.cuda.max_memory_allocated() - before - outputs
         del result
-    # At most 16 fp32 [T, D_I] parts of dk plus a few words per token; one fp32 T x T matrix at 8K is 256 MiB.
-    assert peaks[8192] < 16 * 8192 * V32["d_i"] * 4 + 256 * 8192
+    # At most 16 fp32 [T, D_I] parts of dk, the [C, T] fp32 target mass buffer (C = 4096) and a few words per token;
+    # one fp32 T x T matrix at 8K is 256 MiB.
+    chunk = triton_kernels.target_chunk(triton_kernels.KlLossConfig(), 8192)
+    assert peaks[8192] < 16 * 8192 * V32["d_i"] * 4 + chunk * 8192 * 4 + 256 * 8192 < 8192 * 8192 * 4
     assert peaks[8192] <= 2 * peaks[4096] + (1 << 20)
 
 
@@ -476,7 +485,7 @@ def _rows_by_program(writes, tensor, row_bytes) -> dict[int, set]:
     """{row of ``tensor`` (``row_bytes`` apart): the programs (first grid index) that wrote into it}."""
     start = tensor.untyped_storage().data_ptr()
     rows = {}
-    for address, programs in writes.items():
+    for (_, address), programs in writes.items():
         if start <= address < start + tensor.untyped_storage().nbytes():
             rows.setdefault((address - start) // row_bytes, set()).update(program[0] for program in programs)
     return rows
@@ -492,7 +501,7 @@ def test_every_written_value_has_one_owner(kernel_device, stage, monkeypatch):
     key s only by program s of the sum kernel, and every selected key's row is written."""
     if kernel_device != "cpu":
         pytest.skip("records the CPU interpreter's stores: the GPU runs these kernels compiled")
-    from program_writes import recorded_program_writes
+    from program_writes import conflicting_writes, recorded_program_writes
 
     t = 40
     q, k, w, attn_q, attn_k, attn_lse = _inputs(t, 8, 16, 2, 16, device=kernel_device, seed=3)
@@ -501,14 +510,14 @@ def test_every_written_value_has_one_owner(kernel_device, stage, monkeypatch):
         kwargs["topk_indices"] = torch.randint(-1, 30, (t, 6), generator=torch.Generator().manual_seed(4),
                                                dtype=torch.int32)
     config = triton_kernels.KlLossConfig(dk_min_split_rows=4 if stage == "dense-split-dk" else 256,
-                                         sparse_dk_chunk_tokens=16, fused_dk=False)
+                                         sparse_dk_chunk_tokens=16, fused_dk=False, target_chunk_rows=13)
     parts = _Launches(triton_kernels._dk_sparse_parts_kernel)
     sums = _Launches(triton_kernels._dk_sparse_sum_kernel)
     monkeypatch.setattr(triton_kernels, "_dk_sparse_parts_kernel", parts)
     monkeypatch.setattr(triton_kernels, "_dk_sparse_sum_kernel", sums)
     with recorded_program_writes() as writes:
         got = indexer_kl_triton(q, k, w, attn_q, attn_k, attn_lse, **kwargs, config=config)
-    assert not [address for address, programs in writes.items() if len(programs) > 1]
+    assert not conflicting_writes(writes)
     _assert_close(got, oracle(q, k, w, attn_q, attn_k, attn_lse, **kwargs), dtype=torch.float32)
     if stage == "sparse":
         assert len(parts.args) == len(sums.args) == 3  # chunks of 16, 16 and 8 tokens
@@ -524,8 +533,8 @@ def test_every_written_value_has_one_owner(kernel_device, stage, monkeypatch):
     if stage == "dense":
         with recorded_program_writes() as writes:
             indexer_kl_triton(q, k, w, attn_q, attn_k, attn_lse, **kwargs,
-                              config=triton_kernels.KlLossConfig(fused_dk=True))
-        assert [address for address, programs in writes.items() if len(programs) > 1]
+                              config=triton_kernels.KlLossConfig(fused_dk=True, target_chunk_rows=13))
+        assert conflicting_writes(writes)
 
 
 @given(tokens=st.integers(1, 10**6), slots=st.integers(1, 8192), dim=st.sampled_from([16, 64, 128]),

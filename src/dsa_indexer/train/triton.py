@@ -44,9 +44,17 @@ class KlLossConfig:
     """Launch of the KL-loss kernels; the class defaults are what ships (``_tile_plan`` and ``_dk_splits`` turn
     them into one call's tiles).
 
-    tile_rows: ``(token, head)`` rows of one tile, the M dimension of the tensor-core products (a power of two).
-    block_keys: most keys per tile (64 spills registers in the gradient pass at H_I = 64, D_I = 128 on sm_90).
-    block_d_a: most ``D_a`` columns per chunk of the attention product (D_a = 576 = 9 x 64).
+    tile_rows: ``(token, head)`` rows of one indexer tile, the M dimension of its tensor-core products (a power
+        of two).
+    block_keys: most keys per indexer tile.
+    target_head_rows: most attention heads (of one kv group) per target product, its M dimension.
+    target_block_keys: most keys (slots) per target product, its N dimension.
+    block_d_a: ``D_a`` columns per step of the target product (D_a = 576 = 9 x 64).
+    target_group_rows: query rows that sweep the key tiles side by side in the target kernel (L2 reuse).
+    target_stages: software-pipeline depth of the target product's loads.
+    target_warps: warps of the target kernel.
+    target_chunk_rows: query rows ``C`` of the fp32 ``[C, W]`` target mass buffer (``W``: held keys dense, ``K``
+        sparse): ``4 C`` bytes a key, linear in T (16 KB a token at 4096; ``attn_q`` is 147 KB a token at V3.2).
     sparse_dk_buffer_bytes: the most bytes of the sparse ``dk`` pass's fp32 ``[C, K, D_I]`` chunk buffer: ``C``
         is as many query tokens as fit (``sparse_dk_chunk``; 256 tokens at K = 2048, D_I = 128, 1024 at K = 512).
     sparse_dk_chunk_tokens: ``C`` itself (None: from ``sparse_dk_buffer_bytes``); capped by T.
@@ -69,7 +77,13 @@ class KlLossConfig:
 
     tile_rows: int = 128
     block_keys: int = 32
+    target_head_rows: int = 128
+    target_block_keys: int = 128
     block_d_a: int = 64
+    target_group_rows: int = 8
+    target_stages: int = 3
+    target_warps: int = 8
+    target_chunk_rows: int = 4096
     sparse_dk_buffer_bytes: int = 256 << 20
     sparse_dk_chunk_tokens: int | None = None
     sparse_dk_block_slots: int = 64
@@ -143,44 +157,6 @@ def _indexer_tile(q_ptr, w_ptr, k_ptr, t0, n_tok, key_rows, key_ok, sq_t, sq_h, 
 
 
 @triton.jit
-def _target_tile(aq_ptr, ak_ptr, lse_ptr, t0, n_tok, key_rows, key_ok, saq_t, saq_h, sak_s, sak_h, slse_t,
-                 H_KV, GROUP, D_A, qk_scale_log2,
-                 BT: tl.constexpr, HC: tl.constexpr, BS: tl.constexpr, BDA: tl.constexpr, IEEE: tl.constexpr,
-                 UPCAST: tl.constexpr):
-    """``sum_h exp(tau z_h - lse_h)`` [BT, BS] fp32 for tokens ``t0 ..`` and keys ``key_rows`` (rows
-    ``t * HC + head in chunk``; heads ``g * GROUP .. (g + 1) * GROUP - 1`` read kv head g)."""
-    r = tl.arange(0, BT * HC)
-    t = r // HC
-    hh = r % HC
-    tok = t0 + t.to(tl.int64)
-    tok_ok = t < n_tok
-    d = tl.arange(0, BDA)
-    total = tl.zeros([BT, BS], dtype=tl.float32)
-    g = H_KV * 0
-    while g < H_KV:
-        c0 = GROUP * 0
-        while c0 < GROUP:
-            head = g * GROUP + c0 + hh
-            ok = tok_ok & (c0 + hh < GROUP)
-            lse = tl.load(lse_ptr + tok * slse_t + head, mask=ok, other=float("inf")) * 1.4426950408889634
-            z = tl.zeros([BT * HC, BS], dtype=tl.float32)
-            d0 = D_A * 0
-            while d0 < D_A:
-                dd = d0 + d
-                aq = tl.load(aq_ptr + tok[:, None] * saq_t + head[:, None] * saq_h + dd[None, :],
-                             mask=ok[:, None] & (dd < D_A)[None, :], other=0.0)
-                ak = tl.load(ak_ptr + key_rows[:, None] * sak_s + g * sak_h + dd[None, :],
-                             mask=key_ok[:, None] & (dd < D_A)[None, :], other=0.0)
-                z += _mma(aq, tl.trans(ak), IEEE, UPCAST)
-                d0 += BDA
-            probs = tl.exp2(z * qk_scale_log2 - lse[:, None])
-            total += tl.sum(tl.reshape(probs, (BT, HC, BS)), axis=1)
-            c0 += HC
-        g += 1
-    return total
-
-
-@triton.jit
 def _sequence_block(pid, block_seq_ptr, block_start_ptr, cu_ptr, num_seqs, BT: tl.constexpr):
     """(sequence, its first row, its length, first local position of this program's block) of program
     ``pid``; programs past the last block get a sequence of length 0."""
@@ -194,7 +170,7 @@ def _sequence_block(pid, block_seq_ptr, block_start_ptr, cu_ptr, num_seqs, BT: t
     return b, start, length, p0
 
 
-_RUNTIME_INTS = ["num_seqs", "H_I", "D_I", "H", "H_KV", "GROUP", "D_A", "ratio"]
+_RUNTIME_INTS = ["num_seqs", "H_I", "D_I", "H", "ratio", "width"]
 
 
 @triton.jit
@@ -207,17 +183,82 @@ def _held_keys(key_lo_ptr, key_start_ptr, b):
     return lo, start, hi
 
 
+@triton.jit(do_not_specialize=["H_KV", "GROUP", "K", "ratio", "row_lo", "rows", "tiles", "width"])
+def _target_mass_kernel(
+    aq_ptr, ak_ptr, alse_ptr, sel_ptr, sequence_ptr, cu_ptr, key_lo_ptr, key_start_ptr, mass_ptr,
+    saq_t, saq_h, sak_s, sak_h, slse_t, H_KV, GROUP, K, ratio, qk_scale_log2, row_lo, rows, tiles, width,
+    D_A: tl.constexpr, HC: tl.constexpr, BN: tl.constexpr, BDA: tl.constexpr, GM: tl.constexpr,
+    STAGES: tl.constexpr, SPARSE: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """The target mass ``sum_h exp(tau z_h - lse_h)`` of one query row ``t`` of ``[row_lo, row_lo + rows)``
+    against one tile of its keys (``BN`` held key offsets ``o`` dense, ``BN`` slots of ``sel[t]`` sparse) into
+    ``mass[t - row_lo, o]`` (fp32, row stride ``width``); entries the row does not see are not written.
+
+    The ``rows x tiles`` programs go in groups of ``GM`` rows, each group sweeping the key tiles with its rows side
+    by side, so that a group's ``attn_q`` rows and each key tile are read from L2. One product is
+    ``[HC, BDA] x [BDA, BN]``: ``HC`` heads of a kv group (heads ``g * GROUP ..`` read kv head g) against the key
+    tile, ``D_A`` in ``BDA`` chunks, software-pipelined over ``STAGES`` loads."""
+    pid = tl.program_id(0)
+    group = pid // (GM * tiles)
+    in_group = tl.minimum(GM, rows - group * GM)
+    rest = pid - group * GM * tiles
+    t = row_lo + (group * GM + rest % in_group).to(tl.int64)
+    o0 = (rest // in_group) * BN
+    b = tl.load(sequence_ptr + t)
+    key_lo, key_start, key_hi = _held_keys(key_lo_ptr, key_start_ptr, b)
+    offsets = o0 + tl.arange(0, BN)
+    if SPARSE:
+        idx = tl.load(sel_ptr + t * K + offsets, mask=offsets < K, other=-1)
+        key_ok = idx >= 0
+        key_rows = key_start + tl.maximum(idx - key_lo, 0).to(tl.int64)
+        seen = K
+    else:
+        seen = tl.minimum((t - tl.load(cu_ptr + b) + 1) // ratio, key_hi) - key_lo
+        key_ok = offsets < seen
+        key_rows = key_start + offsets.to(tl.int64)
+    if o0 < seen:
+        hh = tl.arange(0, HC)
+        d = tl.arange(0, BDA)
+        mass = tl.zeros([BN], dtype=tl.float32)
+        g = H_KV * 0
+        while g < H_KV:
+            c0 = GROUP * 0
+            while c0 < GROUP:
+                head = g * GROUP + c0 + hh
+                ok = c0 + hh < GROUP
+                lse = tl.load(alse_ptr + t * slse_t + head, mask=ok, other=float("inf")) * 1.4426950408889634
+                z = tl.zeros([HC, BN], dtype=tl.float32)
+                for d0 in tl.range(0, D_A, BDA, num_stages=STAGES):
+                    dd = d0 + d
+                    aq = tl.load(aq_ptr + t * saq_t + head[:, None] * saq_h + dd[None, :],
+                                 mask=ok[:, None] & (dd < D_A)[None, :], other=0.0)
+                    ak = tl.load(ak_ptr + key_rows[:, None] * sak_s + g * sak_h + dd[None, :],
+                                 mask=key_ok[:, None] & (dd < D_A)[None, :], other=0.0)
+                    z += _mma(aq, tl.trans(ak), IEEE, UPCAST)
+                mass += tl.sum(tl.exp2(z * qk_scale_log2 - lse[:, None]), axis=0)
+                c0 += HC
+            g += 1
+        tl.store(mass_ptr + (t - row_lo) * width + offsets, mass, mask=key_ok)
+
+
+@triton.jit
+def _chunk_target(mass_ptr, tok, row_lo, width, offsets, seen):
+    """[BT, BS] target mass of tokens ``tok`` [BT] at key offsets (slots) ``offsets`` [BS] from the chunk buffer
+    whose first row is query row ``row_lo``; 0 where ``seen`` [BT, BS] is false."""
+    return tl.load(mass_ptr + (tok - row_lo)[:, None] * width + offsets[None, :], mask=seen, other=0.0)
+
+
 @triton.jit(do_not_specialize=_RUNTIME_INTS + ["K", "row_lo", "row_hi"])
 def _query_kernel(
-    q_ptr, w_ptr, k_ptr, aq_ptr, ak_ptr, alse_ptr, sel_ptr,
+    q_ptr, w_ptr, k_ptr, mass_ptr, sel_ptr,
     cu_ptr, block_seq_ptr, block_start_ptr, key_lo_ptr, key_start_ptr,
     lse_i_ptr, denom_ptr, scale_ptr,
     kl_ptr, dq_ptr, dw_ptr, gbuf_ptr,
     dk_sum_ptr, tickets_ptr, tile_start_ptr,
-    sq_t, sq_h, sw_t, sk_s, saq_t, saq_h, sak_s, sak_h, slse_t, sdq_t, sdq_h, sdw_t,
-    num_seqs, H_I, D_I, H, H_KV, GROUP, D_A, K, ratio, qk_scale_log2, pi_weight, row_lo, row_hi,
-    BT: tl.constexpr, HIP: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, HC: tl.constexpr, BDA: tl.constexpr,
-    SPARSE: tl.constexpr, STATS: tl.constexpr, L1: tl.constexpr, IEEE_I: tl.constexpr, IEEE_A: tl.constexpr, UPCAST: tl.constexpr,
+    sq_t, sq_h, sw_t, sk_s, sdq_t, sdq_h, sdw_t,
+    num_seqs, H_I, D_I, H, K, ratio, width, pi_weight, row_lo, row_hi,
+    BT: tl.constexpr, HIP: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr,
+    SPARSE: tl.constexpr, STATS: tl.constexpr, L1: tl.constexpr, IEEE_I: tl.constexpr, UPCAST: tl.constexpr,
     FUSED_DK: tl.constexpr, ENTROPY: tl.constexpr, GRADS: tl.constexpr,
 ):
     """One block of ``BT`` query tokens against the keys held here: with ``STATS`` the row statistics over
@@ -226,17 +267,19 @@ def _query_kernel(
 
     Keys: sequence ``b`` holds its ids ``[key_lo[b], key_lo[b] + key_start[b+1] - key_start[b])`` at rows
     ``key_start[b] + id - key_lo[b]`` of ``k`` (one process: all its keys; a context-parallel rank: a shard);
-    visibility uses the id. ``H`` is the head count of the ``"heads"`` denominator (all heads, also when
-    ``aq`` holds a shard of them). The gradient pass takes the merged ``lse_i``, ``denom`` and ``scale`` and
-    forms ``G = scale (pi_weight pi - p)``; ``kl[t] = sum_s p (log p - log pi) - LSE_I sum_s p`` (without
-    ``ENTROPY``: ``- sum_s p log pi - LSE_I sum_s p``), the caller adds ``LSE_I`` once per valid row. Only
-    tokens in ``[row_lo, row_hi)`` are computed; ``GRADS=False`` skips the gradients (loss parts only).
+    visibility uses the id. The target mass comes from the chunk buffer ``mass`` (``_target_mass_kernel``'s rows
+    ``row_lo ..``, stride ``width``; unread by ``STATS`` without ``L1``). ``H`` is the head count of the
+    ``"heads"`` denominator (all heads, also when the target holds a shard of them). The gradient pass takes the
+    merged ``lse_i``, ``denom`` and ``scale`` and forms ``G = scale (pi_weight pi - p)``;
+    ``kl[t] = sum_s p (log p - log pi) - LSE_I sum_s p`` (without ``ENTROPY``: ``- sum_s p log pi - LSE_I sum_s
+    p``), the caller adds ``LSE_I`` once per valid row. Only tokens in ``[row_lo, row_hi)`` are computed;
+    ``GRADS=False`` skips the gradients (loss parts only).
 
     ``FUSED_DK`` (dense, one process): also adds the block's ``M^T q`` of each key tile into ``dk_sum`` (fp32
     [T_k, D_I]), in a fixed order: the blocks of a sequence add to a tile from the last one down, each waiting
-    until the tile's ticket (int32, one per key tile, ``tile_start[b]`` the first tile of sequence b) counts the
-    blocks above it. Programs start in that same order (heaviest first), so a program only waits for earlier
-    ones."""
+    until the tile's ticket (int32, one per key tile, ``tile_start[b]`` the first tile of sequence b, zero at the
+    launch) counts the blocks above it that hold rows of ``[row_lo, row_hi)``. Programs start in that same order
+    (heaviest first), so a program only waits for earlier ones."""
     pid = tl.num_programs(0) - 1 - tl.program_id(0)  # the last blocks of a sequence (most keys) start first
     b, seq_start, seq_len, p0 = _sequence_block(pid, block_seq_ptr, block_start_ptr, cu_ptr, num_seqs, BT)
     n_tok = tl.maximum(tl.minimum(seq_len - p0, BT), 0)
@@ -290,12 +333,9 @@ def _query_kernel(
                 tl.where(vis, tl.exp2((scores - m_safe[:, None]) * 1.4426950408889634), 0.0), axis=1)
             m_i = m_new
             if L1:
-                target = _target_tile(aq_ptr, ak_ptr, alse_ptr, t0, n_tok, key_rows, key_ok, saq_t, saq_h, sak_s, sak_h,
-                                      slse_t, H_KV, GROUP, D_A, qk_scale_log2, BT, HC, BS, BDA, IEEE_A, UPCAST)
-                den += tl.sum(tl.where(vis, target, 0.0), axis=1)
+                den += tl.sum(_chunk_target(mass_ptr, tok, row_lo, width, cols, vis & tok_ok[:, None]), axis=1)
         else:
-            target = _target_tile(aq_ptr, ak_ptr, alse_ptr, t0, n_tok, key_rows, key_ok, saq_t, saq_h, sak_s, sak_h,
-                                  slse_t, H_KV, GROUP, D_A, qk_scale_log2, BT, HC, BS, BDA, IEEE_A, UPCAST)
+            target = _chunk_target(mass_ptr, tok, row_lo, width, cols, vis & tok_ok[:, None])
             p = target / den[:, None]
             log_pi = scores - lse_i[:, None]
             if ENTROPY:
@@ -314,7 +354,8 @@ def _query_kernel(
                 if FUSED_DK:
                     part = _mma_split(tl.trans(tl.where(a > 0.0, grad_rows * w[:, None], 0.0)), q, IEEE_I, UPCAST)
                     ticket = tickets_ptr + tl.load(tile_start_ptr + b) + s0 // BS
-                    above = tl.cdiv(seq_len, BT) - 1 - p0 // BT  # blocks of this sequence after this one
+                    # this sequence's blocks after this one that hold rows of [row_lo, row_hi)
+                    above = (tl.minimum(seq_len, row_hi - seq_start) - 1) // BT - p0 // BT
                     while tl.atomic_add(ticket, 0, sem="acquire") != above:
                         pass
                     d = tl.arange(0, BD)
@@ -341,7 +382,7 @@ def _query_kernel(
             r = tl.arange(0, BT * HIP)
             rt = r // HIP
             rj = r % HIP
-            row_ok = (rt < n_tok) & (rj < H_I)
+            row_ok = (rt >= in_lo) & (rt < in_hi) & (rj < H_I)  # this launch's rows only
             rtok = t0 + rt.to(tl.int64)
             d = tl.arange(0, BD)
             w = tl.load(w_ptr + rtok * sw_t + rj, mask=row_ok, other=0.0).to(tl.float32)
@@ -351,20 +392,21 @@ def _query_kernel(
             tl.store(dw_ptr + rtok * sdw_t + rj, _as_output(dw_acc, dw_ptr, UPCAST), mask=row_ok)
 
 
-@triton.jit(do_not_specialize=_RUNTIME_INTS + ["splits"])
+@triton.jit(do_not_specialize=_RUNTIME_INTS + ["splits", "row_lo", "row_hi"])
 def _dk_dense_kernel(
-    q_ptr, w_ptr, k_ptr, aq_ptr, ak_ptr, alse_ptr,
+    q_ptr, w_ptr, k_ptr, mass_ptr,
     cu_ptr, block_seq_ptr, block_start_ptr, key_lo_ptr, key_start_ptr,
     lse_i_ptr, denom_ptr, scale_ptr, part_ptr,
-    sq_t, sq_h, sw_t, sk_s, saq_t, saq_h, sak_s, sak_h, slse_t, spart_split, spart_s,
-    num_seqs, H_I, D_I, H, H_KV, GROUP, D_A, ratio, splits, qk_scale_log2, pi_weight,
-    BT: tl.constexpr, HIP: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, HC: tl.constexpr, BDA: tl.constexpr,
-    L1: tl.constexpr, IEEE_I: tl.constexpr, IEEE_A: tl.constexpr, UPCAST: tl.constexpr,
+    sq_t, sq_h, sw_t, sk_s, spart_split, spart_s,
+    num_seqs, H_I, D_I, H, ratio, width, splits, pi_weight, row_lo, row_hi,
+    BT: tl.constexpr, HIP: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr,
+    L1: tl.constexpr, IEEE_I: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Part ``program_id(1)`` of ``dk`` of one block of ``BS`` held keys of one sequence (dense stage; keys as
     in ``_query_kernel``, the blocks mapped over ``key_start``): the queries that see its first key, cut in
-    ``splits`` equal runs, this program's run swept in token order, summing ``M^T q`` with
-    ``M = G w 1[a > 0]``, ``G = scale (pi_weight pi - p)``, into ``part[split]`` (fp32)."""
+    ``splits`` equal runs, this program's run (its rows in the chunk ``[row_lo, row_hi)`` whose target mass
+    ``mass`` holds) swept in token order, adding ``M^T q`` with ``M = G w 1[a > 0]``,
+    ``G = scale (pi_weight pi - p)``, to ``part[split]`` (fp32; chunks in row order)."""
     pid = tl.program_id(0)
     split = tl.program_id(1).to(tl.int64)
     b, key_start, key_len, s0 = _sequence_block(pid, block_seq_ptr, block_start_ptr, key_start_ptr, num_seqs, BS)
@@ -381,7 +423,9 @@ def _dk_dense_kernel(
     p_first = (key_lo + s0 + 1) * ratio - 1  # the first query that sees the block's first key
     run = tl.cdiv(tl.cdiv(tl.maximum(seq_len - p_first, 0), splits), BT) * BT
     p0 = p_first + split * run
-    p_end = tl.minimum(seq_len, p0 + run)
+    p_end = tl.minimum(tl.minimum(seq_len, p0 + run), row_hi - seq_start)
+    p0 = tl.maximum(p0, row_lo - seq_start)
+    worked = p0 < p_end
     while p0 < p_end:
         n_tok = tl.minimum(p_end - p0, BT)
         t0 = seq_start + p0
@@ -391,8 +435,7 @@ def _dk_dense_kernel(
         vis = (cols[None, :] < limit[:, None]) & key_ok[None, :]
         a, w, scores, q, kt = _indexer_tile(q_ptr, w_ptr, k_ptr, t0, n_tok, key_rows, key_ok, sq_t, sq_h, sw_t, sk_s,
                                             H_I, D_I, BT, HIP, BS, BD, IEEE_I, UPCAST)
-        target = _target_tile(aq_ptr, ak_ptr, alse_ptr, t0, n_tok, key_rows, key_ok, saq_t, saq_h, sak_s, sak_h,
-                              slse_t, H_KV, GROUP, D_A, qk_scale_log2, BT, HC, BS, BDA, IEEE_A, UPCAST)
+        target = _chunk_target(mass_ptr, tok, row_lo, width, offsets, vis)
         lse_i = tl.load(lse_i_ptr + tok, mask=tok_ok, other=0.0)
         if L1:
             den = tl.load(denom_ptr + tok, mask=tok_ok, other=1.0)
@@ -404,9 +447,11 @@ def _dk_dense_kernel(
         gated = tl.where(a > 0.0, grad_rows * w[:, None], 0.0)  # [BT*HIP, BS]
         dk_acc += _mma_split(tl.trans(gated), q, IEEE_I, UPCAST)
         p0 += BT
-    d = tl.arange(0, BD)
-    tl.store(part_ptr + split * spart_split + key_rows[:, None] * spart_s + d[None, :], dk_acc,
-             mask=key_ok[:, None] & (d < D_I)[None, :])
+    if worked:
+        d = tl.arange(0, BD)
+        where = part_ptr + split * spart_split + key_rows[:, None] * spart_s + d[None, :]
+        inside = key_ok[:, None] & (d < D_I)[None, :]
+        tl.store(where, tl.load(where, mask=inside, other=0.0) + dk_acc, mask=inside)
 
 
 @triton.jit(do_not_specialize=["H_I", "D_I", "K", "chunk_start", "run"])
@@ -543,18 +588,29 @@ def _block_map(cu: torch.Tensor, block: int, programs: int) -> tuple[torch.Tenso
     return block_seq.to(torch.int32), block_start
 
 
-def _tile_plan(config: KlLossConfig, h_i: int, d_i: int, group: int, d_a: int, keys: int, sparse: bool) -> dict:
-    """Tile sizes (the kernels' constexprs): ``(token, head)`` rows near ``config.tile_rows`` and every dimension
-    at least 16 (the tensor-core minimum); key tiles and ``D_a`` chunks no wider than ``keys`` (the most a row
-    sweeps) and ``D_a`` need. ``BT`` tokens (1 when sparse) of ``HIP`` padded heads, ``HC`` attention heads a
-    step, ``BD`` padded ``D_I``, ``BS`` keys a tile, ``BDA`` ``D_a`` columns a chunk."""
+def _tile_plan(config: KlLossConfig, h_i: int, d_i: int, keys: int, sparse: bool) -> dict:
+    """Indexer tile sizes (the kernels' constexprs): ``(token, head)`` rows near ``config.tile_rows`` and every
+    dimension at least 16 (the tensor-core minimum); key tiles no wider than ``keys`` (the most a row sweeps).
+    ``BT`` tokens (1 when sparse) of ``HIP`` padded heads, ``BD`` padded ``D_I``, ``BS`` keys a tile."""
     hip = next_pow2(h_i)
     bt = 1 if sparse else max(1, config.tile_rows // hip)
     hip = max(hip, 16 // bt)
-    hc = max(16 // bt, min(next_pow2(group), max(1, config.tile_rows // bt)))
-    return {"BT": bt, "HIP": hip, "BD": next_pow2(d_i, minimum=16), "HC": hc,
-            "BS": min(config.block_keys, next_pow2(keys, minimum=16)),
-            "BDA": min(config.block_d_a, next_pow2(d_a, minimum=16))}
+    return {"BT": bt, "HIP": hip, "BD": next_pow2(d_i, minimum=16),
+            "BS": min(config.block_keys, next_pow2(keys, minimum=16))}
+
+
+def _target_plan(config: KlLossConfig, group: int, d_a: int, width: int) -> dict:
+    """Target kernel constexprs: ``HC`` heads a product (at least 16), ``BN`` keys a product (no wider than the
+    ``width`` keys a row can see), ``BDA`` ``D_a`` columns a step."""
+    return {"HC": max(16, min(next_pow2(group), config.target_head_rows)),
+            "BN": min(config.target_block_keys, next_pow2(width, minimum=16)),
+            "BDA": min(config.block_d_a, next_pow2(d_a, minimum=16)),
+            "GM": config.target_group_rows, "STAGES": config.target_stages}
+
+
+def target_chunk(config: KlLossConfig, rows: int) -> int:
+    """Query rows per chunk of the target mass buffer: ``config.target_chunk_rows``, at least 1, at most ``rows``."""
+    return max(1, min(config.target_chunk_rows, rows))
 
 
 def _dk_splits(config: KlLossConfig, key_programs: int, t: int) -> int:
@@ -636,17 +692,39 @@ class Problem:
     def layout_args(self) -> dict:
         """The kernels' layout and shape arguments shared by the query and dense ``dk`` passes."""
         return dict(
-            q_ptr=self.q, w_ptr=self.weights, k_ptr=self.k, aq_ptr=self.attn_q, ak_ptr=self.attn_k,
-            alse_ptr=self.attn_lse, cu_ptr=self.cu, key_lo_ptr=self.key_lo, key_start_ptr=self.key_start,
-            sq_t=self.q.stride(0), sq_h=self.q.stride(1), sw_t=self.weights.stride(0), sk_s=self.k.stride(0),
-            saq_t=self.attn_q.stride(0), saq_h=self.attn_q.stride(1), sak_s=self.attn_k.stride(0),
-            sak_h=self.attn_k.stride(1), slse_t=self.attn_lse.stride(0),
-            num_seqs=self.num_seqs, H_I=self.q.shape[1], D_I=self.q.shape[2], H=self.num_heads,
-            H_KV=self.attn_k.shape[1], GROUP=self.attn_q.shape[1] // self.attn_k.shape[1], D_A=self.attn_q.shape[2],
-            ratio=self.compress_ratio, qk_scale_log2=self.softmax_scale * _LOG2E,
-            L1=self.l1, IEEE_I=self.q.dtype == torch.float32, IEEE_A=self.attn_q.dtype == torch.float32,
-            UPCAST=interpreting(), num_warps=self.config.num_warps,
+            q_ptr=self.q, w_ptr=self.weights, k_ptr=self.k, cu_ptr=self.cu, key_lo_ptr=self.key_lo,
+            key_start_ptr=self.key_start, sq_t=self.q.stride(0), sq_h=self.q.stride(1), sw_t=self.weights.stride(0),
+            sk_s=self.k.stride(0), num_seqs=self.num_seqs, H_I=self.q.shape[1], D_I=self.q.shape[2], H=self.num_heads,
+            ratio=self.compress_ratio, L1=self.l1, IEEE_I=self.q.dtype == torch.float32, UPCAST=interpreting(),
+            num_warps=self.config.num_warps,
         )
+
+    @property
+    def target_width(self) -> int:
+        """Columns of a target mass buffer row: the held keys (dense; a row's held offsets), ``K`` (sparse)."""
+        return max(1, self.held_keys if self.selection is None else self.selection.shape[1])
+
+    def target_chunks(self, rows: tuple[int, int]):
+        """Yields ``(r0, r1, mass)`` over the chunks of query rows ``[r0, r1)`` of ``rows``, in row order, after
+        writing each chunk's target mass (``_target_mass_kernel``) into ``mass`` (fp32 ``[C, target_width]``,
+        one buffer reused by every chunk: a chunk's consumers run before the next chunk is written)."""
+        width = self.target_width
+        chunk = target_chunk(self.config, rows[1] - rows[0])
+        mass = torch.empty((chunk, width), dtype=torch.float32, device=self.q.device)
+        plan = _target_plan(self.config, self.attn_q.shape[1] // self.attn_k.shape[1], self.attn_q.shape[2], width)
+        tiles = triton.cdiv(width, plan["BN"])
+        sparse = self.selection is not None
+        for r0 in range(rows[0], rows[1], chunk):
+            r1 = min(rows[1], r0 + chunk)
+            _target_mass_kernel[((r1 - r0) * tiles,)](
+                self.attn_q, self.attn_k, self.attn_lse, self.selection if sparse else self.cu, self.sequence, self.cu,
+                self.key_lo, self.key_start, mass, self.attn_q.stride(0), self.attn_q.stride(1),
+                self.attn_k.stride(0), self.attn_k.stride(1), self.attn_lse.stride(0), self.attn_k.shape[1],
+                self.attn_q.shape[1] // self.attn_k.shape[1], self.selection.shape[1] if sparse else 0,
+                self.compress_ratio, self.softmax_scale * _LOG2E, r0, r1 - r0, tiles, width,
+                **plan, D_A=self.attn_q.shape[2], SPARSE=sparse, IEEE=self.attn_q.dtype == torch.float32,
+                UPCAST=interpreting(), num_warps=self.config.target_warps)
+            yield r0, r1, mass
 
 
 def prepare(q, k, weights, attn_q, attn_k, attn_lse, *, softmax_scale: float, cu_seqlens=None, topk_indices=None,
@@ -663,7 +741,7 @@ def prepare(q, k, weights, attn_q, attn_k, attn_lse, *, softmax_scale: float, cu
     _check_inputs(q, k, weights, attn_q, attn_k, attn_lse, softmax_scale, cu_seqlens, topk_indices, compress_ratio,
                   target_norm, reduction, coeff, key_shard is None)
     t, h_i, d_i = q.shape
-    t_k, h, d_a = k.shape[0], attn_q.shape[1], attn_q.shape[2]
+    t_k, h = k.shape[0], attn_q.shape[1]
     device = q.device
     if key_shard is None:
         if cu_seqlens is not None and value_checks_enabled():
@@ -688,7 +766,7 @@ def prepare(q, k, weights, attn_q, attn_k, attn_lse, *, softmax_scale: float, cu
         held = cu_k.clamp(key_shard.offset, key_shard.offset + key_shard.size)
         key_lo, key_start = held[:-1] - cu_k[:-1], held - key_shard.offset
     sparse = topk_indices is not None
-    tiles = _tile_plan(config, h_i, d_i, h // attn_k.shape[1], d_a, topk_indices.shape[1] if sparse else t_k, sparse)
+    tiles = _tile_plan(config, h_i, d_i, topk_indices.shape[1] if sparse else t_k, sparse)
     rows = torch.arange(t, dtype=torch.int64, device=device)
     sequence = torch.searchsorted(cu[1:], rows, right=True)
     position = rows - cu[sequence]
@@ -736,8 +814,14 @@ def row_statistics(problem: Problem) -> torch.Tensor:
         stats[0] = float("-inf")
         return stats
     args = _query_args(problem, stats[0], stats[1], stats[0], problem.q, problem.weights, stats[0])
-    _query_kernel[(problem.block_seq.shape[0],)](**args, pi_weight=1.0, row_lo=0, row_hi=t, STATS=True,
-                                                  ENTROPY=True, GRADS=True)
+    launch = _query_kernel[(problem.block_seq.shape[0],)]
+    if problem.l1:
+        for r0, r1, mass in problem.target_chunks((0, t)):
+            launch(**args, mass_ptr=mass, width=mass.shape[1], pi_weight=1.0, row_lo=r0, row_hi=r1, STATS=True,
+                   ENTROPY=True, GRADS=True)
+    else:
+        launch(**args, mass_ptr=stats[1], width=1, pi_weight=1.0, row_lo=0, row_hi=t, STATS=True, ENTROPY=True,
+               GRADS=True)
     return stats
 
 
@@ -782,55 +866,63 @@ def row_gradients(problem: Problem, lse_i: torch.Tensor, denom: torch.Tensor, *,
     kl = (torch.empty if rows == (0, t) else torch.zeros)(t, dtype=torch.float32, device=device)
     sparse = problem.selection is not None
     if gradients:
-        # Every row of dq and dw is written by exactly one program.
-        dq = torch.empty(problem.q.shape, dtype=dtypes[0], device=device)
-        dw = torch.empty(problem.weights.shape, dtype=dtypes[2], device=device)
+        # Every row of dq and dw in `rows` is written by exactly one program, once.
+        alloc = torch.empty if rows == (0, t) else torch.zeros
+        dq = alloc(problem.q.shape, dtype=dtypes[0], device=device)
+        dw = alloc(problem.weights.shape, dtype=dtypes[2], device=device)
         gbuf = torch.zeros(problem.selection.numel() if sparse else 1, dtype=torch.float32, device=device)
     else:
         dq, dw, gbuf = problem.q, problem.weights, kl
     fused = gradients and problem.config.fused_dk and not sparse and problem.held_keys > 0
+    dense_dk = gradients and not fused and not sparse
     args = _query_args(problem, lse_i, denom if problem.l1 else lse_i, kl, dq, dw, gbuf)
+    tickets = None
     if fused:
         d_i, bs = problem.q.shape[2], problem.tiles["BS"]
         tiles = (problem.key_start[1:] - problem.key_start[:-1] + bs - 1) // bs
         tile_start = torch.zeros_like(problem.key_start)
         tile_start[1:] = torch.cumsum(tiles, 0)
-        dk_sum = torch.zeros((problem.held_keys, d_i), dtype=torch.float32, device=device)
-        args.update(dk_sum_ptr=dk_sum, tile_start_ptr=tile_start, FUSED_DK=True,
-                    tickets_ptr=torch.zeros(problem.held_keys // bs + problem.num_seqs, dtype=torch.int32,
-                                            device=device))
-    _query_kernel[(problem.block_seq.shape[0],)](**args, pi_weight=float(pi_weight), row_lo=rows[0], row_hi=rows[1],
-                                                  STATS=False, ENTROPY=entropy, GRADS=gradients)
+        dk = torch.zeros((problem.held_keys, d_i), dtype=torch.float32, device=device)
+        tickets = torch.empty(problem.held_keys // bs + problem.num_seqs, dtype=torch.int32, device=device)
+        args.update(dk_sum_ptr=dk, tile_start_ptr=tile_start, tickets_ptr=tickets, FUSED_DK=True)
+    elif dense_dk:
+        dk_launch, dk_args, dk = _dense_key_gradients(problem, lse_i, denom, pi_weight)
+    for r0, r1, mass in problem.target_chunks(rows):
+        if tickets is not None:
+            tickets.zero_()
+        _query_kernel[(problem.block_seq.shape[0],)](**args, mass_ptr=mass, width=mass.shape[1],
+                                                      pi_weight=float(pi_weight), row_lo=r0, row_hi=r1, STATS=False,
+                                                      ENTROPY=entropy, GRADS=gradients)
+        if dense_dk and dk_launch is not None:
+            dk_launch(**dk_args, mass_ptr=mass, width=mass.shape[1], row_lo=r0, row_hi=r1)
     if not gradients:
         return kl, None, None, None
-    if fused:
-        return kl, dq, dk_sum.to(dtypes[1]), dw
-    return kl, dq, _key_gradients(problem, lse_i, denom, pi_weight, gbuf, dtypes[1]), dw
+    if sparse:
+        return kl, dq, _sparse_key_gradients(problem, gbuf, dtypes[1]), dw
+    if dense_dk:
+        dk = dk.sum(0)
+    return kl, dq, dk.to(dtypes[1]), dw
 
 
-def _key_gradients(problem: Problem, lse_i, denom, pi_weight: float, gbuf, dtype) -> torch.Tensor:
-    """Pass 3: ``dk`` of the held keys in ``dtype`` (sparse: ``_sparse_key_gradients`` from ``G`` per slot; dense:
-    fp32 parts over runs of the query sweep, summed in split order)."""
-    device = problem.q.device
+def _dense_key_gradients(problem: Problem, lse_i, denom, pi_weight: float):
+    """Pass 3 of the dense stage, set up for the chunks of ``row_gradients``: (the ``_dk_dense_kernel`` launch or
+    None without held keys, its arguments but the chunk's, the fp32 parts ``[splits, held keys, D_I]`` it adds to,
+    summed in split order by the caller: deterministic)."""
     t, h_i, d_i = problem.q.shape
     held = problem.held_keys
     config = problem.config
-    if problem.selection is not None:
-        return _sparse_key_gradients(problem, gbuf, dtype)
+    parts = torch.zeros((1, held, d_i), dtype=torch.float32, device=problem.q.device)
     if not held:
-        return torch.empty((0, d_i), dtype=dtype, device=device)
-    group = problem.attn_q.shape[1] // problem.attn_k.shape[1]
-    dense = _tile_plan(config, h_i, d_i, group, problem.attn_q.shape[2], held, False)
+        return None, {}, parts
+    dense = _tile_plan(config, h_i, d_i, held, False)
     key_programs = held // dense["BS"] + problem.num_seqs
     key_seq, key_block_start = _block_map(problem.key_start, dense["BS"], key_programs)
-    # The fp32 parts of the `splits` runs are summed in split order by one torch reduction: deterministic.
     splits = _dk_splits(config, key_programs, t)
-    parts = torch.empty((splits, held, d_i), dtype=torch.float32, device=device)
-    _dk_dense_kernel[(key_programs, splits)](
-        **problem.layout_args(), **dense, block_seq_ptr=key_seq, block_start_ptr=key_block_start,
-        lse_i_ptr=lse_i, denom_ptr=denom if problem.l1 else lse_i, scale_ptr=problem.scale, part_ptr=parts,
-        spart_split=parts.stride(0), spart_s=parts.stride(1), splits=splits, pi_weight=float(pi_weight))
-    return parts.sum(0).to(dtype)
+    parts = torch.zeros((splits, held, d_i), dtype=torch.float32, device=problem.q.device)
+    args = dict(**problem.layout_args(), **dense, block_seq_ptr=key_seq, block_start_ptr=key_block_start,
+                lse_i_ptr=lse_i, denom_ptr=denom if problem.l1 else lse_i, scale_ptr=problem.scale, part_ptr=parts,
+                spart_split=parts.stride(0), spart_s=parts.stride(1), splits=splits, pi_weight=float(pi_weight))
+    return _dk_dense_kernel[(key_programs, splits)], args, parts
 
 
 def sparse_dk_chunk(config: KlLossConfig, tokens: int, slots: int, index_dim: int) -> int:
