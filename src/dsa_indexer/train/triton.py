@@ -812,17 +812,20 @@ def row_statistics(problem: Problem) -> torch.Tensor:
     stats = torch.zeros((2, t), dtype=torch.float32, device=problem.q.device)
     if problem.empty:
         stats[0] = float("-inf")
-        return stats
-    args = _query_args(problem, stats[0], stats[1], stats[0], problem.q, problem.weights, stats[0])
-    launch = _query_kernel[(problem.block_seq.shape[0],)]
-    if problem.l1:
+    elif problem.l1:
         for r0, r1, mass in problem.target_chunks((0, t)):
-            launch(**args, mass_ptr=mass, width=mass.shape[1], pi_weight=1.0, row_lo=r0, row_hi=r1, STATS=True,
-                   ENTROPY=True, GRADS=True)
+            _chunk_statistics(problem, stats, r0, r1, mass)
     else:
-        launch(**args, mass_ptr=stats[1], width=1, pi_weight=1.0, row_lo=0, row_hi=t, STATS=True, ENTROPY=True,
-               GRADS=True)
+        _chunk_statistics(problem, stats, 0, t, stats[1])
     return stats
+
+
+def _chunk_statistics(problem: Problem, stats: torch.Tensor, r0: int, r1: int, mass: torch.Tensor) -> None:
+    """Pass 1 on query rows ``[r0, r1)`` into ``stats`` (fp32 ``[2, T]``), the target mass of ``"l1"`` from the
+    chunk buffer ``mass`` (its first row ``r0``)."""
+    args = _query_args(problem, stats[0], stats[1], stats[0], problem.q, problem.weights, stats[0])
+    _query_kernel[(problem.block_seq.shape[0],)](**args, mass_ptr=mass, width=mass.shape[-1], pi_weight=1.0, row_lo=r0,
+                                                  row_hi=r1, STATS=True, ENTROPY=True, GRADS=True)
 
 
 def merge_key_statistics(parts) -> tuple[torch.Tensor, torch.Tensor]:
@@ -845,7 +848,7 @@ def merge_head_statistics(parts) -> tuple[torch.Tensor, torch.Tensor]:
 
 def row_gradients(problem: Problem, lse_i: torch.Tensor, denom: torch.Tensor, *, pi_weight: float = 1.0,
                   entropy: bool = True, rows: tuple[int, int] | None = None, gradients: bool = True,
-                  partial: bool = False):
+                  partial: bool = False, statistics: torch.Tensor | None = None):
     """Pass 2 (and 3) over the held keys and heads, given the merged ``LSE_I`` and ``D_t`` (fp32 ``[T]``):
     ``(kl [T] fp32, dq, dk [held keys, D_I], dw)`` of ``G = scale (pi_weight π - p)``.
 
@@ -853,6 +856,8 @@ def row_gradients(problem: Problem, lse_i: torch.Tensor, denom: torch.Tensor, *,
     key); ``finish_loss`` adds ``LSE_I`` once. The gradients are in the dtypes of ``q``, ``k``, ``weights``, or
     fp32 with ``partial`` (parts to be summed before one rounding). ``rows``: only query rows ``[r0, r1)``
     (the others' ``kl`` is 0); ``gradients=False``: the loss parts alone (the gradients are ``None``).
+    ``statistics`` (one process, every key held: ``lse_i`` and ``denom`` are its rows): each chunk's pass 1 runs
+    first into it, from the same target mass, so the target is computed once for ``"l1"`` too.
     """
     t = problem.q.shape[0]
     device = problem.q.device
@@ -888,6 +893,8 @@ def row_gradients(problem: Problem, lse_i: torch.Tensor, denom: torch.Tensor, *,
     elif dense_dk:
         dk_launch, dk_args, dk = _dense_key_gradients(problem, lse_i, denom, pi_weight)
     for r0, r1, mass in problem.target_chunks(rows):
+        if statistics is not None:
+            _chunk_statistics(problem, statistics, r0, r1, mass)
         if tickets is not None:
             tickets.zero_()
         _query_kernel[(problem.block_seq.shape[0],)](**args, mass_ptr=mass, width=mass.shape[1],
@@ -1012,6 +1019,7 @@ def indexer_kl_triton(q, k, weights, attn_q, attn_k, attn_lse, *, softmax_scale:
     if problem.empty:
         zeros = (torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, weights))
         return (torch.zeros((), dtype=torch.float32, device=q.device), *zeros)
-    lse_i, denom = merge_key_statistics([row_statistics(problem)])
-    kl, dq, dk, dw = row_gradients(problem, lse_i, denom)
-    return finish_loss(problem, lse_i, kl), dq, dk, dw
+    # One part's merge is its own values: each chunk's statistics are final once computed.
+    statistics = torch.zeros((2, problem.q.shape[0]), dtype=torch.float32, device=q.device)
+    kl, dq, dk, dw = row_gradients(problem, statistics[0], statistics[1], statistics=statistics)
+    return finish_loss(problem, statistics[0], kl), dq, dk, dw
