@@ -438,8 +438,7 @@ def test_decode_dispatch_follows_the_rule_and_each_choice_gives_the_reference_bi
     batch = inputs.q.shape[0]
     for rows in (1, 2):
         for length in LENGTHS:
-            auto = fmt == "fp8" or gluon_decode_mxfp4.GLUON_MXFP4_AUTO
-            expected_kernel = "gluon" if auto and _rule(fmt)(batch, rows, length) else "triton"
+            expected_kernel = "gluon" if _rule(fmt)(batch, rows, length) else "triton"
             assert decode_kernel(inputs.q[:, :rows], inputs.cache, length) == expected_kernel, (rows, length)
     width = inputs.max_context_len
     expected = run_decode(inputs, "reference", True, 8)[:, :width]

@@ -83,8 +83,7 @@ def decode_kernel(q: torch.Tensor, cache: KCacheLayout, max_context_len: int) ->
     A Gluon (warp-specialised, wgmma) kernel needs a CUDA GPU of capability 9.x (Hopper's wgmma), e4m3
     dots (not the upcast path), a Triton with Gluon and a shape it takes (``_gluon_takes_shape``); under
     ``auto`` it also has to win for this work size (host integers only): FP8
-    ``gluon_decode.gluon_decode_preferred``, MXFP4 ``gluon_decode_mxfp4.gluon_mxfp4_decode_preferred`` while
-    ``GLUON_MXFP4_AUTO`` is on (off: see there).
+    ``gluon_decode.gluon_decode_preferred``, MXFP4 ``gluon_decode_mxfp4.gluon_mxfp4_decode_preferred``.
     ``DSA_INDEXER_DECODE_KERNEL`` forces either (``gluon`` falls back to Triton where no Gluon kernel can
     run)."""
     choice = os.environ.get(DECODE_KERNEL_ENV) or "auto"
@@ -105,9 +104,9 @@ def decode_kernel(q: torch.Tensor, cache: KCacheLayout, max_context_len: int) ->
 
         preferred = gluon_decode_preferred(batch, next_n, max_context_len)
     else:
-        from .gluon_decode_mxfp4 import GLUON_MXFP4_AUTO, gluon_mxfp4_decode_preferred
+        from .gluon_decode_mxfp4 import gluon_mxfp4_decode_preferred
 
-        preferred = GLUON_MXFP4_AUTO and gluon_mxfp4_decode_preferred(batch, next_n, max_context_len)
+        preferred = gluon_mxfp4_decode_preferred(batch, next_n, max_context_len)
     return "gluon" if preferred else "triton"
 
 

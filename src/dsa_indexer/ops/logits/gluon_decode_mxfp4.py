@@ -49,7 +49,7 @@ from ..common.logits_checks import nothing_to_read
 from ..common.runtime import next_pow2, sm_count
 
 __all__ = ["paged_mqa_logits_gluon_mxfp4", "gluon_mxfp4_decode_preferred", "gluon_mxfp4_decode_config",
-           "GLUON_MXFP4_DECODE_CONFIG", "GLUON_MXFP4_AUTO"]
+           "GLUON_MXFP4_DECODE_CONFIG"]
 
 DIM = gl.constexpr(128)  # head_dim this kernel takes: D/32 = 4 scale blocks, one per lane of a quad
 # The launches that ship, picked per call by ``gluon_mxfp4_decode_config`` (measurements: README.md). Draft
@@ -65,13 +65,6 @@ GLUON_MXFP4_DECODE_CONFIG_ONE_ROW = GluonDecodeConfig(maxnreg=64)
 GLUON_MXFP4_MIN_KEYS = 1 << 20
 GLUON_MXFP4_MIN_KEYS_WAVE = 1 << 17
 GLUON_MXFP4_MIN_LEN_WAVE = 1 << 16
-# Whether ``auto`` takes this kernel at all (``decode_kernel``); a forced ``gluon`` runs it regardless. Off: on an
-# H100, at DeepGEMM's SM100 paged shape (B 4096, next_n 6, ~8K keys a request, TMA pages), reruns differed in runs
-# of 4-8 keys of a tile: the keys of one warp's second 16-byte shared load, which read the next tile's bytes (the
-# stage went back to the producer after a thread barrier, which does not wait for a load's data to return). The
-# stage is now handed back only after the tile's wgmmas, which consume those loads;
-# ``test_gluon_mxfp4_decode_reruns_at_deepgemm_sm100_shape_gpu`` must pass before this turns back on.
-GLUON_MXFP4_AUTO = False
 
 
 @gluon.jit
