@@ -68,8 +68,9 @@ class KlLossConfig:
     num_warps: warps of the other kernels.
     fused_dk: dense ``dk`` inside the gradient pass, added to each key tile in a fixed order behind a per-tile
         ticket (removes the ``dk`` pass and its recompute of ``I``; within 2 % of the ``dk`` pass at T 4K-32K on an
-        H100 since neither recomputes the target, ``train/README.md``). It relies on programs starting in launch order, as NVIDIA GPUs do. Applies to
-        one-process dense calls; a key shard (context parallel) and the sparse stage take the ``dk`` pass.
+        H100 since neither recomputes the target, ``train/README.md``). It relies on programs starting in launch
+        order, as NVIDIA GPUs do. Applies to one-process dense calls; a key shard (context parallel) and the sparse
+        stage take the ``dk`` pass.
     dk_programs, dk_max_splits, dk_min_split_rows: the dense ``dk`` pass splits the query sweep until about
         ``dk_programs`` programs, in at most ``dk_max_splits`` parts of at least ``dk_min_split_rows`` query
         rows on average.
