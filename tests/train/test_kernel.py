@@ -161,15 +161,22 @@ def test_oracle_gradients_equal_autograd_of_its_loss():
         dict(t=40, h_i=8, d_i=16, h=2, d_a=16, cu=[0, 3, 40], target_norm="l1", config=dict(fused_dk=True)),
         dict(t=40, h_i=8, d_i=16, h=2, d_a=16, cu=[0, 3, 40], config=dict(fused_dk=True, target_chunk_rows=7)),
         dict(t=19, h_i=2, d_i=16, h=4, d_a=40, config=dict(tile_rows=16, block_keys=16, block_d_a=16, num_warps=4)),
+        dict(t=45, h_i=2, d_i=16, h=40, d_a=40, h_kv=2, cu=[0, 5, 45], target_norm="l1",
+             config=dict(target_head_rows=16, target_block_keys=16, block_d_a=16, target_group_rows=3,
+                         target_chunk_rows=11)),
     ],
     ids=["dense-fp32-causal", "dense-bf16-l1", "dense-varlen-ratio2-gqa-l1-split-dk-chunks",
-         "dense-varlen-ratio3-sum", "dense-varlen-fused-dk", "dense-varlen-fused-dk-chunks", "dense-small-tiles"],
+         "dense-varlen-ratio3-sum", "dense-varlen-fused-dk", "dense-varlen-fused-dk-chunks", "dense-small-tiles",
+         "dense-target-tiles"],
 )
 def test_dense_matches_oracle(kernel_device, case, monkeypatch):
     # dk_min_split_rows: dk summed from several parts of the query sweep; fused_dk: dk added in the gradient pass
     # behind per-tile tickets (the second sequence: three blocks of 16 tokens adding, in turn, to two tiles of
     # 32 keys), and the separate dk kernel must not run; target_chunk_rows: the target mass in chunks of 4 or 7
-    # query rows, whose edges cut query blocks, sequences and dk runs
+    # query rows, whose edges cut query blocks, sequences and dk runs; dense-target-tiles: the target kernel over
+    # up to three 16-key tiles, two chunks of 16 heads per kv group of 20 (the second one part masked), D_a 40 in
+    # steps of 16 (the last one part masked) and row groups of 3 (each chunk's last group short, its rows seeing
+    # 6, 17, 28 and 39 keys)
     config = triton_kernels.KlLossConfig(**case.get("config", {}))
     if config.fused_dk:
         monkeypatch.setattr(triton_kernels, "_dk_dense_kernel", None)
@@ -229,13 +236,13 @@ def _distinct_selection(t, slots, cu, *, seed):
 def test_sparse_chunked_dk_matches_oracle(kernel_device, chunk):
     """The sparse dk in query chunks of C tokens (C = 3 over T = 10 splits unevenly; C = 1; C >= T one chunk):
     distinct selections of varying length with -1 slots, two slot tiles per token, two buffer rows a step of the
-    by-key sum; the target mass in chunks of C + 1 rows; within the oracle's tier (C = 3: and a rerun bitwise
-    equal)."""
+    by-key sum; the target mass in chunks of C + 1 rows, two tiles of 16 slots a row; within the oracle's tier
+    (C = 3: and a rerun bitwise equal)."""
     t, cu = 10, [0, 4, 10]
     q, k, w, attn_q, attn_k, attn_lse = _inputs(t, 3, 16, 2, 16, device=kernel_device, seed=11)
     topk = _distinct_selection(t, 20, cu, seed=12).to(kernel_device)
     config = triton_kernels.KlLossConfig(sparse_dk_chunk_tokens=chunk, sparse_dk_block_slots=16, sparse_dk_sum_entries=2,
-                                         target_chunk_rows=chunk + 1)
+                                         target_chunk_rows=chunk + 1, target_block_keys=16)
     kwargs = dict(softmax_scale=0.3, cu_seqlens=torch.tensor(cu, device=kernel_device), topk_indices=topk,
                   target_norm="l1")
     got = indexer_kl_triton(q, k, w, attn_q, attn_k, attn_lse, **kwargs, config=config)
