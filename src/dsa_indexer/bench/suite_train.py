@@ -13,7 +13,11 @@ forward does), after one untimed call; a second call is first checked bitwise eq
 FLOP accounting (``train/README.md``): 213K per visible pair (target 2 H D_a = 147,456; indexer forward
 and backward 4 x 2 H_I D_I = 65,536), TFLOP/s against the measured bf16 matmul ceiling of the same run
 (the floor). megatron-core's ``FusedDSAIndexerLoss`` (materialises fp32 [H, T, T]) is timed beside us at
-T = 4K only, dense, when ``megatron.core`` is importable; otherwise its baseline is left out.
+T = 4K only, dense, when ``megatron.core`` is importable; otherwise its baseline is left out. cuDNN FE's DSA
+indexer loss (``cudnn_dsa``: score recomputes, fp32 [T, T] dense or [T, K] sparse, and the indexer backward;
+no loss value) is timed at every (T, k) when it imports on an SM90/SM100 GPU (else left out silently), after a
+check against ours with ``target_norm="l1"`` (its target): its loss (from its score tensors) and gradients,
+as relative differences in parts per million; a note flags the loss beyond 1e-3 or a gradient beyond 2e-2.
 """
 
 from __future__ import annotations
@@ -24,12 +28,13 @@ from collections.abc import Iterator
 
 import torch
 
-from . import harness
+from . import cudnn_dsa, harness
 
 HEADS, LATENT, SCALE, INDEX_HEADS, INDEX_DIM = 128, 576, 0.1352, 64, 128
 FLOP_PER_PAIR = 2 * HEADS * LATENT + 4 * 2 * INDEX_HEADS * INDEX_DIM
 SHAPES = [(4096, None), (8192, None), (32768, None), (4096, 2048), (8192, 2048), (32768, 2048)]  # (T, k; None: dense)
 MEGATRON_T = 4096
+CUDNN_LOSS_TOLERANCE, CUDNN_GRAD_TOLERANCE = 1e-3, 2e-2  # relative, against ours with target_norm="l1"
 _BUDGET_S = 6.0  # timed calls per case stop after about this long
 
 
@@ -121,6 +126,36 @@ def _megatron(q, k, weights, attn_q, attn_k) -> dict[str, float]:
     return {"megatron_us": _events_us(step, budget_s=20.0, max_reps=3), "megatron_peak_mem_bytes": float(_peak_bytes(step))}
 
 
+def _relative_difference(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    """``‖ours − theirs‖ / ‖ours‖`` in fp32 (fp64 for a scalar)."""
+    dtype = torch.float64 if ours.dim() == 0 else torch.float32
+    ours, theirs = ours.to(dtype), theirs.to(dtype)
+    return float((ours - theirs).norm() / ours.norm())
+
+
+def _cudnn(inputs, ours) -> dict[str, float]:
+    """cuDNN FE's DSA indexer loss on the same inputs: µs and peak bytes of its step (the gradients), and its loss
+    (from its score tensors) and gradients against ``ours`` (loss, dq, dk, dw with its target, ``"l1"``), in ppm."""
+    q, k, weights, attn_q, attn_k, topk, lse = inputs
+    x = cudnn_dsa.arguments(q, k, weights, attn_q, attn_k, lse, topk, softmax_scale=SCALE)
+    score_tensors = cudnn_dsa.scores(x)
+    theirs = (cudnn_dsa.loss(x, score_tensors), *cudnn_dsa.backward(x, score_tensors))
+    diffs = {f"cudnn_{name}_diff_ppm": 1e6 * _relative_difference(a, b)
+             for name, a, b in zip(("loss", "dq", "dk", "dw"), ours, theirs)}
+    del theirs, score_tensors
+    torch.cuda.empty_cache()
+    step = lambda: cudnn_dsa.step(x)
+    return {"cudnn_us": _events_us(step), "cudnn_peak_mem_bytes": float(_peak_bytes(step)), **diffs}
+
+
+def _cudnn_disagreement(baselines: dict[str, float]) -> str | None:
+    """What of cuDNN FE's check lies beyond its tolerance, or None."""
+    over = [f"{name} {baselines[f'cudnn_{name}_diff_ppm']:.0f} ppm" for name, tolerance in
+            (("loss", CUDNN_LOSS_TOLERANCE), ("dq", CUDNN_GRAD_TOLERANCE), ("dk", CUDNN_GRAD_TOLERANCE),
+             ("dw", CUDNN_GRAD_TOLERANCE)) if baselines[f"cudnn_{name}_diff_ppm"] > 1e6 * tolerance]
+    return f"differs from ours beyond tolerance: {', '.join(over)}" if over else None
+
+
 def _megatron_available() -> bool:
     import importlib.util
 
@@ -153,11 +188,23 @@ def _measure(kernels, inputs, t: int, top: int | None, fused: bool, ceilings: di
     if top is None and t == MEGATRON_T and fused:
         if _megatron_available():
             try:
-                baselines = _megatron(q, k, weights, attn_q, attn_k)
+                baselines.update(_megatron(q, k, weights, attn_q, attn_k))
             except (RuntimeError, TypeError, ValueError, ImportError) as error:  # OOM or an API other than 0.19.2's
-                note = {"megatron": f"not run: {type(error).__name__}: {str(error)[:120]}"}
+                note["megatron"] = f"not run: {type(error).__name__}: {str(error)[:120]}"
         else:
-            note = {"megatron": "not importable"}
+            note["megatron"] = "not importable"
+    if (fused or top is not None) and cudnn_dsa.available():
+        ours = kernels.indexer_kl_triton(q, k, weights, attn_q, attn_k, lse, softmax_scale=SCALE, topk_indices=topk,
+                                         target_norm="l1", config=config)
+        try:
+            cudnn = _cudnn(inputs, ours)
+        except Exception as error:  # the CuTe DSL compiler's errors derive from Exception only
+            note["cudnn"] = f"not run: {type(error).__name__}: {str(error)[:120]}"
+        else:
+            baselines.update(cudnn)
+            if (disagreement := _cudnn_disagreement(cudnn)) is not None:
+                note["cudnn"] = disagreement
+        del ours
     torch.cuda.empty_cache()
     shape = {"T": t, "k": top or "dense", "dk": "fused" if fused else "own pass", "H": HEADS, "D_a": LATENT,
              "H_I": INDEX_HEADS, "D_I": INDEX_DIM}
