@@ -919,9 +919,8 @@ def _dense_key_gradients(problem: Problem, lse_i, denom, pi_weight: float):
     t, h_i, d_i = problem.q.shape
     held = problem.held_keys
     config = problem.config
-    parts = torch.zeros((1, held, d_i), dtype=torch.float32, device=problem.q.device)
     if not held:
-        return None, {}, parts
+        return None, {}, torch.zeros((1, 0, d_i), dtype=torch.float32, device=problem.q.device)
     dense = _tile_plan(config, h_i, d_i, held, False)
     key_programs = held // dense["BS"] + problem.num_seqs
     key_seq, key_block_start = _block_map(problem.key_start, dense["BS"], key_programs)
